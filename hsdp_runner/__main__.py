@@ -1,0 +1,11 @@
+"""``python -m hsdp_runner [overrides]``: compose the Hydra config and run one job (or a sweep
+with ``-m``). Exit codes: 0 success, 1 a rank failed, 2 a config error (nothing started)."""
+
+from __future__ import annotations
+
+import sys
+
+from hsdp_runner.app import main
+
+if __name__ == "__main__":
+    sys.exit(main())

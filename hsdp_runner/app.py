@@ -1,0 +1,86 @@
+"""The Hydra application: composition, the job's output dir, and W&B naming facts.
+
+Hydra's runtime config exists only in this process, so everything workers need from it
+(output dir, group, run name, tags) is read here into a plain ``run_info`` dict.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from hsdp_runner.config import register_schemas
+from hsdp_runner.launch import EXIT_CONFIG, EXIT_OK, run_job
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def default_run_dir() -> str:
+    """Output dir of a single run: time-stamped, or one name shared by all torchrun ranks.
+
+    Every torchrun rank composes the config itself, so a clock-based name could differ between
+    ranks; they share the rendezvous id (or, without one, their agent's pid and start time).
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None or "RANK" not in os.environ:
+        return datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    if run_id in ("", "none"):
+        run_id = f"{os.uname().nodename}-{os.getppid()}-{_process_start(os.getppid())}"
+    return f"outputs/torchrun/{run_id}"
+
+
+def _process_start(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "0"
+
+
+def run_info_from_hydra(cfg: DictConfig) -> dict:
+    """Read output dir, W&B group, run name and tags from Hydra's runtime config."""
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    overrides = hc.job.override_dirname
+    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
+    group = cfg.logger.group or (Path(hc.sweep.dir).name if multirun else hc.job.name)
+    return {"output_dir": hc.runtime.output_dir, "group": group,
+            "run_name": overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
+                                              if k in ("parallel", "model", "precision")),
+            "tags": [f"{k}={v}" for k, v in sorted(choices.items())], "multirun": multirun,
+            "overrides": list(hc.overrides.task)}
+
+
+_state = {"task_started": False}
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def hydra_task(cfg: DictConfig) -> int:
+    _state["task_started"] = True
+    info = run_info_from_hydra(cfg)
+    code = run_job(cfg, info)
+    if code != EXIT_OK and not info["multirun"]:
+        raise SystemExit(code)
+    return code
+
+
+def main() -> int:
+    """Entry point: register schemas and resolvers, run Hydra; return the process exit code."""
+    register_schemas()
+    if not OmegaConf.has_resolver("hsdp_run_dir"):
+        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
+    try:
+        hydra_task()
+    except SystemExit as stop:
+        # Hydra exits 1 on a composition error (unknown key, wrong type, missing group option)
+        # before our task starts; that is a config error too.
+        if not _state["task_started"] and stop.code == 1:
+            return EXIT_CONFIG
+        return stop.code if isinstance(stop.code, int) else 1
+    return EXIT_OK

@@ -1,0 +1,198 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+The root schema ``RunConfig`` is the first entry of ``conf/config.yaml``'s defaults list, so
+every YAML choice is merged into a typed node: a wrong type or an unknown key fails at
+composition with the key's name. Cross-field checks that need no world size live in
+``validate_config``; checks on degrees live in ``mesh.ParallelDims``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the key, the value and a fix."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sequence_parallel: bool = True
+    reshard_after_forward: bool = True
+    ac: str = "none"
+    compile: bool = False
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = MISSING
+    ffn_hidden_dim: int = MISSING
+    seq_len: int = MISSING
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    master_dtype: str = "float32"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"
+    path: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+    project: str = "hsdp_runner"
+    entity: Optional[str] = None
+    mode: str = "offline"
+    group: Optional[str] = None
+
+
+@dataclass
+class LauncherConfig:
+    nnodes: int = 1
+    nproc_per_node: Optional[int] = None
+    timeout_s: int = 300
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    seed: int = 0
+    global_batch_size: int = 8
+    grad_accum_steps: int = 1
+    log_every: int = 1
+
+
+@dataclass
+class MetricsConfig:
+    warmup_steps: int = 2
+    peak_tflops: Optional[float] = None
+
+
+@dataclass
+class RunConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    device: str = "auto"
+
+
+AC_MODES = ("none", "full", "selective")
+DTYPES = ("float32", "bfloat16", "float16")
+DATA_KINDS = ("synthetic", "text")
+WANDB_MODES = ("offline", "online", "disabled")
+LOGGERS = ("wandb", "none")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def register_schemas() -> None:
+    """Store ``RunConfig`` as ``run_schema`` so ``conf/config.yaml`` can extend it."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def _require_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}; set {key} to one of them")
+
+
+def _require_positive(key: str, value: Any) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be a positive integer; set {key}>=1")
+
+
+def validate_config(cfg: DictConfig | dict) -> None:
+    """Check the fields that need no world size; raise ConfigError naming key, value and fix.
+
+    Takes the composed config (DictConfig or plain dict). Degree checks are ParallelDims'.
+    """
+    c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    _require_choice("parallel.ac", c.parallel.ac, AC_MODES)
+    _require_choice("optim.name", c.optim.name, ("adamw",))
+    for key in ("param_dtype", "reduce_dtype", "master_dtype"):
+        _require_choice(f"precision.{key}", c.precision[key], DTYPES)
+    _require_choice("data.kind", c.data.kind, DATA_KINDS)
+    _require_choice("logger.name", c.logger.name, LOGGERS)
+    _require_choice("logger.mode", c.logger.mode, WANDB_MODES)
+    _require_choice("device", c.device, DEVICES)
+    for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
+                "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
+                "model.vocab_size", "model.seq_len", "model.ffn_hidden_dim",
+                "launcher.nnodes", "launcher.timeout_s"):
+        _require_positive(key, OmegaConf.select(c, key))
+    if c.launcher.nproc_per_node is not None:
+        _require_positive("launcher.nproc_per_node", c.launcher.nproc_per_node)
+    if c.metrics.warmup_steps < 0:
+        raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
+    if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:
+        raise ConfigError(f"metrics.peak_tflops={c.metrics.peak_tflops} must be a positive number "
+                          "(TFLOP/s of one device) or null to look it up")
+    if c.model.dim % c.model.n_heads:
+        raise ConfigError(f"model.dim={c.model.dim} is not divisible by model.n_heads="
+                          f"{c.model.n_heads}; pick a head count that divides the width")
+    n_kv = c.model.n_kv_heads or c.model.n_heads
+    if c.model.n_heads % n_kv:
+        raise ConfigError(f"model.n_kv_heads={n_kv} does not divide model.n_heads={c.model.n_heads}")
+    if (c.model.dim // c.model.n_heads) % 2:
+        raise ConfigError(f"model.dim/model.n_heads={c.model.dim // c.model.n_heads} must be even "
+                          "for rotary embeddings")
+    if c.data.kind == "text" and c.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "
+                          "tokenizer of data.kind=text; it needs at least 256")
+    if not 0.0 <= c.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
+    if c.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
+
+
+def validate_batch(cfg: DictConfig | dict, dp_size: int) -> int:
+    """Check that the global batch splits evenly over dp ranks and micro-batches.
+
+    Takes the config and the data-parallel size (from ParallelDims); returns the micro-batch
+    size (sequences per rank per forward pass).
+    """
+    c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    gbs, accum = c.trainer.global_batch_size, c.trainer.grad_accum_steps
+    if gbs % (dp_size * accum):
+        raise ConfigError(
+            f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size "
+            f"{dp_size} x trainer.grad_accum_steps={accum}; use a multiple of {dp_size * accum}")
+    return gbs // (dp_size * accum)

@@ -1,0 +1,83 @@
+"""Deterministic token batches: the same global batch at a given step in every layout.
+
+A batch is a function of (seed, step) alone; each data-parallel rank takes its contiguous
+slice of it. That keeps layouts comparable and makes the loader position just the step.
+Two sources: ``synthetic`` (learnable modular sequences, any vocab) and ``text`` (a real
+corpus through a byte-level tokenizer; by default the Python documentation topics that ship
+with CPython in ``pydoc_data``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hsdp_runner.config import ConfigError
+
+
+def encode_bytes(text: str) -> torch.Tensor:
+    """Byte-level tokenizer: UTF-8 bytes as token ids 0..255 (int64 tensor)."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def decode_bytes(tokens: torch.Tensor) -> str:
+    """Inverse of ``encode_bytes``; invalid UTF-8 sequences are replaced."""
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def default_corpus() -> str:
+    """The Python documentation topics shipped with CPython (about 460 KB of English prose)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def load_corpus(path: str | None, min_tokens: int) -> torch.Tensor:
+    """Read and tokenize the text corpus at ``path`` (None: the default corpus).
+
+    Raises ConfigError if the path is missing, not a file, or shorter than ``min_tokens``.
+    """
+    if path is None:
+        text = default_corpus()
+    else:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise ConfigError(f"data.path={path!r} does not exist or is not a file; point it at a "
+                              "UTF-8 text file, or set data.path=null for the built-in corpus")
+        text = file.read_text(encoding="utf-8", errors="replace")
+    tokens = encode_bytes(text)
+    if tokens.numel() < min_tokens:
+        raise ConfigError(f"data.path={path!r} holds {tokens.numel()} bytes, fewer than one "
+                          f"sequence of model.seq_len+1={min_tokens}; use a larger file")
+    return tokens
+
+
+class TokenBatches:
+    """Yields this rank's (inputs, targets) for a step; see the module docstring."""
+
+    def __init__(self, data_cfg, vocab_size: int, seq_len: int, global_batch: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        self.kind = data_cfg.kind
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+        self.corpus = load_corpus(data_cfg.path, seq_len + 1) if self.kind == "text" else None
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        """Return the whole step's batch, (global_batch, seq_len + 1) int64, on CPU."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n, length = self.global_batch, self.seq_len + 1
+        if self.kind == "synthetic":
+            # Each row counts from a random start with a random stride (mod vocab): random
+            # enough to need attention, regular enough that the loss visibly falls.
+            start = torch.randint(0, self.vocab_size, (n, 1), generator=gen)
+            stride = torch.randint(1, 8, (n, 1), generator=gen)
+            return (start + stride * torch.arange(length)) % self.vocab_size
+        offsets = torch.randint(0, self.corpus.numel() - length + 1, (n,), generator=gen)
+        return torch.stack([self.corpus[o:o + length] for o in offsets.tolist()])
+
+    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return this dp rank's slice of the step's batch as (inputs, targets)."""
+        rows = self.global_batch // self.dp_size
+        batch = self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+        return batch[:, :-1], batch[:, 1:]

@@ -1,0 +1,173 @@
+"""ParallelDims: the single owner of the parallel degrees and of the world DeviceMesh.
+
+DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_shard``; TP is a
+third, innermost dim. The world mesh is built once, up front, with every dim named (size-1
+dims included, so code can always ask for ``mesh["tp"]``) and with the flattened ``dp`` view
+(replicate x shard) that data loading and loss averaging use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from hsdp_runner.config import ConfigError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated degrees for one job. Construct with ``ParallelDims.from_config``."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, parallel, model, world_size: int) -> "ParallelDims":
+        """Infer -1 degrees from ``world_size`` and validate against the model shape.
+
+        Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass) and the
+        job's world size; returns ParallelDims or raises ConfigError naming keys and a fix.
+        """
+        get = (lambda node, k: node[k]) if isinstance(parallel, dict) else getattr
+        degrees = {name: get(parallel, name) for name in DIM_NAMES}
+        if world_size < 1:
+            raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
+                              "launcher.nproc_per_node")
+        for name, value in degrees.items():
+            if value == 0 or value < -1:
+                raise ConfigError(f"parallel.{name}={value} is invalid; use a positive degree, "
+                                  "or -1 to fill the rest of the world size")
+        unknown = [n for n, v in degrees.items() if v == -1]
+        if len(unknown) > 1:
+            raise ConfigError(f"{' and '.join('parallel.' + n for n in unknown)} are all -1; "
+                              "at most one degree can be inferred, set the others explicitly")
+        known = 1
+        for value in degrees.values():
+            known *= value if value != -1 else 1
+        if unknown:
+            if world_size % known:
+                raise ConfigError(
+                    f"parallel.{unknown[0]}=-1 cannot be inferred: world size {world_size} is not "
+                    f"divisible by the other degrees' product {known}; change the other degrees "
+                    "or the world size")
+            degrees[unknown[0]] = world_size // known
+        dims = cls(world_size=world_size, **degrees)
+        dims._check_product()
+        dims._check_model(parallel, model, get)
+        return dims
+
+    def _check_product(self) -> None:
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard={self.dp_shard} x "
+                f"parallel.tp={self.tp} = {product}, but the world size is {self.world_size}; make "
+                "the product match (set one degree to -1 to infer it) or change "
+                "launcher.nproc_per_node / launcher.nnodes")
+
+    def _check_model(self, parallel, model, get) -> None:
+        if model is None:
+            return
+        n_heads = get(model, "n_heads")
+        n_kv_heads = get(model, "n_kv_heads") or n_heads
+        for key, value in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
+            if value % self.tp:
+                raise ConfigError(f"parallel.tp={self.tp} does not divide {key}={value}; choose a "
+                                  f"tp degree that divides {value}")
+        seq_len = get(model, "seq_len")
+        if self.tp > 1 and get(parallel, "sequence_parallel") and seq_len % self.tp:
+            raise ConfigError(f"model.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
+                              "with parallel.sequence_parallel=true; change the sequence length "
+                              "or set parallel.sequence_parallel=false")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: the number of distinct batch slices per step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_mode(self) -> str:
+        """'none', 'ddp', 'fsdp' or 'hsdp': which data-parallel wrapper the degrees call for."""
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return "hsdp"
+        if self.dp_shard > 1:
+            return "fsdp"
+        if self.dp_replicate > 1:
+            return "ddp"
+        return "none"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The world mesh shape in ``DIM_NAMES`` order."""
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def layout(self) -> str:
+        """A short human name such as 'hsdp_tp' or 'fsdp'."""
+        parts = [] if self.dp_mode == "none" else [self.dp_mode]
+        if self.tp > 1:
+            parts.append("tp")
+        return "_".join(parts) or "single"
+
+    def describe(self) -> dict:
+        """Return the derived facts as a plain dict for logs, W&B and summary.json."""
+        return {"world_size": self.world_size, "mesh_shape": list(self.shape),
+                "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode,
+                "layout": self.layout, "dp_replicate": self.dp_replicate,
+                "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def build_mesh(self, device_type: str) -> "WorldMesh":
+        """Build the world mesh once (all ranks must call this together); return a WorldMesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
+        # flattened dim back out of the root mesh is deprecated, so the view is kept here.
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return WorldMesh(mesh, {"dp": dp_mesh})
+
+
+class WorldMesh:
+    """The world DeviceMesh plus its flattened views; hands out submeshes by name."""
+
+    def __init__(self, root, flattened: dict):
+        self.root = root
+        self._flattened = flattened
+
+    def __getitem__(self, names):
+        """Return the submesh for a dim name, a flattened view name, or a tuple of dim names."""
+        if isinstance(names, str) and names in self._flattened:
+            return self._flattened[names]
+        return self.root[names]
+
+    def local_rank_in(self, name: str) -> int:
+        """This rank's coordinate along the named (possibly flattened) dim."""
+        return self[name].get_local_rank()
+
+
+def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
+    """Return the world size a launch will have, before any process starts.
+
+    ``launcher.nnodes x launcher.nproc_per_node``; ``nproc_per_node`` defaults to the number of
+    GPUs (``device_count``) or, on CPU, to the product of the explicit parallel degrees.
+    """
+    nproc = launcher.nproc_per_node
+    if nproc is None:
+        if device_count:
+            nproc = device_count
+        else:
+            degrees = [parallel.dp_replicate, parallel.dp_shard, parallel.tp]
+            if -1 in degrees:
+                raise ConfigError(
+                    "a parallel degree is -1 but on CPU the world size comes from the degrees; "
+                    "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4) or give every "
+                    "degree explicitly")
+            nproc = degrees[0] * degrees[1] * degrees[2] // launcher.nnodes
+            if nproc < 1:
+                raise ConfigError(f"launcher.nnodes={launcher.nnodes} exceeds the product of the "
+                                  "parallel degrees; set launcher.nproc_per_node explicitly")
+    return launcher.nnodes * nproc

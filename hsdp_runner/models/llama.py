@@ -1,0 +1,219 @@
+"""A Llama-3-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) and,
+beside it, its tensor/sequence-parallel plan.
+
+Read top to bottom: building blocks, the model, initialisation, then ``tp_plan``. Attention
+infers its local head count from the projection output, so the same code runs whole or with
+its heads split over a TP mesh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (cos, sin) tables of shape (seq_len, head_dim // 2) for rotary embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under TP each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."n-1" keeps block names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # Set by the sharding applier when compiled blocks follow a TP embedding (see sharding).
+        self.clone_embedding_output = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.clone_embedding_output:
+            h = h.clone()
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and buffer deterministically from ``seed``.
+
+        Each parameter's full value is drawn on CPU from a generator seeded by (seed, name) and
+        then cut to this rank's shard, so every layout starts from bit-identical weights. (The
+        DTensor RNG would also be deterministic, but its stream depends on the mesh.)
+        """
+        from hsdp_runner.sharding import copy_full_into
+
+        std = self.cfg.init_std
+        depth_std = std / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                shape = tuple(param.shape)
+                if name.endswith("norm.weight"):
+                    full = torch.ones(shape)
+                else:
+                    gen = torch.Generator().manual_seed(_name_seed(seed, name))
+                    scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
+                    full = torch.randn(shape, generator=gen) * scale
+                copy_full_into(param, full)
+            cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len,
+                                   self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    # Names may carry wrapper prefixes (_checkpoint_wrapped_module, _orig_mod); strip them so a
+    # parameter gets the same values whatever wraps it.
+    clean = ".".join(p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
+    digest = hashlib.sha256(f"{seed}:{clean}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def count_params(cfg) -> dict:
+    """Return parameter counts: total, embedding, and matmul (those in Linear layers)."""
+    n_kv = cfg.n_kv_heads or cfg.n_heads
+    head_dim = cfg.dim // cfg.n_heads
+    attn = cfg.dim * cfg.dim * 2 + 2 * cfg.dim * n_kv * head_dim
+    ffn = 3 * cfg.dim * cfg.ffn_hidden_dim
+    norms = 2 * cfg.dim
+    block = attn + ffn + norms
+    embedding = cfg.vocab_size * cfg.dim
+    output = cfg.vocab_size * cfg.dim
+    matmul = cfg.n_layers * (attn + ffn) + output
+    return {"total": embedding + cfg.n_layers * block + cfg.dim + output,
+            "embedding": embedding, "matmul": matmul}
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token: 6 x matmul params + 12 x layers x dim x seq_len (attention).
+
+    The 6 counts forward (2) and backward (4) multiply-adds of every Linear weight; the attention
+    term counts QK^T and AV for forward and backward without the causal discount, as torchtitan
+    and the PaLM paper do. The embedding lookup is not a matmul and is left out.
+    """
+    return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
+
+
+def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
+    """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
+
+    Attention and FFN inputs are column-parallel, their outputs row-parallel; with sequence
+    parallel the norms and residual stream are sharded on the sequence dim between blocks.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        parallelize_module)
+
+    stream = Shard(1) if sequence_parallel else Replicate()
+    norm_style = SequenceParallel() if sequence_parallel else None
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    if norm_style:
+        top["norm"] = norm_style
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(stream, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward": PrepareModuleInput(input_layouts=(stream,),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if norm_style:
+            plan["attention_norm"] = norm_style
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,227 @@
+"""The sharding applier: TP/SP -> activation checkpointing -> compile -> data parallel.
+
+Each step is its own function and ``parallelize`` applies them in that fixed order, the order
+FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding).
+Mixed precision in every data-parallel mode comes from ``MixedPrecisionPolicy``, never autocast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hsdp_runner.config import ConfigError
+from hsdp_runner.mesh import ParallelDims, WorldMesh
+from hsdp_runner.models import llama
+
+log = logging.getLogger(__name__)
+
+# (module, attribute, what needs it) — checked before any worker starts.
+REQUIRED_APIS = (
+    ("torch.distributed.fsdp", "fully_shard", "FSDP2 (torch>=2.6)"),
+    ("torch.distributed.fsdp", "MixedPrecisionPolicy", "FSDP2 mixed precision (torch>=2.6)"),
+    ("torch.distributed.device_mesh", "init_device_mesh", "DeviceMesh (torch>=2.4)"),
+    ("torch.distributed.tensor", "DTensor", "public DTensor (torch>=2.5)"),
+    ("torch.distributed.tensor.parallel", "parallelize_module", "tensor parallel (torch>=2.4)"),
+    ("torch.distributed.launcher.api", "elastic_launch", "the elastic launcher"),
+)
+MIN_TORCH = "2.6"
+
+
+def check_torch_apis() -> None:
+    """Raise ConfigError naming the missing API and the minimum torch version, if any is absent."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    missing = []
+    for module, attr, what in REQUIRED_APIS:
+        try:
+            if not hasattr(importlib.import_module(module), attr):
+                missing.append(f"{module}.{attr} ({what})")
+        except ImportError:
+            missing.append(f"{module}.{attr} ({what})")
+    if not hasattr(DeviceMesh, "_flatten"):
+        missing.append("DeviceMesh._flatten (torch>=2.6)")
+    if missing:
+        raise ConfigError(f"torch {torch.__version__} lacks {', '.join(missing)}; install "
+                          f"torch>={MIN_TORCH} (the project is tested with torch==2.13.0)")
+
+
+def _new_replicate():
+    """Return torch's FSDP-based ``replicate`` if this torch has it, else None."""
+    try:
+        return importlib.import_module("torch.distributed._composable.replicate_with_fsdp").replicate
+    except (ImportError, AttributeError):
+        return None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a precision config name ('float32', 'bfloat16', 'float16') to a torch dtype."""
+    return getattr(torch, name)
+
+
+def mixed_precision_policy(precision):
+    """Build the MixedPrecisionPolicy for the ``precision`` config node."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(precision.param_dtype),
+                                reduce_dtype=torch_dtype(precision.reduce_dtype))
+
+
+def apply_tp(model: llama.Llama, world: WorldMesh, sequence_parallel: bool) -> None:
+    """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model."""
+    llama.tp_plan(model, world["tp"], sequence_parallel)
+
+
+def _save_matmuls_policy():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def apply_ac(model: llama.Llama, mode: str) -> None:
+    """Wrap each block for activation checkpointing.
+
+    'full' recomputes the whole block in backward; 'selective' saves matmul and attention
+    outputs and recomputes the cheap element-wise ops (norms, activations, RoPE).
+    """
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_policy())
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def apply_compile(model: llama.Llama, tp: int) -> None:
+    """Compile each block in place (names and state-dict keys stay unchanged)."""
+    if tp > 1:
+        # torch 2.13 computes an all-zero embedding gradient (TP+FSDP) or crashes in backward
+        # (TP alone) when compiled blocks take the TP embedding's output directly; a clone
+        # between them avoids it (see tests/test_compile.py).
+        model.clone_embedding_output = True
+    for block in model.layers.values():
+        block.compile()
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
+                        reshard_after_forward: bool) -> None:
+    """Wrap each block then the root in the data-parallel mode the degrees call for.
+
+    fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
+    dp_shard) mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
+    it shares FSDP's mixed-precision policy (torch without it gets ``fully_shard`` on the
+    (dp_replicate, dp_shard=1) mesh, which is the same HSDP-with-shard-size-1 computation).
+    With no data parallelism, a size-1 ``fully_shard`` is applied only when the precision
+    needs a policy (compute dtype differs from the stored dtype).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mp_policy = mixed_precision_policy(precision)
+    mode = dims.dp_mode
+    if mode == "none":
+        if precision.param_dtype == precision.master_dtype:
+            return
+        wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
+    elif mode == "ddp":
+        replicate = _new_replicate()
+        if replicate is not None:
+            wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
+        else:
+            wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
+    elif mode == "fsdp":
+        wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"],
+                                      "reshard_after_forward": reshard_after_forward}
+    else:
+        wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"],
+                                      "reshard_after_forward": reshard_after_forward}
+    for block in model.layers.values():
+        wrap(block, mp_policy=mp_policy, **mesh_kw)
+    # The root's parameters (embedding, final norm, output) are used again right at the start
+    # of backward, so resharding them after forward would only add an all-gather.
+    if "reshard_after_forward" in mesh_kw:
+        mesh_kw = {**mesh_kw, "reshard_after_forward": False}
+    wrap(model, mp_policy=mp_policy, **mesh_kw)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full (unsharded) value ``full`` into ``param``, keeping only this rank's shard.
+
+    Works for plain tensors and for DTensors with any placements, strided sharding included:
+    the full value is wrapped as a replicated DTensor and redistributed, which slices locally.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        replicated = DTensor.from_local(full.to(param.device, param.dtype), mesh,
+                                        [Replicate()] * mesh.ndim, run_check=False)
+        param.to_local().copy_(replicated.redistribute(mesh, param.placements).to_local())
+    else:
+        param.copy_(full.to(param.device, param.dtype))
+
+
+def sync_buffers(model: nn.Module) -> int:
+    """Broadcast every non-DTensor buffer from global rank 0 so all ranks agree.
+
+    DTensors are kept consistent by their placements; plain buffers are not, and a buffer
+    initialised from each rank's RNG would silently differ between replicas. Returns how many
+    buffers were synchronised.
+    """
+    from torch.distributed.tensor import DTensor
+
+    count = 0
+    for buf in model.buffers():
+        if not isinstance(buf, DTensor):
+            dist.broadcast(buf, src=0)
+            count += 1
+    return count
+
+
+def parallelize(model: llama.Llama, dims: ParallelDims, world: WorldMesh, parallel, precision
+                ) -> None:
+    """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
+    if dims.tp > 1:
+        apply_tp(model, world, parallel.sequence_parallel)
+    apply_ac(model, parallel.ac)
+    if parallel.compile:
+        apply_compile(model, dims.tp)
+    apply_data_parallel(model, dims, world, precision, parallel.reshard_after_forward)
+
+
+def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,
+                device: torch.device, seed: int) -> llama.Llama:
+    """Create the model on the meta device, parallelize it, then materialise and initialise.
+
+    Returns the sharded model on ``device`` with identical weights in every layout and
+    non-DTensor buffers equal on every rank.
+    """
+    default_dtype = torch.get_default_dtype()
+    # Parameters are created in the storage (master) dtype so FSDP shards and the optimizer
+    # keep that dtype; bf16_pure stores bf16, the others fp32.
+    torch.set_default_dtype(torch_dtype(precision.master_dtype))
+    try:
+        with torch.device("meta"):
+            model = llama.Llama(model_cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    parallelize(model, dims, world, parallel, precision)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    sync_buffers(model)
+    return model

@@ -1,0 +1,134 @@
+"""The training loop: AdamW, warmup + cosine LR, clipping, accumulation, per-step figures.
+
+Runs on every rank with the already-sharded model; rank 0 alone writes the console line,
+``metrics.jsonl``, W&B and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from hsdp_runner import metrics
+from hsdp_runner.data import TokenBatches
+from hsdp_runner.mesh import ParallelDims, WorldMesh
+from hsdp_runner.models.llama import flops_per_token
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; norms and embeddings get no weight decay."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                             eps=optim_cfg.eps, foreach=True)
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
+    """Return step -> LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def _full_value(tensor: torch.Tensor) -> float:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).item()
+
+
+class Trainer:
+    """Trains ``model`` for ``cfg.trainer.steps`` steps; ``fit()`` returns the step records."""
+
+    def __init__(self, cfg, dims: ParallelDims, world: WorldMesh, model: torch.nn.Module,
+                 device: torch.device, sinks=None):
+        self.cfg, self.dims, self.world, self.model, self.device = cfg, dims, world, model, device
+        self.rank = dist.get_rank()
+        self.sinks = sinks  # rank 0: (MetricsFile, WandbRun); other ranks: None
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.trainer.steps,
+                                      cfg.optim.min_lr_ratio))
+        self.dp_group = world["dp"].get_group()
+        self.batches = TokenBatches(
+            cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
+            dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
+        self.flops_per_token = flops_per_token(cfg.model)
+        self.peak_tflops, self.peak_source = metrics.resolve_peak_tflops(
+            device, cfg.precision.param_dtype, cfg.metrics.peak_tflops)
+        self.records: list[dict] = []
+
+    def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
+        logits = self.model(inputs.to(self.device))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step over the rank's local batch; returns (dp-mean loss, grad norm)."""
+        inputs, targets = self.batches.local_batch(step)
+        accum = self.cfg.trainer.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # Reduce gradients once, on the last micro-batch.
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            loss = self.loss_on(x, y) / accum
+            loss.backward()
+            total += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return total.item() / self.dims.dp, _full_value(grad_norm)
+
+    def fit(self) -> list[dict]:
+        """Run all steps; rank 0 reports each one. Returns rank 0's records ([] elsewhere)."""
+        steps = self.cfg.trainer.steps
+        tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
+        bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True,
+                   disable=self.rank != 0, leave=False)
+        self.model.train()
+        for step in range(steps):
+            metrics.reset_peak_memory(self.device)
+            lr = self.scheduler.get_last_lr()[0]
+            start = time.perf_counter()
+            loss, grad_norm = self.train_step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            record = metrics.step_record(
+                step + 1, loss, grad_norm, lr, time.perf_counter() - start, tokens,
+                self.dims.world_size, self.flops_per_token, self.peak_tflops,
+                metrics.peak_memory_gib(self.device))
+            bar.update(1)
+            if self.rank == 0:
+                self._report(record, bar)
+        bar.close()
+        return self.records
+
+    def _report(self, record: dict, bar) -> None:
+        self.records.append(record)
+        metrics_file, wandb_run = self.sinks
+        metrics_file.log(record)
+        wandb_run.log(record)
+        if record["step"] % self.cfg.trainer.log_every == 0 or record["step"] == self.cfg.trainer.steps:
+            mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+            bar.write(f"step {record['step']:>4}/{self.cfg.trainer.steps}  loss {record['loss']:.4f}  "
+                      f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                      f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
+                      f"{record['tflops']:.3f} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
+                      f"{record['step_time_s']:.2f}s")

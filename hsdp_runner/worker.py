@@ -1,0 +1,139 @@
+"""One rank's life: process group, logs, mesh, model, training, summary, clean exit.
+
+``run_worker`` is the function the elastic launcher starts in each process, and the one a
+``torchrun`` rank calls directly. It lives in an importable module because spawned workers
+must be able to import it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from hsdp_runner import metrics, tracking
+from hsdp_runner.mesh import ParallelDims
+from hsdp_runner.sharding import build_model
+from hsdp_runner.trainer import Trainer
+
+log = logging.getLogger("hsdp_runner")
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """Return this rank's device for ``device`` = auto | cpu | cuda."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup_logging(output_dir: Path, rank: int) -> None:
+    """Rank 0 logs to the console and ``logs/rank0.log``; other ranks only to their own file.
+
+    Non-zero ranks also point their stdout/stderr file descriptors at their log, so warnings
+    from C++ and third-party code do not clutter the console.
+    """
+    logs = output_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"rank{rank}.log"
+    handlers: list[logging.Handler] = [logging.FileHandler(path)]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    else:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    fmt = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+                            datefmt="%H:%M:%S")
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    # clip_grad_norm_ over a 3-D mesh warns on every step that two all-reduces are used.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | None:
+    """Train one rank of the job described by the resolved config ``cfg_dict``.
+
+    Takes the plain resolved config, the validated ParallelDims and run facts (output dir,
+    W&B group, run name, tags). Returns rank 0's summary dict (None on other ranks).
+    """
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    output_dir = Path(run_info["output_dir"])
+    setup_logging(output_dir, rank)
+    cfg = OmegaConf.create(cfg_dict)
+    device = pick_device(cfg.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        summary = _train(cfg, dims, run_info, device, output_dir, rank)
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        dist.destroy_process_group()
+        raise
+    # Without this orderly teardown a gloo worker that used DeviceMesh often aborts at
+    # interpreter exit (SIGABRT, exit code 1) although training finished.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output_dir: Path,
+           rank: int) -> dict | None:
+    world = dims.build_mesh(device.type)
+    log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
+             device.type, dims.layout, dims.world_size)
+    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
+                        cfg.trainer.seed)
+    sinks = None
+    if rank == 0:
+        facts = run_facts(dims, device)
+        config = {**OmegaConf.to_container(cfg, resolve=True), "derived": facts}
+        sinks = (tracking.MetricsFile(output_dir),
+                 tracking.WandbRun(cfg.logger, run_info, config, output_dir))
+    trainer = Trainer(cfg, dims, world, model, device, sinks)
+    if rank == 0:
+        log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
+    records = trainer.fit()
+    if rank != 0:
+        return None
+    metrics_file, wandb_run = sinks
+    metrics_file.close()
+    steady = metrics.steady_state(records, cfg.metrics.warmup_steps)
+    summary = {"status": "completed", **facts, "steps": len(records),
+               "final_loss": records[-1]["loss"] if records else None,
+               "peak_tflops": trainer.peak_tflops, "peak_tflops_source": trainer.peak_source,
+               "flops_per_token": trainer.flops_per_token, **steady, "error": None}
+    wandb_run.summary(steady | {"final_loss": summary["final_loss"]})
+    wandb_run.finish()
+    tracking.write_summary(output_dir, summary)
+    return summary
+
+
+def run_facts(dims: ParallelDims, device: torch.device) -> dict:
+    """Derived facts recorded with every run: mesh, device, versions."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {**dims.describe(), "device": device.type, "device_name": name,
+            "torch_version": torch.__version__, "hostname": platform.node()}
+
+
+def _fmt(value) -> str:
+    return "unknown" if value is None else f"{value:.3f}"
