@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -60,6 +61,28 @@ def run_info_from_hydra(cfg: DictConfig) -> dict:
 _state = {"task_started": False}
 
 
+def unwritable_output_dir(argv: list[str]) -> str | None:
+    """Return an error message if the output dir the command line asks for cannot be created.
+
+    Hydra creates the job's dir before our task runs and reports a failure there with a bare
+    traceback, so the explicit ``hydra.run.dir`` / ``hydra.sweep.dir`` (or the working
+    directory that holds the default ``outputs/``) is checked first.
+    """
+    wanted = {}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            wanted[key] = Path(value).expanduser()
+    for key, path in (wanted or {"the working directory": Path.cwd()}).items():
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as err:
+            return (f"{key}={path} is not writable ({err.strerror}); "
+                    "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder")
+    return None
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_task(cfg: DictConfig) -> int:
     _state["task_started"] = True
@@ -73,6 +96,10 @@ def hydra_task(cfg: DictConfig) -> int:
 def main() -> int:
     """Entry point: register schemas and resolvers, run Hydra; return the process exit code."""
     register_schemas()
+    problem = unwritable_output_dir(sys.argv[1:])
+    if problem:
+        print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     if not OmegaConf.has_resolver("hsdp_run_dir"):
         OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
     try:

@@ -103,6 +103,13 @@ class MetricsConfig:
 
 
 @dataclass
+class FaultConfig:
+    rank: Optional[int] = None
+    step: int = 1
+    kind: str = "exception"
+
+
+@dataclass
 class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -113,6 +120,7 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     device: str = "auto"
 
 
@@ -122,6 +130,7 @@ DATA_KINDS = ("synthetic", "text")
 WANDB_MODES = ("offline", "online", "disabled")
 LOGGERS = ("wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
+FAULT_KINDS = ("exception", "sigkill")
 
 
 def register_schemas() -> None:
@@ -153,6 +162,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _require_choice("logger.name", c.logger.name, LOGGERS)
     _require_choice("logger.mode", c.logger.mode, WANDB_MODES)
     _require_choice("device", c.device, DEVICES)
+    _require_choice("fault.kind", c.fault.kind, FAULT_KINDS)
     for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
                 "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
                 "model.vocab_size", "model.seq_len", "model.ffn_hidden_dim",

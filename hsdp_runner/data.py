@@ -2,7 +2,7 @@
 
 A batch is a function of (seed, step) alone; each data-parallel rank takes its contiguous
 slice of it. That keeps layouts comparable and makes the loader position just the step.
-Two sources: ``synthetic`` (learnable modular sequences, any vocab) and ``text`` (a real
+Two sources: ``synthetic`` (a seeded Zipf + bigram process, any vocab) and ``text`` (a real
 corpus through a byte-level tokenizer; by default the Python documentation topics that ship
 with CPython in ``pydoc_data``).
 """
@@ -62,17 +62,26 @@ class TokenBatches:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
         self.corpus = load_corpus(data_cfg.path, seq_len + 1) if self.kind == "text" else None
+        if self.kind == "synthetic":
+            # Fixed per seed: a Zipf unigram law and a random successor for every token. A token
+            # follows its predecessor's successor half the time, else is drawn from the Zipf law,
+            # so the loss falls quickly (unigram, then bigram) below log(vocab).
+            gen = torch.Generator().manual_seed(seed)
+            ranks = torch.randperm(vocab_size, generator=gen).float() + 1
+            self.unigram = ranks.pow(-1.1)
+            self.successor = torch.randperm(vocab_size, generator=gen)
 
     def global_batch_at(self, step: int) -> torch.Tensor:
         """Return the whole step's batch, (global_batch, seq_len + 1) int64, on CPU."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, length = self.global_batch, self.seq_len + 1
         if self.kind == "synthetic":
-            # Each row counts from a random start with a random stride (mod vocab): random
-            # enough to need attention, regular enough that the loss visibly falls.
-            start = torch.randint(0, self.vocab_size, (n, 1), generator=gen)
-            stride = torch.randint(1, 8, (n, 1), generator=gen)
-            return (start + stride * torch.arange(length)) % self.vocab_size
+            draws = torch.multinomial(self.unigram, n * length, replacement=True,
+                                      generator=gen).view(n, length)
+            follow = torch.rand(n, length, generator=gen) < 0.5
+            for t in range(1, length):
+                draws[:, t] = torch.where(follow[:, t], self.successor[draws[:, t - 1]], draws[:, t])
+            return draws
         offsets = torch.randint(0, self.corpus.numel() - length + 1, (n,), generator=gen)
         return torch.stack([self.corpus[o:o + length] for o in offsets.tolist()])
 

@@ -108,23 +108,35 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
     return EXIT_OK
 
 
+def start_local_workers(fn, nproc: int, *args) -> dict:
+    """Run ``fn(*args)`` in ``nproc`` fresh processes on this node with torch's elastic launcher.
+
+    ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
+    raises ``ChildFailedError`` (the others are stopped).
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        start_method="spawn", monitor_interval=0.1)
+    return elastic_launch(config, fn)(*args)
+
+
 def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[int, dict | None]:
     """Start ``dims.world_size`` workers on this node and wait; return (exit code, summary)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hsdp_runner.worker import run_worker
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # Our own message names the failed rank and error; the elastic agent would repeat the
+    # whole traceback (it is in the rank's log).
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # torch's launcher sets 1 thread per worker when OMP_NUM_THREADS is unset, with a warning;
     # share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dims.world_size)))
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=dims.world_size, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        start_method="spawn", monitor_interval=0.1)
     try:
-        results = elastic_launch(config, run_worker)(cfg_dict, dims, run_info)
+        results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims, run_info)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = _failure_message(failure)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 
 import torch
@@ -46,6 +48,15 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     return factor
 
 
+def inject_fault(fault_cfg, rank: int, step: int) -> None:
+    """Fail on purpose when ``fault.rank`` is this rank and ``fault.step`` this (1-based) step."""
+    if fault_cfg.rank != rank or fault_cfg.step != step:
+        return
+    if fault_cfg.kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}")
+
+
 def _full_value(tensor: torch.Tensor) -> float:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).item()
 
@@ -78,6 +89,7 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step over the rank's local batch; returns (dp-mean loss, grad norm)."""
+        inject_fault(self.cfg.fault, self.rank, step + 1)
         inputs, targets = self.batches.local_batch(step)
         accum = self.cfg.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
@@ -130,5 +142,5 @@ class Trainer:
             bar.write(f"step {record['step']:>4}/{self.cfg.trainer.steps}  loss {record['loss']:.4f}  "
                       f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                       f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
-                      f"{record['tflops']:.3f} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
+                      f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
                       f"{record['step_time_s']:.2f}s")

@@ -14,6 +14,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    parallelize_module)
 
 
 class RMSNorm(nn.Module):
@@ -179,25 +183,40 @@ def flops_per_token(cfg) -> float:
     return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 
+class ReplicatedParams(ParallelStyle):
+    """Keep a module whole on every TP rank but make its parameters Replicate DTensors.
+
+    Used for the norms when sequence parallel is off, so every parameter lives on the TP mesh
+    (the optimizer's foreach kernels and grad clipping cannot mix DTensors with plain tensors).
+    torch has no built-in style for this.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                         for x in inputs)
+
+        def to_local(mod, outputs, mesh):
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
 def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
     """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
 
     Attention and FFN inputs are column-parallel, their outputs row-parallel; with sequence
     parallel the norms and residual stream are sharded on the sequence dim between blocks.
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-        parallelize_module)
 
     stream = Shard(1) if sequence_parallel else Replicate()
-    norm_style = SequenceParallel() if sequence_parallel else None
+    norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
-    if norm_style:
-        top["norm"] = norm_style
+    top["norm"] = norm_style()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
@@ -213,7 +232,6 @@ def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
             "feed_forward.w2": RowwiseParallel(output_layouts=stream),
             "feed_forward.w3": ColwiseParallel(),
         }
-        if norm_style:
-            plan["attention_norm"] = norm_style
-            plan["ffn_norm"] = SequenceParallel()
+        plan["attention_norm"] = norm_style()
+        plan["ffn_norm"] = norm_style()
         parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,49 @@
+"""Shared fixtures: run the CLI in a subprocess, and start N gloo workers in-process style."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TINY = ["model=llama3_tiny", "trainer.global_batch_size=8", "trainer.steps=6", "logger=none"]
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.update(extra or {})
+    return env
+
+
+def run_cli(out_dir: Path, *overrides: str, timeout: int = 300, cwd: Path | None = None,
+            prefix: list[str] | None = None, pin_dir: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m hsdp_runner`` with overrides, its output dir pinned to ``out_dir``."""
+    cmd = (prefix or [sys.executable]) + ["-m", "hsdp_runner"]
+    if pin_dir:
+        cmd.append(f"hydra.run.dir={out_dir}")
+    cmd += list(overrides)
+    return subprocess.run(cmd, cwd=cwd or REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
+    """Return (metrics.jsonl records, summary.json) of a finished job dir."""
+    metrics_path, summary_path = out_dir / "metrics.jsonl", out_dir / "summary.json"
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] \
+        if metrics_path.exists() else []
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return records, summary
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path) -> Path:
+    return tmp_path / "job"

@@ -1,0 +1,89 @@
+"""The mesh and parameter placements are what each layout says, and buffers agree on all ranks."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from distributed import run_workers
+from test_config import compose
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _build(overrides):
+    import torch.distributed as dist
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.sharding import build_model
+
+    cfg = compose(overrides)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+    world = dims.build_mesh("cpu")
+    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
+                        torch.device("cpu"), cfg.trainer.seed)
+    return dims, world, model
+
+
+def _placements(overrides):
+    from torch.distributed.tensor import DTensor
+
+    dims, world, model = _build(overrides)
+    params = {}
+    for name, p in model.named_parameters():
+        clean = name.replace("_checkpoint_wrapped_module.", "")
+        params[clean] = (tuple(repr(x) for x in p.placements), p.device_mesh.mesh_dim_names,
+                         p.full_tensor().sum().item()) if isinstance(p, DTensor) else (None, None, p.sum().item())
+    return {"mesh": (world.root.mesh_dim_names, tuple(world.root.shape)),
+            "dp_size": world["dp"].size(), "dp_rank": world.local_rank_in("dp"),
+            "params": params, "rope": model.rope_cos.sum().item()}
+
+
+def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh():
+    results = run_workers(_placements, 8, ["parallel=hsdp_tp", "model=llama3_tiny"])
+    r0 = results[0]
+    assert r0["mesh"] == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
+    assert r0["dp_size"] == 4
+    assert sorted(r["dp_rank"] for r in results.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    params = r0["params"]
+    names = ("dp_replicate", "dp_shard", "tp")
+    colwise = ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    assert params["layers.0.attention.wq.weight"][:2] == (colwise, names)
+    assert params["layers.0.feed_forward.w1.weight"][0] == colwise
+    assert params["layers.0.attention.wo.weight"][0] == ("Replicate()", "Shard(dim=0)", "Shard(dim=1)")
+    assert params["layers.0.attention_norm.weight"][0] == ("Replicate()", "Shard(dim=0)", "Replicate()")
+
+
+def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights():
+    single = run_workers(_placements, 1, ["parallel=single", "model=llama3_tiny"])[0]
+    fsdp = run_workers(_placements, 4, ["parallel=fsdp", "model=llama3_tiny"])[0]
+    hsdp = run_workers(_placements, 4, ["parallel=hsdp", "model=llama3_tiny"])[0]
+    ddp = run_workers(_placements, 2, ["parallel=ddp", "model=llama3_tiny"])[0]
+    key = "layers.1.feed_forward.w2.weight"
+    assert single["params"][key][0] is None
+    assert fsdp["params"][key][:2] == (("Shard(dim=0)",), ("dp_shard",))
+    assert hsdp["params"][key][:2] == (("Replicate()", "Shard(dim=0)"), ("dp_replicate", "dp_shard"))
+    assert ddp["params"][key][:2] == (("Replicate()",), ("dp_replicate",))
+    for layout in (fsdp, hsdp, ddp):
+        for name, (_, _, total) in single["params"].items():
+            assert layout["params"][name][2] == pytest.approx(total, rel=1e-6, abs=1e-6), name
+
+
+def _buffers_after_build(overrides):
+    import torch.distributed as dist
+
+    # A buffer that differs per rank at creation must agree after the model is built.
+    torch.manual_seed(dist.get_rank())
+    from hsdp_runner.sharding import sync_buffers
+    dims, world, model = _build(overrides)
+    model.register_buffer("noise", torch.randn(4))
+    before = model.noise.clone()
+    sync_buffers(model)
+    return before.tolist(), model.noise.tolist(), model.rope_sin.sum().item()
+
+
+def test_non_dtensor_buffers_are_identical_on_every_rank():
+    results = run_workers(_buffers_after_build, 4, ["parallel=hsdp", "model=llama3_tiny"])
+    befores = [r[0] for r in results.values()]
+    afters = [r[1] for r in results.values()]
+    assert len({tuple(b) for b in befores}) > 1
+    assert all(a == afters[0] for a in afters) and afters[0] == befores[0]
