@@ -73,12 +73,13 @@ def unwritable_output_dir(argv: list[str]) -> str | None:
         key, _, value = arg.partition("=")
         if key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
             wanted[key] = Path(value).expanduser()
-    for key, path in (wanted or {"the working directory": Path.cwd()}).items():
+    for key, path in (wanted or {"": Path.cwd()}).items():
         try:
             path.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=path).close()
         except OSError as err:
-            return (f"{key}={path} is not writable ({err.strerror}); "
+            where = f"{key}={path}" if key else f"the working directory {path} (outputs/ goes there)"
+            return (f"{where} is not writable ({err.strerror}); "
                     "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder")
     return None
 
