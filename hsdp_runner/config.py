@@ -28,6 +28,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     ac: str = "none"
     compile: bool = False
+    ddp_impl: str = "replicate"
 
 
 @dataclass
@@ -94,6 +95,8 @@ class TrainerConfig:
     global_batch_size: int = 8
     grad_accum_steps: int = 1
     log_every: int = 1
+    eval_batches: int = 0
+    freeze: list = field(default_factory=list)
 
 
 @dataclass
@@ -125,6 +128,7 @@ class RunConfig:
 
 
 AC_MODES = ("none", "full", "selective")
+DDP_IMPLS = ("replicate", "fully_shard")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_KINDS = ("synthetic", "text")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -156,6 +160,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
     _require_choice("parallel.ac", c.parallel.ac, AC_MODES)
     _require_choice("optim.name", c.optim.name, ("adamw",))
+    _require_choice("parallel.ddp_impl", c.parallel.ddp_impl, DDP_IMPLS)
     for key in ("param_dtype", "reduce_dtype", "master_dtype"):
         _require_choice(f"precision.{key}", c.precision[key], DTYPES)
     _require_choice("data.kind", c.data.kind, DATA_KINDS)
@@ -170,6 +175,8 @@ def validate_config(cfg: DictConfig | dict) -> None:
         _require_positive(key, OmegaConf.select(c, key))
     if c.launcher.nproc_per_node is not None:
         _require_positive("launcher.nproc_per_node", c.launcher.nproc_per_node)
+    if c.trainer.eval_batches < 0:
+        raise ConfigError(f"trainer.eval_batches={c.trainer.eval_batches} must be >= 0 (0 = no eval)")
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
     if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:

@@ -22,7 +22,8 @@ from hsdp_runner import tracking
 from hsdp_runner.config import ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
 from hsdp_runner.mesh import ParallelDims, infer_world_size
-from hsdp_runner.sharding import check_torch_apis
+from hsdp_runner.models.llama import Llama
+from hsdp_runner.sharding import check_torch_apis, freeze_parameters
 
 log = logging.getLogger("hsdp_runner")
 
@@ -69,6 +70,9 @@ def validate(cfg: DictConfig, output_dir: Path) -> ParallelDims:
                           "support; use precision=fp32")
     if cfg.data.kind == "text":
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
+    if cfg.trainer.freeze:
+        with torch.device("meta"):
+            freeze_parameters(Llama(cfg.model), cfg.trainer.freeze)
     _check_writable(output_dir)
     return dims
 

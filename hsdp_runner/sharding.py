@@ -7,6 +7,7 @@ Mixed precision in every data-parallel mode comes from ``MixedPrecisionPolicy``,
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import logging
 from functools import partial
@@ -120,13 +121,14 @@ def apply_compile(model: llama.Llama, tp: int) -> None:
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
-                        reshard_after_forward: bool) -> None:
+                        reshard_after_forward: bool, ddp_impl: str = "replicate") -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
     fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
     dp_shard) mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
-    it shares FSDP's mixed-precision policy (torch without it gets ``fully_shard`` on the
-    (dp_replicate, dp_shard=1) mesh, which is the same HSDP-with-shard-size-1 computation).
+    it shares FSDP's mixed-precision policy, or with ``ddp_impl='fully_shard'`` (and on torch
+    without ``replicate``) ``fully_shard`` on the (dp_replicate, dp_shard=1) mesh: the same
+    HSDP-with-shard-size-1 computation. Blocks are ``model.layers`` when the model has them.
     With no data parallelism, a size-1 ``fully_shard`` is applied only when the precision
     needs a policy (compute dtype differs from the stored dtype).
     """
@@ -139,7 +141,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
             return
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
     elif mode == "ddp":
-        replicate = _new_replicate()
+        replicate = _new_replicate() if ddp_impl == "replicate" else None
+        if ddp_impl == "replicate" and replicate is None:
+            log.warning("this torch has no FSDP-based replicate; parallel.ddp_impl=fully_shard "
+                        "is used instead (same computation)")
         if replicate is not None:
             wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
         else:
@@ -150,7 +155,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
     else:
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"],
                                       "reshard_after_forward": reshard_after_forward}
-    for block in model.layers.values():
+    blocks = model.layers.values() if hasattr(model, "layers") else ()
+    for block in blocks:
         wrap(block, mp_policy=mp_policy, **mesh_kw)
     # The root's parameters (embedding, final norm, output) are used again right at the start
     # of backward, so resharding them after forward would only add an all-gather.
@@ -201,11 +207,32 @@ def parallelize(model: llama.Llama, dims: ParallelDims, world: WorldMesh, parall
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp)
-    apply_data_parallel(model, dims, world, precision, parallel.reshard_after_forward)
+    apply_data_parallel(model, dims, world, precision, parallel.reshard_after_forward,
+                        parallel.ddp_impl)
+
+
+def freeze_parameters(model: nn.Module, patterns) -> list[str]:
+    """Set requires_grad=False on parameters whose name matches a pattern (fnmatch).
+
+    Call before any wrapping, on plain names. Returns the frozen names; raises ConfigError
+    naming ``trainer.freeze`` when a pattern matches nothing (a typo would train everything).
+    """
+    names = [name for name, _ in model.named_parameters()]
+    frozen = []
+    for pattern in patterns:
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise ConfigError(f"trainer.freeze pattern {pattern!r} matches no parameter; names "
+                              f"look like {names[0]!r}, {names[1]!r}")
+        frozen += matched
+    params = dict(model.named_parameters())
+    for name in set(frozen):
+        params[name].requires_grad_(False)
+    return sorted(set(frozen))
 
 
 def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,
-                device: torch.device, seed: int) -> llama.Llama:
+                device: torch.device, seed: int, freeze=()) -> llama.Llama:
     """Create the model on the meta device, parallelize it, then materialise and initialise.
 
     Returns the sharded model on ``device`` with identical weights in every layout and
@@ -220,6 +247,7 @@ def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, preci
             model = llama.Llama(model_cfg)
     finally:
         torch.set_default_dtype(default_dtype)
+    freeze_parameters(model, freeze)
     parallelize(model, dims, world, parallel, precision)
     model.to_empty(device=device)
     model.init_weights(seed)

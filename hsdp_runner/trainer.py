@@ -24,6 +24,9 @@ from hsdp_runner.models.llama import flops_per_token
 
 log = logging.getLogger(__name__)
 
+# Eval batches come from step indices no training run reaches.
+EVAL_STEP_OFFSET = 1 << 40
+
 
 def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; norms and embeddings get no weight decay."""
@@ -68,7 +71,7 @@ class Trainer:
                  device: torch.device, sinks=None):
         self.cfg, self.dims, self.world, self.model, self.device = cfg, dims, world, model, device
         self.rank = dist.get_rank()
-        self.sinks = sinks  # rank 0: (MetricsFile, WandbRun); other ranks: None
+        self.sinks = sinks  # rank 0: (MetricsFile, WandbRun); None: report nothing
         self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.trainer.steps,
@@ -108,8 +111,27 @@ class Trainer:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
         return total.item() / self.dims.dp, _full_value(grad_norm)
 
+    @torch.no_grad()
+    def evaluate(self, n_batches: int) -> float:
+        """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged.
+
+        Runs the model in eval mode through the same sharded forward as training, so it
+        exercises FSDP's unshard/reshard outside of backward.
+        """
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(n_batches):
+            inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
+            total += self.loss_on(inputs, targets)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self.model.train()
+        loss = total.item() / (self.dims.dp * n_batches)
+        if self.rank == 0:
+            log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
+        return loss
+
     def fit(self) -> list[dict]:
-        """Run all steps; rank 0 reports each one. Returns rank 0's records ([] elsewhere)."""
+        """Run all steps, reporting each to the sinks; return the reported records."""
         steps = self.cfg.trainer.steps
         tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
         bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True,
@@ -127,7 +149,7 @@ class Trainer:
                 self.dims.world_size, self.flops_per_token, self.peak_tflops,
                 metrics.peak_memory_gib(self.device))
             bar.update(1)
-            if self.rank == 0:
+            if self.sinks is not None:
                 self._report(record, bar)
         bar.close()
         return self.records

@@ -102,7 +102,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
-                        cfg.trainer.seed)
+                        cfg.trainer.seed, cfg.trainer.freeze)
     sinks = None
     if rank == 0:
         facts = run_facts(dims, device)
@@ -113,13 +113,14 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     if rank == 0:
         log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
     records = trainer.fit()
+    eval_loss = trainer.evaluate(cfg.trainer.eval_batches) if cfg.trainer.eval_batches else None
     if rank != 0:
         return None
     metrics_file, wandb_run = sinks
     metrics_file.close()
     steady = metrics.steady_state(records, cfg.metrics.warmup_steps)
     summary = {"status": "completed", **facts, "steps": len(records),
-               "final_loss": records[-1]["loss"] if records else None,
+               "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
                "peak_tflops": trainer.peak_tflops, "peak_tflops_source": trainer.peak_source,
                "flops_per_token": trainer.flops_per_token, **steady, "error": None}
     wandb_run.summary(steady | {"final_loss": summary["final_loss"]})

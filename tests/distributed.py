@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -10,7 +11,8 @@ from hsdp_runner.launch import start_local_workers
 
 
 def _wrapped(fn, args):
-    dist.init_process_group("gloo")
+    # Short collective timeout: a test that deadlocks fails in minutes instead of hanging.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         result = fn(*args)
     except BaseException:

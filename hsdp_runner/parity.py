@@ -1,0 +1,159 @@
+"""``python -m hsdp_runner.parity``: prove every parallel layout trains the same model.
+
+Runs the same config (seed, global batch, data, steps) under each layout through the runner's
+own launch path, reads each job's metrics.jsonl and summary.json, and compares losses, grad
+norms and the final eval loss against the single-process run. Prints a table, writes
+``parity.md``, and exits 1 if any layout is outside the tolerance (2 on bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from hsdp_runner import tracking
+from hsdp_runner.config import ConfigError
+from hsdp_runner.launch import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, run_job, validate
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+BASELINE = "single"
+ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
+
+
+def available_layouts() -> list[str]:
+    """The parallel presets in conf/parallel, the standard ones first, then any added later."""
+    names = {p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")}
+    return [n for n in ORDER if n in names] + sorted(names - set(ORDER))
+
+
+def compose(layout: str, overrides: list[str]) -> DictConfig:
+    """Compose the app config for one layout plus the shared overrides (Hydra compose API)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from hsdp_runner.app import default_run_dir
+    from hsdp_runner.config import register_schemas
+
+    register_schemas()
+    if not OmegaConf.has_resolver("hsdp_run_dir"):
+        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config",
+                             overrides=["logger=none", f"parallel={layout}", *overrides])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line; raise ConfigError for a bad tolerance or layout name."""
+    parser = argparse.ArgumentParser(prog="python -m hsdp_runner.parity", description=__doc__)
+    parser.add_argument("--layouts", default=",".join(available_layouts()),
+                        help="comma-separated presets to check (default: all)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--rtol", default="1e-5", help="max relative difference (default 1e-5)")
+    parser.add_argument("--out", default=None, help="output dir (default parity/<time>)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every layout")
+    args = parser.parse_args(argv)
+    try:
+        args.rtol = float(args.rtol)
+    except ValueError:
+        raise ConfigError(f"--rtol={args.rtol!r} is not a number; use e.g. --rtol 1e-5") from None
+    if not args.rtol > 0:
+        raise ConfigError(f"--rtol={args.rtol} must be a positive number, e.g. --rtol 1e-5")
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} must be >= 1")
+    known = available_layouts()
+    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = [name for name in args.layouts if name not in known]
+    if unknown:
+        raise ConfigError(f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(known)}")
+    if BASELINE not in args.layouts:
+        args.layouts.insert(0, BASELINE)
+    args.out = Path(args.out or datetime.datetime.now().strftime("parity/%Y-%m-%d_%H-%M-%S"))
+    return args
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(base: list[dict], other: list[dict], rtol: float, base_eval=None, other_eval=None
+            ) -> dict:
+    """Compare two runs' step records; return the differences and whether they pass ``rtol``."""
+    if len(base) != len(other):
+        return {"passed": False, "note": f"{len(other)} steps vs {len(base)}"}
+    pairs = list(zip(base, other))
+    row = {"max_abs_loss": max(abs(o["loss"] - b["loss"]) for b, o in pairs),
+           "max_rel_loss": max(_rel(o["loss"], b["loss"]) for b, o in pairs),
+           "max_rel_grad_norm": max(_rel(o["grad_norm"], b["grad_norm"]) for b, o in pairs),
+           "rel_eval_loss": None if base_eval is None else _rel(other_eval, base_eval)}
+    worst = max(v for k, v in row.items() if k.startswith(("max_rel", "rel_")) and v is not None)
+    return {**row, "passed": worst <= rtol, "note": ""}
+
+
+def format_table(rows: list[dict], rtol: float) -> str:
+    """Render the parity rows as a markdown table."""
+    def fmt(value):
+        return "-" if value is None else f"{value:.2e}"
+    lines = [f"Parity against `{BASELINE}` (tolerance {rtol:.0e} relative)", "",
+             "| layout | world size | max abs loss diff | max rel loss diff | max rel grad-norm "
+             "diff | rel eval-loss diff | result |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        result = "PASS" if r["passed"] else f"FAIL {r['note']}".strip()
+        lines.append(f"| {r['layout']} | {r['world_size']} | {fmt(r.get('max_abs_loss'))} | "
+                     f"{fmt(r.get('max_rel_loss'))} | {fmt(r.get('max_rel_grad_norm'))} | "
+                     f"{fmt(r.get('rel_eval_loss'))} | {result} |")
+    return "\n".join(lines)
+
+
+def run_parity(args: argparse.Namespace) -> int:
+    """Validate every layout first, then run them all and compare; return the exit code."""
+    overrides = [f"trainer.steps={args.steps}", *args.overrides]
+    if not any(o.startswith("trainer.eval_batches=") for o in overrides):
+        overrides.append("trainer.eval_batches=2")
+    jobs = {}
+    for layout in args.layouts:
+        cfg = compose(layout, overrides)
+        out_dir = args.out / layout
+        jobs[layout] = (cfg, out_dir, validate(cfg, out_dir))
+    for layout, (cfg, out_dir, _) in jobs.items():
+        print(f"parity: running {layout} -> {out_dir}", flush=True)
+        run_job(cfg, {"output_dir": str(out_dir), "group": f"parity-{args.out.name}",
+                      "run_name": layout, "tags": [f"parallel={layout}", "parity"],
+                      "multirun": True, "overrides": overrides})
+    base_records = tracking.read_metrics(jobs[BASELINE][1])
+    base_summary = tracking.read_summary(jobs[BASELINE][1]) or {}
+    rows = []
+    for layout, (_, out_dir, dims) in jobs.items():
+        summary = tracking.read_summary(out_dir) or {}
+        row = {"layout": layout, "world_size": dims.world_size}
+        if summary.get("status") != "completed" or base_summary.get("status") != "completed":
+            row.update(passed=False, note=f"run {summary.get('status', 'missing')}: "
+                                          f"{summary.get('error') or 'see its logs'}")
+        else:
+            row.update(compare(base_records, tracking.read_metrics(out_dir), args.rtol,
+                               base_summary.get("eval_loss"), summary.get("eval_loss")))
+        rows.append(row)
+    table = format_table(rows, args.rtol)
+    (args.out / "parity.md").write_text(table + "\n")
+    print(table)
+    print(f"parity: table written to {args.out / 'parity.md'}")
+    return EXIT_OK if all(r["passed"] for r in rows) else EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns 0 when every layout passes, 1 on a mismatch, 2 on bad input."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        return run_parity(args)
+    except ConfigError as err:
+        print(f"hsdp_runner.parity: error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Correctness cases from the FSDP/HSDP design discussions (../shared/seeds), in-process."""
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_workers
+from test_config import compose
+
+pytestmark = pytest.mark.multiprocess
+
+
+class GradientProbe(nn.Module):
+    """loss = sum(weight * x): the local gradient of every weight entry is exactly x."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(8, 4))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def _reduced_gradients():
+    import torch.distributed as dist
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.sharding import apply_data_parallel
+
+    precision = compose([]).precision
+    out = {}
+    for name, degrees in {"ddp": (4, 1), "ddp_fully_shard": (4, 1), "fsdp": (1, 4),
+                          "hsdp": (2, 2)}.items():
+        parallel = {"dp_replicate": degrees[0], "dp_shard": degrees[1], "tp": 1,
+                    "sequence_parallel": False}
+        dims = ParallelDims.from_config(parallel, None, dist.get_world_size())
+        world = dims.build_mesh("cpu")
+        model = GradientProbe()
+        impl = "fully_shard" if name == "ddp_fully_shard" else "replicate"
+        apply_data_parallel(model, dims, world, precision, True, impl)
+        x = float(world.local_rank_in("dp") + 1)  # dp ranks see 1, 2, 3, 4
+        model(torch.tensor(x)).backward()
+        out[name] = model.weight.grad.full_tensor()
+    return out
+
+
+def test_gradient_reduction_divides_once_by_the_dp_size():
+    grads = run_workers(_reduced_gradients, 4)[0]
+    for name, grad in grads.items():
+        # mean over dp ranks of (1, 2, 3, 4) = 2.5; a missing division gives 10, a double one less.
+        assert torch.equal(grad, torch.full((8, 4), 2.5)), (name, grad.flatten()[:4])
+
+
+FROZEN = "tok_embeddings.weight"
+
+
+def _train_eval_frozen(cases):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from hsdp_runner.data import TokenBatches
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.models.llama import Llama
+    from hsdp_runner.sharding import build_model
+    from hsdp_runner.trainer import EVAL_STEP_OFFSET, Trainer
+
+    results = {}
+    for layout, reshard in cases:
+        cfg = compose([f"parallel={layout}", "model=llama3_tiny", "trainer.steps=3", "logger=none",
+                       f"parallel.reshard_after_forward={str(reshard).lower()}",
+                       "trainer.freeze=['tok_embeddings.*']"])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+        world = dims.build_mesh("cpu")
+        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
+                            torch.device("cpu"), cfg.trainer.seed, cfg.trainer.freeze)
+
+        def full_weights():
+            return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for n, p in model.named_parameters()}
+        before = full_weights()
+        trainer = Trainer(cfg, dims, world, model, torch.device("cpu"))
+        trainer.fit()
+        eval_loss = trainer.evaluate(2)
+        after = full_weights()
+        single_eval = None
+        if dist.get_rank() == 0:
+            plain = Llama(cfg.model)
+            plain.load_state_dict(after, strict=False)
+            batches = TokenBatches(cfg.data, cfg.model.vocab_size, cfg.model.seq_len,
+                                   cfg.trainer.global_batch_size, 0, 1, cfg.trainer.seed)
+            with torch.no_grad():
+                losses = [F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
+                          for x, y in (batches.local_batch(EVAL_STEP_OFFSET + i) for i in range(2))]
+            single_eval = torch.stack(losses).mean().item()
+        results[f"{layout}/reshard={reshard}"] = {
+            "frozen_identical": torch.equal(before[FROZEN], after[FROZEN]),
+            "frozen_requires_grad": dict(model.named_parameters())[FROZEN].requires_grad,
+            "trained_changed": not torch.equal(before["output.weight"], after["output.weight"]),
+            "eval_loss": eval_loss, "single_eval": single_eval}
+    return results
+
+
+def _check_eval_and_frozen(results):
+    for case, r in results.items():
+        assert r["frozen_identical"] and not r["frozen_requires_grad"], case
+        assert r["trained_changed"], case
+        assert r["eval_loss"] == pytest.approx(r["single_eval"], rel=1e-6), case
+
+
+def test_eval_after_training_and_frozen_params_on_four_ranks():
+    cases = [(layout, reshard) for layout in ("fsdp", "hsdp", "fsdp_tp") for reshard in (True, False)]
+    _check_eval_and_frozen(run_workers(_train_eval_frozen, 4, cases)[0])
+
+
+def test_eval_after_training_and_frozen_params_on_two_ranks():
+    _check_eval_and_frozen(run_workers(_train_eval_frozen, 2, [("ddp", True), ("tp", True)])[0])
+
+
+def _two_models_state_dicts(specs):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, set_model_state_dict)
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.sharding import build_model
+
+    models = {}
+    for name, overrides in specs.items():
+        cfg = compose(overrides + ["model=llama3_tiny"])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+        models[name] = build_model(cfg.model, dims, dims.build_mesh("cpu"), cfg.parallel,
+                                   cfg.precision, torch.device("cpu"), seed=len(name))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    saved = {n: get_model_state_dict(m, options=full) for n, m in models.items()}
+    # Sharded state dicts share storage with the parameters: clone before zeroing them.
+    sharded = {n: {k: v.clone() for k, v in get_model_state_dict(m).items()}
+               for n, m in models.items()}
+    for model in models.values():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    ok = {}
+    for name, model in models.items():  # interleaved: one model's calls between the other's
+        set_model_state_dict(model, saved[name], options=full)
+        back = get_model_state_dict(model, options=full)
+        ok[f"{name}/full"] = all(torch.equal(back[k], v) for k, v in saved[name].items())
+    for name, model in models.items():
+        set_model_state_dict(model, sharded[name])
+        back = get_model_state_dict(model, options=full)
+        ok[f"{name}/sharded"] = all(torch.equal(back[k], v) for k, v in saved[name].items())
+    return ok
+
+
+def test_tp_sharded_and_fsdp_models_in_one_process_keep_separate_state_dicts():
+    specs = {"fsdp_tp": ["parallel=fsdp_tp"], "fsdp": ["parallel=fsdp"]}
+    ok = run_workers(_two_models_state_dicts, 4, specs)[0]
+    assert ok == {"fsdp_tp/full": True, "fsdp/full": True, "fsdp_tp/sharded": True,
+                  "fsdp/sharded": True}
