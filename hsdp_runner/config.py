@@ -28,6 +28,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     ac: str = "none"
     compile: bool = False
+    allow_tp_across_nodes: bool = False
 
 
 @dataclass
