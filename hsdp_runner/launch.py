@@ -52,7 +52,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False) -> Par
 
     ``submitting``: this process only submits the job to SLURM (a login node, often without
     GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
-    Layout warnings (e.g. a shard group spanning nodes) are printed once, to stderr.
+    Layout warnings (e.g. a shard group spanning nodes) go to stderr; in a rank, rank 0's only.
     """
     validate_config(cfg)
     check_torch_apis()
@@ -140,8 +140,9 @@ def join_submitit_job(launcher_name: str) -> None:
                           "hydra/launcher overrides, or use launcher=local")
     from submitit.helpers import TorchDistributedEnvironment
 
-    # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK); overwrite: values
-    # inherited from the submitting shell must not win over this task's own.
+    # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK). overwrite: a RANK
+    # etc. inherited from the submitting shell is replaced (submitit keeps an inherited
+    # MASTER_PORT on purpose).
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
