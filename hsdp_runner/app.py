@@ -37,6 +37,28 @@ def default_run_dir() -> str:
     return f"outputs/torchrun/{run_id}"
 
 
+def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
+    """Return an error for a torchrun launch the runner cannot serve, else None.
+
+    Refused: a Hydra sweep inside torchrun (the ranks would run every job in the same
+    processes; with torch 2.13 the second job's process group hung until the collective
+    timeout), and several nodes whose output dir name is only per node (no ``--rdzv-id``, no
+    ``hydra.run.dir``).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    if multirun:
+        return ("a Hydra sweep (-m) cannot run inside torchrun: start one torchrun per job "
+                "(README, 'Many nodes') or use launcher=slurm")
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes == 1 or os.environ["TORCHELASTIC_RUN_ID"] not in ("", "none") \
+            or run_dir != default_run_dir():
+        return None
+    return (f"torchrun runs {nodes} nodes without --rdzv-id, so each node would name its own "
+            "output dir; pass the same --rdzv-id on every node (e.g. --rdzv-id exp17, or "
+            "$SLURM_JOB_ID in an allocation) or hydra.run.dir=<a folder every node sees>")
+
+
 def _process_start(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -59,6 +81,12 @@ def run_info_from_hydra(cfg: DictConfig) -> dict:
 
 
 _state = {"task_started": False}
+
+
+def mark_jobs_submitted() -> None:
+    """Record that a launcher plugin (SLURM) took the jobs: from here on, Hydra's exit code 1
+    means a job failed, not that the config did not compose."""
+    _state["task_started"] = True
 
 
 def unwritable_output_dir(argv: list[str]) -> str | None:
@@ -88,6 +116,10 @@ def unwritable_output_dir(argv: list[str]) -> str | None:
 def hydra_task(cfg: DictConfig) -> int:
     _state["task_started"] = True
     info = run_info_from_hydra(cfg)
+    problem = torchrun_problem(info["multirun"], HydraConfig.get().run.dir)
+    if problem:
+        print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
     code = run_job(cfg, info)
     if code != EXIT_OK and not info["multirun"]:
         raise SystemExit(code)

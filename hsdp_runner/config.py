@@ -29,6 +29,7 @@ class ParallelConfig:
     ac: str = "none"
     compile: bool = False
     ddp_impl: str = "replicate"
+    allow_tp_across_nodes: bool = False
 
 
 @dataclass
@@ -83,9 +84,16 @@ class LoggerConfig:
 
 @dataclass
 class LauncherConfig:
+    name: str = "local"
     nnodes: int = 1
     nproc_per_node: Optional[int] = None
     timeout_s: int = 300
+    # SLURM only (launcher=slurm / slurm_local); conf/launcher/slurm.yaml feeds them to
+    # hydra-submitit-launcher.
+    gpus_per_node: Optional[int] = None
+    timeout_min: int = 60
+    partition: Optional[str] = None
+    account: Optional[str] = None
 
 
 @dataclass
@@ -135,6 +143,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 LOGGERS = ("wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("exception", "sigkill")
+LAUNCHERS = ("local", "slurm", "slurm_local")
+SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
 
 
 def register_schemas() -> None:
@@ -177,6 +187,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
         _require_positive("launcher.nproc_per_node", c.launcher.nproc_per_node)
     if c.trainer.eval_batches < 0:
         raise ConfigError(f"trainer.eval_batches={c.trainer.eval_batches} must be >= 0 (0 = no eval)")
+    _validate_launcher(c.launcher)
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
     if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:
@@ -198,6 +209,26 @@ def validate_config(cfg: DictConfig | dict) -> None:
         raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
     if c.optim.lr <= 0:
         raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
+
+
+def _validate_launcher(launcher) -> None:
+    _require_choice("launcher.name", launcher.name, LAUNCHERS)
+    if launcher.name not in SUBMITIT_LAUNCHERS:
+        return
+    choice = f"launcher={launcher.name}"
+    if launcher.nproc_per_node is None:
+        raise ConfigError(f"{choice} needs launcher.nproc_per_node (SLURM tasks = ranks per node); "
+                          "set it, e.g. launcher.nproc_per_node=8")
+    _require_positive("launcher.timeout_min", launcher.timeout_min)
+    if launcher.gpus_per_node is not None and launcher.gpus_per_node < launcher.nproc_per_node:
+        raise ConfigError(
+            f"launcher.gpus_per_node={launcher.gpus_per_node} is less than launcher.nproc_per_node="
+            f"{launcher.nproc_per_node}; each rank needs its own GPU: raise gpus_per_node, lower "
+            "nproc_per_node, or set launcher.gpus_per_node=null on a CPU partition")
+    if launcher.name == "slurm_local" and launcher.nnodes != 1:
+        raise ConfigError(f"launcher.nnodes={launcher.nnodes} with launcher=slurm_local: "
+                          "submitit's local executor runs one node; set launcher.nnodes=1 or "
+                          "use launcher=slurm")
 
 
 def validate_batch(cfg: DictConfig | dict, dp_size: int) -> int:

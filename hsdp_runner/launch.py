@@ -4,7 +4,10 @@ Everything that can be checked without a process group is checked here, in the l
 process, so a bad degree or path costs seconds, not a node-hour. Then either
 - not under a distributed launcher: start world-size workers with torch's elastic launcher
   API on this node, or
-- under torchrun (RANK and WORLD_SIZE set): this process is one rank; run it directly.
+- under torchrun (RANK and WORLD_SIZE set): this process is one rank; run it directly, or
+- in a SLURM task (launcher=slurm / slurm_local, one task per rank): export the
+  torch.distributed variables from SLURM's with submitit's helper, then run it like a torchrun
+  rank. Before anything is queued, ``check_before_submit`` validates every job of the sweep.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner import tracking
-from hsdp_runner.config import ConfigError, validate_batch, validate_config
+from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
 from hsdp_runner.mesh import ParallelDims, infer_world_size
 from hsdp_runner.models.llama import Llama
@@ -45,24 +48,18 @@ def _cuda_count(cfg) -> int:
     return count
 
 
-def validate(cfg: DictConfig, output_dir: Path) -> ParallelDims:
-    """Run every pre-launch check; return the job's ParallelDims or raise ConfigError."""
+def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False) -> ParallelDims:
+    """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
+
+    ``submitting``: this process only submits the job to SLURM (a login node, often without
+    GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
+    Layout warnings (e.g. a shard group spanning nodes) go to stderr; in a rank, rank 0's only.
+    """
     validate_config(cfg)
     check_torch_apis()
-    gpus = _cuda_count(cfg)
-    if under_torchrun():
-        world_size = int(os.environ["WORLD_SIZE"])
-    else:
-        world_size = infer_world_size(cfg.launcher, cfg.parallel, gpus)
-        nproc = world_size // cfg.launcher.nnodes
-        if gpus and nproc > gpus:
-            raise ConfigError(f"launcher.nproc_per_node={nproc} exceeds the {gpus} visible GPUs; "
-                              f"use at most {gpus} ranks per node or set device=cpu")
-        if cfg.launcher.nnodes > 1:
-            raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher "
-                              "starts ranks on this node only; use torchrun on every node "
-                              "(README, 'Many nodes') or keep launcher.nnodes=1")
-    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size)
+    gpus = 0 if submitting else _cuda_count(cfg)
+    world_size, ranks_per_node = _world_layout(cfg, gpus)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
     validate_batch(cfg, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
             and not torch.cuda.is_bf16_supported():
@@ -74,7 +71,28 @@ def validate(cfg: DictConfig, output_dir: Path) -> ParallelDims:
         with torch.device("meta"):
             freeze_parameters(Llama(cfg.model), cfg.trainer.freeze)
     _check_writable(output_dir)
+    if not under_torchrun() or int(os.environ["RANK"]) == 0:
+        for message in dims.node_warnings():
+            print(f"hsdp_runner: warning: {message}", file=sys.stderr)
     return dims
+
+
+def _world_layout(cfg, gpus: int) -> tuple[int, int]:
+    """Return (world size, ranks per node): from torchrun's / SLURM's environment in a rank,
+    else from ``launcher.nnodes`` x ``launcher.nproc_per_node``."""
+    if under_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if cfg.launcher.nnodes > 1 and cfg.launcher.name == "local":
+        raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
+                          "ranks on this node only; use torchrun on every node or launcher=slurm "
+                          "(README, 'Many nodes'), or keep launcher.nnodes=1")
+    world_size = infer_world_size(cfg.launcher, cfg.parallel, gpus)
+    nproc = world_size // cfg.launcher.nnodes
+    if gpus and nproc > gpus:
+        raise ConfigError(f"launcher.nproc_per_node={nproc} exceeds the {gpus} visible GPUs; "
+                          f"use at most {gpus} ranks per node or set device=cpu")
+    return world_size, nproc
 
 
 def _check_writable(output_dir: Path) -> None:
@@ -92,6 +110,8 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
     """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config)."""
     output_dir = Path(run_info["output_dir"])
     try:
+        if cfg.launcher.name in SUBMITIT_LAUNCHERS:
+            join_submitit_job(cfg.launcher.name)
         dims = validate(cfg, output_dir)
     except ConfigError as err:
         print(f"hsdp_runner: config error: {err}", file=sys.stderr)
@@ -110,6 +130,42 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
         print(f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
               f"{summary['final_loss']:.4f}); outputs in {output_dir}")
     return EXIT_OK
+
+
+def join_submitit_job(launcher_name: str) -> None:
+    """Make this SLURM (or submitit-local) task a torch.distributed rank.
+
+    Exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from
+    the job's environment with submitit's helper; raises ConfigError outside a submitit job.
+    """
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        raise ConfigError(f"launcher={launcher_name} runs jobs through hydra-submitit-launcher, "
+                          "which Hydra uses only in multirun mode; drop hydra.mode=RUN / "
+                          "hydra/launcher overrides, or use launcher=local")
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK). overwrite: a RANK
+    # etc. inherited from the submitting shell is replaced (submitit keeps an inherited
+    # MASTER_PORT on purpose).
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+
+
+def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, first_num: int):
+    """Validate each job of a SLURM sweep on the submitting node; exit 2 if any is bad.
+
+    Takes Hydra's config loader, the sweep's master config, the jobs' override lists and the
+    first job number; composes each job's config as its tasks will and runs ``validate``.
+    """
+    sweep_dir = Path(str(sweep_config.hydra.sweep.dir))
+    for num, overrides in enumerate(job_overrides, start=first_num):
+        cfg = config_loader.load_sweep_config(sweep_config, list(overrides))
+        try:
+            validate(cfg, sweep_dir, submitting=True)
+        except ConfigError as err:
+            job = " ".join(overrides) or "no overrides"
+            print(f"hsdp_runner: config error in job #{num} ({job}): {err}; nothing was submitted",
+                  file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG) from None
 
 
 def start_local_workers(fn, nproc: int, *args) -> dict:

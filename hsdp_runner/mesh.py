@@ -4,11 +4,19 @@ DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_sha
 third, innermost dim. The world mesh is built once, up front, with every dim named (size-1
 dims included, so code can always ask for ``mesh["tp"]``) and with the flattened ``dp`` view
 (replicate x shard) that data loading and loss averaging use.
+
+Node awareness: ranks are placed on nodes contiguously (torchrun numbers ranks node by node;
+SLURM's default block distribution does too) and the mesh is row-major with ``tp`` innermost
+and ``dp_replicate`` outermost, so with ``dp_shard x tp <= ranks per node`` the shard and TP
+groups stay inside a node and only the replicate all-reduce crosses the slow inter-node link.
+``ParallelDims`` works out which dims cross nodes, refuses TP across nodes unless allowed, and
+warns when the shard group spans nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from typing import Optional
 
 from hsdp_runner.config import ConfigError
@@ -24,13 +32,16 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ranks_per_node: Optional[int] = None  # None: the whole job is on one node
 
     @classmethod
-    def from_config(cls, parallel, model, world_size: int) -> "ParallelDims":
-        """Infer -1 degrees from ``world_size`` and validate against the model shape.
+    def from_config(cls, parallel, model, world_size: int,
+                    ranks_per_node: Optional[int] = None) -> "ParallelDims":
+        """Infer -1 degrees from ``world_size`` and validate against the model shape and nodes.
 
-        Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass) and the
-        job's world size; returns ParallelDims or raises ConfigError naming keys and a fix.
+        Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass), the
+        job's world size and the ranks per node (local world size; None = one node). Returns
+        ParallelDims or raises ConfigError naming keys and a fix.
         """
         get = (lambda node, k: node[k]) if isinstance(parallel, dict) else getattr
         degrees = {name: get(parallel, name) for name in DIM_NAMES}
@@ -55,9 +66,10 @@ class ParallelDims:
                     f"divisible by the other degrees' product {known}; change the other degrees "
                     "or the world size")
             degrees[unknown[0]] = world_size // known
-        dims = cls(world_size=world_size, **degrees)
+        dims = cls(world_size=world_size, ranks_per_node=ranks_per_node, **degrees)
         dims._check_product()
         dims._check_model(parallel, model, get)
+        dims._check_nodes(parallel)
         return dims
 
     def _check_product(self) -> None:
@@ -83,6 +95,58 @@ class ParallelDims:
             raise ConfigError(f"model.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
                               "with parallel.sequence_parallel=true; change the sequence length "
                               "or set parallel.sequence_parallel=false")
+
+    def _check_nodes(self, parallel) -> None:
+        node = self.node_size
+        if node < 1 or self.world_size % node:
+            raise ConfigError(f"world size {self.world_size} is not a multiple of the {node} ranks "
+                              "per node; give every node the same launcher.nproc_per_node "
+                              "(torchrun --nproc-per-node)")
+        allowed = (parallel.get("allow_tp_across_nodes", False) if isinstance(parallel, dict)
+                   else getattr(parallel, "allow_tp_across_nodes", False))
+        if "tp" in self.dims_across_nodes() and not allowed:
+            raise ConfigError(
+                f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}): every TP layer's "
+                "all-reduce/all-gather would cross the slow inter-node link; use a parallel.tp "
+                f"that divides {node}, or set parallel.allow_tp_across_nodes=true to run it anyway")
+
+    def _nodes_phrase(self) -> str:
+        return f"{self.nodes} nodes x {self.node_size} ranks per node"
+
+    @property
+    def node_size(self) -> int:
+        """Ranks per node (the local world size); the world size for a one-node job."""
+        return self.ranks_per_node or self.world_size
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes the job runs on."""
+        return self.world_size // self.node_size
+
+    def dims_across_nodes(self) -> list[str]:
+        """Names of the mesh dims (``DIM_NAMES`` order) whose groups hold ranks of several nodes.
+
+        Assumes contiguous placement: global rank r lives on node r // ranks_per_node.
+        """
+        return [name for i, name in enumerate(DIM_NAMES)
+                if _group_spans_nodes(self.shape, i, self.node_size)]
+
+    def node_warnings(self) -> list[str]:
+        """Messages for shard or TP groups that span nodes (their collectives run every layer)."""
+        crossing, node = self.dims_across_nodes(), self.node_size
+        warnings = []
+        if "dp_shard" in crossing:
+            warnings.append(
+                f"parallel.dp_shard={self.dp_shard} spans nodes ({self._nodes_phrase()}): FSDP's "
+                "per-layer all-gather and reduce-scatter cross the slow inter-node link; for "
+                f"HSDP make parallel.dp_shard x parallel.tp divide {node} and put the rest in "
+                "parallel.dp_replicate")
+        if "tp" in crossing:
+            warnings.append(
+                f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}; allowed by "
+                "parallel.allow_tp_across_nodes): TP's per-layer collectives cross the slow "
+                "inter-node link")
+        return warnings
 
     @property
     def dp(self) -> int:
@@ -118,7 +182,8 @@ class ParallelDims:
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
                 "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode,
                 "layout": self.layout, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "tp": self.tp}
+                "dp_shard": self.dp_shard, "tp": self.tp, "nodes": self.nodes,
+                "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
     def build_mesh(self, device_type: str) -> "WorldMesh":
         """Build the world mesh once (all ranks must call this together); return a WorldMesh."""
@@ -129,6 +194,19 @@ class ParallelDims:
         # flattened dim back out of the root mesh is deprecated, so the view is kept here.
         dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return WorldMesh(mesh, {"dp": dp_mesh})
+
+
+def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool:
+    """True if some process group along ``dim`` of a row-major mesh holds ranks of two nodes."""
+    size, stride = shape[dim], prod(shape[dim + 1:])
+    if size == 1:
+        return False
+    for first in range(prod(shape)):
+        if (first // stride) % size:
+            continue  # not the first member of its group
+        if first // node_size != (first + (size - 1) * stride) // node_size:
+            return True
+    return False
 
 
 class WorldMesh:

@@ -18,6 +18,9 @@ TINY = ["model=llama3_tiny", "trainer.global_batch_size=8", "trainer.steps=6", "
 
 def cli_env(extra: dict | None = None) -> dict:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    # Subprocesses (and the processes they start, e.g. submitit's) import the checkout under
+    # test, whatever their working directory, not another editable install.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.update(extra or {})
@@ -25,13 +28,15 @@ def cli_env(extra: dict | None = None) -> dict:
 
 
 def run_cli(out_dir: Path, *overrides: str, timeout: int = 300, cwd: Path | None = None,
-            prefix: list[str] | None = None, pin_dir: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python -m hsdp_runner`` with overrides, its output dir pinned to ``out_dir``."""
+            prefix: list[str] | None = None, pin_dir: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m hsdp_runner`` with overrides, its output dir pinned to ``out_dir``
+    (``env``: extra environment variables)."""
     cmd = (prefix or [sys.executable]) + ["-m", "hsdp_runner"]
     if pin_dir:
         cmd.append(f"hydra.run.dir={out_dir}")
     cmd += list(overrides)
-    return subprocess.run(cmd, cwd=cwd or REPO, env=cli_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=cwd or REPO, env=cli_env(env), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -1,0 +1,1 @@
+"""hsdp_runner's Hydra launcher plugins (see ``launcher.py``)."""

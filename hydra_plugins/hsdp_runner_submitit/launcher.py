@@ -1,0 +1,37 @@
+"""hydra-submitit-launcher's SLURM and local launchers, checking every job before submitting.
+
+``launcher=slurm`` and ``launcher=slurm_local`` point ``hydra.launcher._target_`` here. The only
+change to the plugin: ``launch`` first composes each job's config and runs hsdp_runner's
+pre-launch checks on it (``launch.check_before_submit``), so a bad degree in one job of a sweep
+fails in seconds on the login node instead of after a queue wait. The plugin has no hook for
+this, and Hydra's ``on_multirun_start`` callback sees only the sweep's base config, not each
+job's. Hydra instantiates launchers only from the ``hydra_plugins`` package, hence this module.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hydra.core.utils import JobReturn
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+
+
+class _CheckBeforeSubmit:
+    def launch(self, job_overrides: Sequence[Sequence[str]],
+               initial_job_idx: int) -> Sequence[JobReturn]:
+        """Validate every job (exit 2 naming the bad one), then submit them as the plugin does."""
+        from hsdp_runner.app import mark_jobs_submitted
+        from hsdp_runner.launch import check_before_submit
+
+        check_before_submit(self.hydra_context.config_loader, self.config, job_overrides,
+                            initial_job_idx)
+        mark_jobs_submitted()
+        return super().launch(job_overrides, initial_job_idx)
+
+
+class CheckedSlurmLauncher(_CheckBeforeSubmit, SlurmLauncher):
+    """SLURM: one sbatch job per run, a job array per sweep."""
+
+
+class CheckedLocalLauncher(_CheckBeforeSubmit, LocalLauncher):
+    """submitit's local executor: the SLURM code path on one machine, without SLURM."""

@@ -1,0 +1,93 @@
+"""Many nodes on one machine: two torchrun agents as two "nodes", the SLURM preset's sbatch
+script (inspected, never submitted) and a run through submitit's local executor."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, cli_env, read_job, run_cli
+
+pytestmark = pytest.mark.multiprocess
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_path):
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "two-nodes",
+             "-m", "hsdp_runner", "parallel=hsdp", "logger=wandb",
+             *[o for o in TINY if not o.startswith("logger=")]]
+    procs = [subprocess.Popen(agent, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert [d.name for d in (tmp_path / "outputs" / "torchrun").iterdir()] == ["two-nodes"]
+    job = tmp_path / "outputs" / "torchrun" / "two-nodes"
+    records, summary = read_job(job)
+    assert summary["status"] == "completed" and len(records) == 6
+    assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (4, 2, 2)
+    assert summary["mesh_shape"] == [2, 2, 1] and summary["dims_across_nodes"] == ["dp_replicate"]
+    assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
+    assert len(list((job / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs to W&B
+
+
+@pytest.fixture
+def fake_slurm(tmp_path) -> dict:
+    """``sbatch`` and ``srun`` stand-ins on PATH: sbatch keeps the script and refuses the job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_CAPTURE"\n'
+                                    'echo "sbatch: test stand-in, nothing submitted" >&2\nexit 1\n')
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{cli_env()['PATH']}",
+            "SBATCH_CAPTURE": str(tmp_path / "submitted.sh")}
+
+
+SLURM_2x2 = ["launcher=slurm", "launcher.nnodes=2", "launcher.nproc_per_node=2",
+             "launcher.partition=gpu", "launcher.account=proj", "launcher.timeout_min=30"]
+
+
+def test_slurm_sweep_becomes_one_job_array_with_a_task_per_rank(tmp_path, fake_slurm):
+    result = run_cli(tmp_path, *SLURM_2x2, "parallel=hsdp,fsdp", *TINY,
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", pin_dir=False, env=fake_slurm)
+    script = Path(fake_slurm["SBATCH_CAPTURE"]).read_text()
+    for line in ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--array=0-1%2",
+                 "--partition=gpu", "--account=proj", "--time=30"]:
+        assert f"#SBATCH {line}\n" in script, script
+    assert "srun " in script and "submitit.core._submit" in script
+    # The fsdp job's shard group spans both nodes: warned about before submission.
+    assert result.stderr.count("hsdp_runner: warning: parallel.dp_shard=4 spans nodes") == 1
+    assert "nothing submitted" in result.stderr  # the stand-in refused; nothing else ran
+
+
+def test_slurm_job_with_tp_across_nodes_is_refused_before_submission(tmp_path, fake_slurm):
+    result = run_cli(tmp_path, *SLURM_2x2, "launcher.nproc_per_node=1", "parallel=tp", *TINY,
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", pin_dir=False, env=fake_slurm)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "parallel.tp=2 spans nodes" in result.stderr
+    assert "parallel.allow_tp_across_nodes=true" in result.stderr
+    assert not Path(fake_slurm["SBATCH_CAPTURE"]).exists()
+
+
+def test_two_task_job_through_submitit_local_executor_trains_into_one_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli(tmp_path, "launcher=slurm_local", "launcher.nproc_per_node=2",
+                     "parallel=fsdp", "parallel.dp_shard=-1", *TINY, f"hydra.sweep.dir={sweep}",
+                     pin_dir=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (job,) = [d for d in sweep.iterdir() if d.is_dir() and d.name != ".submitit"]
+    records, summary = read_job(job)
+    assert summary is not None, [p.read_text()[-2000:] for p in sweep.glob(".submitit/*/*.err")]
+    assert summary["status"] == "completed" and len(records) == 6
+    assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (2, 1, 2)
+    assert sorted(p.name for p in (job / "logs").iterdir()) == ["rank0.log", "rank1.log"]
