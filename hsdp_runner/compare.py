@@ -209,7 +209,8 @@ def write_comparison(sweep_dir: Path, jobs: list[Job]) -> tuple[str, list[Path]]
     text = table(jobs)
     md = (f"# Sweep {sweep_dir.name}\n\n{len(jobs)} jobs: {counts}. Medians over the steps "
           "after `metrics.warmup_steps`; (min–max) over the same steps. Sorted by global "
-          f"throughput.\n\n{text}\n\n![throughput and memory]({BARS_FILE})\n\n![loss]({LOSS_FILE})\n")
+          f"throughput.\n\n{text}\n\n![throughput and memory]({BARS_FILE})\n\n"
+          f"![loss]({LOSS_FILE})\n")
     (sweep_dir / TABLE_FILE).write_text(md)
     paths = [sweep_dir / TABLE_FILE, plot_bars(jobs, sweep_dir / BARS_FILE),
              plot_loss(jobs, sweep_dir / LOSS_FILE)]
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns 0, or 2 for a missing sweep dir or an unmet --wandb-report."""
     parser = argparse.ArgumentParser(prog="python -m hsdp_runner.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep_dir", type=Path, help="a multirun dir, e.g. multirun/2025-01-01_12-00-00")
+    parser.add_argument("sweep_dir", type=Path,
+                        help="a multirun dir, e.g. multirun/2025-01-01_12-00-00_degrees_8")
     parser.add_argument("--wandb-report", action="store_true",
                         help="also save a W&B report for the sweep's group (needs W&B online "
                              "and the wandb-workspaces package)")

@@ -52,7 +52,8 @@ def test_table_is_sorted_by_throughput_with_the_best_marked(sweep):
     assert rows[0].startswith("| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1 | 8 | bf16 |")
     assert "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | ok |" in rows[0]
     assert rows[1].startswith("| #1 dp_shard=4 tp=2 |") and "(best)" not in rows[1]
-    assert rows[2].endswith("| failed (rank 3): torch.OutOfMemoryError: CUDA out of memory \\| more |")
+    assert rows[2].endswith(
+        "| failed (rank 3): torch.OutOfMemoryError: CUDA out of memory \\| more |")
     assert rows[3].startswith("| #0 dp_shard=8 tp=2 | — | -1×8×2 | — |")
     assert rows[3].endswith("| skipped: parallel.dp_replicate=-1 cannot be inferred |")
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, cli_env, read_job, run_cli
+from hsdp_runner import sweep
 from wandb_records import iter_records, read_run
 
 # tests/sweep_conf/four_jobs.yaml: one job per `case`, 2 CPU ranks each (the ddp preset's).
@@ -96,7 +97,8 @@ def test_wandb_runs_of_a_sweep_share_one_group(four_jobs):
     assert runs["fsdp"][0]["summary"]["median_tps_global"] == \
         pytest.approx(summary["median_tps_global"])
     crash_file = next(jobs["crash"].glob("wandb/offline-run-*/run-*.wandb"))
-    exits = [r.exit.exit_code for r in iter_records(crash_file) if r.WhichOneof("record_type") == "exit"]
+    exits = [record.exit.exit_code for record in iter_records(crash_file)
+             if record.WhichOneof("record_type") == "exit"]
     assert exits == [1]  # the failed job's run is closed and marked failed, not cut off
 
 
@@ -117,6 +119,15 @@ def test_compare_writes_the_table_and_both_plots(four_jobs):
         png = (sweep_dir / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 10_000, name
     assert f"wrote {sweep_dir / 'compare.md'}" in result.stdout
+
+
+@pytest.mark.parametrize("codes, expected", [
+    ([0, 2, 0], 0),        # skipped jobs are not failures
+    ([0, 1, 2], 1),        # any failed job fails the multirun
+    ([2, 2], 2),           # nothing ran: a config error in every combination
+])
+def test_multirun_exit_code_counts_failures_not_skips(codes, expected):
+    assert sweep.exit_code(codes) == expected
 
 
 def sweep_jobs(sweep_file: Path) -> int:
