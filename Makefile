@@ -1,4 +1,5 @@
 # Fresh machine: `make run` (default job) and `make test` (test suite) create .venv on demand.
+# Sweeps: `make sweep NAME=degrees_8` runs sweeps/degrees_8.yaml; `make compare SWEEP=<dir>`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ ARGS ?=
 # The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test venv clean
+.PHONY: run test venv clean sweep compare
 
 venv: $(VENV)/.installed
 
@@ -18,6 +19,14 @@ $(VENV)/.installed: pyproject.toml
 
 run: venv
 	$(PY) -m hsdp_runner $(ARGS)
+
+sweep: venv
+	@test -n "$(NAME)" || { echo "usage: make sweep NAME=<sweeps/NAME.yaml> [ARGS='overrides']"; exit 2; }
+	$(PY) -m hsdp_runner --config-dir sweeps --config-name $(NAME) $(ARGS)
+
+compare: venv
+	@test -n "$(SWEEP)" || { echo "usage: make compare SWEEP=<sweep dir> [ARGS=--wandb-report]"; exit 2; }
+	$(PY) -m hsdp_runner.compare $(SWEEP) $(ARGS)
 
 test: venv
 	WANDB_MODE=offline $(PY) -m pytest -q tests $(ARGS)

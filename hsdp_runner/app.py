@@ -17,8 +17,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner.config import register_schemas
+from hsdp_runner import sweep
+from hsdp_runner.config import ParallelConfig, register_schemas
 from hsdp_runner.launch import EXIT_CONFIG, EXIT_OK, run_job
+from hsdp_runner.mesh import DIM_NAMES
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -73,11 +75,29 @@ def run_info_from_hydra(cfg: DictConfig) -> dict:
     overrides = hc.job.override_dirname
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     group = cfg.logger.group or (Path(hc.sweep.dir).name if multirun else hc.job.name)
-    return {"output_dir": hc.runtime.output_dir, "group": group,
+    info = {"output_dir": hc.runtime.output_dir, "group": group,
             "run_name": overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
                                               if k in ("parallel", "model", "precision")),
             "tags": [f"{k}={v}" for k, v in sorted(choices.items())], "multirun": multirun,
             "overrides": list(hc.overrides.task)}
+    if multirun:
+        info["sweep_dir"] = hc.sweep.dir
+        info["size_degrees"] = preset_degrees(choices.get("parallel"))
+    return info
+
+
+def preset_degrees(choice: str | None) -> dict | None:
+    """Return the degrees of the ``parallel`` preset ``choice`` as its YAML states them.
+
+    A sweep overrides degrees per job, but its world size must stay fixed: on CPU without
+    ``launcher.nproc_per_node`` it is the product of the preset's degrees, not the job's
+    (``mesh.infer_world_size``). Missing keys take the schema's defaults; None without a choice.
+    """
+    if choice is None:
+        return None
+    preset = OmegaConf.merge(OmegaConf.structured(ParallelConfig),
+                             hydra.compose(config_name=f"parallel/{choice}").parallel)
+    return {name: preset[name] for name in DIM_NAMES}
 
 
 _state = {"task_started": False}
@@ -121,7 +141,9 @@ def hydra_task(cfg: DictConfig) -> int:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     code = run_job(cfg, info)
-    if code != EXIT_OK and not info["multirun"]:
+    if info["multirun"]:
+        sweep.note_job(info["sweep_dir"], code)
+    elif code != EXIT_OK:
         raise SystemExit(code)
     return code
 
@@ -143,4 +165,4 @@ def main() -> int:
         if not _state["task_started"] and stop.code == 1:
             return EXIT_CONFIG
         return stop.code if isinstance(stop.code, int) else 1
-    return EXIT_OK
+    return sweep.finish() if sweep.ran() else EXIT_OK

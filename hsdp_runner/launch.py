@@ -24,14 +24,14 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner import tracking
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
-from hsdp_runner.mesh import ParallelDims, infer_world_size
+from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.llama import Llama
 from hsdp_runner.sharding import check_torch_apis, freeze_parameters
 
 log = logging.getLogger("hsdp_runner")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
-RESOLVED_CONFIG_FILE = "config_resolved.yaml"
+RESOLVED_CONFIG_FILE = tracking.RESOLVED_CONFIG_FILE
 
 
 def under_torchrun() -> bool:
@@ -48,17 +48,20 @@ def _cuda_count(cfg) -> int:
     return count
 
 
-def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False) -> ParallelDims:
+def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
+             size_degrees: dict | None = None) -> ParallelDims:
     """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
 
     ``submitting``: this process only submits the job to SLURM (a login node, often without
     GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
     Layout warnings (e.g. a shard group spanning nodes) go to stderr; in a rank, rank 0's only.
+    ``size_degrees`` (a sweep's preset degrees, see ``app.preset_degrees``) replace the job's
+    own degrees where the world size comes from degrees (CPU, no ``launcher.nproc_per_node``).
     """
     validate_config(cfg)
     check_torch_apis()
     gpus = 0 if submitting else _cuda_count(cfg)
-    world_size, ranks_per_node = _world_layout(cfg, gpus)
+    world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
     validate_batch(cfg, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
@@ -77,9 +80,10 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False) -> Par
     return dims
 
 
-def _world_layout(cfg, gpus: int) -> tuple[int, int]:
+def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int, int]:
     """Return (world size, ranks per node): from torchrun's / SLURM's environment in a rank,
-    else from ``launcher.nnodes`` x ``launcher.nproc_per_node``."""
+    else from ``launcher.nnodes`` x ``launcher.nproc_per_node`` (on CPU without it, from the
+    degrees: a sweep's ``size_degrees``, else the job's own)."""
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
         return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -87,7 +91,8 @@ def _world_layout(cfg, gpus: int) -> tuple[int, int]:
         raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
                           "ranks on this node only; use torchrun on every node or launcher=slurm "
                           "(README, 'Many nodes'), or keep launcher.nnodes=1")
-    world_size = infer_world_size(cfg.launcher, cfg.parallel, gpus)
+    sizing = OmegaConf.create(size_degrees) if size_degrees else cfg.parallel
+    world_size = infer_world_size(cfg.launcher, sizing, gpus)
     nproc = world_size // cfg.launcher.nnodes
     if gpus and nproc > gpus:
         raise ConfigError(f"launcher.nproc_per_node={nproc} exceeds the {gpus} visible GPUs; "
@@ -112,9 +117,12 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
     try:
         if cfg.launcher.name in SUBMITIT_LAUNCHERS:
             join_submitit_job(cfg.launcher.name)
-        dims = validate(cfg, output_dir)
+        dims = validate(cfg, output_dir, size_degrees=run_info.get("size_degrees"))
     except ConfigError as err:
-        print(f"hsdp_runner: config error: {err}", file=sys.stderr)
+        if run_info.get("multirun"):  # a sweep skips a combination that cannot run, goes on
+            _record_skipped(cfg, run_info, str(err))
+        else:
+            print(f"hsdp_runner: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
@@ -218,3 +226,20 @@ def _write_failed_summary(output_dir: str, dims: ParallelDims, rank: int, messag
     previous = tracking.read_summary(output_dir) or {}
     tracking.write_summary(output_dir, {**previous, "status": "failed", **dims.describe(),
                                         "failed_rank": rank, "error": message})
+
+
+def _record_skipped(cfg: DictConfig, run_info: dict, reason: str) -> None:
+    """A sweep's job that cannot run: print why; write its resolved config and its summary
+    (``status: skipped``, the reason, its overrides and the degrees it asked for)."""
+    output_dir = Path(run_info["output_dir"])
+    print(f"hsdp_runner: skipped (not counted as a failure): {reason}", flush=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        tracking.write_summary(output_dir, {
+            "status": "skipped", "reason": reason, "overrides": run_info["overrides"],
+            "requested_degrees": {name: cfg.parallel[name] for name in DIM_NAMES},
+            "error": None})
+    except OSError as err:  # e.g. the reason itself is an unwritable output dir
+        print(f"hsdp_runner: could not record the skipped job in {output_dir}: {err}",
+              file=sys.stderr)

@@ -231,7 +231,9 @@ def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
     """Return the world size a launch will have, before any process starts.
 
     ``launcher.nnodes x launcher.nproc_per_node``; ``nproc_per_node`` defaults to the number of
-    GPUs (``device_count``) or, on CPU, to the product of the explicit parallel degrees.
+    GPUs (``device_count``) or, on CPU, to the product of the explicit degrees in ``parallel``
+    (a single run passes its own degrees; a sweep its ``parallel`` preset's, so that every
+    combination runs on the same ranks and misfits are skipped).
     """
     nproc = launcher.nproc_per_node
     if nproc is None:

@@ -111,7 +111,7 @@ def steady_state(records: list[dict], warmup_steps: int) -> dict:
     for key in ("step_time_s", "tps_per_device", "tps_global", "tflops", "mfu"):
         values = [r[key] for r in steady if r.get(key) is not None]
         out[f"median_{key}"] = statistics.median(values) if values else None
-        if key in ("tps_global", "step_time_s") and values:
+        if key in ("tps_per_device", "tps_global", "step_time_s") and values:
             out[f"min_{key}"], out[f"max_{key}"] = min(values), max(values)
     out["mem_peak_gib"] = max((r["mem_peak_gib"] for r in records), default=None)
     return out

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 
 
 def write_summary(output_dir: str | Path, summary: dict) -> Path:
@@ -76,7 +77,7 @@ class WandbRun:
         import wandb
 
         mode = logger_cfg.mode
-        if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_key()):
+        if mode == "online" and not wandb_credentials_present():
             log.warning("logger.mode=online but no W&B credentials (WANDB_API_KEY or `wandb "
                         "login`); logging offline instead. Sync later with `wandb sync %s`",
                         output_dir / "wandb")
@@ -117,6 +118,9 @@ class WandbRun:
             self.run = None
 
 
-def _has_netrc_key() -> bool:
+def wandb_credentials_present() -> bool:
+    """True when W&B has an API key: ``WANDB_API_KEY`` or a ``wandb login`` entry in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")

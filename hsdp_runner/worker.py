@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import platform
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -75,6 +76,9 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # When one rank fails, the launcher (ours or torchrun) stops the others with SIGTERM; as an
+    # exception it lets rank 0 close its W&B run, marked failed, instead of dying mid-write.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     output_dir = Path(run_info["output_dir"])
     setup_logging(output_dir, rank)
     cfg = OmegaConf.create(cfg_dict)
@@ -112,7 +116,13 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     trainer = Trainer(cfg, dims, world, model, device, sinks)
     if rank == 0:
         log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
-    records = trainer.fit()
+    try:
+        records = trainer.fit()
+    except BaseException:
+        if rank == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
+            sinks[1].finish(exit_code=1)
+        raise
     eval_loss = trainer.evaluate(cfg.trainer.eval_batches) if cfg.trainer.eval_batches else None
     if rank != 0:
         return None
@@ -127,6 +137,10 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     wandb_run.finish()
     tracking.write_summary(output_dir, summary)
     return summary
+
+
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def run_facts(dims: ParallelDims, device: torch.device) -> dict:

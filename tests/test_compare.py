@@ -1,0 +1,97 @@
+"""compare: the table's order and marks from job dirs alone; --wandb-report without a server."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hsdp_runner import compare, wandb_report
+
+
+def fake_job(sweep: Path, num: int, overrides: list[str], summary: dict, losses=()) -> None:
+    """A job dir as a multirun leaves it: .hydra/overrides.yaml, config, summary, metrics."""
+    job = sweep / f"{num}_{','.join(overrides)}"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / "config_resolved.yaml").write_text(yaml.safe_dump({
+        "precision": {"name": "bf16"}, "parallel": {"dp_replicate": -1, "dp_shard": 8, "tp": 2},
+        "logger": {"project": "proj", "entity": None, "group": None, "mode": "offline"}}))
+    (job / "summary.json").write_text(json.dumps(summary))
+    (job / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+
+
+def ran(tps: float, shape: list[int]) -> dict:
+    return {"status": "completed", "layout": "fsdp_tp", "mesh_shape": shape, "world_size": 8,
+            "median_tps_global": tps, "min_tps_global": tps * 0.9, "max_tps_global": tps * 1.1,
+            "median_tps_per_device": tps / 8, "min_tps_per_device": tps / 9,
+            "max_tps_per_device": tps / 7, "median_mfu": 0.41, "mem_peak_gib": 30.5,
+            "median_step_time_s": 0.5}
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    common = "model=llama3_8b"
+    fake_job(tmp_path, 0, ["parallel.dp_shard=8", "parallel.tp=2", common],
+             {"status": "skipped", "reason": "parallel.dp_replicate=-1 cannot be inferred",
+              "requested_degrees": {"dp_replicate": -1, "dp_shard": 8, "tp": 2}})
+    fake_job(tmp_path, 1, ["parallel.dp_shard=4", "parallel.tp=2", common],
+             ran(9000.0, [1, 4, 2]), losses=[5.0, 4.0, 3.5])
+    fake_job(tmp_path, 2, ["parallel.dp_shard=2", "parallel.tp=2", common],
+             {"status": "failed", "layout": "hsdp_tp", "mesh_shape": [2, 2, 2], "world_size": 8,
+              "failed_rank": 3, "error": "torch.OutOfMemoryError: CUDA out of memory | more\nat"},
+             losses=[5.0])
+    fake_job(tmp_path, 3, ["parallel.dp_shard=8", "parallel.tp=1", common],
+             ran(12000.0, [1, 8, 1]), losses=[5.0, 4.1, 3.6])
+    return tmp_path
+
+
+def test_table_is_sorted_by_throughput_with_the_best_marked(sweep):
+    rows = compare.table(compare.load_jobs(sweep)).splitlines()[2:]
+    assert rows[0].startswith("| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1 | 8 | bf16 |")
+    assert "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | ok |" in rows[0]
+    assert rows[1].startswith("| #1 dp_shard=4 tp=2 |") and "(best)" not in rows[1]
+    assert rows[2].endswith(
+        "| failed (rank 3): torch.OutOfMemoryError: CUDA out of memory \\| more |")
+    assert rows[3].startswith("| #0 dp_shard=8 tp=2 | — | -1×8×2 | — |")
+    assert rows[3].endswith("| skipped: parallel.dp_replicate=-1 cannot be inferred |")
+
+
+def test_compare_cli_writes_table_and_plots_into_the_sweep_dir(sweep, capsys):
+    assert compare.main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "| **#3 dp_shard=8 tp=1 (best)**" in out and str(sweep / "loss.png") in out
+    assert "| **#3 dp_shard=8 tp=1 (best)**" in (sweep / "compare.md").read_text()
+    assert (sweep / "throughput_memory.png").stat().st_size > 10_000
+    assert (sweep / "loss.png").stat().st_size > 10_000
+
+
+def test_compare_of_a_dir_without_jobs_exits_2(tmp_path, capsys):
+    assert compare.main([str(tmp_path)]) == 2
+    assert "holds no job dirs" in capsys.readouterr().err
+
+
+def test_wandb_report_offline_explains_what_it_needs(sweep, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(sweep / "no_netrc"))
+    assert compare.main([str(sweep), "--wandb-report"]) == 2
+    out = capsys.readouterr().out
+    assert "--wandb-report needs" in out and "WANDB_MODE is 'offline'" in out
+    assert "WANDB_API_KEY or run `wandb login`" in out
+    assert "wandb sync <sweep dir>/*/wandb/offline-run-*" in out
+    assert (sweep / "compare.md").exists()  # the table is written regardless
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb-workspaces' pydantic v1 style
+def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
+    import wandb_workspaces.reports.v2 as wr
+
+    report = wandb_report.build_report("proj", "team", "2025-01-01_12-00-00_degrees_8", "t")
+    grid = next(b for b in report.blocks if isinstance(b, wr.PanelGrid))
+    runset = grid.runsets[0]
+    assert (runset.entity, runset.project) == ("team", "proj")
+    assert runset.filters == "Group = '2025-01-01_12-00-00_degrees_8'"
+    kinds = [type(p).__name__ for p in grid.panels]
+    assert kinds == ["BarPlot", "BarPlot", "ParallelCoordinatesPlot", "LinePlot"]
