@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import tracking
+from hsdp_runner import checkpoint, tracking
 from hsdp_runner.config import ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
 from hsdp_runner.mesh import ParallelDims, infer_world_size
@@ -70,6 +70,7 @@ def validate(cfg: DictConfig, output_dir: Path) -> ParallelDims:
     if cfg.data.kind == "text":
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     _check_writable(output_dir)
+    checkpoint.validate(cfg, output_dir)
     return dims
 
 
