@@ -11,50 +11,49 @@ pytestmark = pytest.mark.multiprocess
 SAVE = ["checkpoint.enable=true"]
 
 
-def _losses(records: list[dict], steps) -> list[float]:
-    by_step = {r["step"]: r["loss"] for r in records}
-    return [by_step[s] for s in steps]
+def _loss_at(records: list[dict], step: int) -> float:
+    return next(r["loss"] for r in records if r["step"] == step)
 
 
-def test_resume_is_bit_exact(tmp_path):
-    """20 steps straight vs 10 steps, interruption, resume: steps 11-20 agree bit for bit."""
-    job = [*TINY, "parallel=fsdp", "parallel.dp_shard=2", "trainer.steps=20"]
-    straight = run_cli(tmp_path / "straight", *job)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    interrupted = run_cli(tmp_path / "resumed", *job, *SAVE, "checkpoint.interval=10",
-                          "fault.rank=0", "fault.step=11")
-    assert interrupted.returncode == 1 and "injected fault" in interrupted.stderr
-    resumed = run_cli(tmp_path / "resumed", *job, *SAVE, "checkpoint.interval=10")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+@pytest.fixture(scope="module")
+def killed_then_resumed(tmp_path_factory):
+    """A 20-step fsdp job saving at steps 10 and 20, SIGKILLed on rank 1 while step 20 is being
+    saved (after all its steps ran), then the same command again, which resumes from step 10.
 
-    expected, _ = read_job(tmp_path / "straight")
-    records, summary = read_job(tmp_path / "resumed")
-    assert [r["step"] for r in records] == list(range(1, 21))
-    assert summary["start_step"] == 10 and summary["loaded_from"].endswith("step-10")
-    for key in ("loss", "grad_norm", "lr"):
-        assert [r[key] for r in records] == [r[key] for r in expected], key
-
-
-def test_kill_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
-    """A rank SIGKILLed while step 6 is being saved: step 3 stays complete and is resumed."""
-    job = [*TINY, "parallel=ddp", "trainer.steps=6", *SAVE, "checkpoint.interval=3",
-           "checkpoint.keep_last=1"]
-    killed = run_cli(tmp_path, *job, "fault.rank=1", "fault.step=6", "fault.phase=save",
+    Returns (job dir, step records and checkpoint folder listing after the killed run).
+    """
+    out = tmp_path_factory.mktemp("resume")
+    job = [*TINY, "parallel=fsdp", "parallel.dp_shard=2", "trainer.steps=20", *SAVE,
+           "checkpoint.interval=10", "checkpoint.keep_last=1"]
+    killed = run_cli(out, *job, "fault.rank=1", "fault.step=20", "fault.phase=save",
                      "fault.kind=sigkill")
-    assert killed.returncode == 1 and "rank 1 failed" in killed.stderr
-    ckpts = tmp_path / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-3", "step-6.partial"]
-    before, _ = read_job(tmp_path)
-    assert [r["step"] for r in before] == list(range(1, 7))
-
-    resumed = run_cli(tmp_path, *job)
+    assert killed.returncode == 1 and "rank 1 failed" in killed.stderr, killed.stderr[-3000:]
+    straight, _ = read_job(out)
+    listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+    resumed = run_cli(out, *job)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    records, summary = read_job(tmp_path)
-    assert summary["start_step"] == 3
-    assert [r["step"] for r in records] == list(range(1, 7))
-    assert _losses(records, range(4, 7)) == _losses(before, range(4, 7))
-    # The new checkpoint is complete, the interrupted one cleaned up, the old one pruned.
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-6"]
+    return out, straight, listing
+
+
+def test_resume_is_bit_exact(killed_then_resumed):
+    """Steps 11-20 trained again from the step-10 checkpoint equal the uninterrupted ones."""
+    out, straight, _ = killed_then_resumed
+    assert [r["step"] for r in straight] == list(range(1, 21))
+    records, summary = read_job(out)
+    assert summary["start_step"] == 10 and summary["loaded_from"].endswith("step-10")
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in records] == [r[key] for r in straight], key
+
+
+def test_kill_mid_save_leaves_previous_checkpoint_loadable(killed_then_resumed):
+    out, _, listing = killed_then_resumed
+    # The interrupted save stays a .partial folder; step 10 was not pruned (keep_last=1)
+    # because step 20 never became complete.
+    assert listing == ["step-10", "step-20.partial"]
+    # The resumed job loaded step 10, completed step 20, then pruned step 10 and the leftover.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-20"]
+    assert read_job(out)[1]["last_checkpoint"].endswith("step-20")
 
 
 def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
@@ -76,7 +75,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
         assert result.returncode == 0, (layout, result.stderr[-3000:])
         records, summary = read_job(tmp_path / layout)
         assert summary["start_step"] == first - 1 and records[0]["step"] == first
-        assert records[0]["loss"] == pytest.approx(_losses(reference, [first])[0], rel=1e-5), layout
+        assert records[0]["loss"] == pytest.approx(_loss_at(reference, first), rel=1e-5), layout
         source = tmp_path / layout / "checkpoints" / f"step-{first}"
 
     # Strided (FSDP-on-TP) shards round-trip exactly: DCP's reassembly of the step-5 checkpoint
