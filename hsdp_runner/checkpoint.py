@@ -93,8 +93,10 @@ def resolve(path: Path, key: str) -> Path:
         return path
     found = complete_checkpoints(path)
     if not found:
+        hint = "; for a Hugging Face folder use checkpoint.init_from_hf" \
+            if (path / hf.CONFIG_FILE).is_file() else ""
         raise CheckpointError(f"{key}={path} is neither a checkpoint (no {MANIFEST}) nor a folder "
-                              "holding complete step-N checkpoints")
+                              f"holding complete step-N checkpoints{hint}")
     return found[-1][1]
 
 
@@ -168,9 +170,11 @@ def plan_start(cfg, output_dir: Path) -> Start:
         return Start("checkpoint", str(path), int(manifest["step"]), manifest)
     if c.init_from_hf:
         folder = Path(c.init_from_hf).expanduser()
-        if not folder.is_dir():
-            raise CheckpointError(f"checkpoint.init_from_hf={folder} does not exist or is not a "
-                                  "folder; point it at a Hugging Face Llama safetensors folder")
+        if not folder.is_dir() or (folder / MANIFEST).is_file():
+            what = "is an hsdp_runner checkpoint (use checkpoint.load_path)" if folder.is_dir() \
+                else "does not exist or is not a folder"
+            raise CheckpointError(f"checkpoint.init_from_hf={folder} {what}; point it at a Hugging "
+                                  "Face Llama safetensors folder")
         hf.check_folder(folder, cfg.model, expected_shapes(cfg.model))
         return Start("hf", str(folder))
     return Start("fresh")
@@ -267,12 +271,10 @@ class Checkpointer:
 
     def restore(self, start: Start) -> int:
         """Load what ``start`` names into model/optimizer/scheduler/RNG; return the first step."""
-        c = self.cfg.checkpoint
         if start.source == "checkpoint":
             self._load(Path(start.path), start.manifest)
-            unused = [f"{k}={c[k]}" for k in ("load_path", "init_from_hf") if c[k]
-                      and Path(c[k]).expanduser() not in (Path(start.path), Path(start.path).parent)]
-            if unused and self.rank == 0:
+            unused = [f"checkpoint.{k}" for k in ("load_path", "init_from_hf") if self.cfg.checkpoint[k]]
+            if self.rank == 0 and unused and Path(start.path).parent == self.folder:
                 log.info("%s not used: this job continues from its own checkpoint %s",
                          " and ".join(unused), start.path)
         elif start.source == "hf":
