@@ -5,6 +5,9 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY, read_job, run_cli
+from hsdp_runner import hf
+from hsdp_runner.checkpoint import expected_shapes
+from hsdp_runner.export import load_full_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -57,11 +60,11 @@ def test_kill_mid_save_leaves_previous_checkpoint_loadable(killed_then_resumed):
 
 
 def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
-    """hsdp_tp (8 ranks) -> fsdp (4) -> ddp (2) -> single: each next loss within 1e-5 rel."""
-    from hsdp_runner import hf
-    from hsdp_runner.checkpoint import expected_shapes
-    from hsdp_runner.export import load_full_weights
+    """hsdp_tp (8 ranks) -> fsdp (4) -> ddp (2) -> single: each next loss within 1e-5 rel.
 
+    Every job keeps trainer.steps=5 so the LR schedule is the reference's; each one's first
+    loss is compared with the loss the 8-rank run had at that step.
+    """
     job = [*TINY, "trainer.steps=5", *SAVE]
     ref = run_cli(tmp_path / "hsdp_tp", *job, "parallel=hsdp_tp", "checkpoint.interval=2",
                   "checkpoint.export_at_end=true", "checkpoint.export_dtype=float32")
@@ -70,11 +73,12 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
 
     source = tmp_path / "hsdp_tp" / "checkpoints" / "step-2"
     for layout, first in (("fsdp", 3), ("ddp", 4), ("single", 5)):
-        result = run_cli(tmp_path / layout, *job, f"parallel={layout}", "checkpoint.interval=1",
-                         f"checkpoint.load_path={source}")
+        result = run_cli(tmp_path / layout, *job, f"parallel={layout}",
+                         f"checkpoint.interval={first}", f"checkpoint.load_path={source}")
         assert result.returncode == 0, (layout, result.stderr[-3000:])
         records, summary = read_job(tmp_path / layout)
-        assert summary["start_step"] == first - 1 and records[0]["step"] == first
+        assert summary["loaded_from"] == str(source) and summary["start_step"] == first - 1
+        assert records[0]["step"] == first
         assert records[0]["loss"] == pytest.approx(_loss_at(reference, first), rel=1e-5), layout
         source = tmp_path / layout / "checkpoints" / f"step-{first}"
 
