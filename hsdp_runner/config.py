@@ -118,6 +118,24 @@ class FaultConfig:
     rank: Optional[int] = None
     step: int = 1
     kind: str = "exception"
+    phase: str = "step"
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint saving, resuming, Hugging Face import/export (see hsdp_runner/checkpoint.py)."""
+
+    enable: bool = False
+    interval: Optional[int] = None
+    dir: Optional[str] = None
+    resume: str = "auto"
+    load_path: Optional[str] = None
+    keep_last: Optional[int] = None
+    init_from_hf: Optional[str] = None
+    export_at_end: bool = False
+    export_dir: Optional[str] = None
+    export_dtype: str = "bfloat16"
+    export_max_shard_gib: float = 5.0
 
 
 @dataclass
@@ -132,6 +150,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     device: str = "auto"
 
 
@@ -145,6 +164,7 @@ DEVICES = ("auto", "cpu", "cuda")
 FAULT_KINDS = ("exception", "sigkill")
 LAUNCHERS = ("local", "slurm", "slurm_local")
 SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
+FAULT_PHASES = ("step", "save")
 
 
 def register_schemas() -> None:
@@ -178,6 +198,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _require_choice("logger.mode", c.logger.mode, WANDB_MODES)
     _require_choice("device", c.device, DEVICES)
     _require_choice("fault.kind", c.fault.kind, FAULT_KINDS)
+    _require_choice("fault.phase", c.fault.phase, FAULT_PHASES)
     for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
                 "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
                 "model.vocab_size", "model.seq_len", "model.ffn_hidden_dim",

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import tracking
+from hsdp_runner import checkpoint, tracking
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
@@ -74,6 +74,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
         with torch.device("meta"):
             freeze_parameters(Llama(cfg.model), cfg.trainer.freeze)
     _check_writable(output_dir)
+    checkpoint.validate(cfg, output_dir)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)

@@ -43,6 +43,21 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def truncate_metrics(output_dir: str | Path, last_step: int) -> int:
+    """Drop metrics.jsonl records after ``last_step`` (a resumed job trains them again).
+
+    Rewrites the file atomically; returns how many records were dropped.
+    """
+    records = read_metrics(output_dir)
+    keep = [r for r in records if r["step"] <= last_step]
+    if len(keep) < len(records):
+        path = Path(output_dir) / METRICS_FILE
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, path)
+    return len(records) - len(keep)
+
+
 class MetricsFile:
     """Appends one JSON line per step to ``metrics.jsonl`` in the job's output dir."""
 

@@ -51,13 +51,15 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     return factor
 
 
-def inject_fault(fault_cfg, rank: int, step: int) -> None:
-    """Fail on purpose when ``fault.rank`` is this rank and ``fault.step`` this (1-based) step."""
-    if fault_cfg.rank != rank or fault_cfg.step != step:
+def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> None:
+    """Fail on purpose when ``fault.rank`` is this rank, ``fault.step`` this (1-based) step and
+    ``fault.phase`` this phase ('step': its start; 'save': while its checkpoint is written)."""
+    if fault_cfg.rank != rank or fault_cfg.step != step or fault_cfg.phase != phase:
         return
     if fault_cfg.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}")
+    raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
+                       + (" while saving its checkpoint" if phase == "save" else ""))
 
 
 def _full_value(tensor: torch.Tensor) -> float:
@@ -130,14 +132,18 @@ class Trainer:
             log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
         return loss
 
-    def fit(self) -> list[dict]:
-        """Run all steps, reporting each to the sinks; return the reported records."""
+    def fit(self, start_step: int = 0, after_step=None) -> list[dict]:
+        """Run steps ``start_step``..``trainer.steps - 1`` (0-based); reports each to the sinks.
+
+        ``after_step(step)`` is called on every rank after each step with its 1-based number
+        (the checkpointer saves there). Returns the reported records.
+        """
         steps = self.cfg.trainer.steps
         tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
-        bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True,
-                   disable=self.rank != 0, leave=False)
+        bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
+                   dynamic_ncols=True, disable=self.rank != 0, leave=False)
         self.model.train()
-        for step in range(steps):
+        for step in range(start_step, steps):
             metrics.reset_peak_memory(self.device)
             lr = self.scheduler.get_last_lr()[0]
             start = time.perf_counter()
@@ -151,6 +157,8 @@ class Trainer:
             bar.update(1)
             if self.sinks is not None:
                 self._report(record, bar)
+            if after_step is not None:
+                after_step(step + 1)
         bar.close()
         return self.records
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hsdp_runner import metrics, tracking
+from hsdp_runner import checkpoint, metrics, tracking
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
 from hsdp_runner.trainer import Trainer
@@ -107,6 +107,11 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
              device.type, dims.layout, dims.world_size)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
                         cfg.trainer.seed, cfg.trainer.freeze)
+    # Checkpoints (issue 4): where the state comes from; a resumed job's metrics.jsonl keeps
+    # only the steps up to its checkpoint, the later ones are trained again.
+    start = checkpoint.agree_on_start(cfg, output_dir)
+    if rank == 0 and start.step:
+        tracking.truncate_metrics(output_dir, start.step)
     sinks = None
     if rank == 0:
         facts = run_facts(dims, device)
@@ -116,13 +121,16 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     trainer = Trainer(cfg, dims, world, model, device, sinks)
     if rank == 0:
         log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
+    ckpt = checkpoint.Checkpointer(cfg, dims, output_dir, trainer.model, trainer.optimizer,
+                                   trainer.scheduler, device)
     try:
-        records = trainer.fit()
+        records = trainer.fit(ckpt.restore(start), ckpt.after_step)
     except BaseException:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
             sinks[1].finish(exit_code=1)
         raise
+    ckpt.export_at_end()
     eval_loss = trainer.evaluate(cfg.trainer.eval_batches) if cfg.trainer.eval_batches else None
     if rank != 0:
         return None
@@ -132,7 +140,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     summary = {"status": "completed", **facts, "steps": len(records),
                "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
                "peak_tflops": trainer.peak_tflops, "peak_tflops_source": trainer.peak_source,
-               "flops_per_token": trainer.flops_per_token, **steady, "error": None}
+               "flops_per_token": trainer.flops_per_token, **steady, **ckpt.facts, "error": None}
     wandb_run.summary(steady | {"final_loss": summary["final_loss"]})
     wandb_run.finish()
     tracking.write_summary(output_dir, summary)

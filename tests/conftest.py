@@ -52,3 +52,14 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory) -> Path:
+    """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export."""
+    out = tmp_path_factory.mktemp("trained")
+    result = run_cli(out, *TINY, "parallel=single", "trainer.steps=2", "checkpoint.enable=true",
+                     "checkpoint.interval=1", "checkpoint.export_at_end=true",
+                     "checkpoint.export_dtype=float32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out

@@ -1,0 +1,88 @@
+"""``python -m hsdp_runner.export <checkpoint> <out_dir> [--dtype D] [--max-shard-gib G]``
+
+Turns a training checkpoint (a ``step-N`` folder, or a folder of them: the newest complete one)
+into a Hugging Face Llama folder that ``transformers``' ``LlamaForCausalLM.from_pretrained``
+loads: consolidated ``model.safetensors`` (or shards + index above ``--max-shard-gib``) and
+``config.json``. Runs in one process without a process group: DCP assembles the full tensors
+from however many ranks' shards the checkpoint holds. Exit codes: 0 done, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from hsdp_runner import checkpoint, hf
+from hsdp_runner.config import DTYPES, ConfigError
+
+
+def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a checkpoint's model weights unsharded into this process.
+
+    Checks the checkpoint first (``checkpoint.inspect``). Returns ({name: full tensor}, manifest).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    manifest = checkpoint.inspect(path, None)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    weights = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: intended here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:
+        raise checkpoint.CheckpointError(f"checkpoint {path} could not be read "
+                                         f"({checkpoint.load_failure(err)}); it may be damaged") from err
+    return weights, manifest
+
+
+def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: float = 5.0
+           ) -> list[Path]:
+    """Export the checkpoint ``source`` names to the HF folder ``out_dir``; return weight files.
+
+    Raises ConfigError (CheckpointError / HFFormatError) naming the path for bad input; an
+    existing non-empty ``out_dir`` is never overwritten.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    if max_shard_gib <= 0:
+        raise ConfigError(f"--max-shard-gib {max_shard_gib} must be positive")
+    hf.require_empty_destination(out_dir, "export folder")
+    path = checkpoint.resolve(source, "checkpoint")
+    weights, manifest = load_full_weights(path)
+    model_cfg = OmegaConf.create(manifest["model"])
+    torch_dtype = getattr(torch, dtype)
+    return hf.write_folder(hf.to_hf(weights, model_cfg, torch_dtype),
+                           hf.hf_config(model_cfg, torch_dtype), out_dir,
+                           int(max_shard_gib * 2**30))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m hsdp_runner.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a step-N checkpoint, or a folder of them")
+    parser.add_argument("out_dir", type=Path, help="new (or empty) output folder")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
+    parser.add_argument("--max-shard-gib", type=float, default=5.0,
+                        help="split into several files above this size (default 5)")
+    args = parser.parse_args(argv)
+    try:
+        files = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gib)
+    except ConfigError as err:
+        print(f"hsdp_runner.export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"hsdp_runner.export: wrote {len(files)} safetensors file(s) and config.json "
+          f"({args.dtype}) to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
