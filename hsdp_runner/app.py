@@ -143,8 +143,8 @@ def hydra_task(cfg: DictConfig) -> int:
     code = run_job(cfg, info)
     if info["multirun"]:
         sweep.note_job(info["sweep_dir"], code)
-    elif code != EXIT_OK:
-        raise SystemExit(code)
+    if code > 128 or (code != EXIT_OK and not info["multirun"]):
+        raise SystemExit(code)  # an interrupt (128 + signal) also ends a sweep
     return code
 
 

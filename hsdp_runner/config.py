@@ -105,6 +105,7 @@ class TrainerConfig:
     log_every: int = 1
     eval_batches: int = 0
     freeze: list = field(default_factory=list)
+    on_nan: str = "stop"
 
 
 @dataclass
@@ -161,7 +162,8 @@ DATA_KINDS = ("synthetic", "text")
 WANDB_MODES = ("offline", "online", "disabled")
 LOGGERS = ("wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("exception", "sigkill")
+FAULT_KINDS = ("exception", "sigkill", "nan", "hang")
+ON_NAN = ("stop", "skip")
 LAUNCHERS = ("local", "slurm", "slurm_local")
 SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
 FAULT_PHASES = ("step", "save")
@@ -198,6 +200,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _require_choice("logger.mode", c.logger.mode, WANDB_MODES)
     _require_choice("device", c.device, DEVICES)
     _require_choice("fault.kind", c.fault.kind, FAULT_KINDS)
+    _require_choice("trainer.on_nan", c.trainer.on_nan, ON_NAN)
     _require_choice("fault.phase", c.fault.phase, FAULT_PHASES)
     for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
                 "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",

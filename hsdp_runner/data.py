@@ -18,7 +18,10 @@ from hsdp_runner.config import ConfigError
 
 def encode_bytes(text: str) -> torch.Tensor:
     """Byte-level tokenizer: UTF-8 bytes as token ids 0..255 (int64 tensor)."""
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    data = text.encode("utf-8")
+    if not data:  # torch.frombuffer rejects an empty buffer
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def decode_bytes(tokens: torch.Tensor) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -135,6 +136,12 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
         code, summary = _launch_local(cfg_dict, dims, run_info)
         if code != EXIT_OK:
             return code
+    if summary is not None and summary.get("status") == "interrupted":
+        print(f"hsdp_runner: interrupted by {summary['signal']} after step "
+              f"{summary['interrupted_at_step']}; last checkpoint: "
+              f"{summary.get('last_checkpoint') or 'none (checkpoint.enable=false)'}; rerun the "
+              f"same command to resume. Outputs in {output_dir}", file=sys.stderr)
+        return 128 + signal.Signals[summary["signal"]].value
     if summary is not None:
         print(f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
               f"{summary['final_loss']:.4f}); outputs in {output_dir}")
@@ -177,23 +184,26 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
             raise SystemExit(EXIT_CONFIG) from None
 
 
-def start_local_workers(fn, nproc: int, *args) -> dict:
+def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30) -> dict:
     """Run ``fn(*args)`` in ``nproc`` fresh processes on this node with torch's elastic launcher.
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
-    raises ``ChildFailedError`` (the others are stopped).
+    raises ``ChildFailedError`` (the others are stopped). On SIGTERM/SIGINT the launcher
+    passes the signal on and gives the workers ``shutdown_timeout`` seconds to stop before
+    killing them, then raises ``SignalException``.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        start_method="spawn", monitor_interval=0.1)
+        start_method="spawn", monitor_interval=0.1, shutdown_timeout=shutdown_timeout)
     return elastic_launch(config, fn)(*args)
 
 
 def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[int, dict | None]:
     """Start ``dims.world_size`` workers on this node and wait; return (exit code, summary)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from hsdp_runner.worker import run_worker
@@ -205,7 +215,18 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
     # share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dims.world_size)))
     try:
-        results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims, run_info)
+        results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
+                                      {**run_info, "local_launch": True},
+                                      shutdown_timeout=cfg_dict["launcher"]["timeout_s"])
+    except SignalException as err:
+        # The agent passed the signal on to the workers and waited for them: they stopped at a
+        # step boundary and rank 0 wrote an 'interrupted' summary (else they were killed).
+        summary = tracking.read_summary(run_info["output_dir"])
+        if summary is None or summary.get("status") != "interrupted":
+            print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} before the ranks "
+                  "reached a step boundary", file=sys.stderr)
+            return 128 + err.sigval, None
+        return EXIT_OK, summary
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = _failure_message(failure)
@@ -220,7 +241,11 @@ def _failure_message(failure) -> str:
     message = failure.message
     if isinstance(message, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
         message = message.get("message", message)
-    return str(message).strip() or f"exit code {failure.exitcode}"
+    message = str(message).strip() or f"exit code {failure.exitcode}"
+    if "Timed out" in message or "timed out" in message:
+        message += (" (a collective waited launcher.timeout_s without its peers: another rank "
+                    "hung or died; see the rank logs)")
+    return message
 
 
 def _write_failed_summary(output_dir: str, dims: ParallelDims, rank: int, message: str) -> None:

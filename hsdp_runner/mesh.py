@@ -16,6 +16,7 @@ warns when the shard group spans nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from math import prod
 from typing import Optional
 
@@ -48,10 +49,7 @@ class ParallelDims:
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
                               "launcher.nproc_per_node")
-        for name, value in degrees.items():
-            if value == 0 or value < -1:
-                raise ConfigError(f"parallel.{name}={value} is invalid; use a positive degree, "
-                                  "or -1 to fill the rest of the world size")
+        check_degree_values(degrees)
         unknown = [n for n, v in degrees.items() if v == -1]
         if len(unknown) > 1:
             raise ConfigError(f"{' and '.join('parallel.' + n for n in unknown)} are all -1; "
@@ -185,15 +183,37 @@ class ParallelDims:
                 "dp_shard": self.dp_shard, "tp": self.tp, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
-    def build_mesh(self, device_type: str) -> "WorldMesh":
-        """Build the world mesh once (all ranks must call this together); return a WorldMesh."""
+    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> "WorldMesh":
+        """Build the world mesh once (all ranks must call this together); return a WorldMesh.
+
+        ``timeout_s`` bounds every collective on the mesh's groups: DeviceMesh creates its
+        groups with torch's 30-minute default unless their backend options carry a timeout,
+        whatever the default process group was given.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        override = _backend_with_timeout(device_type, timeout_s)
+        per_dim = {name: override for name in DIM_NAMES} if override else None
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES,
+                                backend_override=per_dim)
         # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
         # flattened dim back out of the root mesh is deprecated, so the view is kept here.
-        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override)
         return WorldMesh(mesh, {"dp": dp_mesh})
+
+
+def _backend_with_timeout(device_type: str, timeout_s: float | None):
+    """Return (backend, options with timeout) for DeviceMesh's backend_override, or None."""
+    if timeout_s is None:
+        return None
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
+    else:
+        backend, options = "gloo", dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return backend, options
 
 
 def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool:
@@ -227,6 +247,14 @@ class WorldMesh:
         return self[name].get_local_rank()
 
 
+def check_degree_values(degrees: dict) -> None:
+    """Raise ConfigError for a degree that is neither positive nor -1 ({name: value})."""
+    for name, value in degrees.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallel.{name}={value} is invalid; use a positive degree, "
+                              "or -1 to fill the rest of the world size")
+
+
 def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
     """Return the world size a launch will have, before any process starts.
 
@@ -235,6 +263,7 @@ def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
     (a single run passes its own degrees; a sweep its ``parallel`` preset's, so that every
     combination runs on the same ranks and misfits are skipped).
     """
+    check_degree_values({name: getattr(parallel, name) for name in DIM_NAMES})
     nproc = launcher.nproc_per_node
     if nproc is None:
         if device_count:

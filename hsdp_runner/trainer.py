@@ -51,11 +51,23 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     return factor
 
 
-def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> None:
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN/inf loss or gradient norm and ``trainer.on_nan=stop``."""
+
+
+def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> bool:
     """Fail on purpose when ``fault.rank`` is this rank, ``fault.step`` this (1-based) step and
-    ``fault.phase`` this phase ('step': its start; 'save': while its checkpoint is written)."""
+    ``fault.phase`` this phase ('step': its start; 'save': while its checkpoint is written).
+
+    Returns True when the fault is ``nan``: the caller poisons this step's loss.
+    """
     if fault_cfg.rank != rank or fault_cfg.step != step or fault_cfg.phase != phase:
-        return
+        return False
+    if fault_cfg.kind == "nan":
+        return True
+    if fault_cfg.kind == "hang":
+        while True:  # never joins the next collective; the peers' timeout ends the job
+            time.sleep(3600)
     if fault_cfg.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
@@ -86,15 +98,23 @@ class Trainer:
         self.peak_tflops, self.peak_source = metrics.resolve_peak_tflops(
             device, cfg.precision.param_dtype, cfg.metrics.peak_tflops)
         self.records: list[dict] = []
+        self.skipped_steps = 0
+        self.stopped_by: int | None = None  # signal number when a stop request ended fit()
+        self.last_step = 0
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
         logits = self.model(inputs.to(self.device))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step over the rank's local batch; returns (dp-mean loss, grad norm)."""
-        inject_fault(self.cfg.fault, self.rank, step + 1)
+    def train_step(self, step: int) -> tuple[float, float, bool]:
+        """One optimizer step over the rank's local batch.
+
+        Returns (dp-mean loss, grad norm, skipped). A non-finite loss or grad norm (the same
+        on every rank, both being reduced) raises NonFiniteError with ``trainer.on_nan=stop``
+        or, with ``skip``, drops the update and returns skipped=True.
+        """
+        poison = inject_fault(self.cfg.fault, self.rank, step + 1)
         inputs, targets = self.batches.local_batch(step)
         accum = self.cfg.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
@@ -103,15 +123,31 @@ class Trainer:
                 # Reduce gradients once, on the last micro-batch.
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             loss = self.loss_on(x, y) / accum
+            if poison:
+                loss = loss * float("nan")
             loss.backward()
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True)
-        self.optimizer.step()
+        grad_norm = _full_value(
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        loss = total.item() / self.dims.dp
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
-        return total.item() / self.dims.dp, _full_value(grad_norm)
+        if not finite:
+            if self.cfg.trainer.on_nan == "stop":
+                raise NonFiniteError(
+                    f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite; the run "
+                    "stops (trainer.on_nan=stop). Lower optim.lr, check the data, or set "
+                    "trainer.on_nan=skip to drop such steps")
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped "
+                        "(trainer.on_nan=skip, %d skipped so far)", step + 1, loss, grad_norm,
+                        self.skipped_steps)
+        return loss, grad_norm, not finite
 
     @torch.no_grad()
     def evaluate(self, n_batches: int) -> float:
@@ -132,11 +168,13 @@ class Trainer:
             log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
         return loss
 
-    def fit(self, start_step: int = 0, after_step=None) -> list[dict]:
+    def fit(self, start_step: int = 0, after_step=None, stop=None) -> list[dict]:
         """Run steps ``start_step``..``trainer.steps - 1`` (0-based); reports each to the sinks.
 
         ``after_step(step)`` is called on every rank after each step with its 1-based number
-        (the checkpointer saves there). Returns the reported records.
+        (the checkpointer saves there). ``stop`` (an ``interrupt.StopRequest``) is asked after
+        each step; when any rank was signalled all stop there and ``stopped_by`` is set.
+        Returns the reported records.
         """
         steps = self.cfg.trainer.steps
         tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
@@ -147,18 +185,26 @@ class Trainer:
             metrics.reset_peak_memory(self.device)
             lr = self.scheduler.get_last_lr()[0]
             start = time.perf_counter()
-            loss, grad_norm = self.train_step(step)
+            loss, grad_norm, skipped = self.train_step(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             record = metrics.step_record(
                 step + 1, loss, grad_norm, lr, time.perf_counter() - start, tokens,
                 self.dims.world_size, self.flops_per_token, self.peak_tflops,
                 metrics.peak_memory_gib(self.device))
+            record["skipped"] = skipped
+            self.last_step = step + 1
             bar.update(1)
             if self.sinks is not None:
                 self._report(record, bar)
             if after_step is not None:
                 after_step(step + 1)
+            if stop is not None:
+                self.stopped_by = stop.agreed(self.device)
+                if self.stopped_by:
+                    log.warning("stopping after step %d on %s", step + 1,
+                                signal.Signals(self.stopped_by).name)
+                    break
         bar.close()
         return self.records
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hsdp_runner import checkpoint, metrics, tracking
+from hsdp_runner.interrupt import StopRequest, signal_name
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
 from hsdp_runner.trainer import Trainer
@@ -76,9 +77,11 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # When one rank fails, the launcher (ours or torchrun) stops the others with SIGTERM; as an
-    # exception it lets rank 0 close its W&B run, marked failed, instead of dying mid-write.
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # SIGTERM / SIGINT (preemption, Ctrl-C, or the launcher stopping the job because another
+    # rank failed) only set a flag: the ranks agree to stop at the next step boundary, save a
+    # checkpoint and write an 'interrupted' summary; a collective with a dead peer fails first.
+    stop = StopRequest()
+    stop.install()
     output_dir = Path(run_info["output_dir"])
     setup_logging(output_dir, rank)
     cfg = OmegaConf.create(cfg_dict)
@@ -87,7 +90,7 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     try:
-        summary = _train(cfg, dims, run_info, device, output_dir, rank)
+        summary = _train(cfg, dims, run_info, device, output_dir, rank, stop)
     except BaseException:
         log.exception("rank %d failed", rank)
         dist.destroy_process_group()
@@ -97,12 +100,20 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    if stop.signum is not None and run_info.get("local_launch"):
+        # Our elastic agent is shutting down after the signal: it no longer collects return
+        # values, and torch's worker wrapper would block until the agent's shutdown timeout
+        # kills it. Rank 0's summary is on disk; leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return summary
 
 
 def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output_dir: Path,
-           rank: int) -> dict | None:
-    world = dims.build_mesh(device.type)
+           rank: int, stop: StopRequest) -> dict | None:
+    world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
@@ -124,31 +135,48 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     ckpt = checkpoint.Checkpointer(cfg, dims, output_dir, trainer.model, trainer.optimizer,
                                    trainer.scheduler, device)
     try:
-        records = trainer.fit(ckpt.restore(start), ckpt.after_step)
+        records = trainer.fit(ckpt.restore(start), ckpt.after_step, stop)
+        if trainer.stopped_by:
+            _save_on_stop(cfg, ckpt, trainer.last_step)
     except BaseException:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
             sinks[1].finish(exit_code=1)
         raise
     ckpt.export_at_end()
-    eval_loss = trainer.evaluate(cfg.trainer.eval_batches) if cfg.trainer.eval_batches else None
+    eval_loss = None
+    if cfg.trainer.eval_batches and not trainer.stopped_by:
+        eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
     if rank != 0:
         return None
     metrics_file, wandb_run = sinks
     metrics_file.close()
     steady = metrics.steady_state(records, cfg.metrics.warmup_steps)
+    interrupted = {"status": "interrupted", "interrupted_at_step": trainer.last_step,
+                   "signal": signal_name(trainer.stopped_by)} if trainer.stopped_by else {}
     summary = {"status": "completed", **facts, "steps": len(records),
+               "skipped_steps": trainer.skipped_steps,
                "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
                "peak_tflops": trainer.peak_tflops, "peak_tflops_source": trainer.peak_source,
-               "flops_per_token": trainer.flops_per_token, **steady, **ckpt.facts, "error": None}
-    wandb_run.summary(steady | {"final_loss": summary["final_loss"]})
+               "flops_per_token": trainer.flops_per_token, **steady, **ckpt.facts, "error": None,
+               **interrupted}
+    wandb_run.summary(steady | {"final_loss": summary["final_loss"], "status": summary["status"],
+                                "skipped_steps": trainer.skipped_steps})
     wandb_run.finish()
     tracking.write_summary(output_dir, summary)
     return summary
 
 
-def _stop_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
+def _save_on_stop(cfg, ckpt, step: int) -> None:
+    """After a stop request, save the step just finished unless it was saved already."""
+    if not cfg.checkpoint.enable:
+        log.warning("stopped after step %d; checkpointing is off (checkpoint.enable=false), so "
+                    "a rerun starts over", step)
+        return
+    if ckpt.facts["last_checkpoint"] != str(ckpt.folder / f"step-{step}"):
+        ckpt.save(step)
+    log.warning("stopped after step %d; checkpoint %s; rerun the same command to resume",
+                step, ckpt.facts["last_checkpoint"])
 
 
 def run_facts(dims: ParallelDims, device: torch.device) -> dict:

@@ -1,0 +1,68 @@
+"""Every config value a user can get wrong: exit code 2, one message naming key, value and fix,
+before any worker starts. Adding a case is one line in BAD_INPUTS."""
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+
+from conftest import TINY, run_cli
+from hsdp_runner import app, launch
+
+# (overrides, words the message must contain, GPUs the machine pretends to have or None)
+BAD_INPUTS = [
+    (["parallel.tpp=2"], "tpp", None),                                           # unknown key
+    (["parallel.tp=two"], "two", None),                                          # wrong type
+    (["trainer.steps=1.5"], "trainer.steps", None),                              # wrong type
+    (["parallel.dp_shard=0"], "parallel.dp_shard=0 is invalid", None),
+    (["parallel.dp_replicate=-3"], "parallel.dp_replicate=-3 is invalid", None),
+    (["parallel=fsdp", "launcher.nproc_per_node=3"], "world size is 3", None),    # product
+    (["parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=4", None),
+    (["parallel=tp", "parallel.tp=4"], "parallel.tp=4 does not divide model.n_kv_heads=2", None),
+    (["parallel.dp_shard=-1"], "set launcher.nproc_per_node", None),             # not inferable
+    (["parallel.dp_shard=-1", "launcher.nproc_per_node=3"], "cannot be inferred", None),
+    (["parallel=fsdp", "launcher.nproc_per_node=4"], "exceeds the 2 visible GPUs", 2),
+    (["device=cuda"], "device=cuda but no CUDA device is visible", None),
+    (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible", None),
+    (["parallel=tp", "model.seq_len=31"], "model.seq_len=31 is not divisible by parallel.tp=2", None),
+    (["precision.param_dtype=float8"], "precision.param_dtype='float8'", None),
+    (["precision=bf16"], "needs bfloat16, which this GPU does not support", 4),
+    (["data=text", "data.path=/no/such.txt"], "data.path='/no/such.txt' does not exist", None),
+    (["data=text", "data.path=EMPTY"], "holds 0 bytes", None),
+    (["hydra.run.dir=/proc/hsdp_runner_test"], "is not writable", None),
+    (["checkpoint.load_path=/no/such/ckpt"], "checkpoint.load_path=/no/such/ckpt does not exist", None),
+    (["checkpoint.load_path=EMPTY"], "is neither a checkpoint", None),           # wrong kind
+    (["trainer.freeze=[nope.*]"], "trainer.freeze pattern 'nope.*' matches no parameter", None),
+    (["trainer.on_nan=ignore"], "trainer.on_nan='ignore'", None),
+    (["parallel.ac=sometimes"], "parallel.ac='sometimes'", None),
+    (["logger.mode=cloud"], "logger.mode='cloud'", None),
+    (["optim.lr=0"], "optim.lr=0.0 must be positive", None),
+]
+
+
+@pytest.fixture
+def empty_file(tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_text("")
+    return path
+
+
+@pytest.mark.parametrize("overrides, words, gpus", BAD_INPUTS,
+                         ids=[" ".join(case[0]) for case in BAD_INPUTS])
+def test_bad_input_exits_2_naming_key_and_fix_before_any_worker(
+        overrides, words, gpus, job_dir, empty_file, monkeypatch, capsys):
+    overrides = [o.replace("EMPTY", str(empty_file)) for o in overrides]
+    if gpus is not None:
+        monkeypatch.setattr(launch, "_cuda_count", lambda cfg: gpus)
+        monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda: False)
+    monkeypatch.setattr("sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY, *overrides])
+    GlobalHydra.instance().clear()
+    code = app.main()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err
+    assert not (job_dir / "logs").exists()
+
+
+def test_bad_input_from_the_command_line_exits_2(job_dir):
+    result = run_cli(job_dir, *TINY, "parallel.tp=3", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("hsdp_runner: config error: parallel.tp=3")
