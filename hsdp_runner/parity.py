@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rtol", default="1e-5", help="max relative difference (default 1e-5)")
     parser.add_argument("--out", default=None, help="output dir (default parity/<time>)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every layout")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         args.rtol = float(args.rtol)
     except ValueError:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
     ["parallel=tp", "parallel.sequence_parallel=false", "data=text"],
 ], ids=lambda o: ",".join(o))
 def test_precision_ac_and_accumulation_options_train(overrides, job_dir):
-    result = run_cli(job_dir, *TINY, *overrides)
+    result = run_cli(job_dir, *TINY, *overrides, "trainer.steps=4")
     assert result.returncode == 0, result.stderr[-3000:]
     records, summary = read_job(job_dir)
     assert summary["status"] == "completed"

@@ -12,18 +12,18 @@ pytestmark = pytest.mark.multiprocess
 
 def test_offline_wandb_run_has_group_config_and_steps(job_dir):
     overrides = [o for o in TINY if o != "logger=none"]
-    result = run_cli(job_dir, "parallel=hsdp", *overrides, "logger=wandb",
+    result = run_cli(job_dir, "parallel=ddp", *overrides, "logger=wandb",
                      "logger.group=my-sweep", "precision=bf16")
     assert result.returncode == 0, result.stderr[-3000:]
     run_files = list(job_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
     run = read_run(run_files[0])
     assert run["group"] == "my-sweep"
-    assert "parallel=hsdp" in run["name"] and "precision=bf16" in run["name"]
-    assert "parallel=hsdp" in run["tags"] and "model=llama3_tiny" in run["tags"]
+    assert "parallel=ddp" in run["name"] and "precision=bf16" in run["name"]
+    assert "parallel=ddp" in run["tags"] and "model=llama3_tiny" in run["tags"]
     assert run["config"]["parallel"]["dp_replicate"] == 2
-    assert run["config"]["derived"]["mesh_shape"] == [2, 2, 1]
-    assert run["config"]["derived"]["world_size"] == 4
+    assert run["config"]["derived"]["mesh_shape"] == [2, 1, 1]
+    assert run["config"]["derived"]["world_size"] == 2
     assert [h["step"] for h in run["history"]] == list(range(1, 7))
     _, summary = read_job(job_dir)
     assert run["summary"]["median_tps_global"] == pytest.approx(summary["median_tps_global"])
