@@ -7,7 +7,10 @@ ARGS ?=
 # The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test venv clean sweep compare
+# `make parity` checks every layout against a single process (README "Is my layout correct?").
+PARITY_ARGS ?= model=llama3_tiny
+
+.PHONY: run test parity venv clean sweep compare
 
 venv: $(VENV)/.installed
 
@@ -27,6 +30,9 @@ sweep: venv
 compare: venv
 	@test -n "$(SWEEP)" || { echo "usage: make compare SWEEP=<sweep dir> [ARGS=--wandb-report]"; exit 2; }
 	$(PY) -m hsdp_runner.compare $(SWEEP) $(ARGS)
+
+parity: venv
+	$(PY) -m hsdp_runner.parity $(PARITY_ARGS)
 
 test: venv
 	WANDB_MODE=offline $(PY) -m pytest -q tests $(ARGS)
