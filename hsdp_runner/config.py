@@ -111,6 +111,7 @@ class TrainerConfig:
 class MetricsConfig:
     warmup_steps: int = 2
     peak_tflops: Optional[float] = None
+    comm_step: Optional[int] = 1
 
 
 @dataclass
@@ -211,6 +212,9 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _validate_launcher(c.launcher)
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
+    if c.metrics.comm_step is not None and not 1 <= c.metrics.comm_step <= c.trainer.steps:
+        raise ConfigError(f"metrics.comm_step={c.metrics.comm_step} is not a step of this run "
+                          f"(1..trainer.steps={c.trainer.steps}); pick one in range or null")
     if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:
         raise ConfigError(f"metrics.peak_tflops={c.metrics.peak_tflops} must be a positive number "
                           "(TFLOP/s of one device) or null to look it up")

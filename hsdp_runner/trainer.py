@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hsdp_runner import metrics
+from hsdp_runner import comm, metrics
+from hsdp_runner.comm_model import analytic_comm, comm_report
 from hsdp_runner.data import TokenBatches
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models.llama import flops_per_token
@@ -86,6 +87,8 @@ class Trainer:
         self.peak_tflops, self.peak_source = metrics.resolve_peak_tflops(
             device, cfg.precision.param_dtype, cfg.metrics.peak_tflops)
         self.records: list[dict] = []
+        # Communication accounting (issue 7): filled after the step ``metrics.comm_step``.
+        self.comm_facts: dict = {}
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
@@ -147,13 +150,16 @@ class Trainer:
             metrics.reset_peak_memory(self.device)
             lr = self.scheduler.get_last_lr()[0]
             start = time.perf_counter()
-            loss, grad_norm = self.train_step(step)
+            with comm.count_if(step + 1 == self.cfg.metrics.comm_step, self.world) as counter:
+                loss, grad_norm = self.train_step(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             record = metrics.step_record(
                 step + 1, loss, grad_norm, lr, time.perf_counter() - start, tokens,
                 self.dims.world_size, self.flops_per_token, self.peak_tflops,
                 metrics.peak_memory_gib(self.device))
+            if counter is not None:
+                record.update(self._comm_record(counter, step + 1))
             bar.update(1)
             if self.sinks is not None:
                 self._report(record, bar)
@@ -161,6 +167,17 @@ class Trainer:
                 after_step(step + 1)
         bar.close()
         return self.records
+
+    def _comm_record(self, counter: comm.CommCounter, step: int) -> dict:
+        """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
+        c = self.cfg
+        analytic = analytic_comm(c.model, self.dims, c.parallel, c.precision, c.trainer)
+        self.comm_facts = comm_report(counter.result(), analytic, step)
+        if self.rank == 0:
+            log.info("step %d communication per rank: measured %s bytes, analytic %s bytes "
+                     "(ratio %s)", step, f"{self.comm_facts['comm_bytes_measured']:,}",
+                     f"{self.comm_facts['comm_bytes_analytic']:,}", self.comm_facts["comm_ratio"])
+        return {k: v for k, v in self.comm_facts.items() if k != "comm_step"}
 
     def _report(self, record: dict, bar) -> None:
         self.records.append(record)
