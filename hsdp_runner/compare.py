@@ -102,6 +102,14 @@ def _mfu(job: Job) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.2f}%"
 
 
+def _comm(summary: dict) -> str:
+    """Measured collective bytes of the counted step and their ratio to the analytic model."""
+    measured, ratio = summary.get("comm_bytes_measured"), summary.get("comm_ratio")
+    if measured is None:
+        return "—"
+    return f"{measured / 2**20:,.2f}" + ("" if ratio is None else f" (×{ratio:.3f})")
+
+
 def _status(job: Job) -> str:
     s = job.summary
     if job.status == "completed":
@@ -125,7 +133,8 @@ def _degrees(job: Job) -> tuple[str, str, str]:
 
 def table(jobs: list[Job]) -> str:
     """Return the markdown table: one row per job, in ``jobs`` order, the first ok job marked."""
-    head = ("| job | layout | degrees (rep×shard×tp) | world | precision | tok/s/device "
+    head = ("| job | layout | degrees (rep×shard×tp) | world | precision | comm MiB/step/rank "
+            "(measured ÷ model) | tok/s/device "
             "(min–max) | tok/s global (min–max) | MFU | peak mem GiB | step s | status |")
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for i, job in enumerate(jobs):
@@ -136,7 +145,7 @@ def table(jobs: list[Job]) -> str:
             name = f"**{name} (best)**"
         rows.append(" | ".join([
             f"| {name}", layout, shape, world,
-            (job.config.get("precision") or {}).get("name", "?"),
+            (job.config.get("precision") or {}).get("name", "?"), _comm(s),
             _spread(s, "tps_per_device"), _spread(s, "tps_global"),
             _mfu(job),
             _num(s.get("mem_peak_gib"), ".2f"), _num(s.get("median_step_time_s"), ".3g"),

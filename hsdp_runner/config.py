@@ -112,6 +112,17 @@ class TrainerConfig:
 class MetricsConfig:
     warmup_steps: int = 2
     peak_tflops: Optional[float] = None
+    comm_step: Optional[int] = 1
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler trace of a step window (see hsdp_runner/profiling.py)."""
+
+    enable: bool = False
+    start_step: int = 3
+    steps: int = 2
+    all_ranks: bool = False
 
 
 @dataclass
@@ -151,6 +162,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     device: str = "auto"
 
@@ -214,6 +226,17 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _validate_launcher(c.launcher)
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
+    if c.metrics.comm_step is not None and not 1 <= c.metrics.comm_step <= c.trainer.steps:
+        raise ConfigError(f"metrics.comm_step={c.metrics.comm_step} is not a step of this run "
+                          f"(1..trainer.steps={c.trainer.steps}); pick one in range or null")
+    if c.profile.enable:
+        _require_positive("profile.start_step", c.profile.start_step)
+        _require_positive("profile.steps", c.profile.steps)
+        last = c.profile.start_step + c.profile.steps - 1
+        if last > c.trainer.steps:
+            raise ConfigError(f"profile.start_step={c.profile.start_step} + profile.steps="
+                              f"{c.profile.steps} ends at step {last}, after trainer.steps="
+                              f"{c.trainer.steps}; start earlier or profile fewer steps")
     if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:
         raise ConfigError(f"metrics.peak_tflops={c.metrics.peak_tflops} must be a positive number "
                           "(TFLOP/s of one device) or null to look it up")

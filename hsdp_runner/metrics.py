@@ -87,6 +87,32 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
 
 
+def peak_reserved_gib(device: torch.device) -> float | None:
+    """Peak memory the CUDA caching allocator reserved, in GiB; None on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return None
+
+
+def memory_breakdown(model: torch.nn.Module, master_dtype: str) -> dict:
+    """Estimate this rank's resident training state in GiB from its (sharded) parameters.
+
+    ``params``: the local shards in the stored (master) dtype; ``grads``: one such tensor per
+    trainable parameter; ``optimizer``: AdamW's two moments per trainable parameter, in the
+    master dtype. Activations, gathered (unsharded) parameters, communication buffers and the
+    allocator's slack come on top: compare ``total`` with the measured peak.
+    """
+    size = getattr(torch, master_dtype).itemsize
+    local = trainable = 0
+    for param in model.parameters():
+        n = (param.to_local() if hasattr(param, "to_local") else param).numel()
+        local += n
+        trainable += n if param.requires_grad else 0
+    gib = {"params": local * size / 2**30, "grads": trainable * size / 2**30,
+           "optimizer": 2 * trainable * size / 2**30}
+    return {**gib, "total": sum(gib.values())}
+
+
 def step_record(step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
                 tokens_global: int, world_size: int, flops_per_token: float,
                 peak_tflops: float | None, mem_peak_gib: float) -> dict:
@@ -114,4 +140,19 @@ def steady_state(records: list[dict], warmup_steps: int) -> dict:
         if key in ("tps_per_device", "tps_global", "step_time_s") and values:
             out[f"min_{key}"], out[f"max_{key}"] = min(values), max(values)
     out["mem_peak_gib"] = max((r["mem_peak_gib"] for r in records), default=None)
+    return out
+
+
+def flat_summary(memory: dict, comm_facts: dict) -> dict:
+    """Scalars for the W&B summary: memory estimate, comm totals and ratio, and the measured
+    and analytic bytes per collective kind and mesh dim (``comm/<kind>/<dim>/bytes``, ...)."""
+    out = {f"mem_estimate_gib/{k}": v for k, v in memory.get("mem_estimate_gib", {}).items()}
+    out["mem_peak_gib_max_rank"] = max(memory.get("mem_peak_gib_per_rank") or [0.0])
+    for key in ("comm_bytes_measured", "comm_bytes_analytic", "comm_ratio", "comm_step"):
+        if key in comm_facts:
+            out[key] = comm_facts[key]
+    for source in ("measured", "analytic"):
+        for name, entry in comm_facts.get(f"comm_{source}", {}).items():
+            for field, value in entry.items():
+                out[f"comm_{source}/{name}/{field}"] = value
     return out

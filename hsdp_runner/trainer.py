@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hsdp_runner import metrics
+from hsdp_runner import comm, metrics
+from hsdp_runner.comm_model import analytic_comm, comm_report
 from hsdp_runner.data import TokenBatches
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models.llama import flops_per_token
@@ -101,6 +102,8 @@ class Trainer:
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
+        # Communication accounting (issue 7): filled after the step ``metrics.comm_step``.
+        self.comm_facts: dict = {}
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
@@ -185,7 +188,8 @@ class Trainer:
             metrics.reset_peak_memory(self.device)
             lr = self.scheduler.get_last_lr()[0]
             start = time.perf_counter()
-            loss, grad_norm, skipped = self.train_step(step)
+            with comm.count_if(step + 1 == self.cfg.metrics.comm_step, self.world) as counter:
+                loss, grad_norm, skipped = self.train_step(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             record = metrics.step_record(
@@ -194,6 +198,8 @@ class Trainer:
                 metrics.peak_memory_gib(self.device))
             record["skipped"] = skipped
             self.last_step = step + 1
+            if counter is not None:
+                record.update(self._comm_record(counter, step + 1))
             bar.update(1)
             if self.sinks is not None:
                 self._report(record, bar)
@@ -207,6 +213,17 @@ class Trainer:
                     break
         bar.close()
         return self.records
+
+    def _comm_record(self, counter: comm.CommCounter, step: int) -> dict:
+        """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
+        c = self.cfg
+        analytic = analytic_comm(c.model, self.dims, c.parallel, c.precision, c.trainer)
+        self.comm_facts = comm_report(counter.result(), analytic, step)
+        if self.rank == 0:
+            log.info("step %d communication per rank: measured %s bytes, analytic %s bytes "
+                     "(ratio %s)", step, f"{self.comm_facts['comm_bytes_measured']:,}",
+                     f"{self.comm_facts['comm_bytes_analytic']:,}", self.comm_facts["comm_ratio"])
+        return {k: v for k, v in self.comm_facts.items() if k != "comm_step"}
 
     def _report(self, record: dict, bar) -> None:
         self.records.append(record)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint, metrics, tracking
+from hsdp_runner import checkpoint, metrics, profiling, tracking
 from hsdp_runner.interrupt import StopRequest, signal_name
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
@@ -130,12 +130,19 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
         sinks = (tracking.MetricsFile(output_dir),
                  tracking.WandbRun(cfg.logger, run_info, config, output_dir))
     trainer = Trainer(cfg, dims, world, model, device, sinks)
+    # Memory estimate (issue 7), to compare with the measured peak.
+    mem_estimate = metrics.memory_breakdown(model, cfg.precision.master_dtype)
     if rank == 0:
         log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
+        log.info("memory estimate per rank: params %.3f + grads %.3f + optimizer %.3f = %.3f GiB "
+                 "(activations and gathered parameters come on top)", mem_estimate["params"],
+                 mem_estimate["grads"], mem_estimate["optimizer"], mem_estimate["total"])
     ckpt = checkpoint.Checkpointer(cfg, dims, output_dir, trainer.model, trainer.optimizer,
                                    trainer.scheduler, device)
     try:
-        records = trainer.fit(ckpt.restore(start), ckpt.after_step, stop)
+        first = ckpt.restore(start)
+        profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)  # issue 7
+        records = trainer.fit(first, profiler.wrap(ckpt.after_step, first), stop)
         if trainer.stopped_by:
             _save_on_stop(cfg, ckpt, trainer.last_step)
     except BaseException:
@@ -147,6 +154,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     eval_loss = None
     if cfg.trainer.eval_batches and not trainer.stopped_by:
         eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
+    memory = _memory_facts(device, mem_estimate)  # a collective: every rank calls it
     if rank != 0:
         return None
     metrics_file, wandb_run = sinks
@@ -158,10 +166,11 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
                "skipped_steps": trainer.skipped_steps,
                "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
                "peak_tflops": trainer.peak_tflops, "peak_tflops_source": trainer.peak_source,
-               "flops_per_token": trainer.flops_per_token, **steady, **ckpt.facts, "error": None,
-               **interrupted}
+               "flops_per_token": trainer.flops_per_token, **steady, **ckpt.facts,
+               **memory, **trainer.comm_facts, "error": None, **interrupted}
     wandb_run.summary(steady | {"final_loss": summary["final_loss"], "status": summary["status"],
-                                "skipped_steps": trainer.skipped_steps})
+                                "skipped_steps": trainer.skipped_steps}
+                      | metrics.flat_summary(memory, trainer.comm_facts))
     wandb_run.finish()
     tracking.write_summary(output_dir, summary)
     return summary
@@ -177,6 +186,17 @@ def _save_on_stop(cfg, ckpt, step: int) -> None:
         ckpt.save(step)
     log.warning("stopped after step %d; checkpoint %s; rerun the same command to resume",
                 step, ckpt.facts["last_checkpoint"])
+
+
+def _memory_facts(device: torch.device, estimate: dict) -> dict:
+    """Every rank's peak memory (allocated; reserved on CUDA) and the state estimate."""
+    mine = (metrics.peak_memory_gib(device), metrics.peak_reserved_gib(device))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    facts = {"mem_peak_gib_per_rank": [m[0] for m in every], "mem_estimate_gib": estimate}
+    if device.type == "cuda":
+        facts["mem_reserved_gib_per_rank"] = [m[1] for m in every]
+    return facts
 
 
 def run_facts(dims: ParallelDims, device: torch.device) -> dict:

@@ -27,7 +27,8 @@ def ran(tps: float, shape: list[int]) -> dict:
             "median_tps_global": tps, "min_tps_global": tps * 0.9, "max_tps_global": tps * 1.1,
             "median_tps_per_device": tps / 8, "min_tps_per_device": tps / 9,
             "max_tps_per_device": tps / 7, "median_mfu": 0.41, "mem_peak_gib": 30.5,
-            "median_step_time_s": 0.5}
+            "median_step_time_s": 0.5, "comm_bytes_measured": 3 * 2**20,
+            "comm_bytes_analytic": 3 * 2**20 - 100, "comm_ratio": 1.00003}
 
 
 @pytest.fixture
@@ -49,7 +50,8 @@ def sweep(tmp_path):
 
 def test_table_is_sorted_by_throughput_with_the_best_marked(sweep):
     rows = compare.table(compare.load_jobs(sweep)).splitlines()[2:]
-    assert rows[0].startswith("| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1 | 8 | bf16 |")
+    assert rows[0].startswith(
+        "| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1 | 8 | bf16 | 3.00 (×1.000) |")
     assert "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | ok |" in rows[0]
     assert rows[1].startswith("| #1 dp_shard=4 tp=2 |") and "(best)" not in rows[1]
     assert rows[2].endswith(

@@ -203,6 +203,13 @@ class ReplicatedParams(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+# The dim each weight is split on by ``tp_plan`` (column-parallel: 0, row-parallel: 1; the
+# embedding is row-parallel over the vocab, i.e. dim 0). Weights not listed (the norms) stay
+# whole on every TP rank. The communication model (hsdp_runner/comm_model.py) reads it.
+TP_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
+                "w1": 0, "w3": 0, "w2": 1}
+
+
 def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
     """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
 

@@ -1,0 +1,97 @@
+"""How much does the runner cost over a minimal hand-written FSDP2 loop?
+
+    .venv/bin/python benchmarks/overhead.py [--model llama3_debug] [--steps 12] [--warmup 4]
+
+For each layout (fsdp: dp_shard=2; fsdp_tp: dp_shard=2 x tp=2), side by side with the same
+model, mesh, global batch and steps:
+- ``python -m hsdp_runner`` (defaults, ``logger=none``), and
+- ``torchrun --standalone`` + ``benchmarks/minimal_fsdp.py``.
+Prints the steady-state (median after ``--warmup`` steps) step time of each and their ratio,
+and the wall time of each command and their ratio. The step time is the same region in both
+(train step through the loss on the host); what the runner does around it (metrics, console,
+start-up checks, W&B when on) shows in the wall time. The last line is
+``step_time_ratio=<x> wall_ratio=<y>``: the worst layout of each. Targets: <= 1.03, <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = {"fsdp": (2, 1), "fsdp_tp": (2, 2)}  # name -> (dp_shard, tp)
+
+
+def _timed(cmd: list[str], env: dict) -> float:
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        sys.exit(f"failed ({result.returncode}): {' '.join(cmd)}\n{result.stderr[-3000:]}")
+    return wall
+
+
+def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path) -> dict:
+    """Run the runner and the minimal loop for one layout; return their step medians and walls."""
+    world = dp_shard * tp
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline",
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    out = tmp / f"{name}_minimal.json"
+    minimal = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "benchmarks/minimal_fsdp.py", f"--dp-shard={dp_shard}",
+               f"--tp={tp}", f"--model={args.model}", f"--steps={args.steps}",
+               f"--batch={args.batch}", f"--out={out}"]
+    job = tmp / f"{name}_runner"
+    runner = [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job}", "parallel=fsdp_tp",
+              "parallel.dp_replicate=1", f"parallel.dp_shard={dp_shard}", f"parallel.tp={tp}",
+              f"model={args.model}", f"trainer.steps={args.steps}",
+              f"trainer.global_batch_size={args.batch}", "logger=none"]
+    wall_min = _timed(minimal, env)
+    wall_run = _timed(runner, env)
+    steady = slice(args.warmup, None)
+    min_times = json.loads(out.read_text())["step_time_s"][steady]
+    run_times = [json.loads(line)["step_time_s"]
+                 for line in (job / "metrics.jsonl").read_text().splitlines()][steady]
+    return {"runner_step": statistics.median(run_times),
+            "minimal_step": statistics.median(min_times),
+            "runner_wall": wall_run, "minimal_wall": wall_min}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3_debug")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or ''} "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; model={args.model} "
+          f"steps={args.steps} (median of the last {args.steps - args.warmup}) batch={args.batch}")
+    step_ratios, wall_ratios = [], []
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        for name in args.layouts.split(","):
+            dp_shard, tp = LAYOUTS[name]
+            r = run_pair(name, dp_shard, tp, args, Path(tmp))
+            step_ratios.append(r["runner_step"] / r["minimal_step"])
+            wall_ratios.append(r["runner_wall"] / r["minimal_wall"])
+            print(f"{name:8s} (dp_shard={dp_shard}, tp={tp}): step time runner "
+                  f"{r['runner_step']:.3f} s, minimal {r['minimal_step']:.3f} s, ratio "
+                  f"{step_ratios[-1]:.3f} | wall python -m hsdp_runner {r['runner_wall']:.1f} s, "
+                  f"torchrun + minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f}",
+                  flush=True)
+    print(f"step_time_ratio={max(step_ratios):.3f} wall_ratio={max(wall_ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Analytic communication per training step, from the model shape, the layout and the dtypes.
+
+What one rank sends through collectives in one optimizer step, counted like ``comm.py`` counts
+what it measures (the full tensor of each collective: gathered output, reduce-scatter input,
+all-reduce tensor), keyed ``'<kind>/<mesh dim>'``. Collectives over groups of one rank move
+nothing and are in neither. The model follows what the runner builds (``sharding.py``):
+
+- FSDP (``dp_shard`` > 1): one all-gather per FSDP unit (each block, then the root: embedding,
+  final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
+  ``reshard_after_forward`` the blocks are gathered again in backward (the root is never
+  resharded after forward, see ``sharding.apply_data_parallel``); one reduce-scatter per unit
+  of the trainable gradients in ``precision.reduce_dtype``, on the last micro-batch. FSDP pads
+  each parameter's dim 0 to a multiple of the shard degree; the model pads the same way.
+- HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
+  ``dp_replicate``; DDP (``dp_shard`` = 1) is that all-reduce of the whole gradients.
+- TP (Megatron plan in ``models/llama.py``) moves activations of the rank's tokens
+  ``n = global_batch / dp x seq_len`` in the compute dtype. With sequence parallel, per block
+  an all-gather before attention and before the FFN and a reduce-scatter after each (and
+  their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
+  the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
+  (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
+  weights' gradients. Without sequence parallel those become all-reduces of the same tensors.
+- The trainer's dp all-reduce of the loss (one fp32 scalar).
+
+Not modelled, so measured/analytic sits a hair above 1: the all-reduces of per-parameter
+norms ``clip_grad_norm_`` issues over DTensor meshes (one fp32 per parameter, ~100 bytes a
+step), and, with TP but no FSDP, the repeated all-reduces of the norm weights' partial
+gradients (DTensor reduces a ``Partial`` gradient again in each of clip_grad_norm_ and AdamW's
+ops that reads it: 3 x norms x dim x dtype more). Both are below 1% of a step's bytes for any
+model: they scale with the number of norms, the rest with parameters and activations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from hsdp_runner.mesh import ParallelDims
+from hsdp_runner.models.llama import TP_SPLIT_DIM, Llama
+from hsdp_runner.sharding import freeze_parameters
+
+LOSS_BYTES = 4  # the fp32 loss scalar the trainer all-reduces over dp
+
+
+def _dtype_bytes(name: str) -> int:
+    return getattr(torch, name).itemsize
+
+
+def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int, int]]:
+    """Elements per FSDP unit ('layers.<i>' or 'root'): (all parameters, trainable ones).
+
+    Sizes are one TP rank's part of each parameter (``TP_SPLIT_DIM``), dim 0 padded to a
+    multiple of ``dp_shard`` as FSDP pads it.
+    """
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    freeze_parameters(model, freeze)
+    units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for name, param in model.named_parameters():
+        shape = list(param.shape)
+        split = TP_SPLIT_DIM.get(name.split(".")[-2]) if dims.tp > 1 else None
+        if split is not None:
+            shape[split] //= dims.tp
+        shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        units[unit][0] += math.prod(shape)
+        units[unit][1] += math.prod(shape) if param.requires_grad else 0
+    return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
+
+
+class _Tally:
+    def __init__(self):
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+
+    def add(self, key: str, calls: int, nbytes: int) -> None:
+        if calls and nbytes:
+            self.counts[key]["calls"] += calls
+            self.counts[key]["bytes"] += nbytes
+
+
+def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+                  ) -> dict[str, dict[str, int]]:
+    """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
+
+    Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes and the job's
+    ParallelDims (see the module docstring for what is counted).
+    """
+    tally = _Tally()
+    accum = trainer.grad_accum_steps
+    _data_parallel(tally, unit_sizes(model_cfg, dims, trainer.freeze), dims,
+                   parallel.reshard_after_forward, precision, accum)
+    if dims.tp > 1:
+        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
+        _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
+                         _dtype_bytes(precision.param_dtype), accum)
+    if dims.dp > 1:
+        # The flattened dp group is reported as the one dp dim it equals, if it equals one.
+        dp = "dp" if min(dims.dp_replicate, dims.dp_shard) > 1 else \
+            "dp_shard" if dims.dp_shard > 1 else "dp_replicate"
+        tally.add(f"all_reduce/{dp}", 1, LOSS_BYTES)
+    return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
+
+
+def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
+                   accum: int) -> None:
+    gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
+    trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
+    if dims.dp_shard > 1:
+        blocks = [sizes[0] for unit, sizes in units.items() if unit != "root"]
+        tally.add("all_gather/dp_shard", len(units) * accum,
+                  sum(sizes[0] for sizes in units.values()) * gather * accum)
+        if reshard:
+            tally.add("all_gather/dp_shard", len(blocks) * accum, sum(blocks) * gather * accum)
+        tally.add("reduce_scatter/dp_shard", len(trainable), sum(trainable.values()) * reduce)
+    if dims.dp_replicate > 1:
+        shard = sum(trainable.values()) // dims.dp_shard
+        tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
+
+
+def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
+                     compute: int, accum: int) -> None:
+    layers, dim = model_cfg.n_layers, model_cfg.dim
+    act = tokens * dim * compute  # one residual-stream activation of the rank's tokens
+    tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
+    if sequence_parallel:
+        per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding
+        tally.add("all_gather/tp", 2 * per_pass * accum, 2 * per_pass * act)
+        tally.add("reduce_scatter/tp", 2 * per_pass * accum, 2 * per_pass * act)
+        # Once a step: the partial gradients accumulate over micro-batches and are reduced
+        # when first used (by FSDP's reduce-scatter, or by clip_grad_norm_ without FSDP).
+        norms = 2 * layers + 1
+        tally.add("all_reduce/tp", norms, norms * dim * compute)
+    else:
+        calls = 4 * layers + 2  # per block 2 in forward, 2 in backward; embedding; output
+        tally.add("all_reduce/tp", calls * accum, calls * act)
+
+
+def comm_report(measured: dict, analytic: dict, step: int) -> dict:
+    """Summary facts: per-step totals, their ratio and both breakdowns, for one measured step."""
+    total_m = sum(e["bytes"] for e in measured.values())
+    total_a = sum(e["bytes"] for e in analytic.values())
+    return {"comm_step": step, "comm_bytes_measured": total_m, "comm_bytes_analytic": total_a,
+            "comm_ratio": total_m / total_a if total_a else None,
+            "comm_measured": measured, "comm_analytic": analytic}
