@@ -62,13 +62,15 @@ def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: b
         wall_run, wall_min = _timed(runner, env), _timed(minimal, env)
     else:
         wall_min, wall_run = _timed(minimal, env), _timed(runner, env)
-    steady = slice(args.warmup, None)
-    min_times = json.loads(out.read_text())["step_time_s"][steady]
+    min_times = json.loads(out.read_text())["step_time_s"]
     run_times = [json.loads(line)["step_time_s"]
-                 for line in (job / "metrics.jsonl").read_text().splitlines()][steady]
-    return {"runner_step": statistics.median(run_times),
-            "minimal_step": statistics.median(min_times),
-            "runner_wall": wall_run, "minimal_wall": wall_min}
+                 for line in (job / "metrics.jsonl").read_text().splitlines()]
+    return {"runner_step": statistics.median(run_times[args.warmup:]),
+            "minimal_step": statistics.median(min_times[args.warmup:]),
+            "runner_wall": wall_run, "minimal_wall": wall_min,
+            # what the wall time spends outside the timed steps: start-up, teardown, reporting
+            "runner_outside": wall_run - sum(run_times),
+            "minimal_outside": wall_min - sum(min_times)}
 
 
 def main() -> None:
@@ -98,8 +100,9 @@ def main() -> None:
             print(f"{name:8s} (dp_shard={dp_shard}, tp={tp}): step time runner "
                   f"{r['runner_step']:.3f} s, minimal {r['minimal_step']:.3f} s, ratio "
                   f"{step_ratios[-1]:.3f} | wall python -m hsdp_runner {r['runner_wall']:.1f} s, "
-                  f"torchrun + minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f}",
-                  flush=True)
+                  f"torchrun + minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f} | "
+                  f"outside the steps: runner {r['runner_outside']:.1f} s, minimal "
+                  f"{r['minimal_outside']:.1f} s", flush=True)
     print(f"step_time_ratio={max(step_ratios):.3f} wall_ratio={max(wall_ratios):.3f}")
 
 
