@@ -78,8 +78,9 @@ def _group(group) -> dist.ProcessGroup:
 class CommCounter(TorchDispatchMode):
     """Counts calls and bytes per (collective kind, mesh dim) while active.
 
-    Collectives over one-rank groups are left out. ``totals`` maps ``'<kind>/<dim>'`` to ``{'calls': n, 'bytes': b}``; a group that spans no mesh
-    dim is reported as ``world`` (all ranks) or ``ranks[...]``.
+    Collectives over one-rank groups are left out. ``totals`` maps ``'<kind>/<dim>'`` to
+    ``{'calls': n, 'bytes': b}``; a group that spans no mesh dim is reported as ``world`` (all
+    ranks) or ``ranks[...]``.
     """
 
     def __init__(self, world):
@@ -131,7 +132,3 @@ def count_if(active: bool, world):
     with CommCounter(world) as counter:
         yield counter
 
-
-def total_bytes(counts: dict[str, dict[str, int]]) -> int:
-    """Sum of the bytes of every entry of a counts dict."""
-    return sum(entry["bytes"] for entry in counts.values())

@@ -147,7 +147,8 @@ def flat_summary(memory: dict, comm_facts: dict) -> dict:
     """Scalars for the W&B summary: memory estimate, comm totals and ratio, and the measured
     and analytic bytes per collective kind and mesh dim (``comm/<kind>/<dim>/bytes``, ...)."""
     out = {f"mem_estimate_gib/{k}": v for k, v in memory.get("mem_estimate_gib", {}).items()}
-    out["mem_peak_gib_max_rank"] = max(memory.get("mem_peak_gib_per_rank") or [0.0])
+    if memory.get("mem_peak_gib_per_rank"):
+        out["mem_peak_gib_max_rank"] = max(memory["mem_peak_gib_per_rank"])
     for key in ("comm_bytes_measured", "comm_bytes_analytic", "comm_ratio", "comm_step"):
         if key in comm_facts:
             out[key] = comm_facts[key]

@@ -10,8 +10,6 @@ import torch
 from distributed import run_workers
 from test_config import compose
 
-pytestmark = pytest.mark.multiprocess
-
 BASE = ["model=llama3_tiny", "trainer.steps=1", "metrics.peak_tflops=1", "logger=none",
         "trainer.global_batch_size=8"]
 # name -> overrides; all on 8 ranks. tp=8 needs 8 heads and 8 kv heads.
@@ -52,6 +50,7 @@ def facts():
     return run_workers(_measure_layouts, 8)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
     for rank, per_layout in facts.items():
@@ -69,3 +68,21 @@ def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
             got = f["comm_measured"][key]
             assert got["bytes"] == pytest.approx(expected["bytes"], rel=1e-3), (rank, key, f)
             assert expected["calls"] <= got["calls"] <= expected["calls"] + 2, (rank, key, f)
+
+
+def test_analytic_fsdp_bytes_match_a_hand_count():
+    from hsdp_runner.comm_model import analytic_comm
+    from hsdp_runner.mesh import ParallelDims
+
+    # llama3_tiny: a block holds wq 64x64, wk and wv 32x64, wo 64x64, w1/w3 192x64, w2 64x192
+    # and two norms of 64 = 49,280 parameters; the root 2 x 256x64 + 64 = 32,832.
+    blocks, root = 2 * 49_280, 32_832
+    for reshard, gathers in ((True, 5), (False, 3)):
+        cfg = compose(BASE + ["parallel=fsdp", "parallel.dp_shard=2",
+                              f"parallel.reshard_after_forward={reshard}"])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
+        got = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+        gathered = (blocks + root + (blocks if reshard else 0)) * 4  # fp32
+        assert got == {"all_gather/dp_shard": {"calls": gathers, "bytes": gathered},
+                       "reduce_scatter/dp_shard": {"calls": 3, "bytes": (blocks + root) * 4},
+                       "all_reduce/dp_shard": {"calls": 1, "bytes": 4}}
