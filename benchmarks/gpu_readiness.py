@@ -48,7 +48,8 @@ def report(model: str, batch: int, out: Path) -> None:
     s = json.loads((out / "summary.json").read_text())
     mfu = "unknown (set metrics.peak_tflops)" if s["median_mfu"] is None \
         else f"{100 * s['median_mfu']:.1f}%"
-    print(f"device: {s['device_name']} (peak {s['peak_tflops']} TFLOP/s: {s['peak_tflops_source']})")
+    print(f"device: {s['device_name']} (peak {s['peak_tflops']} TFLOP/s: "
+          f"{s['peak_tflops_source']})")
     print(f"model={model} global_batch={batch} seq_len from the model config, "
           f"{s['steady_steps']} steady steps after {s['warmup_steps_excluded']} warm-up")
     print(f"tokens/s: {s['median_tps_per_device']:,.0f}  TFLOP/s: {s['median_tflops']:.1f}  "

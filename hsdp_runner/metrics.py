@@ -27,7 +27,10 @@ PEAK_TFLOPS = (
     ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float32": 80.0}),
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
     ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6}),
+    ("L40", {"bfloat16": 181.0, "float16": 181.0, "float32": 90.5}),
+    ("L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),  # after L40S / L40
     ("A10G", {"bfloat16": 70.0, "float16": 70.0, "float32": 31.2}),
+    ("MI325X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4}),
     ("MI300X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4}),
     ("MI250X", {"bfloat16": 383.0, "float16": 383.0, "float32": 47.9}),
 )

@@ -26,7 +26,8 @@ class StepProfiler:
         self.active = profile_cfg.enable and (profile_cfg.all_ranks or rank == 0)
         self.first = profile_cfg.start_step
         self.last = profile_cfg.start_step + profile_cfg.steps - 1
-        self.path = Path(output_dir) / "profile" / f"rank{rank}_steps{self.first}-{self.last}.pt.trace.json"
+        name = f"rank{rank}_steps{self.first}-{self.last}.pt.trace.json"
+        self.path = Path(output_dir) / "profile" / name
         self.activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
