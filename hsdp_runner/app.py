@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner import sweep
-from hsdp_runner.config import ParallelConfig, register_schemas
+from hsdp_runner.config import SUBMITIT_LAUNCHERS, ParallelConfig, register_schemas
 from hsdp_runner.launch import EXIT_CONFIG, EXIT_OK, run_job
 from hsdp_runner.mesh import DIM_NAMES
 
@@ -141,6 +141,8 @@ def hydra_task(cfg: DictConfig) -> int:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     code = run_job(cfg, info)
+    if cfg.launcher.name in SUBMITIT_LAUNCHERS:
+        return code  # submitit pickles it for the submitting process, which tallies the sweep
     if info["multirun"]:
         sweep.note_job(info["sweep_dir"], code)
     if code > 128 or (code != EXIT_OK and not info["multirun"]):

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "checkpoint.json"
 FORMAT = "hsdp_runner.dcp/1"
 _COMPLETE = re.compile(r"^step-(\d+)$")
+_LEFTOVER = re.compile(r"^step-(\d+)(\.partial|\.deleting)$")  # an unfinished save / deletion
 
 
 class CheckpointError(ConfigError):
@@ -82,6 +83,12 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), p) for p in folder.iterdir()
              if (m := _COMPLETE.match(p.name)) and (p / MANIFEST).is_file()]
     return sorted(found)
+
+
+def newest_checkpoint(cfg, output_dir: Path) -> str | None:
+    """The path of the newest complete checkpoint in the job's checkpoint dir, or None."""
+    found = complete_checkpoints(checkpoint_dir(cfg, output_dir))
+    return str(found[-1][1]) if found else None
 
 
 def resolve(path: Path, key: str) -> Path:
@@ -239,6 +246,15 @@ def load_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"
 
 
+def _remove(path: Path) -> bool:
+    """Delete a folder the runner wrote; log a failure instead of raising. True if gone."""
+    errors = []
+    shutil.rmtree(path, onerror=lambda func, name, exc: errors.append(f"{name}: {exc[1]}"))
+    if errors:
+        log.warning("could not delete %s (%s); delete it by hand", path, "; ".join(errors[:3]))
+    return not errors
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -387,16 +403,24 @@ class Checkpointer:
         log.info("checkpoint saved: %s", final)
 
     def _prune(self, newest: int) -> None:
-        for stale in self.folder.glob("step-*.*"):  # interrupted saves and deletions
-            if stale.name.endswith(".deleting") or int(stale.name[5:].split(".")[0]) < newest:
-                shutil.rmtree(stale, ignore_errors=True)
+        """Delete what earlier saves left: interrupted saves and deletions, and (``keep_last``)
+        complete checkpoints older than the newest K. Only names this class writes are
+        touched (a user's ``step-10.bak`` stays); a failed deletion is logged, never fatal."""
+        for stale in self.folder.iterdir():
+            m = _LEFTOVER.match(stale.name)
+            if m and (m.group(2) == ".deleting" or int(m.group(1)) < newest):
+                _remove(stale)
         keep = self.cfg.checkpoint.keep_last
         for _, old in (complete_checkpoints(self.folder)[:-keep] if keep else []):
             # Renamed first so a crash mid-delete cannot leave a half-deleted "complete" one.
             doomed = old.with_name(old.name + ".deleting")
-            os.rename(old, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-            log.info("checkpoint pruned (checkpoint.keep_last=%d): %s", keep, old)
+            try:
+                os.rename(old, doomed)
+            except OSError as err:
+                log.warning("could not prune checkpoint %s (%s); it stays", old, err)
+                continue
+            if _remove(doomed):
+                log.info("checkpoint pruned (checkpoint.keep_last=%d): %s", keep, old)
 
     def export_at_end(self) -> None:
         """With ``checkpoint.export_at_end``, write the weights as an HF folder (rank 0)."""

@@ -22,7 +22,7 @@ import yaml
 from hsdp_runner import tracking
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
-ORDER = {"completed": 0, "failed": 1, "skipped": 2, "unfinished": 3}
+ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Job:
 
     @property
     def status(self) -> str:
-        """completed / failed / skipped, or unfinished when the job wrote no summary."""
+        """completed / interrupted / failed / skipped, or unfinished without a summary."""
         return self.summary.get("status", "unfinished")
 
     @property
@@ -52,8 +52,8 @@ def _read_yaml(path: Path):
 
 
 def load_jobs(sweep_dir: Path) -> list[Job]:
-    """Return the sweep's jobs, sorted by throughput: completed fastest first, then failed,
-    skipped, unfinished. A job dir is one Hydra wrote ``.hydra/`` into, at any depth (an
+    """Return the sweep's jobs, sorted by throughput: completed fastest first, then
+    interrupted, failed, skipped, unfinished. A job dir is one Hydra wrote ``.hydra/`` into, at any depth (an
     override value with a ``/`` nests the dir Hydra names after the overrides)."""
     jobs = []
     for path in sorted({p.parent for p in sweep_dir.rglob(".hydra")}):
@@ -64,7 +64,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
                         summary=tracking.read_summary(path) or {},
                         records=tracking.read_metrics(path)))
     _label(jobs)
-    jobs.sort(key=lambda j: (ORDER.get(j.status, 3), -(j.tps_global or 0.0), j.num))
+    jobs.sort(key=lambda j: (ORDER.get(j.status, len(ORDER)), -(j.tps_global or 0.0), j.num))
     return jobs
 
 
@@ -118,6 +118,8 @@ def _status(job: Job) -> str:
         return "skipped: " + _cell(s.get("reason", ""))
     if job.status == "failed":
         return f"failed (rank {s.get('failed_rank')}): " + _cell(s.get("error", ""))
+    if job.status == "interrupted":
+        return f"interrupted at step {s.get('interrupted_at_step')} ({s.get('signal')})"
     return "unfinished (no summary.json)"
 
 

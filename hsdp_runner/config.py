@@ -94,6 +94,12 @@ class LauncherConfig:
     timeout_min: int = 60
     partition: Optional[str] = None
     account: Optional[str] = None
+    # Stop signals (hsdp_runner/interrupt.py): the time-limit signal SLURM sends
+    # signal_delay_s before --time (besides TERM, INT and USR2), and how many times a job it
+    # stopped is requeued (submitit's max_num_timeout).
+    signal: Optional[str] = None
+    signal_delay_s: int = 120
+    requeue: int = 0
 
 
 @dataclass
@@ -174,7 +180,7 @@ DATA_KINDS = ("synthetic", "text")
 WANDB_MODES = ("offline", "online", "disabled")
 LOGGERS = ("wandb", "none")
 DEVICES = ("auto", "cpu", "cuda")
-FAULT_KINDS = ("exception", "sigkill", "nan", "hang")
+FAULT_KINDS = ("exception", "sigkill", "sigterm", "nan", "hang")
 ON_NAN = ("stop", "skip")
 LAUNCHERS = ("local", "slurm", "slurm_local")
 SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
@@ -202,6 +208,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     Takes the composed config (DictConfig or plain dict). Degree checks are ParallelDims'.
     """
     c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    _reject_unknown_keys(c)
     _require_choice("parallel.ac", c.parallel.ac, AC_MODES)
     _require_choice("optim.name", c.optim.name, ("adamw",))
     _require_choice("parallel.ddp_impl", c.parallel.ddp_impl, DDP_IMPLS)
@@ -219,6 +226,9 @@ def validate_config(cfg: DictConfig | dict) -> None:
                 "model.vocab_size", "model.seq_len", "model.ffn_hidden_dim",
                 "launcher.nnodes", "launcher.timeout_s"):
         _require_positive(key, OmegaConf.select(c, key))
+    if c.launcher.requeue and not c.checkpoint.enable:
+        raise ConfigError(f"launcher.requeue={c.launcher.requeue} needs checkpoint.enable=true: a "
+                          "requeued job resumes from its checkpoint (without one it starts over)")
     if c.launcher.nproc_per_node is not None:
         _require_positive("launcher.nproc_per_node", c.launcher.nproc_per_node)
     if c.trainer.eval_batches < 0:
@@ -260,6 +270,17 @@ def validate_config(cfg: DictConfig | dict) -> None:
 
 def _validate_launcher(launcher) -> None:
     _require_choice("launcher.name", launcher.name, LAUNCHERS)
+    from hsdp_runner.interrupt import parse_signal
+
+    if launcher.signal is not None:
+        try:
+            parse_signal(launcher.signal)
+        except ValueError as err:
+            raise ConfigError(f"launcher.signal={launcher.signal!r}: {err}; use a signal name "
+                              "such as USR2 (submitit's default) or USR1") from None
+    if launcher.requeue < 0 or launcher.signal_delay_s < 1:
+        raise ConfigError(f"launcher.requeue={launcher.requeue} must be >= 0 and "
+                          f"launcher.signal_delay_s={launcher.signal_delay_s} >= 1")
     if launcher.name not in SUBMITIT_LAUNCHERS:
         return
     choice = f"launcher={launcher.name}"
@@ -276,6 +297,36 @@ def _validate_launcher(launcher) -> None:
         raise ConfigError(f"launcher.nnodes={launcher.nnodes} with launcher=slurm_local: "
                           "submitit's local executor runs one node; set launcher.nnodes=1 or "
                           "use launcher=slurm")
+
+
+def _schema_keys(node, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node:
+        value = OmegaConf.select(node, key) if OmegaConf.is_dict(node) else None
+        keys.append(prefix + str(key))
+        if OmegaConf.is_dict(value):
+            keys += _schema_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not know (added with ``+``, which the typed schema cannot
+    stop): nothing reads them, so ``+trainer.stepz=10`` would run a full job silently.
+    The message names the nearest valid key. ``hydra.*`` is not part of the job's config."""
+    import difflib
+
+    known = set(_schema_keys(OmegaConf.structured(RunConfig)))
+    for key in _schema_keys(cfg):
+        if key in known:
+            continue
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        if parent and parent not in known:
+            continue  # reported at its first unknown level
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise ConfigError(f"unknown config key {key} (added with +); nothing reads it: {hint}"
+                          "fix or drop the override (python -m hsdp_runner --cfg job lists "
+                          "every key)")
 
 
 def validate_batch(cfg: DictConfig | dict, dp_size: int) -> int:

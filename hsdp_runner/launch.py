@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner import checkpoint, tracking
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
+from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.llama import Llama
 from hsdp_runner.sharding import check_torch_apis, freeze_parameters
@@ -33,6 +34,7 @@ log = logging.getLogger("hsdp_runner")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 RESOLVED_CONFIG_FILE = tracking.RESOLVED_CONFIG_FILE
+AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by torch's agent when it starts workers
 
 
 def under_torchrun() -> bool:
@@ -129,6 +131,7 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg_dict))
+        tracking.begin_attempt(output_dir)
     if under_torchrun():
         from hsdp_runner.worker import run_worker
         summary = run_worker(cfg_dict, dims, run_info)
@@ -188,9 +191,10 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30) -> di
     """Run ``fn(*args)`` in ``nproc`` fresh processes on this node with torch's elastic launcher.
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
-    raises ``ChildFailedError`` (the others are stopped). On SIGTERM/SIGINT the launcher
-    passes the signal on and gives the workers ``shutdown_timeout`` seconds to stop before
-    killing them, then raises ``SignalException``.
+    raises ``ChildFailedError`` (the others are stopped). Unless the caller took them over
+    (``_launch_local``), on SIGTERM/SIGINT torch's agent passes the signal on, gives the
+    workers ``shutdown_timeout`` seconds to stop before killing them, then raises
+    ``SignalException``.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -214,27 +218,57 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
     # torch's launcher sets 1 thread per worker when OMP_NUM_THREADS is unset, with a warning;
     # share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dims.world_size)))
+    # Stop signals are ours, not the agent's: it would pass the first on and then stop
+    # collecting the workers' results (and die mid-shutdown on a second one).
+    signals = LauncherSignals()
+    signals.install(stop_signals(cfg_dict["launcher"].get("signal")))
+    agent_signals = os.environ.get(AGENT_SIGNALS_ENV)
+    os.environ[AGENT_SIGNALS_ENV] = "SIGHUP,SIGQUIT"
     try:
         results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
                                       {**run_info, "local_launch": True},
                                       shutdown_timeout=cfg_dict["launcher"]["timeout_s"])
-    except SignalException as err:
-        # The agent passed the signal on to the workers and waited for them: they stopped at a
-        # step boundary and rank 0 wrote an 'interrupted' summary (else they were killed).
-        summary = tracking.read_summary(run_info["output_dir"])
-        if summary is None or summary.get("status") != "interrupted":
-            print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} before the ranks "
-                  "reached a step boundary", file=sys.stderr)
-            return 128 + err.sigval, None
-        return EXIT_OK, summary
+    except SignalException as err:  # a stop signal before the workers were up
+        print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} before training "
+              "started", file=sys.stderr)
+        return 128 + err.sigval, None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
+        if stopped:
+            return _stopped_at_once(cfg_dict, dims, run_info["output_dir"], stopped), None
         message = _failure_message(failure)
         print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
               f"rank logs: {Path(run_info['output_dir']) / 'logs'}", file=sys.stderr)
         _write_failed_summary(run_info["output_dir"], dims, rank, message)
         return EXIT_FAILED, None
+    finally:
+        signals.uninstall()
+        if agent_signals is None:
+            os.environ.pop(AGENT_SIGNALS_ENV, None)
+        else:
+            os.environ[AGENT_SIGNALS_ENV] = agent_signals
     return EXIT_OK, results.get(0)
+
+
+def _stop_exit_signal(exitcode: int) -> int | None:
+    """The stop signal a worker's exit code 128 + signal says it stopped at once on, or None."""
+    return exitcode - 128 if exitcode - 128 in {int(s) for s in BASE_SIGNALS} else None
+
+
+def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum: int) -> int:
+    """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
+    cfg = OmegaConf.create(cfg_dict)
+    last_ckpt = checkpoint.newest_checkpoint(cfg, Path(output_dir))
+    step = tracking.last_step(output_dir)
+    tracking.write_summary(output_dir, {
+        "status": "interrupted", **dims.describe(), "signal": signal_name(signum),
+        "interrupted_at_step": step, "stopped_at_once": True, "last_checkpoint": last_ckpt,
+        "error": None})
+    print(f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
+          f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
+          file=sys.stderr)
+    return 128 + signum
 
 
 def _failure_message(failure) -> str:
@@ -249,8 +283,9 @@ def _failure_message(failure) -> str:
 
 
 def _write_failed_summary(output_dir: str, dims: ParallelDims, rank: int, message: str) -> None:
-    previous = tracking.read_summary(output_dir) or {}
-    tracking.write_summary(output_dir, {**previous, "status": "failed", **dims.describe(),
+    """Replace summary.json with a failed record: the layout, the rank and its error only
+    (figures of an earlier attempt must not appear under ``status: failed``)."""
+    tracking.write_summary(output_dir, {"status": "failed", **dims.describe(),
                                         "failed_rank": rank, "error": message})
 
 

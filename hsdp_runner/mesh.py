@@ -188,10 +188,12 @@ class ParallelDims:
 
         ``timeout_s`` bounds every collective on the mesh's groups: DeviceMesh creates its
         groups with torch's 30-minute default unless their backend options carry a timeout,
-        whatever the default process group was given.
+        whatever the default process group was given. None: the default group's timeout.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
+        if timeout_s is None:
+            timeout_s = default_group_timeout_s(device_type)
         override = _backend_with_timeout(device_type, timeout_s)
         per_dim = {name: override for name in DIM_NAMES} if override else None
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES,
@@ -200,6 +202,17 @@ class ParallelDims:
         # flattened dim back out of the root mesh is deprecated, so the view is kept here.
         dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override)
         return WorldMesh(mesh, {"dp": dp_mesh})
+
+
+def default_group_timeout_s(device_type: str) -> float | None:
+    """The collective timeout the default process group was created with (None without one)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    backend = dist.group.WORLD._get_backend(torch.device(device_type))
+    return backend.options._timeout.total_seconds()
 
 
 def _backend_with_timeout(device_type: str, timeout_s: float | None):

@@ -3,13 +3,15 @@
 Runs the same config (seed, global batch, data, steps) under each layout through the runner's
 own launch path, reads each job's metrics.jsonl and summary.json, and compares losses, grad
 norms and the final eval loss against the single-process run. Prints a table, writes
-``parity.md``, and exits 1 if any layout is outside the tolerance (2 on bad input).
+``parity.md``, and exits 1 if any layout is outside the tolerance or failed (2 on bad input,
+128 + signal when a signal stopped it: the remaining layouts are not run).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import signal
 import sys
 from pathlib import Path
 
@@ -120,20 +122,27 @@ def run_parity(args: argparse.Namespace) -> int:
         cfg = compose(layout, overrides)
         out_dir = args.out / layout
         jobs[layout] = (cfg, out_dir, validate(cfg, out_dir))
+    codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():
         print(f"parity: running {layout} -> {out_dir}", flush=True)
-        run_job(cfg, {"output_dir": str(out_dir), "group": f"parity-{args.out.name}",
-                      "run_name": layout, "tags": [f"parallel={layout}", "parity"],
-                      "multirun": True, "overrides": overrides})
+        codes[layout] = run_job(cfg, {"output_dir": str(out_dir), "group": f"parity-{args.out.name}",
+                                      "run_name": layout, "tags": [f"parallel={layout}", "parity"],
+                                      "multirun": True, "overrides": overrides})
+        if codes[layout] > 128:  # Ctrl-C / SIGTERM: the whole parity run stops
+            print(f"parity: stopped by a signal during {layout}; layouts not run: "
+                  f"{', '.join(list(jobs)[len(codes):]) or 'none'}", file=sys.stderr)
+            return codes[layout]
     base_records = tracking.read_metrics(jobs[BASELINE][1])
     base_summary = tracking.read_summary(jobs[BASELINE][1]) or {}
     rows = []
     for layout, (_, out_dir, dims) in jobs.items():
         summary = tracking.read_summary(out_dir) or {}
         row = {"layout": layout, "world_size": dims.world_size}
-        if summary.get("status") != "completed" or base_summary.get("status") != "completed":
-            row.update(passed=False, note=f"run {summary.get('status', 'missing')}: "
+        if codes[layout] != EXIT_OK or summary.get("status") != "completed":
+            row.update(passed=False, note=f"run failed (exit code {codes[layout]}): "
                                           f"{summary.get('error') or 'see its logs'}")
+        elif base_summary.get("status") != "completed":
+            row.update(passed=False, note=f"baseline {BASELINE} did not complete")
         else:
             row.update(compare(base_records, tracking.read_metrics(out_dir), args.rtol,
                                base_summary.get("eval_loss"), summary.get("eval_loss")))
@@ -153,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"hsdp_runner.parity: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:  # Ctrl-C between jobs (during a job the launcher handles it)
+        print("hsdp_runner.parity: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ launcher), so the tally lives here.
 
 Exit code of a multirun: 1 if any job failed; else 2 if no job ran (every combination was
 skipped, e.g. a typo that breaks them all); else 0. Skipped jobs alone never make it non-zero.
+A job stopped by a signal (128 + signal) makes that the multirun's code.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def ran() -> bool:
 
 def exit_code(codes: list[int]) -> int:
     """The multirun's exit code from its jobs' codes (see the module docstring)."""
+    interrupted = [code for code in codes if code > 128]
+    if interrupted:
+        return interrupted[0]
     if EXIT_FAILED in codes:
         return EXIT_FAILED
     return EXIT_OK if EXIT_OK in codes else EXIT_CONFIG
@@ -42,6 +46,8 @@ def finish() -> int:
     """Print the sweep's tally and where its results are; return the multirun's exit code."""
     codes, sweep_dir = _tally["codes"], _tally["sweep_dir"]
     counts = ", ".join(f"{codes.count(code)} {name}" for code, name in STATUS.items())
+    if any(code > 128 for code in codes):
+        counts += f", {sum(code > 128 for code in codes)} interrupted"
     print(f"hsdp_runner: sweep done ({len(codes)} jobs: {counts}); results in {sweep_dir}\n"
           f"compare them: python -m hsdp_runner.compare {sweep_dir}")
     return exit_code(codes)

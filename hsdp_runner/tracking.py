@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
+EARLIER_RUNS_DIR = "earlier_runs"
+_ENDED_TOKEN = ".end_recorded"
 
 
 def write_summary(output_dir: str | Path, summary: dict) -> Path:
@@ -44,18 +46,64 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 
 
 def truncate_metrics(output_dir: str | Path, last_step: int) -> int:
-    """Drop metrics.jsonl records after ``last_step`` (a resumed job trains them again).
+    """Keep in metrics.jsonl each step up to ``last_step`` once (a resumed job trains the later
+    ones again; of a step logged twice the later record stays), in step order.
 
     Rewrites the file atomically; returns how many records were dropped.
     """
     records = read_metrics(output_dir)
-    keep = [r for r in records if r["step"] <= last_step]
-    if len(keep) < len(records):
+    by_step = {r["step"]: r for r in records if r["step"] <= last_step}
+    keep = [by_step[step] for step in sorted(by_step)]
+    if keep != records:
         path = Path(output_dir) / METRICS_FILE
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, path)
     return len(records) - len(keep)
+
+
+def set_aside_earlier_run(output_dir: str | Path) -> Path | None:
+    """Before a fresh start in a dir that holds an earlier run's ``metrics.jsonl`` or
+    ``summary.json``, move them into ``earlier_runs/<n>/`` (n = 1, 2, ...), so the new run's
+    files hold only its own steps and nothing is lost. Returns that folder, or None."""
+    output_dir = Path(output_dir)
+    files = [output_dir / name for name in (METRICS_FILE, SUMMARY_FILE)
+             if (output_dir / name).exists()]
+    if not files:
+        return None
+    earlier = output_dir / EARLIER_RUNS_DIR
+    earlier.mkdir(exist_ok=True)
+    n = 1 + max((int(p.name) for p in earlier.iterdir() if p.name.isdigit()), default=0)
+    (earlier / str(n)).mkdir()
+    for path in files:
+        os.replace(path, earlier / str(n) / path.name)
+    return earlier / str(n)
+
+
+def begin_attempt(output_dir: str | Path) -> None:
+    """Forget which rank recorded the end of a previous attempt in this dir (see
+    ``record_end``); called once per job by the launching process (rank 0 under torchrun)
+    before any rank starts."""
+    (Path(output_dir) / "logs" / _ENDED_TOKEN).unlink(missing_ok=True)
+
+
+def record_end(output_dir: str | Path, summary: dict) -> bool:
+    """Write ``summary`` (a failed or interrupted-at-once record) unless another process of
+    this attempt already did: the first rank to fail names the failure (its peers fail after
+    it, with "connection closed"). Returns whether it wrote."""
+    logs = Path(output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(logs / _ENDED_TOKEN, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    write_summary(output_dir, summary)
+    return True
+
+
+def last_step(output_dir: str | Path) -> int:
+    """The last step recorded in metrics.jsonl (0 when none)."""
+    return max((r["step"] for r in read_metrics(output_dir)), default=0)
 
 
 class MetricsFile:

@@ -71,6 +71,9 @@ def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> bool:
             time.sleep(3600)
     if fault_cfg.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault_cfg.kind == "sigterm":  # as a scheduler would send it; the step goes on
+        os.kill(os.getpid(), signal.SIGTERM)
+        return False
     raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
                        + (" while saving its checkpoint" if phase == "save" else ""))
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hsdp_runner import checkpoint, metrics, profiling, tracking
-from hsdp_runner.interrupt import StopRequest, signal_name
+from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_name, stop_signals
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
 from hsdp_runner.trainer import Trainer
@@ -77,11 +77,11 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # SIGTERM / SIGINT (preemption, Ctrl-C, or the launcher stopping the job because another
-    # rank failed) only set a flag: the ranks agree to stop at the next step boundary, save a
-    # checkpoint and write an 'interrupted' summary; a collective with a dead peer fails first.
+    # A stop signal (interrupt.py) only sets a flag: the ranks agree to stop at the next step
+    # boundary, save a checkpoint and write an 'interrupted' summary; a collective with a dead
+    # peer fails first. A later signal stops at once (StopNow).
     stop = StopRequest()
-    stop.install()
+    stop.install(stop_signals(cfg_dict["launcher"].get("signal")))
     output_dir = Path(run_info["output_dir"])
     setup_logging(output_dir, rank)
     cfg = OmegaConf.create(cfg_dict)
@@ -91,8 +91,8 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
                             device_id=device if device.type == "cuda" else None)
     try:
         summary = _train(cfg, dims, run_info, device, output_dir, rank, stop)
-    except BaseException:
-        log.exception("rank %d failed", rank)
+    except BaseException as err:
+        _record_failure(cfg, dims, output_dir, rank, err)
         dist.destroy_process_group()
         raise
     # Without this orderly teardown a gloo worker that used DeviceMesh often aborts at
@@ -100,15 +100,51 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
-    if stop.signum is not None and run_info.get("local_launch"):
-        # Our elastic agent is shutting down after the signal: it no longer collects return
-        # values, and torch's worker wrapper would block until the agent's shutdown timeout
-        # kills it. Rank 0's summary is on disk; leave now.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if summary is not None and summary["status"] == "interrupted":
+        _requeue_if_asked(cfg.launcher, stop, summary)
     return summary
+
+
+def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
+                    err: BaseException) -> None:
+    """Log why this rank ends early and, if it is the first rank of this attempt to end so,
+    write summary.json: ``interrupted`` for a stop-at-once signal, else ``failed``."""
+    last_ckpt = checkpoint.newest_checkpoint(cfg, output_dir)
+    if isinstance(err, StopNow):
+        log.warning("rank %d stopped at once on a repeated %s", rank, signal_name(err.signum))
+        facts = {"status": "interrupted", "signal": signal_name(err.signum),
+                 "interrupted_at_step": tracking.last_step(output_dir), "stopped_at_once": True,
+                 "error": None}
+    else:
+        log.exception("rank %d failed", rank)
+        facts = {"status": "failed", "failed_rank": rank,
+                 "error": f"{type(err).__name__}: {err}".strip()}
+    tracking.record_end(output_dir, {**facts, **dims.describe(), "last_checkpoint": last_ckpt})
+
+
+def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: dict) -> None:
+    """Under submitit with ``launcher.requeue`` > 0, rank 0 of a job stopped by the time-limit
+    signal hands over to submitit's own handler (the one ``stop.install`` replaced), which
+    records the job, requeues it and exits this process; the requeued job resumes from its
+    checkpoint. A job stopped by SIGTERM/SIGINT (scancel, Ctrl-C) is not requeued."""
+    if not launcher_cfg.get("requeue") or "SUBMITIT_EXECUTOR" not in os.environ \
+            or int(os.environ["RANK"]) != 0:
+        return
+    from submitit import JobEnvironment
+
+    time_limit = {signal.SIGUSR2, JobEnvironment._usr_sig()}
+    if launcher_cfg.get("signal"):
+        time_limit.add(parse_signal(launcher_cfg.signal))
+    handler = stop.previous.get(JobEnvironment._usr_sig())
+    if stop.signum not in time_limit or not callable(handler):
+        return
+    print(f"hsdp_runner: {summary['signal']} after step {summary['interrupted_at_step']}: "
+          f"requeueing the job through submitit; it resumes from "
+          f"{summary.get('last_checkpoint')}", flush=True)
+    try:
+        handler(stop.signum, None)  # requeues and exits the process
+    except Exception as err:  # e.g. submitit's "timed-out too many times"
+        log.warning("not requeued: %s", err)
 
 
 def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output_dir: Path,
@@ -121,8 +157,8 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     # Checkpoints (issue 4): where the state comes from; a resumed job's metrics.jsonl keeps
     # only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint.agree_on_start(cfg, output_dir)
-    if rank == 0 and start.step:
-        tracking.truncate_metrics(output_dir, start.step)
+    if rank == 0:
+        _prepare_metrics(cfg, output_dir, start)
     sinks = None
     if rank == 0:
         facts = run_facts(dims, device)
@@ -143,16 +179,22 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
         first = ckpt.restore(start)
         profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)  # issue 7
         records = trainer.fit(first, profiler.wrap(ckpt.after_step, first), stop)
-        if trainer.stopped_by:
+        # A signal during the last step stops nothing: training is complete (saved as usual).
+        stopped = trainer.stopped_by if trainer.last_step < cfg.trainer.steps else None
+        if stopped:
             _save_on_stop(cfg, ckpt, trainer.last_step)
+        elif trainer.stopped_by and rank == 0:
+            log.warning("%s arrived during the last step: training is complete, finishing the "
+                        "job", signal_name(trainer.stopped_by))
     except BaseException:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
             sinks[1].finish(exit_code=1)
         raise
-    ckpt.export_at_end()
+    if not stopped:  # an unfinished run is not exported; its rerun exports at its end
+        ckpt.export_at_end()
     eval_loss = None
-    if cfg.trainer.eval_batches and not trainer.stopped_by:
+    if cfg.trainer.eval_batches and not stopped:
         eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
     memory = _memory_facts(device, mem_estimate)  # a collective: every rank calls it
     if rank != 0:
@@ -161,7 +203,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     metrics_file.close()
     steady = metrics.steady_state(records, cfg.metrics.warmup_steps)
     interrupted = {"status": "interrupted", "interrupted_at_step": trainer.last_step,
-                   "signal": signal_name(trainer.stopped_by)} if trainer.stopped_by else {}
+                   "signal": signal_name(stopped)} if stopped else {}
     summary = {"status": "completed", **facts, "steps": len(records),
                "skipped_steps": trainer.skipped_steps,
                "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
@@ -174,6 +216,18 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     wandb_run.finish()
     tracking.write_summary(output_dir, summary)
     return summary
+
+
+def _prepare_metrics(cfg, output_dir: Path, start: checkpoint.Start) -> None:
+    """Rank 0, before the first step: a job resuming its own checkpoint keeps each step up to
+    it once in metrics.jsonl; any other start sets an earlier run's files aside."""
+    own = start.source == "checkpoint" and \
+        Path(start.path).parent == checkpoint.checkpoint_dir(cfg, output_dir)
+    if own:
+        tracking.truncate_metrics(output_dir, start.step)
+    elif (aside := tracking.set_aside_earlier_run(output_dir)) is not None:
+        log.warning("this run starts afresh; the earlier run's metrics.jsonl and summary.json "
+                    "in this dir were moved to %s", aside)
 
 
 def _save_on_stop(cfg, ckpt, step: int) -> None:

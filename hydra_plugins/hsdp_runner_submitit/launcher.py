@@ -26,7 +26,16 @@ class _CheckBeforeSubmit:
         check_before_submit(self.hydra_context.config_loader, self.config, job_overrides,
                             initial_job_idx)
         mark_jobs_submitted()
-        return super().launch(job_overrides, initial_job_idx)
+        returns = super().launch(job_overrides, initial_job_idx)
+        # Each job ran in its own processes; its exit code came back as the return value.
+        from hydra.core.utils import JobStatus
+
+        from hsdp_runner import sweep
+
+        for job in returns:
+            if job.status == JobStatus.COMPLETED and isinstance(job.return_value, int):
+                sweep.note_job(str(self.config.hydra.sweep.dir), job.return_value)
+        return returns
 
 
 class CheckedSlurmLauncher(_CheckBeforeSubmit, SlurmLauncher):
