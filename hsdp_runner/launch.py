@@ -34,7 +34,6 @@ log = logging.getLogger("hsdp_runner")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 RESOLVED_CONFIG_FILE = tracking.RESOLVED_CONFIG_FILE
-AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by torch's agent when it starts workers
 
 
 def under_torchrun() -> bool:
@@ -187,21 +186,23 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
             raise SystemExit(EXIT_CONFIG) from None
 
 
-def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30) -> dict:
+def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
+                        agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict:
     """Run ``fn(*args)`` in ``nproc`` fresh processes on this node with torch's elastic launcher.
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
-    raises ``ChildFailedError`` (the others are stopped). Unless the caller took them over
-    (``_launch_local``), on SIGTERM/SIGINT torch's agent passes the signal on, gives the
-    workers ``shutdown_timeout`` seconds to stop before killing them, then raises
-    ``SignalException``.
+    raises ``ChildFailedError`` (the others are stopped). On a signal named in
+    ``agent_signals`` torch's agent passes it on, gives the workers ``shutdown_timeout``
+    seconds to stop before killing them, then raises ``SignalException``; ``_launch_local``
+    leaves SIGTERM/SIGINT out and handles them itself.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        start_method="spawn", monitor_interval=0.1, shutdown_timeout=shutdown_timeout)
+        start_method="spawn", monitor_interval=0.1, shutdown_timeout=shutdown_timeout,
+        signals_to_handle=agent_signals)
     return elastic_launch(config, fn)(*args)
 
 
@@ -222,12 +223,11 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
     # collecting the workers' results (and die mid-shutdown on a second one).
     signals = LauncherSignals()
     signals.install(stop_signals(cfg_dict["launcher"].get("signal")))
-    agent_signals = os.environ.get(AGENT_SIGNALS_ENV)
-    os.environ[AGENT_SIGNALS_ENV] = "SIGHUP,SIGQUIT"
     try:
         results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
                                       {**run_info, "local_launch": True},
-                                      shutdown_timeout=cfg_dict["launcher"]["timeout_s"])
+                                      shutdown_timeout=cfg_dict["launcher"]["timeout_s"],
+                                      agent_signals="SIGHUP,SIGQUIT")
     except SignalException as err:  # a stop signal before the workers were up
         print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} before training "
               "started", file=sys.stderr)
@@ -244,10 +244,6 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
         return EXIT_FAILED, None
     finally:
         signals.uninstall()
-        if agent_signals is None:
-            os.environ.pop(AGENT_SIGNALS_ENV, None)
-        else:
-            os.environ[AGENT_SIGNALS_ENV] = agent_signals
     return EXIT_OK, results.get(0)
 
 
