@@ -302,7 +302,9 @@ def _validate_launcher(launcher) -> None:
 def _schema_keys(node, prefix: str = "") -> list[str]:
     keys = []
     for key in node:
-        value = OmegaConf.select(node, key) if OmegaConf.is_dict(node) else None
+        if not prefix and key == "hydra":  # Hydra's own node (present in a sweep's job config)
+            continue
+        value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
         keys.append(prefix + str(key))
         if OmegaConf.is_dict(value):
             keys += _schema_keys(value, f"{prefix}{key}.")

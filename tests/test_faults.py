@@ -136,7 +136,8 @@ def steps_once(job_dir: Path, steps: int) -> bool:
     return [r["step"] for r in records] == list(range(1, steps + 1))
 
 
-RUN = [*TINY, "parallel=ddp", "trainer.steps=30", "checkpoint.enable=true"]
+STEPS = 12  # a signal after step 3 stops the job at step 4 or 5
+RUN = [*TINY, "parallel=ddp", f"trainer.steps={STEPS}", "checkpoint.enable=true"]
 
 
 def test_sigint_twice_to_the_process_group_checkpoints_and_the_rerun_resumes_and_exports(tmp_path):
@@ -153,7 +154,7 @@ def test_sigint_twice_to_the_process_group_checkpoints_and_the_rerun_resumes_and
     records, summary = read_job(job_dir)
     stopped = summary["interrupted_at_step"]
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
-    assert 3 <= stopped < 30 and steps_once(job_dir, stopped)
+    assert 3 <= stopped < STEPS and steps_once(job_dir, stopped)
     assert summary["last_checkpoint"].endswith(f"step-{stopped}")
     assert not (job_dir / "hf").exists() and "rerun the same command to resume" in stderr
 
@@ -161,7 +162,7 @@ def test_sigint_twice_to_the_process_group_checkpoints_and_the_rerun_resumes_and
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["start_step"] == stopped
-    assert steps_once(job_dir, 30) and (job_dir / "hf" / "config.json").is_file()
+    assert steps_once(job_dir, STEPS) and (job_dir / "hf" / "config.json").is_file()
 
 
 def test_sigterm_to_the_workers_only_stops_them_together_and_the_rerun_resumes(tmp_path):
@@ -182,7 +183,7 @@ def test_sigterm_to_the_workers_only_stops_them_together_and_the_rerun_resumes(t
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["start_step"] == stopped
-    assert steps_once(job_dir, 30)
+    assert steps_once(job_dir, STEPS)
 
 
 def test_sigterm_to_the_launcher_only_reaches_the_workers(tmp_path):
@@ -215,6 +216,9 @@ def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(t
     _, summary = read_job(job_dir)
     assert summary["status"] == "interrupted" and summary["stopped_at_once"] is True
     assert summary["interrupted_at_step"] == 2 and "final_loss" not in summary
+    deadline = time.monotonic() + 10  # the resource tracker ends once its pipe closes
+    while leftover_processes(f"HSDP_TEST_JOB={marker}") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert leftover_processes(f"HSDP_TEST_JOB={marker}") == []
 
 
@@ -233,8 +237,8 @@ def test_slurm_time_limit_signal_to_every_task_checkpoints_and_requeues(tmp_path
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hsdp_runner", "launcher=slurm_local", "launcher.nproc_per_node=2",
-         "launcher.requeue=1", "parallel=fsdp", "parallel.dp_shard=-1", *RUN[:-2],
-         "trainer.steps=30", "checkpoint.enable=true", f"hydra.sweep.dir={sweep}"],
+         "launcher.requeue=1", "parallel=fsdp", "parallel.dp_shard=-1", *TINY,
+         f"trainer.steps={STEPS}", "checkpoint.enable=true", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path, env=cli_env(), start_new_session=True, stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "stderr.txt", "w"))
     deadline = time.monotonic() + 180
@@ -252,6 +256,6 @@ def test_slurm_time_limit_signal_to_every_task_checkpoints_and_requeues(tmp_path
     job = metrics.parent
     _, summary = read_job(job)
     assert summary["status"] == "completed" and summary["start_step"] >= 3, summary
-    assert steps_once(job, 30)
+    assert steps_once(job, STEPS)
     assert "requeueing the job through submitit" in (job / "logs" / "rank0.log").read_text() \
         or "requeueing" in "".join(p.read_text() for p in sweep.glob(".submitit/*/*_0_log.out"))
