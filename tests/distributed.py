@@ -10,9 +10,13 @@ import torch.distributed as dist
 from hsdp_runner.launch import start_local_workers
 
 
+# Short collective timeout: a test that deadlocks fails in minutes instead of hanging. Meshes
+# built without a timeout (ParallelDims.build_mesh) give every group the default group's.
+TEST_TIMEOUT_S = 120
+
+
 def _wrapped(fn, args):
-    # Short collective timeout: a test that deadlocks fails in minutes instead of hanging.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TEST_TIMEOUT_S))
     try:
         result = fn(*args)
     except BaseException:

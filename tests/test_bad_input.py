@@ -35,6 +35,11 @@ BAD_INPUTS = [
     (["parallel.ac=sometimes"], "parallel.ac='sometimes'", None),
     (["logger.mode=cloud"], "logger.mode='cloud'", None),
     (["optim.lr=0"], "optim.lr=0.0 must be positive", None),
+    (["+trainer.stepz=10"], "unknown config key trainer.stepz (added with +); nothing reads it: "
+                            "did you mean trainer.steps?", None),
+    (["+foo.bar=1"], "unknown config key foo", None),
+    (["launcher.signal=KILL"], "launcher.signal='KILL'", None),
+    (["launcher.requeue=1"], "launcher.requeue=1 needs checkpoint.enable=true", None),
 ]
 
 

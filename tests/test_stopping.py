@@ -1,0 +1,196 @@
+"""Stopping and restarting, in-process: duplicate vs repeated signals, what a rerun keeps,
+safe pruning, failed summaries without stale figures, compare/parity/sweep on interrupted
+jobs, the test meshes' collective timeout. The end-to-end signal tests are in test_faults.py."""
+
+import json
+import logging
+import os
+import signal
+import time
+from argparse import Namespace
+from datetime import timedelta
+
+import pytest
+from omegaconf import OmegaConf
+
+from distributed import TEST_TIMEOUT_S, run_workers
+from hsdp_runner import checkpoint, interrupt, launch, parity, sweep, tracking
+from hsdp_runner.mesh import ParallelDims
+from test_compare import fake_job
+
+
+@pytest.fixture
+def stop():
+    request = interrupt.StopRequest()
+    request.install((signal.SIGUSR2, signal.SIGINT))
+    yield request
+    request.uninstall()
+
+
+def test_a_signal_repeated_within_the_window_is_one_request(stop):
+    os.kill(os.getpid(), signal.SIGUSR2)
+    os.kill(os.getpid(), signal.SIGINT)  # e.g. the agent's forwarded copy of a Ctrl-C
+    assert stop.signum == signal.SIGUSR2
+
+
+def test_a_signal_after_the_window_stops_at_once(stop, monkeypatch):
+    os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(interrupt, "DUPLICATE_WINDOW_S", 0.05)
+    time.sleep(0.1)
+    with pytest.raises(interrupt.StopNow) as stopped:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stopped.value.code == 128 + signal.SIGINT and stop.signum == signal.SIGINT
+
+
+def test_stop_signals_add_the_configured_time_limit_signal():
+    assert interrupt.stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+    assert interrupt.stop_signals("USR1")[-1] == signal.SIGUSR1
+    assert interrupt.stop_signals("SIGUSR2") == interrupt.stop_signals()
+    with pytest.raises(ValueError):
+        interrupt.parse_signal("KILL")
+
+
+def write_metrics(folder, steps):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": float(i)}) + "\n"
+                                                  for i, s in enumerate(steps)))
+
+
+def test_a_fresh_start_sets_the_earlier_run_aside(tmp_path):
+    write_metrics(tmp_path, [1, 2, 3])
+    tracking.write_summary(tmp_path, {"status": "interrupted"})
+    assert tracking.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "1"
+    write_metrics(tmp_path, [1])
+    assert tracking.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "2"
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
+    assert [r["step"] for r in tracking.read_metrics(tmp_path / "earlier_runs" / "1")] == [1, 2, 3]
+    assert tracking.read_summary(tmp_path / "earlier_runs" / "1")["status"] == "interrupted"
+
+
+def test_a_resume_keeps_each_step_up_to_its_checkpoint_once(tmp_path):
+    write_metrics(tmp_path, [1, 2, 3, 4, 5, 1, 2, 3])  # a file two runs were appended to
+    assert tracking.truncate_metrics(tmp_path, 4) == 4
+    records = tracking.read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["loss"] == 5.0  # the later record of a step stays
+
+
+def pruner(folder, keep_last):
+    ckpt = object.__new__(checkpoint.Checkpointer)
+    ckpt.folder = folder
+    ckpt.cfg = OmegaConf.create({"checkpoint": {"keep_last": keep_last}})
+    return ckpt
+
+
+def test_pruning_touches_only_what_the_runner_wrote_and_never_fails(tmp_path, caplog):
+    for name in ("step-1", "step-2", "step-3", "step-4"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / checkpoint.MANIFEST).write_text("{}")
+    for name in ("step-10.bak", "step-x.y", "step-2.partial", "step-9.deleting"):
+        (tmp_path / name).mkdir()
+    pruner(tmp_path, keep_last=2)._prune(4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10.bak", "step-3", "step-4",
+                                                          "step-x.y"]
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / checkpoint.MANIFEST).write_text("{}")
+    os.chmod(tmp_path / "step-3", 0o500)  # its manifest cannot be deleted
+    try:
+        with caplog.at_level(logging.WARNING):
+            pruner(tmp_path, keep_last=1)._prune(5)
+    finally:
+        for path in tmp_path.iterdir():
+            os.chmod(path, 0o700)
+    if os.geteuid() != 0:  # root deletes through the permission bits
+        assert "could not delete" in caplog.text and (tmp_path / "step-3.deleting").exists()
+    assert not (tmp_path / "step-4").exists() and (tmp_path / "step-5").exists()
+
+
+def test_a_failed_summary_carries_no_figures_of_an_earlier_attempt(tmp_path):
+    tracking.write_summary(tmp_path, {"status": "interrupted", "final_loss": 3.2,
+                                      "median_tps_global": 1e4, "interrupted_at_step": 7})
+    dims = ParallelDims.from_config(OmegaConf.create({"dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+                                    OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+                                                      "dim": 64}), 2, 2)
+    launch._write_failed_summary(str(tmp_path), dims, 1, "RuntimeError: boom")
+    summary = tracking.read_summary(tmp_path)
+    assert summary["status"] == "failed" and summary["failed_rank"] == 1
+    assert not {"final_loss", "median_tps_global", "interrupted_at_step"} & set(summary)
+
+
+def test_only_the_first_rank_to_end_early_writes_the_summary(tmp_path):
+    tracking.begin_attempt(tmp_path)
+    assert tracking.record_end(tmp_path, {"status": "failed", "failed_rank": 1})
+    assert not tracking.record_end(tmp_path, {"status": "failed", "failed_rank": 0})
+    assert tracking.read_summary(tmp_path)["failed_rank"] == 1
+    tracking.begin_attempt(tmp_path)  # a rerun
+    assert tracking.record_end(tmp_path, {"status": "failed", "failed_rank": 0})
+
+
+def test_compare_shows_an_interrupted_job_and_counts_it(tmp_path):
+    from test_compare import ran
+
+    fake_job(tmp_path, 0, ["parallel.tp=1"], ran(100.0, [1, 8, 1]))
+    fake_job(tmp_path, 1, ["parallel.tp=2"], {**ran(50.0, [1, 4, 2]), "status": "interrupted",
+                                              "interrupted_at_step": 7, "signal": "SIGTERM"})
+    jobs = parity_free_compare(tmp_path)
+    assert "interrupted at step 7 (SIGTERM)" in jobs
+    assert "2 jobs: 1 completed, 1 interrupted" in (tmp_path / "compare.md").read_text()
+
+
+def parity_free_compare(sweep_dir):
+    from hsdp_runner import compare
+
+    jobs = compare.load_jobs(sweep_dir)
+    compare.write_comparison(sweep_dir, jobs)
+    return compare.table(jobs)
+
+
+def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypatch):
+    monkeypatch.setattr(parity, "validate", lambda cfg, out: Namespace(world_size=1))
+    monkeypatch.setattr(parity, "compose", lambda layout, overrides: layout)
+    ran_layouts = []
+
+    def job(cfg, info, codes):
+        ran_layouts.append(cfg)
+        return codes[cfg]
+
+    args = Namespace(layouts=["single", "ddp", "fsdp"], steps=2, rtol=1e-5, overrides=[],
+                     out=tmp_path)
+    monkeypatch.setattr(parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 130}))
+    assert parity.run_parity(args) == 130 and ran_layouts == ["single", "ddp"]
+
+    monkeypatch.setattr(parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 1,
+                                                                              "fsdp": 0}))
+    for layout in ("single", "fsdp"):
+        write_metrics(tmp_path / layout, [1, 2])
+        tracking.write_summary(tmp_path / layout, {"status": "completed"})
+    (tmp_path / "ddp").mkdir()
+    tracking.write_summary(tmp_path / "ddp", {"status": "completed"})  # stale: the job failed
+    assert parity.run_parity(args) == 1
+    table = (tmp_path / "parity.md").read_text()
+    assert "| ddp | 1 |" in table and "FAIL run failed (exit code 1)" in table
+    assert "| fsdp | 1 | 0.00e+00" in table
+
+
+def test_a_sweep_with_an_interrupted_job_exits_with_its_signal_code():
+    assert sweep.exit_code([0, 1, 143]) == 143
+    assert sweep.exit_code([0, 2]) == 0
+
+
+def _group_timeouts() -> dict:
+    import torch
+
+    dims = ParallelDims.from_config(OmegaConf.create({"dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+                                    OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+                                                      "dim": 64}), 2)
+    world = dims.build_mesh("cpu")  # as in-process tests build it: no timeout given
+    groups = {name: world[name].get_group() for name in ("dp_shard", "dp")}
+    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, g in groups.items()}
+
+
+@pytest.mark.multiprocess
+def test_every_test_mesh_group_gets_the_short_collective_timeout():
+    results = run_workers(_group_timeouts, 2)
+    assert results[0] == {"dp_shard": TEST_TIMEOUT_S, "dp": TEST_TIMEOUT_S}
+    assert TEST_TIMEOUT_S < timedelta(minutes=30).total_seconds()
