@@ -52,7 +52,8 @@ def test_stop_signals_add_the_configured_time_limit_signal():
 
 def write_metrics(folder, steps):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": float(i)}) + "\n"
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": float(i),
+                                                              "grad_norm": 1.0}) + "\n"
                                                   for i, s in enumerate(steps)))
 
 
