@@ -118,8 +118,9 @@ class LauncherSignals(StopRequest):
     """The stop request of the process that started the workers on this node.
 
     The first signal is passed on to the workers (a ``kill`` of the launcher alone must reach
-    them; when they got it too, they take it as a duplicate); before any worker exists it
-    raises torch's ``SignalException`` so the elastic agent stops starting them. A later signal
+    them; when they got it too, they take it as a duplicate); while no worker runs (before
+    they start, after they end) it raises torch's ``SignalException``, which the elastic
+    agent handles by shutting down. A later signal
     SIGKILLs the workers (a rank blocked in a collective cannot run a Python handler) and
     ``insisted`` records it.
     """

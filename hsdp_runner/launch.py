@@ -228,9 +228,9 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
                                       {**run_info, "local_launch": True},
                                       shutdown_timeout=cfg_dict["launcher"]["timeout_s"],
                                       agent_signals="SIGHUP,SIGQUIT")
-    except SignalException as err:  # a stop signal before the workers were up
-        print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} before training "
-              "started", file=sys.stderr)
+    except SignalException as err:  # a stop signal while no worker was running
+        print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} while no worker was "
+              "running", file=sys.stderr)
         return 128 + err.sigval, None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
