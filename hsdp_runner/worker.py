@@ -138,9 +138,8 @@ def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: dict) -> None:
     handler = stop.previous.get(JobEnvironment._usr_sig())
     if stop.signum not in time_limit or not callable(handler):
         return
-    print(f"hsdp_runner: {summary['signal']} after step {summary['interrupted_at_step']}: "
-          f"requeueing the job through submitit; it resumes from "
-          f"{summary.get('last_checkpoint')}", flush=True)
+    log.warning("%s after step %d: requeueing the job through submitit; it resumes from %s",
+                summary["signal"], summary["interrupted_at_step"], summary.get("last_checkpoint"))
     try:
         handler(stop.signum, None)  # requeues and exits the process
     except Exception as err:  # e.g. submitit's "timed-out too many times"

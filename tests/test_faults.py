@@ -257,5 +257,4 @@ def test_slurm_time_limit_signal_to_every_task_checkpoints_and_requeues(tmp_path
     _, summary = read_job(job)
     assert summary["status"] == "completed" and summary["start_step"] >= 3, summary
     assert steps_once(job, STEPS)
-    assert "requeueing the job through submitit" in (job / "logs" / "rank0.log").read_text() \
-        or "requeueing" in "".join(p.read_text() for p in sweep.glob(".submitit/*/*_0_log.out"))
+    assert "requeueing the job through submitit" in (job / "logs" / "rank0.log").read_text()
