@@ -195,3 +195,21 @@ def test_every_test_mesh_group_gets_the_short_collective_timeout():
     results = run_workers(_group_timeouts, 2)
     assert results[0] == {"dp_shard": TEST_TIMEOUT_S, "dp": TEST_TIMEOUT_S}
     assert TEST_TIMEOUT_S < timedelta(minutes=30).total_seconds()
+
+
+def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path):
+    from hsdp_runner.worker import _prepare_metrics
+
+    cfg = OmegaConf.create({"checkpoint": {"dir": None}})
+    own = checkpoint.Start("checkpoint", str(tmp_path / "checkpoints" / "step-4"), 4)
+    write_metrics(tmp_path, [1, 2, 3, 4, 5, 6])
+    _prepare_metrics(cfg, tmp_path, own)
+    assert [r["step"] for r in tracking.read_metrics(tmp_path)] == [1, 2, 3, 4]
+    # Another run's checkpoint, or a fresh start: the earlier run is set aside whole.
+    elsewhere = checkpoint.Start("checkpoint", "/other/job/checkpoints/step-2", 2)
+    _prepare_metrics(cfg, tmp_path, elsewhere)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert len(tracking.read_metrics(tmp_path / "earlier_runs" / "1")) == 4
+    write_metrics(tmp_path, [1])
+    _prepare_metrics(cfg, tmp_path, checkpoint.Start("fresh"))
+    assert (tmp_path / "earlier_runs" / "2" / "metrics.jsonl").exists()
