@@ -53,8 +53,9 @@ def _read_yaml(path: Path):
 
 def load_jobs(sweep_dir: Path) -> list[Job]:
     """Return the sweep's jobs, sorted by throughput: completed fastest first, then
-    interrupted, failed, skipped, unfinished. A job dir is one Hydra wrote ``.hydra/`` into, at any depth (an
-    override value with a ``/`` nests the dir Hydra names after the overrides)."""
+    interrupted, failed, skipped, unfinished. A job dir is one Hydra wrote ``.hydra/`` into,
+    at any depth (an override value with a ``/`` nests the dir Hydra names after the
+    overrides)."""
     jobs = []
     for path in sorted({p.parent for p in sweep_dir.rglob(".hydra")}):
         prefix = path.relative_to(sweep_dir).parts[0].split("_", 1)[0]

@@ -125,8 +125,9 @@ def run_parity(args: argparse.Namespace) -> int:
     codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():
         print(f"parity: running {layout} -> {out_dir}", flush=True)
-        codes[layout] = run_job(cfg, {"output_dir": str(out_dir), "group": f"parity-{args.out.name}",
-                                      "run_name": layout, "tags": [f"parallel={layout}", "parity"],
+        codes[layout] = run_job(cfg, {"output_dir": str(out_dir),
+                                      "group": f"parity-{args.out.name}", "run_name": layout,
+                                      "tags": [f"parallel={layout}", "parity"],
                                       "multirun": True, "overrides": overrides})
         if codes[layout] > 128:  # Ctrl-C / SIGTERM: the whole parity run stops
             print(f"parity: stopped by a signal during {layout}; layouts not run: "

@@ -157,7 +157,8 @@ def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypa
 
     args = Namespace(layouts=["single", "ddp", "fsdp"], steps=2, rtol=1e-5, overrides=[],
                      out=tmp_path)
-    monkeypatch.setattr(parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 130}))
+    monkeypatch.setattr(parity, "run_job",
+                        lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 130}))
     assert parity.run_parity(args) == 130 and ran_layouts == ["single", "ddp"]
 
     monkeypatch.setattr(parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 1,
