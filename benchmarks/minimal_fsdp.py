@@ -52,7 +52,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
 
     local = args.batch // args.dp_shard
     dp_rank = mesh["dp"].get_local_rank()

@@ -40,8 +40,8 @@ import torch
 
 from hsdp_runner.comm import GROUP_NAMES
 from hsdp_runner.mesh import ParallelDims
-from hsdp_runner.models.llama import TP_SPLIT_DIM, Llama
-from hsdp_runner.sharding import freeze_parameters
+from hsdp_runner.models.llama import TP_SPLIT_DIM, meta_model
+from hsdp_runner.sharding import frozen_names
 from hsdp_runner.step_stats import STATS_BYTES
 
 
@@ -55,11 +55,10 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int,
     Sizes are one TP rank's part of each parameter (``TP_SPLIT_DIM``), dim 0 padded to a
     multiple of ``dp_shard`` as FSDP pads it.
     """
-    with torch.device("meta"):
-        model = Llama(model_cfg)
-    freeze_parameters(model, freeze)
+    params = dict(meta_model(model_cfg).named_parameters())
+    frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for name, param in model.named_parameters():
+    for name, param in params.items():
         shape = list(param.shape)
         split = TP_SPLIT_DIM.get(name.split(".")[-2]) if dims.tp > 1 else None
         if split is not None:
@@ -67,7 +66,7 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int,
         shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         units[unit][0] += math.prod(shape)
-        units[unit][1] += math.prod(shape) if param.requires_grad else 0
+        units[unit][1] += 0 if name in frozen else math.prod(shape)
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
 
 
