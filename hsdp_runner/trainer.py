@@ -120,8 +120,10 @@ class Trainer:
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
-        # Communication accounting: filled after the step ``metrics.comm_step``.
+        # Communication accounting: filled after the step ``metrics.comm_step``. The counter
+        # is built here: it looks up the mesh's groups, host work no step should do.
         self.comm_facts: dict = {}
+        self.comm_counter = None if cfg.metrics.comm_step is None else comm.CommCounter(world)
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
@@ -203,8 +205,7 @@ class Trainer:
         pending = None
         try:
             for step in range(start_step, steps):
-                counter = comm.CommCounter(self.world) \
-                    if step + 1 == self.cfg.metrics.comm_step else None
+                counter = self.comm_counter if step + 1 == self.cfg.metrics.comm_step else None
                 marks = [step_stats.mark(self.device)]
                 with _counting(counter):
                     stats, grad_norm = self._forward_backward(

@@ -19,8 +19,9 @@ import torch
 from distributed import run_workers
 from test_config import compose
 
-BASE = ["model=llama3_tiny", "trainer.global_batch_size=4", "logger=none", "trainer.log_every=100",
-        "metrics.peak_tflops=1", "parallel=fsdp", "parallel.dp_shard=2"]
+BASE = ["model=llama3_tiny", "trainer.global_batch_size=4", "logger=none",
+        "trainer.log_every=100", "metrics.peak_tflops=1"]
+FSDP = ["parallel=fsdp", "parallel.dp_shard=2"]
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast", "barrier", "all_gather_object", "broadcast_object_list")
@@ -68,7 +69,7 @@ class Tally:
             setattr(owner, name, original)
 
 
-def _trainer(overrides):
+def _trainer(overrides, device=torch.device("cpu")):
     import torch.distributed as dist
 
     from hsdp_runner.mesh import ParallelDims
@@ -77,11 +78,10 @@ def _trainer(overrides):
 
     cfg = compose(BASE + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-    world = dims.build_mesh("cpu")
-    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
-                        torch.device("cpu"), 0)
+    world = dims.build_mesh(device.type)
+    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
     sinks = (NS(log=lambda record: None), NS(log=lambda record: None))  # keep the records
-    return Trainer(cfg, dims, world, model, torch.device("cpu"), sinks)
+    return Trainer(cfg, dims, world, model, device, sinks)
 
 
 def _weights(trainer):
@@ -92,7 +92,7 @@ def _weights(trainer):
 
 
 def _count_syncs():
-    trainer = _trainer(["trainer.steps=4"])
+    trainer = _trainer(FSDP + ["trainer.steps=4"])
     per_step = []
     with Tally() as tally:
         def after_step(step):
@@ -102,7 +102,7 @@ def _count_syncs():
 
 
 def _nan_skip():
-    trainer = _trainer(["trainer.steps=3", "trainer.on_nan=skip", "fault.kind=nan",
+    trainer = _trainer(FSDP + ["trainer.steps=3", "trainer.on_nan=skip", "fault.kind=nan",
                         "fault.rank=1", "fault.step=2"])
     seen = {}
     trainer.fit(after_step=lambda step: seen.__setitem__(step, _weights(trainer)))
@@ -113,7 +113,7 @@ def _nan_skip():
 def _nan_stop():
     from hsdp_runner.trainer import NonFiniteError
 
-    trainer = _trainer(["trainer.steps=4", "fault.kind=nan", "fault.rank=1", "fault.step=2"])
+    trainer = _trainer(FSDP + ["trainer.steps=4", "fault.kind=nan", "fault.rank=1", "fault.step=2"])
     hooked = []
     after_one = {}
 
@@ -133,7 +133,7 @@ def _nan_stop():
 def _stop_request():
     import torch.distributed as dist
 
-    trainer = _trainer(["trainer.steps=5"])
+    trainer = _trainer(FSDP + ["trainer.steps=5"])
     stop = NS(signum=None)
 
     def after_step(step):
@@ -194,6 +194,35 @@ def test_stop_request_on_one_rank_stops_every_rank_after_the_same_step(outcomes)
         # Signalled during step 2, after its all-reduce: step 3's carries it; step 4 is dropped.
         assert s["stopped_by"] == signal.SIGTERM and s["last_step"] == 3, (rank, s)
         assert set(s["adam_steps"]) == {3.0}, (rank, s)
+
+
+def _cuda_sync_warnings():
+    import warnings
+
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        trainer = _trainer(["parallel=single", "trainer.steps=5", "metrics.comm_step=null"],
+                           device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # From step 2 on (step 1 holds one-time set-up): any synchronizing CUDA call warns.
+            trainer.fit(after_step=lambda step: torch.cuda.set_sync_debug_mode("warn"))
+            torch.cuda.set_sync_debug_mode(0)
+        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_steps_make_no_synchronizing_call():
+    from hsdp_runner.launch import start_local_workers
+
+    assert start_local_workers(_cuda_sync_warnings, 1)[0] == []
 
 
 def test_vectorised_synthetic_chain_equals_the_token_by_token_loop():
