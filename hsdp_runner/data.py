@@ -114,10 +114,14 @@ class TokenBatches:
         offsets = torch.randint(0, self.corpus.numel() - length + 1, (n,), generator=gen)
         return self.corpus[offsets[:, None] + torch.arange(length)]
 
+    def local_rows(self, step: int) -> torch.Tensor:
+        """Return this dp rank's rows of the step's batch, (rows, seq_len + 1) int64, on CPU."""
+        rows = self.global_batch // self.dp_size
+        return self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return this dp rank's slice of the step's batch as (inputs, targets)."""
-        rows = self.global_batch // self.dp_size
-        batch = self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+        batch = self.local_rows(step)
         return batch[:, :-1], batch[:, 1:]
 
 
@@ -138,9 +142,7 @@ class Prefetcher:
         self._ahead: tuple[int, Future] | None = None
 
     def _make(self, step: int) -> torch.Tensor:
-        rows = self.batches.global_batch // self.batches.dp_size
-        start = self.batches.dp_rank * rows
-        batch = self.batches.global_batch_at(step)[start:start + rows]
+        batch = self.batches.local_rows(step)
         return batch.pin_memory() if self.pin else batch
 
     def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 Peak FLOP/s come from a table of known accelerators (dense, no sparsity), from
 ``metrics.peak_tflops`` when the user states one, or on CPU from a short matmul measured once
-per machine and cached (``cached_cpu_tflops``). An unknown GPU reports MFU as null with a warning; nothing is guessed.
+per machine and cached (``cached_cpu_tflops``). An unknown GPU reports MFU as null with a
+warning; nothing is guessed.
 """
 
 from __future__ import annotations
