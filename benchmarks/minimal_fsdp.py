@@ -5,7 +5,7 @@ compares the runner with. Run under torchrun:
         --model llama3_debug --steps 12 --batch 8 --out times.json
 
 Same model class, TP plan, FSDP2 wrapping (blocks, then the root without resharding after
-forward), AdamW and gradient clipping as the runner; none of its config, checks, metrics,
+forward), AdamW (fused, as the runner's) and gradient clipping as the runner; none of its config, checks, metrics,
 logging or checkpointing. Rank 0 writes the per-step times (train step through loss.item())
 as JSON.
 """
