@@ -5,7 +5,7 @@ compares the runner with. Run under torchrun:
         --model llama3_debug --steps 12 --batch 8 --out times.json
 
 Same model class, TP plan, FSDP2 wrapping (blocks, then the root without resharding after
-forward), AdamW and gradient clipping as the runner; none of its config, checks, metrics,
+forward), AdamW (fused, as the runner's) and gradient clipping as the runner; none of its config, checks, metrics,
 logging or checkpointing. Rank 0 writes the per-step times (train step through loss.item())
 as JSON.
 """
@@ -52,7 +52,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
 
     local = args.batch // args.dp_shard
     dp_rank = mesh["dp"].get_local_rank()

@@ -11,8 +11,9 @@ and the wall time of each command and their ratio. The step time is the same reg
 (train step through the loss on the host); what the runner does around it (metrics, console,
 start-up checks, W&B when on) shows in the wall time. The last line is
 ``step_time_ratio=<x> wall_ratio=<y>``: the worst layout of each. Targets: <= 1.03, <= 1.15.
-With ``--repeats N`` each pair runs N times, alternating which command goes first, and each
-command's best median and wall count: other load on a shared machine only ever slows a run.
+Each pair runs ``--repeats`` times (default 3, at least 3 for a figure to report), alternating
+which command goes first; each figure is the median over the repeats (each repeat's step time
+being the median of its steps after warm-up).
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="pairs per layout, alternating which goes first; the best of each "
-                             "command counts (on a shared machine, the least disturbed run)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="pairs per layout, alternating which goes first; each figure is "
+                             "the median over the repeats")
     args = parser.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or ''} "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; model={args.model} "
@@ -94,7 +95,7 @@ def main() -> None:
             dp_shard, tp = LAYOUTS[name]
             runs = [run_pair(name, dp_shard, tp, args, Path(tmp), runner_first=i % 2 == 1)
                     for i in range(args.repeats)]
-            r = {key: min(run[key] for run in runs) for key in runs[0]}
+            r = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             step_ratios.append(r["runner_step"] / r["minimal_step"])
             wall_ratios.append(r["runner_wall"] / r["minimal_wall"])
             print(f"{name:8s} (dp_shard={dp_shard}, tp={tp}): step time runner "

@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 
 from hsdp_runner import hf
 from hsdp_runner.config import DTYPES, ConfigError
-from hsdp_runner.models.llama import Llama
+from hsdp_runner.models.llama import meta_model
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,8 @@ def resolve(path: Path, key: str) -> Path:
 
 
 def expected_shapes(model_cfg) -> dict[str, tuple]:
-    """Parameter name -> shape of the model ``model_cfg`` describes (built on the meta device)."""
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in Llama(model_cfg).state_dict().items()}
+    """Parameter name -> shape of the model ``model_cfg`` describes (its shared meta model)."""
+    return {k: tuple(v.shape) for k, v in meta_model(model_cfg).state_dict().items()}
 
 
 def inspect(path: Path, model_cfg) -> dict:

@@ -15,7 +15,6 @@ this times (n-1)/n (x2 for an all-reduce).
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import torch
@@ -121,14 +120,4 @@ class CommCounter(TorchDispatchMode):
     def result(self) -> dict[str, dict[str, int]]:
         """Return the counts as a plain dict sorted by key."""
         return {key: dict(self.totals[key]) for key in sorted(self.totals)}
-
-
-@contextlib.contextmanager
-def count_if(active: bool, world):
-    """Yield a running ``CommCounter`` when ``active``, else None (no dispatch overhead)."""
-    if not active:
-        yield None
-        return
-    with CommCounter(world) as counter:
-        yield counter
 

@@ -20,7 +20,8 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
   (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
   weights' gradients. Without sequence parallel those become all-reduces of the same tensors.
-- The trainer's dp all-reduce of the loss (one fp32 scalar).
+- The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
+  one small fp32 vector (``step_stats.STATS_BYTES``).
 
 Not modelled, so measured/analytic sits a hair above 1: the all-reduces of per-parameter
 norms ``clip_grad_norm_`` issues over DTensor meshes (one fp32 per parameter, ~100 bytes a
@@ -37,11 +38,11 @@ from collections import defaultdict
 
 import torch
 
+from hsdp_runner.comm import GROUP_NAMES
 from hsdp_runner.mesh import ParallelDims
-from hsdp_runner.models.llama import TP_SPLIT_DIM, Llama
-from hsdp_runner.sharding import freeze_parameters
-
-LOSS_BYTES = 4  # the fp32 loss scalar the trainer all-reduces over dp
+from hsdp_runner.models.llama import TP_SPLIT_DIM, meta_model
+from hsdp_runner.sharding import frozen_names
+from hsdp_runner.step_stats import STATS_BYTES
 
 
 def _dtype_bytes(name: str) -> int:
@@ -54,11 +55,10 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int,
     Sizes are one TP rank's part of each parameter (``TP_SPLIT_DIM``), dim 0 padded to a
     multiple of ``dp_shard`` as FSDP pads it.
     """
-    with torch.device("meta"):
-        model = Llama(model_cfg)
-    freeze_parameters(model, freeze)
+    params = dict(meta_model(model_cfg).named_parameters())
+    frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for name, param in model.named_parameters():
+    for name, param in params.items():
         shape = list(param.shape)
         split = TP_SPLIT_DIM.get(name.split(".")[-2]) if dims.tp > 1 else None
         if split is not None:
@@ -66,7 +66,7 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int,
         shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         units[unit][0] += math.prod(shape)
-        units[unit][1] += math.prod(shape) if param.requires_grad else 0
+        units[unit][1] += 0 if name in frozen else math.prod(shape)
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
 
 
@@ -95,12 +95,17 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
         tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
         _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
                          _dtype_bytes(precision.param_dtype), accum)
-    if dims.dp > 1:
-        # The flattened dp group is reported as the one dp dim it equals, if it equals one.
-        dp = "dp" if min(dims.dp_replicate, dims.dp_shard) > 1 else \
-            "dp_shard" if dims.dp_shard > 1 else "dp_replicate"
-        tally.add(f"all_reduce/{dp}", 1, LOSS_BYTES)
+    if dims.world_size > 1:
+        tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
+
+
+def world_dim(dims: ParallelDims) -> str:
+    """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
+    flattened ``dp``) spanning every rank, else ``world``."""
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+             "dp": dims.dp}
+    return next((name for name in GROUP_NAMES if sizes[name] == dims.world_size), "world")
 
 
 def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,

@@ -4,11 +4,13 @@ A batch is a function of (seed, step) alone; each data-parallel rank takes its c
 slice of it. That keeps layouts comparable and makes the loader position just the step.
 Two sources: ``synthetic`` (a seeded Zipf + bigram process, any vocab) and ``text`` (a real
 corpus through a byte-level tokenizer; by default the Python documentation topics that ship
-with CPython in ``pydoc_data``).
+with CPython in ``pydoc_data``). ``Prefetcher`` makes the next step's batch in a background
+thread while the current step runs, so the step itself only picks it up.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -56,6 +58,32 @@ def load_corpus(path: str | None, min_tokens: int) -> torch.Tensor:
     return tokens
 
 
+def follow_successors(draws: torch.Tensor, follow: torch.Tensor, successor: torch.Tensor
+                      ) -> torch.Tensor:
+    """Apply the chain rule left to right: where ``follow[:, t]`` (t >= 1), token t becomes
+    ``successor[token t-1]`` (of the already chained token), else it keeps ``draws[:, t]``.
+
+    Takes (n, length) int64 draws, a bool mask of the same shape and the successor table;
+    returns a new (n, length) tensor. Equal to the loop over t, but vectorised: a token that
+    ends a run of k follows is ``successor`` applied k times to the run's first draw, so the
+    work is one pass per hop of the longest run (about log2 of the batch's token count for
+    a fair coin), each over the tokens still that many hops from their anchor.
+    """
+    length = draws.shape[1]
+    pos = torch.arange(length)
+    anchor = torch.where(follow & (pos > 0), 0, pos).cummax(dim=1).values
+    hops = (pos - anchor).flatten()
+    out = draws.flatten().clone()
+    todo = hops.nonzero().squeeze(1)  # flat indices of following tokens, ascending
+    hop = 1
+    while todo.numel():
+        done = todo[hops[todo] == hop]
+        out[done] = successor[out[done - 1]]
+        todo = todo[hops[todo] > hop]
+        hop += 1
+    return out.view_as(draws)
+
+
 class TokenBatches:
     """Yields this rank's (inputs, targets) for a step; see the module docstring."""
 
@@ -82,14 +110,52 @@ class TokenBatches:
             draws = torch.multinomial(self.unigram, n * length, replacement=True,
                                       generator=gen).view(n, length)
             follow = torch.rand(n, length, generator=gen) < 0.5
-            for t in range(1, length):
-                draws[:, t] = torch.where(follow[:, t], self.successor[draws[:, t - 1]], draws[:, t])
-            return draws
+            return follow_successors(draws, follow, self.successor)
         offsets = torch.randint(0, self.corpus.numel() - length + 1, (n,), generator=gen)
-        return torch.stack([self.corpus[o:o + length] for o in offsets.tolist()])
+        return self.corpus[offsets[:, None] + torch.arange(length)]
+
+    def local_rows(self, step: int) -> torch.Tensor:
+        """Return this dp rank's rows of the step's batch, (rows, seq_len + 1) int64, on CPU."""
+        rows = self.global_batch // self.dp_size
+        return self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return this dp rank's slice of the step's batch as (inputs, targets)."""
-        rows = self.global_batch // self.dp_size
-        batch = self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+        batch = self.local_rows(step)
         return batch[:, :-1], batch[:, 1:]
+
+
+class Prefetcher:
+    """This rank's batches for consecutive steps, made one step ahead in a background thread.
+
+    ``get(step)`` returns (inputs, targets) on ``device`` and starts making ``step + 1``'s. On
+    CUDA the batch is made in pinned memory and copied with ``non_blocking=True`` on the
+    current stream, so the host never waits for the copy and the step's kernels are ordered
+    after it. The batch is the same as ``TokenBatches.local_batch`` (a function of seed and
+    step), whichever thread makes it. ``close()`` stops the thread.
+    """
+
+    def __init__(self, batches: TokenBatches, device: torch.device):
+        self.batches, self.device = batches, device
+        self.pin = device.type == "cuda"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsdp-data")
+        self._ahead: tuple[int, Future] | None = None
+
+    def _make(self, step: int) -> torch.Tensor:
+        batch = self.batches.local_rows(step)
+        return batch.pin_memory() if self.pin else batch
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return this rank's (inputs, targets) for ``step`` on the device; prefetch the next."""
+        if self._ahead is not None and self._ahead[0] == step:
+            batch = self._ahead[1].result()
+        else:
+            batch = self._make(step)
+        self._ahead = (step + 1, self._pool.submit(self._make, step + 1))
+        batch = batch.to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    def close(self) -> None:
+        """Stop the background thread (a batch being made is finished and dropped)."""
+        self._ahead = None
+        self._pool.shutdown(wait=True, cancel_futures=True)

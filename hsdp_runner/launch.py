@@ -27,8 +27,8 @@ from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, 
 from hsdp_runner.data import load_corpus
 from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
-from hsdp_runner.models.llama import Llama
-from hsdp_runner.sharding import check_torch_apis, freeze_parameters
+from hsdp_runner.models.llama import meta_model
+from hsdp_runner.sharding import check_torch_apis, frozen_names
 
 log = logging.getLogger("hsdp_runner")
 
@@ -73,8 +73,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if cfg.data.kind == "text":
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     if cfg.trainer.freeze:
-        with torch.device("meta"):
-            freeze_parameters(Llama(cfg.model), cfg.trainer.freeze)
+        frozen_names(dict(meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
     _check_writable(output_dir)
     checkpoint.validate(cfg, output_dir)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:

@@ -1,17 +1,22 @@
 """Throughput, MFU and memory figures, and the steady-state summary of a run.
 
 Peak FLOP/s come from a table of known accelerators (dense, no sparsity), from
-``metrics.peak_tflops`` when the user states one, or on CPU from a short matmul measured at
-start-up. An unknown GPU reports MFU as null with a warning; nothing is guessed.
+``metrics.peak_tflops`` when the user states one, or on CPU from a short matmul measured once
+per machine and cached (``cached_cpu_tflops``). An unknown GPU reports MFU as null with a
+warning; nothing is guessed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,6 +64,55 @@ def measure_cpu_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3
     return 2.0 * size**3 * count / (time.perf_counter() - start) / 1e12
 
 
+def cpu_peak_cache_file() -> Path:
+    """Where measured CPU peaks are kept: ``$HSDP_RUNNER_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/hsdp_runner``, else ``~/.cache/hsdp_runner``; file ``cpu_peak.json``."""
+    root = os.environ.get("HSDP_RUNNER_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsdp_runner"
+    return Path(root) / "cpu_peak.json"
+
+
+def _cpu_key(dtype: str) -> str:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return (f"{platform.node()}|{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
+            f"|{ranks} ranks|{dtype}|torch {torch.__version__}")
+
+
+def cached_cpu_tflops(dtype: str) -> tuple[float, str]:
+    """This rank's CPU peak TFLOP/s in ``dtype``, measured once per machine and cached.
+
+    The key is the host, CPU model, core count, this process's thread count, the ranks
+    sharing the node (``LOCAL_WORLD_SIZE``), the dtype and the torch version: what the
+    measured share depends on. Returns (TFLOP/s, 'cached' or 'measured now'). A cache that
+    cannot be read or written is measured around, never an error. Delete the file to measure
+    again (e.g. after moving to another machine class under the same host name).
+    """
+    path, key = cpu_peak_cache_file(), _cpu_key(dtype)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)):
+        return float(cached[key]), f"cached in {path}"
+    peak = measure_cpu_tflops(getattr(torch, dtype))
+    try:  # ranks of one job write at once: each writes a whole file and renames it into place
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**(cached if isinstance(cached, dict) else {}), key: peak},
+                                  indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as err:
+        log.warning("could not cache the CPU peak in %s: %s", path, err)
+    return peak, "measured now"
+
+
 def resolve_peak_tflops(device: torch.device, compute_dtype: str, override: float | None
                         ) -> tuple[float | None, str]:
     """Return (peak TFLOP/s per device or None, where the figure came from)."""
@@ -72,14 +126,8 @@ def resolve_peak_tflops(device: torch.device, compute_dtype: str, override: floa
                         "metrics.peak_tflops=<TFLOP/s> to enable it", name, compute_dtype)
             return None, f"unknown device {name}"
         return peak, f"table: {name} {compute_dtype}"
-    peak = measure_cpu_tflops(getattr(torch, compute_dtype))
-    return peak, f"measured: {compute_dtype} matmul on this rank's CPU share"
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a fresh peak-memory window (CUDA only; RSS peaks cannot be reset)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    peak, when = cached_cpu_tflops(compute_dtype)
+    return peak, f"measured: {compute_dtype} matmul on this rank's CPU share, {when}"
 
 
 def peak_memory_gib(device: torch.device) -> float:

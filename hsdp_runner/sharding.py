@@ -211,24 +211,34 @@ def parallelize(model: llama.Llama, dims: ParallelDims, world: WorldMesh, parall
                         parallel.ddp_impl)
 
 
-def freeze_parameters(model: nn.Module, patterns) -> list[str]:
-    """Set requires_grad=False on parameters whose name matches a pattern (fnmatch).
+def frozen_names(names, patterns) -> list[str]:
+    """The parameter ``names`` matching any of ``patterns`` (fnmatch), sorted.
 
-    Call before any wrapping, on plain names. Returns the frozen names; raises ConfigError
-    naming ``trainer.freeze`` when a pattern matches nothing (a typo would train everything).
+    Raises ConfigError naming ``trainer.freeze`` when a pattern matches nothing (a typo would
+    train everything).
     """
-    names = [name for name, _ in model.named_parameters()]
-    frozen = []
+    names = list(names)
+    frozen = set()
     for pattern in patterns:
         matched = fnmatch.filter(names, pattern)
         if not matched:
             raise ConfigError(f"trainer.freeze pattern {pattern!r} matches no parameter; names "
                               f"look like {names[0]!r}, {names[1]!r}")
-        frozen += matched
+        frozen.update(matched)
+    return sorted(frozen)
+
+
+def freeze_parameters(model: nn.Module, patterns) -> list[str]:
+    """Set requires_grad=False on parameters whose name matches a pattern (fnmatch).
+
+    Call before any wrapping, on plain names. Returns the frozen names; raises ConfigError as
+    ``frozen_names`` does.
+    """
     params = dict(model.named_parameters())
-    for name in set(frozen):
+    frozen = frozen_names(params, patterns)
+    for name in frozen:
         params[name].requires_grad_(False)
-    return sorted(set(frozen))
+    return frozen
 
 
 def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,

@@ -1,11 +1,14 @@
 """The training loop: AdamW, warmup + cosine LR, clipping, accumulation, per-step figures.
 
 Runs on every rank with the already-sharded model; rank 0 alone writes the console line,
-``metrics.jsonl``, W&B and ``summary.json``.
+``metrics.jsonl``, W&B and ``summary.json``. The host runs a step ahead of the device: per
+step one collective of its own and one host read, one step late (``step_stats``), and the
+next batch is made in a background thread (``data.Prefetcher``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -17,9 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hsdp_runner import comm, metrics
+from hsdp_runner import comm, metrics, step_stats
 from hsdp_runner.comm_model import analytic_comm, comm_report
-from hsdp_runner.data import TokenBatches
+from hsdp_runner.data import Prefetcher, TokenBatches
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models.llama import flops_per_token
 
@@ -38,8 +41,10 @@ def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
         (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    # fused: one kernel per device and dtype, and it takes ``found_inf``, which lets the trainer
+    # skip a non-finite step's update on the device without reading anything on the host.
     return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             eps=optim_cfg.eps, foreach=True)
+                             eps=optim_cfg.eps, fused=True)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
@@ -78,8 +83,19 @@ def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> bool:
                        + (" while saving its checkpoint" if phase == "save" else ""))
 
 
-def _full_value(tensor: torch.Tensor) -> float:
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).item()
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The value of a (replicated) DTensor as a plain tensor; a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@contextlib.contextmanager
+def _counting(counter):
+    """Run the block under ``counter`` (a CommCounter) if there is one."""
+    if counter is None:
+        yield
+        return
+    with counter:
+        yield
 
 
 class Trainer:
@@ -95,6 +111,8 @@ class Trainer:
             self.optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.trainer.steps,
                                       cfg.optim.min_lr_ratio))
         self.dp_group = world["dp"].get_group()
+        # The per-step stats all-reduce counts each dp rank's loss once: on its tp rank 0.
+        self.counts_loss = world.local_rank_in("tp") == 0
         self.batches = TokenBatches(
             cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
             dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
@@ -105,23 +123,24 @@ class Trainer:
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
-        # Communication accounting (issue 7): filled after the step ``metrics.comm_step``.
+        # Communication accounting: filled after the step ``metrics.comm_step``. The counter
+        # is built here: it looks up the mesh's groups, host work no step should do.
         self.comm_facts: dict = {}
+        self.comm_counter = None if cfg.metrics.comm_step is None else comm.CommCounter(world)
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
         logits = self.model(inputs.to(self.device))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
 
-    def train_step(self, step: int) -> tuple[float, float, bool]:
-        """One optimizer step over the rank's local batch.
+    def _forward_backward(self, step: int, data: Prefetcher, signum: int | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue step ``step``'s micro-batches, the clipping and the stats all-reduce.
 
-        Returns (dp-mean loss, grad norm, skipped). A non-finite loss or grad norm (the same
-        on every rank, both being reduced) raises NonFiniteError with ``trainer.on_nan=stop``
-        or, with ``skip``, drops the update and returns skipped=True.
+        Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
         """
         poison = inject_fault(self.cfg.fault, self.rank, step + 1)
-        inputs, targets = self.batches.local_batch(step)
+        inputs, targets = data.get(step)
         accum = self.cfg.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
@@ -134,26 +153,20 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = _full_value(
+        grad_norm = _plain(
             torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True))
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
-        loss = total.item() / self.dims.dp
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
+        stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        return stats, grad_norm
+
+    def _update(self, stats: torch.Tensor) -> None:
+        """Queue the optimizer step, skipped on the device when any rank saw a non-finite
+        loss or grad norm (fused AdamW's ``found_inf``: parameters, moments and step counts
+        stay as they were), then the LR schedule's step."""
+        self.optimizer.found_inf = (stats[step_stats.NONFINITE] > 0).float()
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if not finite:
-            if self.cfg.trainer.on_nan == "stop":
-                raise NonFiniteError(
-                    f"step {step + 1}: loss {loss} / grad norm {grad_norm} is not finite; the run "
-                    "stops (trainer.on_nan=stop). Lower optim.lr, check the data, or set "
-                    "trainer.on_nan=skip to drop such steps")
-            self.skipped_steps += 1
-            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped "
-                        "(trainer.on_nan=skip, %d skipped so far)", step + 1, loss, grad_norm,
-                        self.skipped_steps)
-        return loss, grad_norm, not finite
 
     @torch.no_grad()
     def evaluate(self, n_batches: int) -> float:
@@ -177,45 +190,84 @@ class Trainer:
     def fit(self, start_step: int = 0, after_step=None, stop=None) -> list[dict]:
         """Run steps ``start_step``..``trainer.steps - 1`` (0-based); reports each to the sinks.
 
-        ``after_step(step)`` is called on every rank after each step with its 1-based number
-        (the checkpointer saves there). ``stop`` (an ``interrupt.StopRequest``) is asked after
-        each step; when any rank was signalled all stop there and ``stopped_by`` is set.
-        Returns the reported records.
+        Step s's results are read (one host read) once step s+1's forward and backward are
+        queued, before step s+1's optimizer step; then step s is reported and
+        ``after_step(s + 1)`` is called on every rank with its 1-based number (the
+        checkpointer saves there: the weights are those after step s). ``stop`` (an
+        ``interrupt.StopRequest``) is sampled into each step's stats all-reduce; when any rank
+        was signalled, all stop after that step (step s+1's gradients are dropped) and
+        ``stopped_by`` is set. A non-finite step is never applied; with
+        ``trainer.on_nan=stop`` NonFiniteError is raised when it is read, with ``skip`` it
+        is counted. Returns the reported records.
         """
         steps = self.cfg.trainer.steps
-        tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
         bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
                    dynamic_ncols=True, disable=self.rank != 0, leave=False)
         self.model.train()
-        for step in range(start_step, steps):
-            metrics.reset_peak_memory(self.device)
-            lr = self.scheduler.get_last_lr()[0]
-            start = time.perf_counter()
-            with comm.count_if(step + 1 == self.cfg.metrics.comm_step, self.world) as counter:
-                loss, grad_norm, skipped = self.train_step(step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            record = metrics.step_record(
-                step + 1, loss, grad_norm, lr, time.perf_counter() - start, tokens,
-                self.dims.world_size, self.flops_per_token, self.peak_tflops,
-                metrics.peak_memory_gib(self.device))
-            record["skipped"] = skipped
-            self.last_step = step + 1
-            if counter is not None:
-                record.update(self._comm_record(counter, step + 1))
-            bar.update(1)
-            if self.sinks is not None:
-                self._report(record, bar)
-            if after_step is not None:
-                after_step(step + 1)
-            if stop is not None:
-                self.stopped_by = stop.agreed(self.device)
-                if self.stopped_by:
-                    log.warning("stopping after step %d on %s", step + 1,
-                                signal.Signals(self.stopped_by).name)
+        data = Prefetcher(self.batches, self.device)
+        pending = None
+        try:
+            for step in range(start_step, steps):
+                counter = self.comm_counter if step + 1 == self.cfg.metrics.comm_step else None
+                marks = [step_stats.mark(self.device)]
+                with _counting(counter):
+                    stats, grad_norm = self._forward_backward(
+                        step, data, stop.signum if stop is not None else None)
+                marks.append(step_stats.mark(self.device))
+                if pending is not None and self._finish(pending, after_step, bar):
+                    pending = None
+                    self.optimizer.zero_grad(set_to_none=True)  # step s+1 is dropped
                     break
-        bar.close()
+                marks.append(step_stats.mark(self.device))
+                lr = self.scheduler.get_last_lr()[0]
+                with _counting(counter):
+                    self._update(stats)
+                marks.append(step_stats.mark(self.device))
+                pending = step_stats.PendingStep(step, lr, stats, grad_norm, marks, counter,
+                                                 self.dims.dp)
+            if pending is not None:
+                self._finish(pending, after_step, bar)
+        finally:
+            data.close()
+            bar.close()
         return self.records
+
+    def _finish(self, pending: step_stats.PendingStep, after_step, bar) -> bool:
+        """Read a queued step, act on a non-finite one, report it, run ``after_step``.
+
+        Returns True when the ranks agreed to stop (``stopped_by`` is then set).
+        """
+        values = pending.read()
+        step = pending.step + 1
+        if values.nonfinite:
+            if self.cfg.trainer.on_nan == "stop":
+                raise NonFiniteError(
+                    f"step {step}: loss {values.loss} / grad norm {values.grad_norm} is not "
+                    "finite; the run stops (trainer.on_nan=stop). Lower optim.lr, check the "
+                    "data, or set trainer.on_nan=skip to drop such steps")
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped "
+                        "(trainer.on_nan=skip, %d skipped so far)", step, values.loss,
+                        values.grad_norm, self.skipped_steps)
+        tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
+        record = metrics.step_record(
+            step, values.loss, values.grad_norm, pending.lr, pending.seconds(), tokens,
+            self.dims.world_size, self.flops_per_token, self.peak_tflops,
+            metrics.peak_memory_gib(self.device))
+        record["skipped"] = values.nonfinite
+        self.last_step = step
+        if pending.counter is not None:
+            record.update(self._comm_record(pending.counter, step))
+        bar.update(1)
+        if self.sinks is not None:
+            self._report(record, bar)
+        if after_step is not None:
+            after_step(step)
+        if values.signum:
+            self.stopped_by = values.signum
+            log.warning("stopping after step %d on %s", step, signal.Signals(values.signum).name)
+            return True
+        return False
 
     def _comm_record(self, counter: comm.CommCounter, step: int) -> dict:
         """Keep the measured vs analytic comm facts; return the per-step fields of the record."""

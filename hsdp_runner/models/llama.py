@@ -8,8 +8,11 @@ its heads split over a TP mesh.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +159,23 @@ def _name_seed(seed: int, name: str) -> int:
     clean = ".".join(p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
     digest = hashlib.sha256(f"{seed}:{clean}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def meta_model(cfg) -> Llama:
+    """The model ``cfg`` describes, on the meta device, built once per shape in a process.
+
+    For checks and models that read names and shapes (pre-flight checks, checkpoint shapes,
+    the analytic communication model): the instance is shared, so read it, never change it.
+    """
+    fields = cfg if isinstance(cfg, dict) else {
+        k: getattr(cfg, k) for k in (cfg.keys() if hasattr(cfg, "keys") else vars(cfg))}
+    return _meta_model(json.dumps(dict(fields), sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(fields: str) -> Llama:
+    with torch.device("meta"):
+        return Llama(SimpleNamespace(**json.loads(fields)))
 
 
 def count_params(cfg) -> dict:
