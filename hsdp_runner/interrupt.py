@@ -11,9 +11,9 @@ same signal twice within milliseconds.
 
 Rules, the same in every process (``StopRequest``): the first stop signal is remembered;
 another one within ``DUPLICATE_WINDOW_S`` of it is the same request; one arriving later means
-"stop now" (``StopNow``). Workers only remember the signal: after each step the ranks agree
-(one all-reduce) whether any of them was signalled, so all stop after the same step and can
-save one checkpoint together. The process that started the workers (``launcher=local``) owns
+"stop now" (``StopNow``). Workers only remember the signal: the trainer carries ``signum`` in
+each step's one all-reduce of step statistics (``step_stats``), so all ranks learn whether any
+of them was signalled, stop after the same step and save one checkpoint together. The process that started the workers (``launcher=local``) owns
 its signals instead of torch's agent (``LauncherSignals``): it passes the first one on to the
 workers and, when the user insists, kills them.
 """
@@ -24,9 +24,6 @@ import os
 import signal
 import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 # A second signal within this many seconds of the first is a duplicate (the same Ctrl-C seen
 # directly and forwarded by an agent); a later one is a user insisting.
@@ -71,7 +68,7 @@ class StopNow(SystemExit):
 
 
 class StopRequest:
-    """One process's stop request: ``install()``, then read ``signum`` or ask ``agreed()``.
+    """One process's stop request: ``install()``, then read ``signum``.
 
     ``signum`` is the first stop signal this process received (None before any), and stays
     set; ``previous`` holds the handlers ``install`` replaced (e.g. submitit's requeue handler).
@@ -107,12 +104,6 @@ class StopRequest:
     def on_insist(self, signum: int) -> None:
         """Called for a stop signal that is not a duplicate of the first: stop now."""
         raise StopNow(signum)
-
-    def agreed(self, device: torch.device) -> int | None:
-        """Collective over the world: the signal number if any rank was signalled, else None."""
-        flag = torch.tensor(float(self.signum or 0), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) or None
 
 
 class LauncherSignals(StopRequest):
