@@ -13,9 +13,10 @@ Rules, the same in every process (``StopRequest``): the first stop signal is rem
 another one within ``DUPLICATE_WINDOW_S`` of it is the same request; one arriving later means
 "stop now" (``StopNow``). Workers only remember the signal: the trainer carries ``signum`` in
 each step's one all-reduce of step statistics (``step_stats``), so all ranks learn whether any
-of them was signalled, stop after the same step and save one checkpoint together. The process that started the workers (``launcher=local``) owns
-its signals instead of torch's agent (``LauncherSignals``): it passes the first one on to the
-workers and, when the user insists, kills them.
+of them was signalled, stop after the same step and save one checkpoint together. The process
+that started the workers (``launcher=local``) owns its signals instead of torch's agent
+(``LauncherSignals``): it passes the first one on to the workers and, when the user insists,
+kills them.
 """
 
 from __future__ import annotations
