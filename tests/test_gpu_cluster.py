@@ -308,3 +308,58 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
     options = [opts for _, opts in seen.values()]
     assert len({id(o) for o in options}) == 4  # NCCL's split mutates the options it is given
     assert all(o._timeout.total_seconds() == 42 for o in options)
+
+
+# --- initial weights drawn on the device --------------------------------------------------------
+
+def test_cpu_initial_weights_are_the_same_values_as_before():
+    import torch
+
+    from hsdp_runner.models.llama import Llama
+    from test_config import compose
+
+    model = Llama(compose(["model=llama3_tiny"]).model)
+    model.init_weights(7)
+    params = dict(model.named_parameters())
+    # Values the CPU draw gave before weights were drawn on the parameter's device.
+    golden = {"tok_embeddings.weight": ([0.03461545, 0.00616866, 0.0256436], -0.7227687860532548),
+              "layers.1.attention.wo.weight": ([0.00020108, -0.0072222, 0.0139383],
+                                               -0.00870523175035487),
+              "layers.0.feed_forward.w3.weight": ([0.01364315, 0.0242396, -0.0200923],
+                                                  3.9896071250705063),
+              "norm.weight": ([1.0, 1.0, 1.0], 64.0)}
+    for name, (first, total) in golden.items():
+        value = params[name].detach()
+        assert value.flatten()[:3].tolist() == pytest.approx(first, abs=1e-8), name
+        assert float(value.double().sum()) == pytest.approx(total, rel=1e-12), name
+    assert all(p.device == torch.device("cpu") for p in params.values())
+
+
+def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator(monkeypatch):
+    import torch
+
+    from hsdp_runner.models import llama
+
+    draws = []
+
+    class Generator:  # stands in for a CUDA generator on this CPU-only machine
+        def __init__(self, device):
+            self.device, self.seed = torch.device(device), None
+
+        def manual_seed(self, seed):
+            self.seed = seed
+            return self
+
+    def randn(shape, generator, device):
+        draws.append((generator.device, generator.seed, torch.device(device)))
+        return torch.zeros(shape)
+    monkeypatch.setattr(torch, "Generator", Generator)
+    monkeypatch.setattr(torch, "randn", randn)
+    monkeypatch.setattr(torch, "ones", lambda shape, device: draws.append(device) or "ones")
+    gpu = torch.device("cuda", 3)
+    llama.initial_value("layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    llama.initial_value("_orig_mod.layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    assert draws[0] == (gpu, llama._name_seed(7, "layers.0.attention.wq.weight"), gpu)
+    assert draws[1] == draws[0]  # the seed is the name's, whatever wraps the module
+    llama.initial_value("layers.0.ffn_norm.weight", (4,), 7, 0.02, gpu)
+    assert draws[2] == gpu
