@@ -163,6 +163,7 @@ class CheckpointConfig:
     export_dir: Optional[str] = None
     export_dtype: str = "bfloat16"
     export_max_shard_gib: float = 5.0
+    rank0_wait_s: float = 3600.0
 
 
 @dataclass

@@ -363,3 +363,101 @@ def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator
     assert draws[1] == draws[0]  # the seed is the name's, whatever wraps the module
     llama.initial_value("layers.0.ffn_norm.weight", (4,), 7, 0.02, gpu)
     assert draws[2] == gpu
+
+
+# --- rank-0 file work outside the collective timeout ----------------------------------------------
+
+def _in_threads(*fns):
+    """Run each fn in a thread; return their results or exceptions, in order."""
+    import threading
+
+    out = [None] * len(fns)
+
+    def call(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            out[i] = err
+    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_other_ranks_learn_rank0s_file_error_at_once():
+    import time
+
+    import torch.distributed as dist
+
+    from hsdp_runner.rank0_io import run_on_rank0
+
+    store = dist.HashStore()
+
+    def fail():
+        raise OSError("No space left on device")
+    start = time.monotonic()
+    got = _in_threads(lambda: run_on_rank0("pruning", fail, 60, rank=0, store=store),
+                      lambda: run_on_rank0("pruning", fail, 60, rank=1, store=store))
+    assert isinstance(got[0], OSError)
+    assert "rank 0 failed while pruning: OSError: No space left on device" in str(got[1])
+    assert time.monotonic() - start < 10
+
+
+def test_rank0_file_work_is_bounded_by_rank0_wait_s():
+    import torch.distributed as dist
+
+    from hsdp_runner.rank0_io import run_on_rank0
+
+    with pytest.raises(RuntimeError, match=r"rank 0 did not finish exporting within "
+                                            r"checkpoint.rank0_wait_s=0.2 s"):
+        run_on_rank0("exporting", lambda: None, 0.2, rank=1, store=dist.HashStore())
+
+
+COLLECTIVE_TIMEOUT_S, SLOW_PRUNE_S = 10, 14
+
+
+def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
+    import gc
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from hsdp_runner.checkpoint import Checkpointer
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.sharding import build_model
+    from hsdp_runner.trainer import Trainer
+    from test_config import compose
+
+    cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2",
+                   "metrics.peak_tflops=1", "checkpoint.enable=true", "checkpoint.keep_last=1",
+                   f"launcher.timeout_s={COLLECTIVE_TIMEOUT_S}"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
+        world = dims.build_mesh("cpu", COLLECTIVE_TIMEOUT_S)
+        device = torch.device("cpu")
+        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
+        trainer = Trainer(cfg, dims, world, model, device)
+        ckpt = Checkpointer(cfg, dims, Path(out), trainer.model, trainer.optimizer,
+                            trainer.scheduler, device)
+        prune = ckpt._prune
+        ckpt._prune = lambda newest: (time.sleep(SLOW_PRUNE_S), prune(newest))  # a slow NFS
+        ckpt.save(1)
+        dist.barrier()  # the next collective after the save
+        return sorted(p.name for p in ckpt.folder.iterdir())
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_slow_rank0_prune_longer_than_the_collective_timeout_does_not_fail_the_job(tmp_path):
+    from hsdp_runner.launch import start_local_workers
+
+    results = start_local_workers(_save_while_rank0_prunes_slowly, 2, str(tmp_path))
+    assert results == {0: ["step-1"], 1: ["step-1"]}
