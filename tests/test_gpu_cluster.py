@@ -461,3 +461,63 @@ def test_slow_rank0_prune_longer_than_the_collective_timeout_does_not_fail_the_j
 
     results = start_local_workers(_save_while_rank0_prunes_slowly, 2, str(tmp_path))
     assert results == {0: ["step-1"], 1: ["step-1"]}
+
+
+# --- single-GPU parts and per-count commands on a multi-GPU node --------------------------------
+
+def _gpu_node(monkeypatch, gpus):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
+
+
+def _readiness():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_readiness.py"
+    spec = importlib.util.spec_from_file_location("gpu_readiness", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gpu_node(
+        gpus, monkeypatch, tmp_path):
+    from hsdp_runner import launch
+    from test_config import compose
+
+    _gpu_node(monkeypatch, gpus)
+    readiness = _readiness()
+    launch.validate(compose(readiness.overrides_for(1, "llama3_1b", 4)), tmp_path)  # the probe
+    printed = readiness.commands("llama3_1b", 4, visible=gpus)
+    assert gpus in printed and {1, 2, 4, 8} <= set(printed)
+    for n, command in printed.items():
+        if n > gpus:
+            continue  # needs a bigger node
+        assert command.startswith("python -m hsdp_runner ")
+        dims = launch.validate(compose(command.split()[3:]), tmp_path)
+        assert dims.world_size == n and dims.dp == n
+
+
+def test_parity_runs_each_layout_on_its_own_rank_count_on_a_gpu_node(monkeypatch, tmp_path):
+    from hsdp_runner import launch, parity
+
+    _gpu_node(monkeypatch, 8)
+    sizes = {layout: launch.validate(parity.compose(layout, ["model=llama3_tiny"]),
+                                     tmp_path / layout).world_size
+             for layout in ("single", "ddp", "tp", "hsdp_tp")}
+    assert sizes == {"single": 1, "ddp": 2, "tp": 2, "hsdp_tp": 8}
+
+
+def test_parity_tolerance_on_gpu_says_what_it_is_and_why(monkeypatch, tmp_path):
+    from hsdp_runner import parity
+
+    _gpu_node(monkeypatch, 8)
+    args = parity.parse_args(["--out", str(tmp_path)])
+    assert args.rtol == parity.GPU_RTOL and "cuBLAS" in args.rtol_why
+    header = parity.format_table([], args.rtol, args.rtol_why).splitlines()[0]
+    assert "tolerance 1e-04 relative; GPU default: cuBLAS picks different fp32 kernels" in header
+    assert parity.parse_args(["--out", str(tmp_path), "device=cpu"]).rtol == parity.CPU_RTOL
+    assert parity.parse_args(["--out", str(tmp_path), "--rtol", "3e-5"]).rtol == 3e-5
