@@ -521,3 +521,40 @@ def test_parity_tolerance_on_gpu_says_what_it_is_and_why(monkeypatch, tmp_path):
     assert "tolerance 1e-04 relative; GPU default: cuBLAS picks different fp32 kernels" in header
     assert parity.parse_args(["--out", str(tmp_path), "device=cpu"]).rtol == parity.CPU_RTOL
     assert parity.parse_args(["--out", str(tmp_path), "--rtol", "3e-5"]).rtol == 3e-5
+
+
+# --- the Makefile replaces torch when TORCH_SPEC changes -----------------------------------------
+
+def _make_venv(venv, spec):
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(["make", "-s", "-C", str(repo), "venv", f"VENV={venv}",
+                             f"TORCH_SPEC={spec}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = (venv / "calls.log").read_text().splitlines() if (venv / "calls.log").exists() else []
+    (venv / "calls.log").unlink(missing_ok=True)
+    return calls
+
+
+def test_make_replaces_torch_when_torch_spec_changes_and_only_then(tmp_path):
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"  # records what make asks of the venv's python
+    python.write_text(f'#!/bin/sh\necho "$*" >> {venv / "calls.log"}\n')
+    python.chmod(0o755)
+    cpu, cuda = "torch==2.13.0", "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+    first = _make_venv(venv, cpu)
+    assert any(c.endswith(f"install --quiet --disable-pip-version-check {cpu}") for c in first)
+    assert any(".[test]" in c for c in first)
+    assert _make_venv(venv, cpu) == []  # nothing changed: nothing reinstalled
+    switched = _make_venv(venv, cuda)
+    assert any("uninstall" in c and c.endswith("-y torch") for c in switched)
+    assert any(c.endswith(f"install --quiet --disable-pip-version-check {cuda}") for c in switched)
+    assert (venv / ".torch-spec").read_text().strip() == cuda
+    assert _make_venv(venv, cuda) == []
