@@ -420,6 +420,7 @@ class Checkpointer:
         # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
         full = get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
+
         def write():
             dtype = getattr(torch, c.export_dtype)
             hf.write_folder(hf.to_hf(full, self.cfg.model, dtype), hf.hf_config(self.cfg.model, dtype),
