@@ -4,19 +4,32 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build. On a GPU
+# machine e.g. TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'.
 TORCH_SPEC ?= torch==2.13.0
+# The spec the venv's torch was installed from. A different TORCH_SPEC replaces torch: pip
+# alone would keep an installed 2.13.0+cpu for a CUDA 2.13.0 spec (the versions compare equal).
+TORCH_STAMP := $(VENV)/.torch-spec
 
 # `make parity` checks every layout against a single process (README "Is my layout correct?").
 PARITY_ARGS ?= model=llama3_tiny
 
-.PHONY: run test parity venv clean sweep compare
+.PHONY: run test parity venv clean sweep compare FORCE
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+# Runs every time, but rewrites the stamp (and so rebuilds what depends on it) only when the
+# spec differs from the recorded one.
+$(TORCH_STAMP): FORCE
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != '$(TORCH_SPEC)' ]; then \
+	  echo "installing torch from: $(TORCH_SPEC)"; \
+	  $(PY) -m pip uninstall --quiet --disable-pip-version-check -y torch 2>/dev/null; \
+	  $(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC) && \
+	  echo '$(TORCH_SPEC)' > $@; \
+	fi
+
+$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 

@@ -1,12 +1,16 @@
 """Is this GPU machine ready? Train llama3_1b (or the largest shape that fits) on one GPU with
-bf16 and torch.compile through the runner, and print tokens/s, TFLOP/s, MFU and peak memory.
+bf16 and torch.compile through the runner, print tokens/s, TFLOP/s, MFU and peak memory, then
+a ready-to-run command for each GPU count.
 
     .venv/bin/python benchmarks/gpu_readiness.py [--steps 30] [--warmup 10]
 
-Runs ``python -m hsdp_runner parallel=single precision=bf16 parallel.compile=true device=cuda``
-for each (model, global batch) in turn, largest first, and reports the first that trains; an
-out-of-memory run moves on to the next. Without a visible CUDA GPU it says so and exits 0
-without running anything.
+Runs ``python -m hsdp_runner parallel=single launcher.nproc_per_node=1 precision=bf16
+parallel.compile=true device=cuda`` (one rank, whatever the node's GPU count) for each
+(model, global batch) in turn, largest first, and reports the first that trains; an
+out-of-memory run moves on to the next. Then it prints, for 1, 2, 4, 8 GPUs (and this node's
+count), the command that trains the same model and per-GPU batch over that many GPUs. Without
+a visible CUDA GPU it says so, prints the commands for the default batch and exits 0 without
+running anything.
 """
 
 from __future__ import annotations
@@ -27,10 +31,35 @@ CANDIDATES = [("llama3_1b", 8), ("llama3_1b", 4), ("llama3_1b", 2), ("llama3_1b"
               ("llama3_debug", 16)]
 
 
+def overrides_for(gpus: int, model: str, batch_per_gpu: int) -> list[str]:
+    """Runner overrides that train ``model`` on ``gpus`` GPUs of one node, ``batch_per_gpu``
+    sequences each: one process for one GPU, FSDP over all of them otherwise."""
+    layout = ["parallel=single"] if gpus == 1 else ["parallel=fsdp", f"parallel.dp_shard={gpus}"]
+    return [*layout, f"launcher.nproc_per_node={gpus}", f"model={model}", "precision=bf16",
+            "parallel.compile=true", "device=cuda",
+            f"trainer.global_batch_size={gpus * batch_per_gpu}"]
+
+
+def commands(model: str, batch_per_gpu: int, visible: int = 0) -> dict[int, str]:
+    """{GPU count: ready-to-run command line} for 1, 2, 4, 8 GPUs and the ``visible`` count."""
+    counts = sorted({1, 2, 4, 8} | ({visible} if visible else set()))
+    return {n: "python -m hsdp_runner " + " ".join(overrides_for(n, model, batch_per_gpu))
+            for n in counts}
+
+
+def print_commands(model: str, batch_per_gpu: int, visible: int) -> None:
+    """Print ``commands`` as a short table, marking this node's GPU count."""
+    fitted = "what fitted above" if visible else "not measured: no GPU here"
+    print(f"\nready-to-run commands (model={model}, {batch_per_gpu} sequences per GPU, "
+          f"{fitted}; more nodes: README 'Many nodes'):")
+    for n, cmd in commands(model, batch_per_gpu, visible).items():
+        mark = "  <- this node" if n == visible else ""
+        print(f"  {n} GPU{'s' if n > 1 else ' '}: {cmd}{mark}")
+
+
 def _run(model: str, batch: int, args, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={out}", "parallel=single",
-           f"model={model}", "precision=bf16", "parallel.compile=true", "device=cuda",
-           f"trainer.steps={args.steps}", f"trainer.global_batch_size={batch}",
+    cmd = [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={out}",
+           *overrides_for(1, model, batch), f"trainer.steps={args.steps}",
            f"metrics.warmup_steps={args.warmup}", "logger=none"]
     print("$", " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -66,6 +95,7 @@ def main() -> int:
         build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
         print(f"gpu_readiness: no CUDA GPU is visible (torch {torch.__version__}, {build}); "
               "nothing was run. Run this on a GPU machine with a CUDA build of torch.")
+        print_commands(*CANDIDATES[0], visible=0)
         return 0
     with tempfile.TemporaryDirectory(prefix="gpu-readiness-") as tmp:
         for model, batch in CANDIDATES:
@@ -73,6 +103,7 @@ def main() -> int:
             result = _run(model, batch, args, out)
             if result.returncode == 0:
                 report(model, batch, out)
+                print_commands(model, batch, torch.cuda.device_count())
                 return 0
             if not _out_of_memory(result, out):
                 print(result.stderr[-4000:], file=sys.stderr)

@@ -43,6 +43,7 @@ from omegaconf import OmegaConf
 from hsdp_runner import hf
 from hsdp_runner.config import DTYPES, ConfigError
 from hsdp_runner.models.llama import meta_model
+from hsdp_runner.rank0_io import run_on_rank0
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,8 @@ def validate(cfg, output_dir: Path) -> Start:
             raise ConfigError(f"checkpoint.{key}={c[key]} must be >= 1, or null")
     if c.export_dtype not in DTYPES:
         raise ConfigError(f"checkpoint.export_dtype={c.export_dtype!r} is not one of {', '.join(DTYPES)}")
+    if c.rank0_wait_s <= 0:
+        raise ConfigError(f"checkpoint.rank0_wait_s={c.rank0_wait_s} must be positive (seconds)")
     if c.export_max_shard_gib <= 0:
         raise ConfigError(f"checkpoint.export_max_shard_gib={c.export_max_shard_gib} must be positive")
     folder = checkpoint_dir(cfg, output_dir)
@@ -276,6 +279,7 @@ class Checkpointer:
         self.folder = checkpoint_dir(cfg, output_dir)
         self.export_folder = export_dir(cfg, output_dir)
         self.rank = dist.get_rank()
+        self._wait_s = cfg.checkpoint.rank0_wait_s
         self.facts = {"start_step": 0, "loaded_from": None, "last_checkpoint": None, "export": None}
 
     def _state(self) -> dict:
@@ -342,8 +346,8 @@ class Checkpointer:
         # Rank 0 reads the whole folder; set_model_state_dict broadcasts each tensor and keeps
         # every rank's shard. A row permutation (RoPE order) cannot be applied to sharded
         # DTensors locally, which is why DCP's HuggingFaceStorageReader is not used here.
-        full = hf.read_folder(folder, self.cfg.model, expected_shapes(self.cfg.model)) \
-            if self.rank == 0 else {}
+        full = run_on_rank0(f"reading the Hugging Face folder {folder}", lambda: hf.read_folder(
+            folder, self.cfg.model, expected_shapes(self.cfg.model)), self._wait_s) or {}
         set_model_state_dict(self.model, full, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))
         if self.rank == 0:
@@ -363,21 +367,29 @@ class Checkpointer:
         from hsdp_runner.trainer import inject_fault
 
         final, partial = self.folder / f"step-{step}", self.folder / f"step-{step}.partial"
-        if self.rank == 0:
+
+        def prepare():
             if final.exists():
                 raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
             shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save of this step
             partial.mkdir(parents=True)
+
+        # Rank-0 file work is waited for outside collectives (rank0_io): a slow filesystem
+        # must not run into launcher.timeout_s.
+        run_on_rank0(f"preparing {partial}", prepare, self._wait_s)
         rng = [None] * self.dims.world_size
         dist.all_gather_object(rng, _rng_state(self.device))
         dist.barrier()
         dcp.save({**self._state(), "rng": rng}, checkpoint_id=str(partial))
         inject_fault(self.cfg.fault, self.rank, step, phase="save")
         dist.barrier()
-        if self.rank == 0:
+
+        def commit_and_prune():
             self._commit(partial, final, step)
             self._prune(step)
-        dist.barrier()
+
+        run_on_rank0(f"committing {final} and pruning older checkpoints", commit_and_prune,
+                     self._wait_s)
         self.facts["last_checkpoint"] = str(final)
         return final
 
@@ -431,10 +443,12 @@ class Checkpointer:
         # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
         full = get_model_state_dict(self.model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
+
+        def write():
             dtype = getattr(torch, c.export_dtype)
             hf.write_folder(hf.to_hf(full, self.cfg.model, dtype), hf.hf_config(self.cfg.model, dtype),
                             self.export_folder, int(c.export_max_shard_gib * 2**30))
             log.info("exported Hugging Face Llama weights (%s) to %s", c.export_dtype, self.export_folder)
-        dist.barrier()
+
+        run_on_rank0(f"exporting to {self.export_folder}", write, self._wait_s)
         self.facts["export"] = str(self.export_folder)

@@ -20,6 +20,12 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
   (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
   weights' gradients. Without sequence parallel those become all-reduces of the same tensors.
+  With ``parallel.ac=full`` backward recomputes each block's forward, its TP collectives
+  included, up to the last op whose output backward needs (torch's checkpoint stops early):
+  per block the 2 all-gathers and the attention output's reduce-scatter with sequence
+  parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
+  output, which backward never needs. ``selective`` saves their outputs (``sharding.apply_ac``)
+  and repeats none.
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).
 
@@ -94,7 +100,7 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
     if dims.tp > 1:
         tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
         _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
-                         _dtype_bytes(precision.param_dtype), accum)
+                         _dtype_bytes(precision.param_dtype), accum, parallel.ac == "full")
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
@@ -125,9 +131,14 @@ def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool
 
 
 def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
-                     compute: int, accum: int) -> None:
+                     compute: int, accum: int, recompute: bool = False) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
     act = tokens * dim * compute  # one residual-stream activation of the rank's tokens
+    if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
+        again = {"all_gather/tp": 2, "reduce_scatter/tp": 1} if sequence_parallel \
+            else {"all_reduce/tp": 1}
+        for kind, per_block in again.items():
+            tally.add(kind, per_block * layers * accum, per_block * layers * act * accum)
     tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
     if sequence_parallel:
         per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding

@@ -100,6 +100,21 @@ class LauncherConfig:
     signal: Optional[str] = None
     signal_delay_s: int = 120
     requeue: int = 0
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+
+
+# launcher=slurm with launcher.mem_gb=null asks for this much memory per GPU (per task on a CPU
+# partition): rank 0 gathers the full state on the CPU for an HF export (fp32 8B: 32 GB).
+SLURM_MEM_GB_PER_GPU = 64
+
+
+def slurm_mem_gb(launcher) -> int:
+    """Memory per node in GB that a SLURM job asks for (sbatch --mem): ``launcher.mem_gb``, or
+    ``SLURM_MEM_GB_PER_GPU`` x GPUs per node (x tasks per node without GPUs)."""
+    if launcher.mem_gb is not None:
+        return launcher.mem_gb
+    return SLURM_MEM_GB_PER_GPU * (launcher.gpus_per_node or launcher.nproc_per_node or 1)
 
 
 @dataclass
@@ -154,6 +169,7 @@ class CheckpointConfig:
     export_dir: Optional[str] = None
     export_dtype: str = "bfloat16"
     export_max_shard_gib: float = 5.0
+    rank0_wait_s: float = 3600.0
 
 
 @dataclass
@@ -214,6 +230,10 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _require_choice("parallel.ddp_impl", c.parallel.ddp_impl, DDP_IMPLS)
     for key in ("param_dtype", "reduce_dtype", "master_dtype"):
         _require_choice(f"precision.{key}", c.precision[key], DTYPES)
+        if c.precision[key] == "float16":
+            # fp16 gradients underflow without loss scaling, and the trainer has no scaler.
+            raise ConfigError(f"precision.{key}=float16 needs a gradient scaler, which the "
+                              "runner does not have; use bfloat16 (precision=bf16 or bf16_pure)")
     _require_choice("data.kind", c.data.kind, DATA_KINDS)
     _require_choice("logger.name", c.logger.name, LOGGERS)
     _require_choice("logger.mode", c.logger.mode, WANDB_MODES)
@@ -288,6 +308,9 @@ def _validate_launcher(launcher) -> None:
         raise ConfigError(f"{choice} needs launcher.nproc_per_node (SLURM tasks = ranks per node); "
                           "set it, e.g. launcher.nproc_per_node=8")
     _require_positive("launcher.timeout_min", launcher.timeout_min)
+    for key in ("cpus_per_task", "mem_gb"):
+        if launcher.get(key) is not None:
+            _require_positive(f"launcher.{key}", launcher[key])
     if launcher.gpus_per_node is not None and launcher.gpus_per_node < launcher.nproc_per_node:
         raise ConfigError(
             f"launcher.gpus_per_node={launcher.gpus_per_node} is less than launcher.nproc_per_node="

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import uuid
@@ -25,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner import checkpoint, tracking
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
+from hsdp_runner.devices import check_visible_gpus, cpu_threads, cuda_fallback_warning
+from hsdp_runner.failures import cause_from_log, signal_only
 from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.llama import meta_model
@@ -64,10 +67,15 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     check_torch_apis()
     gpus = 0 if submitting else _cuda_count(cfg)
     world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
+    if gpus and under_torchrun():
+        check_visible_gpus(ranks_per_node, gpus)
+    fallback = None if submitting else cuda_fallback_warning(cfg.device)
+    if fallback and (not under_torchrun() or int(os.environ["RANK"]) == 0):
+        print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
     validate_batch(cfg, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
-            and not torch.cuda.is_bf16_supported():
+            and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
                           "support; use precision=fp32")
     if cfg.data.kind == "text":
@@ -216,8 +224,8 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
     # whole traceback (it is in the rank's log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # torch's launcher sets 1 thread per worker when OMP_NUM_THREADS is unset, with a warning;
-    # share the cores out instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // dims.world_size)))
+    # share out the CPUs this process may use instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(dims.world_size)))
     # Stop signals are ours, not the agent's: it would pass the first on and then stop
     # collecting the workers' results (and die mid-shutdown on a second one).
     signals = LauncherSignals()
@@ -236,7 +244,7 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
         stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
         if stopped:
             return _stopped_at_once(cfg_dict, dims, run_info["output_dir"], stopped), None
-        message = _failure_message(failure)
+        message = _failure_message(failure, Path(run_info["output_dir"]) / "logs", rank)
         print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
               f"rank logs: {Path(run_info['output_dir']) / 'logs'}", file=sys.stderr)
         _write_failed_summary(run_info["output_dir"], dims, rank, message)
@@ -266,12 +274,16 @@ def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum
     return 128 + signum
 
 
-def _failure_message(failure) -> str:
+def _failure_message(failure, log_dir: Path | None = None, rank: int | None = None) -> str:
     message = failure.message
     if isinstance(message, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
         message = message.get("message", message)
     message = str(message).strip() or f"exit code {failure.exitcode}"
-    if "Timed out" in message or "timed out" in message:
+    # Killed in C++ (e.g. NCCL's watchdog on a timeout: SIGABRT): the cause is in its log.
+    cause = cause_from_log(log_dir, rank) if log_dir and signal_only(message) else None
+    if cause:
+        message = f"{message}: {cause}"
+    if re.search(r"timed out|timeout", message, re.IGNORECASE):
         message += (" (a collective waited launcher.timeout_s without its peers: another rank "
                     "hung or died; see the rank logs)")
     return message

@@ -194,13 +194,16 @@ class ParallelDims:
 
         if timeout_s is None:
             timeout_s = default_group_timeout_s(device_type)
-        override = _backend_with_timeout(device_type, timeout_s)
-        per_dim = {name: override for name in DIM_NAMES} if override else None
+        # One options object per group, as torch builds them: NCCL's communicator split
+        # writes into the options it is given, so groups must not share one.
+        per_dim = {name: _backend_with_timeout(device_type, timeout_s) for name in DIM_NAMES} \
+            if timeout_s is not None else None
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES,
                                 backend_override=per_dim)
         # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
         # flattened dim back out of the root mesh is deprecated, so the view is kept here.
-        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override)
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(
+            "dp", backend_override=_backend_with_timeout(device_type, timeout_s))
         return WorldMesh(mesh, {"dp": dp_mesh})
 
 
@@ -216,7 +219,8 @@ def default_group_timeout_s(device_type: str) -> float | None:
 
 
 def _backend_with_timeout(device_type: str, timeout_s: float | None):
-    """Return (backend, options with timeout) for DeviceMesh's backend_override, or None."""
+    """Return (backend, a new options object with the timeout) for DeviceMesh's
+    backend_override, or None without a timeout. Each call builds its own options."""
     if timeout_s is None:
         return None
     import torch.distributed as dist

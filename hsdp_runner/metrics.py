@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -22,29 +23,51 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per device, from the vendors' datasheets. Keys are matched as substrings of
-# torch.cuda.get_device_name(), most specific first.
+# Dense peak TFLOP/s per device (no sparsity), from the vendors' datasheets; NVIDIA's list
+# "with sparsity" figures, halved here. Each name pattern must match the whole string
+# torch.cuda.get_device_name() returns (case-insensitive), so "H200 NVL" never takes the H200
+# SXM figure and "GB200" never matches "B200"; a name that matches nothing gets MFU null and a
+# warning rather than a guess. "float32" is the plain FP32 (non-tensor-core) figure, which
+# an fp32 matmul gets with TF32 off (torch's default); left out where the datasheet gives none.
+_H100_SXM = {"bfloat16": 989.5, "float16": 989.5, "float32": 67.0}  # H100 SXM: 1,979 sparse
+_H100_PCIE = {"bfloat16": 756.5, "float16": 756.5, "float32": 51.0}  # H100 PCIe: 1,513 sparse
+_H100_NVL = {"bfloat16": 835.5, "float16": 835.5, "float32": 60.0}   # H100/H200 NVL: 1,671 sparse
 PEAK_TFLOPS = (
-    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
-    ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 60.0}),
-    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0}),
-    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),  # SXM
-    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float32": 80.0}),
-    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
-    ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6}),
-    ("L40", {"bfloat16": 181.0, "float16": 181.0, "float32": 90.5}),
-    ("L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),  # after L40S / L40
-    ("A10G", {"bfloat16": 70.0, "float16": 70.0, "float32": 31.2}),
-    ("MI325X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4}),
-    ("MI300X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4}),
-    ("MI250X", {"bfloat16": 383.0, "float16": 383.0, "float32": 47.9}),
+    (r"NVIDIA H100( 80GB HBM3)?", _H100_SXM),
+    (r"NVIDIA H100 PCIe", _H100_PCIE),
+    (r"NVIDIA H100 NVL", _H100_NVL),
+    # H800: the H100 SXM / PCIe compute with less NVLink bandwidth (H800 datasheet).
+    (r"NVIDIA H800( 80GB HBM3)?", _H100_SXM),
+    (r"NVIDIA H800 PCIe", _H100_PCIE),
+    (r"NVIDIA H200( 141GB HBM3e)?", _H100_SXM),  # H200 SXM datasheet: 1,979 sparse, FP32 67
+    (r"NVIDIA H200 NVL", _H100_NVL),             # H200 NVL datasheet: 1,671 sparse, FP32 60
+    (r"NVIDIA GH200( \d+GB( HBM3e?)?)?", _H100_SXM),  # GH200 datasheet: 1,979 sparse, FP32 67
+    # HGX B200: 36 PFLOPS FP16/BF16 sparse for 8 GPUs; GB200 NVL72: 360 PFLOPS for 72 GPUs.
+    (r"NVIDIA B200", {"bfloat16": 2250.0, "float16": 2250.0}),
+    (r"NVIDIA GB200", {"bfloat16": 2500.0, "float16": 2500.0}),
+    # A100 SXM4 and PCIe, 40 and 80 GB: 624 sparse, FP32 19.5.
+    (r"NVIDIA A100([- ](SXM4|PCIE)?-?\d+GB( PCIe)?)?", {"bfloat16": 312.0, "float16": 312.0,
+                                                        "float32": 19.5}),
+    (r"NVIDIA L40S", {"bfloat16": 362.05, "float16": 362.05, "float32": 91.6}),  # 733 sparse
+    (r"NVIDIA L40", {"bfloat16": 181.05, "float16": 181.05, "float32": 90.5}),   # 362.1 sparse
+    (r"NVIDIA L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),      # 242 sparse
+    # AMD Instinct datasheets (dense matrix figures; FP32 matrix).
+    (r"AMD Instinct MI300X( VF)?", {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}),
+    (r"AMD Instinct MI325X( VF)?", {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}),
+    (r"AMD Instinct MI250X( ?/ ?MI250)?", {"bfloat16": 383.0, "float16": 383.0,
+                                           "float32": 95.7}),
 )
 
 
 def lookup_peak_tflops(device_name: str, dtype: str) -> float | None:
-    """Return the table's dense peak TFLOP/s for ``device_name`` in ``dtype``, or None."""
-    for key, peaks in PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
+    """Return the table's dense peak TFLOP/s for ``device_name`` in ``dtype``, or None.
+
+    ``device_name`` is what ``torch.cuda.get_device_name()`` returns; a pattern must match the
+    whole (stripped) name, so an unknown or merely similar name returns None.
+    """
+    name = " ".join(device_name.split())
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.fullmatch(pattern, name, flags=re.IGNORECASE):
             return peaks.get(dtype)
     return None
 

@@ -81,10 +81,15 @@ def apply_tp(model: llama.Llama, world: WorldMesh, sequence_parallel: bool) -> N
 def _save_matmuls_policy():
     from torch.utils.checkpoint import CheckpointPolicy
 
+    funcol = torch.ops._c10d_functional
     save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            # TP's collectives: recomputing them would repeat the block's forward
+            # communication in backward; their outputs are activations of the rank's tokens.
+            funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
+            funcol.all_reduce.default}
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -94,8 +99,9 @@ def _save_matmuls_policy():
 def apply_ac(model: llama.Llama, mode: str) -> None:
     """Wrap each block for activation checkpointing.
 
-    'full' recomputes the whole block in backward; 'selective' saves matmul and attention
-    outputs and recomputes the cheap element-wise ops (norms, activations, RoPE).
+    'full' recomputes the whole block in backward (TP's forward collectives included);
+    'selective' saves matmul, attention and TP collective outputs and recomputes the cheap
+    element-wise ops (norms, activations, RoPE), so it repeats no communication.
     """
     if mode == "none":
         return

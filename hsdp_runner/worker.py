@@ -7,6 +7,7 @@ must be able to import it.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -21,20 +22,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hsdp_runner import checkpoint, metrics, profiling, tracking
+from hsdp_runner.devices import pick_device, set_cpu_threads
+from hsdp_runner.failures import nccl_failure_env
 from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_name, stop_signals
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
 from hsdp_runner.trainer import Trainer
 
 log = logging.getLogger("hsdp_runner")
-
-
-def pick_device(choice: str, local_rank: int) -> torch.device:
-    """Return this rank's device for ``device`` = auto | cpu | cuda."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
 
 
 def setup_logging(output_dir: Path, rank: int) -> None:
@@ -84,9 +79,15 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     stop.install(stop_signals(cfg_dict["launcher"].get("signal")))
     output_dir = Path(run_info["output_dir"])
     setup_logging(output_dir, rank)
+    faulthandler.enable(all_threads=True)  # a rank killed in C++ leaves its Python stack in its log
     cfg = OmegaConf.create(cfg_dict)
-    device = pick_device(cfg.device, local_rank)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    set_cpu_threads(local_world_size)
+    device = pick_device(cfg.device, local_rank, local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        for key, value in nccl_failure_env(output_dir / "logs").items():
+            os.environ.setdefault(key, value)  # the user's own TORCH_NCCL_* settings win
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     try:

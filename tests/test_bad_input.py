@@ -57,7 +57,7 @@ def test_bad_input_exits_2_naming_key_and_fix_before_any_worker(
     overrides = [o.replace("EMPTY", str(empty_file)) for o in overrides]
     if gpus is not None:
         monkeypatch.setattr(launch, "_cuda_count", lambda cfg: gpus)
-        monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda: False)
+        monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY, *overrides])
     GlobalHydra.instance().clear()
     code = app.main()

@@ -22,6 +22,12 @@ LAYOUTS = {
     "hsdp_tp": ["parallel=hsdp_tp", "precision=bf16"],
     "ddp_tp_no_sp": ["parallel=hsdp_tp", "parallel.dp_replicate=4", "parallel.dp_shard=1",
                      "parallel.sequence_parallel=false"],
+    # Activation checkpointing with TP: selective repeats no collective, full repeats the
+    # blocks' forward ones in backward.
+    "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=selective"],
+    "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=full"],
+    "tp_full_ac_no_sp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8",
+                         "parallel.ac=full", "parallel.sequence_parallel=false"],
 }
 
 

@@ -44,16 +44,3 @@ def test_profile_window_after_the_last_step_is_a_config_error(job_dir):
                      "profile.enable=true", "profile.start_step=3", "profile.steps=2")
     assert result.returncode == 2
     assert "profile.start_step=3" in result.stderr and "trainer.steps=3" in result.stderr
-
-
-def test_peak_table_matches_device_names_most_specific_first():
-    from hsdp_runner.metrics import lookup_peak_tflops
-
-    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0  # SXM
-    assert lookup_peak_tflops("NVIDIA H100 PCIe", "bfloat16") == 756.0
-    assert lookup_peak_tflops("NVIDIA H100 NVL", "bfloat16") == 835.0
-    assert lookup_peak_tflops("NVIDIA L40S", "bfloat16") == 362.0
-    assert lookup_peak_tflops("NVIDIA L40", "bfloat16") == 181.0
-    assert lookup_peak_tflops("NVIDIA L4", "float32") == 30.3
-    assert lookup_peak_tflops("AMD Instinct MI300X", "bfloat16") == 1307.0
-    assert lookup_peak_tflops("Some Future GPU", "bfloat16") is None  # MFU null, never a guess

@@ -62,7 +62,9 @@ def test_slurm_sweep_becomes_one_job_array_with_a_task_per_rank(tmp_path, fake_s
                      f"hydra.sweep.dir={tmp_path / 'sweep'}", pin_dir=False, env=fake_slurm)
     script = Path(fake_slurm["SBATCH_CAPTURE"]).read_text()
     for line in ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--array=0-1%2",
-                 "--partition=gpu", "--account=proj", "--time=30", "--signal=USR2@120"]:
+                 "--partition=gpu", "--account=proj", "--time=30", "--signal=USR2@120",
+                 "--cpus-per-task=8",
+                 "--mem=128GB"]:  # 64 GB per GPU: SLURM's defaults (often 1 CPU) would starve it
         assert f"#SBATCH {line}\n" in script, script
     assert "srun " in script and "submitit.core._submit" in script
     # The fsdp job's shard group spans both nodes: warned about before submission.

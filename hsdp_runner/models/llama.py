@@ -129,9 +129,14 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer deterministically from ``seed``.
 
-        Each parameter's full value is drawn on CPU from a generator seeded by (seed, name) and
-        then cut to this rank's shard, so every layout starts from bit-identical weights. (The
-        DTensor RNG would also be deterministic, but its stream depends on the mesh.)
+        Each parameter's full value is drawn on the parameter's own device (``initial_value``)
+        from a generator seeded by (seed, name), then cut to this rank's shard, so every layout
+        starts from identical weights and a GPU draws even a 70B model in seconds. (The DTensor
+        RNG would also be deterministic, but its stream depends on the mesh.) On CPU the
+        values are those of torch's CPU generator. On CUDA they come from a CUDA generator:
+        equally a function of (seed, name), the same on every rank and in every layout of a
+        job, but not equal to the CPU values, and not promised equal across GPU models or torch
+        versions (torch may split the draw differently over another GPU's multiprocessors).
         """
         from hsdp_runner.sharding import copy_full_into
 
@@ -139,18 +144,24 @@ class Llama(nn.Module):
         depth_std = std / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
             for name, param in self.named_parameters():
-                shape = tuple(param.shape)
-                if name.endswith("norm.weight"):
-                    full = torch.ones(shape)
-                else:
-                    gen = torch.Generator().manual_seed(_name_seed(seed, name))
-                    scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
-                    full = torch.randn(shape, generator=gen) * scale
-                copy_full_into(param, full)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
+                copy_full_into(param, initial_value(name, tuple(param.shape), seed, scale,
+                                                    local.device))
             cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len,
                                    self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+
+def initial_value(name: str, shape: tuple, seed: int, std: float, device: torch.device
+                  ) -> torch.Tensor:
+    """The full fp32 initial value of parameter ``name``, drawn on ``device``: ones for the
+    norms, else N(0, std^2) from a ``device`` generator seeded by (seed, name)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
+    return torch.randn(shape, generator=gen, device=device) * std
 
 
 def _name_seed(seed: int, name: str) -> int:

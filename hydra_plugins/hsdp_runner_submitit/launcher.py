@@ -41,6 +41,15 @@ class _CheckBeforeSubmit:
 class CheckedSlurmLauncher(_CheckBeforeSubmit, SlurmLauncher):
     """SLURM: one sbatch job per run, a job array per sweep."""
 
+    def launch(self, job_overrides: Sequence[Sequence[str]],
+               initial_job_idx: int) -> Sequence[JobReturn]:
+        """Fill in the memory per node (``launcher.mem_gb=null``), then check and submit."""
+        from hsdp_runner.config import slurm_mem_gb
+
+        if self.params.get("mem_gb") is None:
+            self.params["mem_gb"] = slurm_mem_gb(self.config.launcher)
+        return super().launch(job_overrides, initial_job_idx)
+
 
 class CheckedLocalLauncher(_CheckBeforeSubmit, LocalLauncher):
     """submitit's local executor: the SLURM code path on one machine, without SLURM."""

@@ -1,0 +1,226 @@
+"""A GPU node simulated on CPU, part 1: device names and peaks, precision, which GPU a rank
+uses, why GPUs go unused, CPU threads. ``torch.cuda`` is monkeypatched; nothing touches a GPU.
+README's "On a GPU machine" says what this does and does not prove.
+"""
+
+import pytest
+
+from hsdp_runner.metrics import lookup_peak_tflops
+
+# Real torch.cuda.get_device_name() strings -> dense bf16 peak TFLOP/s (datasheets, no sparsity).
+DEVICE_NAMES = {
+    "NVIDIA H100 80GB HBM3": 989.5,
+    "NVIDIA H100 PCIe": 756.5,
+    "NVIDIA H100 NVL": 835.5,
+    "NVIDIA H200": 989.5,
+    "NVIDIA H200 NVL": 835.5,
+    "NVIDIA GH200 480GB": 989.5,
+    "NVIDIA B200": 2250.0,
+    "NVIDIA GB200": 2500.0,
+    "NVIDIA H800": 989.5,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA L40S": 362.05,
+    "NVIDIA L40": 181.05,
+    "NVIDIA L4": 121.0,
+    "AMD Instinct MI300X": 1307.4,
+}
+
+
+@pytest.mark.parametrize("name, peak", DEVICE_NAMES.items())
+def test_peak_table_matches_real_device_names_exactly(name, peak):
+    assert lookup_peak_tflops(name, "bfloat16") == peak
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H20", "NVIDIA B100", "NVIDIA GeForce RTX 4090",
+                                  "NVIDIA H100X", "NVIDIA L40G", "Some Future GPU", ""])
+def test_unknown_or_merely_similar_device_names_get_no_peak(name):
+    assert lookup_peak_tflops(name, "bfloat16") is None  # MFU null with a warning, never a guess
+
+
+def test_fp32_peak_is_the_non_tensor_core_figure():
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "float32") == 67.0
+    assert lookup_peak_tflops("NVIDIA L4", "float32") == 30.3
+    assert lookup_peak_tflops("NVIDIA B200", "float32") is None  # no datasheet figure we trust
+
+
+# --- precision checks a GPU makes matter -----------------------------------------------------
+
+def _validate(overrides, tmp_path, gpus=1):
+    from hsdp_runner import launch
+    from test_config import compose
+
+    cfg = compose(["model=llama3_tiny", "logger=none", "trainer.global_batch_size=8",
+                   "device=cuda", f"launcher.nproc_per_node={gpus}", *overrides])
+    return launch.validate(cfg, tmp_path)
+
+
+def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
+    from hsdp_runner.config import ConfigError
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    # A V100 or T4: torch emulates bf16, is_bf16_supported() alone says True.
+    monkeypatch.setattr("torch.cuda.is_bf16_supported",
+                        lambda including_emulation=True: including_emulation)
+    with pytest.raises(ConfigError, match="precision=bf16 needs bfloat16"):
+        _validate(["parallel=single", "precision=bf16"], tmp_path)
+
+
+@pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype", "master_dtype"])
+def test_float16_without_a_gradient_scaler_is_refused(key):
+    from hsdp_runner.config import ConfigError, validate_config
+    from test_config import compose
+
+    with pytest.raises(ConfigError, match=f"precision.{key}=float16 needs a gradient scaler"):
+        validate_config(compose(["model=llama3_tiny", f"precision.{key}=float16"]))
+
+
+# --- device choice: what is visible, and why GPUs go unused ------------------------------------
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """torch.cuda as a GPU node shows it: ``cuda.visible = n`` GPUs; set_device calls recorded."""
+    class Cuda:
+        visible, current = 8, []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: Cuda.visible > 0)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: Cuda.visible)
+    monkeypatch.setattr("torch.cuda.set_device", Cuda.current.append)
+    return Cuda
+
+
+def test_one_visible_gpu_per_task_is_used_whatever_the_local_rank(cuda):
+    from hsdp_runner.devices import pick_device
+
+    cuda.visible = 1  # SLURM --gpus-per-task=1 / --gpu-bind: each task sees only its own GPU
+    assert str(pick_device("auto", 5, 8)) == "cuda:0" and cuda.current == [0]
+
+
+def test_local_rank_indexes_the_node_gpus(cuda):
+    from hsdp_runner.devices import pick_device
+
+    assert str(pick_device("cuda", 3, 8)) == "cuda:3" and cuda.current == [3]
+
+
+def test_more_local_ranks_than_visible_gpus_is_a_clear_error(cuda, monkeypatch):
+    from hsdp_runner.config import ConfigError
+    from hsdp_runner.devices import pick_device
+
+    cuda.visible = 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(ConfigError, match=r"4 ranks on this node but only 2 GPUs are visible "
+                                          r"\(CUDA_VISIBLE_DEVICES=4,5\)"):
+        pick_device("auto", 3, 4)
+    assert cuda.current == []
+
+
+def test_torchrun_ranks_outnumbering_visible_gpus_exit_2_before_training(cuda, tmp_path,
+                                                                         monkeypatch):
+    from hsdp_runner.config import ConfigError
+
+    cuda.visible = 2
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="4 ranks on this node but only 2 GPUs"):
+        _validate(["parallel=fsdp"], tmp_path)
+
+
+@pytest.fixture
+def gpu_node_without_cuda(monkeypatch, tmp_path):
+    """A node whose driver shows 8 NVIDIA GPUs while torch cannot use any (CPU build)."""
+    gpus = tmp_path / "root" / "proc/driver/nvidia/gpus"
+    for i in range(8):
+        (gpus / f"0000:{i:02x}:00.0").mkdir(parents=True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("torch.version.cuda", None)
+    monkeypatch.setattr("torch.version.hip", None)
+    return tmp_path / "root"
+
+
+def test_auto_device_on_a_gpu_node_with_a_cpu_torch_warns_naming_the_cause(
+        gpu_node_without_cuda):
+    from hsdp_runner.devices import cuda_fallback_warning
+
+    warning = cuda_fallback_warning("auto", gpu_node_without_cuda)
+    assert "8 NVIDIA GPU(s) present" in warning and "CPU-only build" in warning
+    assert "TORCH_SPEC" in warning
+    assert cuda_fallback_warning("cpu", gpu_node_without_cuda) is None  # a deliberate choice
+    assert cuda_fallback_warning("auto", gpu_node_without_cuda / "nothing") is None  # no GPUs
+
+
+def test_hidden_gpus_are_named_as_the_cause(gpu_node_without_cuda, monkeypatch):
+    from hsdp_runner.devices import cuda_fallback_warning
+
+    monkeypatch.setattr("torch.version.cuda", "12.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "CUDA_VISIBLE_DEVICES='' hides them" in cuda_fallback_warning("auto",
+                                                                        gpu_node_without_cuda)
+
+
+def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, tmp_path, capsys):
+    from hsdp_runner import launch
+    from test_config import compose
+
+    monkeypatch.setattr("hsdp_runner.devices.gpus_present", lambda root=None: (8, "NVIDIA"))
+    monkeypatch.setattr("torch.version.cuda", None)
+    monkeypatch.setattr("torch.version.hip", None)
+    base = ["model=llama3_tiny", "logger=none", "parallel=fsdp"]
+    launch.validate(compose(base), tmp_path)
+    assert "warning: device=auto: 8 NVIDIA GPU(s) present" in capsys.readouterr().err
+    launch.validate(compose(base + ["device=cpu"]), tmp_path)
+    assert capsys.readouterr().err == ""
+
+
+# --- CPU threads from the affinity mask -------------------------------------------------------
+
+def test_threads_come_from_the_affinity_mask_not_the_node_cpu_count(monkeypatch):
+    from hsdp_runner.devices import cpu_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 224)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_threads(8, env={}) == 2  # 8 local ranks share the 16 CPUs this job may use
+    # A SLURM task bound to its own 8 CPUs keeps them all ...
+    assert cpu_threads(8, mask=set(range(8)), env={"SLURM_CPUS_PER_TASK": "8"}) == 8
+    # ... an unbound task sees the node's allocation, shared by the node's tasks.
+    assert cpu_threads(8, mask=set(range(64)), env={"SLURM_CPUS_PER_TASK": "8"}) == 8
+    assert cpu_threads(4, mask={0}, env={}) == 1
+
+
+def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
+    import os
+
+    from hsdp_runner import launch
+    from hsdp_runner.mesh import ParallelDims
+    from test_config import compose
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 224)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
+    seen = {}
+
+    def start(fn, nproc, *args, **kwargs):
+        seen["threads"] = os.environ["OMP_NUM_THREADS"]
+        return {0: None}
+    monkeypatch.setattr(launch, "start_local_workers", start)
+    cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
+    launch._launch_local({"launcher": {"timeout_s": 5}}, dims, {"output_dir": str(tmp_path)})
+    assert seen["threads"] == "3"
+
+
+def test_a_slurm_rank_sets_its_threads_from_the_mask(monkeypatch):
+    import os
+
+    import torch
+
+    from hsdp_runner.devices import set_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    try:
+        assert set_cpu_threads(8) == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+    finally:
+        torch.set_num_threads(before)

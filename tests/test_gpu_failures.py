@@ -1,0 +1,242 @@
+"""A GPU node simulated on CPU, part 2: NCCL failure records and settings, one options object
+per mesh group, rank-0 file work outside the collective timeout, initial weights drawn on the
+device. README's "On a GPU machine" says what this does and does not prove.
+"""
+
+import pytest
+
+
+# --- NCCL failure semantics ---------------------------------------------------------------------
+
+WATCHDOG_LOG = """\
+[rank1] 21:40:01 INFO hsdp_runner: step 2 loss 5.41
+[rank1]:[E1122 21:45:02.123 ProcessGroupNCCL.cpp:685] [Rank 1] Watchdog caught collective \
+operation timeout: WorkNCCL(SeqNum=812, OpType=_ALLGATHER_BASE, NumelIn=49280, \
+NumelOut=98560, Timeout(ms)=300000) ran for 300047 milliseconds before timing out.
+terminate called after throwing an instance of 'c10::DistBackendError'
+  what():  [PG ID 2 PG GUID 5 Rank 1] Process group watchdog thread terminated with exception
+Fatal Python error: Aborted
+"""
+
+
+def test_rank_killed_by_nccl_watchdog_is_reported_with_its_cause_not_signal_6(tmp_path):
+    from types import SimpleNamespace
+
+    from hsdp_runner.launch import _failure_message
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank1.log").write_text(WATCHDOG_LOG)
+    (logs / "nccl_trace_rank_1").write_bytes(b"\x80")
+    failure = SimpleNamespace(message="Signal 6 (SIGABRT) received by PID 4242", exitcode=-6)
+    message = _failure_message(failure, logs, 1)
+    assert message.startswith("Signal 6 (SIGABRT) received by PID 4242: Watchdog caught "
+                              "collective operation timeout: WorkNCCL(SeqNum=812")
+    assert f"flight recorder dump: {logs / 'nccl_trace_rank_1'}" in message
+    assert "launcher.timeout_s" in message  # the timeout hint now shows
+
+
+def test_a_python_error_record_is_kept_as_it_is(tmp_path):
+    from types import SimpleNamespace
+
+    from hsdp_runner.launch import _failure_message
+
+    (tmp_path / "rank0.log").write_text(WATCHDOG_LOG)
+    failure = SimpleNamespace(message={"message": "RuntimeError: boom"}, exitcode=1)
+    assert _failure_message(failure, tmp_path, 0) == "RuntimeError: boom"
+
+
+def test_nccl_settings_dump_the_flight_recorder_into_the_job_logs(tmp_path):
+    from hsdp_runner.failures import nccl_failure_env
+
+    env = nccl_failure_env(tmp_path / "logs")
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # a timed-out rank ends, never hangs
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "logs" / "nccl_trace_rank_")
+
+
+# --- one NCCL options object per mesh group ---------------------------------------------------
+
+def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    from hsdp_runner.mesh import ParallelDims
+
+    class Options:
+        _timeout = None
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}),
+                        raising=False)
+    seen = {}
+
+    class FakeMesh:
+        def __getitem__(self, names):
+            return self
+
+        def _flatten(self, name, backend_override=None):
+            seen[name] = backend_override
+            return self
+
+    def fake_init(device_type, shape, mesh_dim_names, backend_override):
+        seen.update(backend_override)
+        return FakeMesh()
+    monkeypatch.setattr(device_mesh, "init_device_mesh", fake_init)
+    ParallelDims(2, 2, 2, 8).build_mesh("cuda", timeout_s=42)
+    assert sorted(seen) == ["dp", "dp_replicate", "dp_shard", "tp"]
+    assert {backend for backend, _ in seen.values()} == {"nccl"}
+    options = [opts for _, opts in seen.values()]
+    assert len({id(o) for o in options}) == 4  # NCCL's split mutates the options it is given
+    assert all(o._timeout.total_seconds() == 42 for o in options)
+
+
+# --- initial weights drawn on the device --------------------------------------------------------
+
+def test_cpu_initial_weights_are_the_same_values_as_before():
+    import torch
+
+    from hsdp_runner.models.llama import Llama
+    from test_config import compose
+
+    model = Llama(compose(["model=llama3_tiny"]).model)
+    model.init_weights(7)
+    params = dict(model.named_parameters())
+    # Values the CPU draw gave before weights were drawn on the parameter's device.
+    golden = {"tok_embeddings.weight": ([0.03461545, 0.00616866, 0.0256436], -0.7227687860532548),
+              "layers.1.attention.wo.weight": ([0.00020108, -0.0072222, 0.0139383],
+                                               -0.00870523175035487),
+              "layers.0.feed_forward.w3.weight": ([0.01364315, 0.0242396, -0.0200923],
+                                                  3.9896071250705063),
+              "norm.weight": ([1.0, 1.0, 1.0], 64.0)}
+    for name, (first, total) in golden.items():
+        value = params[name].detach()
+        assert value.flatten()[:3].tolist() == pytest.approx(first, abs=1e-8), name
+        assert float(value.double().sum()) == pytest.approx(total, rel=1e-12), name
+    assert all(p.device == torch.device("cpu") for p in params.values())
+
+
+def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator(monkeypatch):
+    import torch
+
+    from hsdp_runner.models import llama
+
+    draws = []
+
+    class Generator:  # stands in for a CUDA generator on this CPU-only machine
+        def __init__(self, device):
+            self.device, self.seed = torch.device(device), None
+
+        def manual_seed(self, seed):
+            self.seed = seed
+            return self
+
+    def randn(shape, generator, device):
+        draws.append((generator.device, generator.seed, torch.device(device)))
+        return torch.zeros(shape)
+    monkeypatch.setattr(torch, "Generator", Generator)
+    monkeypatch.setattr(torch, "randn", randn)
+    monkeypatch.setattr(torch, "ones", lambda shape, device: draws.append(device) or "ones")
+    gpu = torch.device("cuda", 3)
+    llama.initial_value("layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    llama.initial_value("_orig_mod.layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    assert draws[0] == (gpu, llama._name_seed(7, "layers.0.attention.wq.weight"), gpu)
+    assert draws[1] == draws[0]  # the seed is the name's, whatever wraps the module
+    llama.initial_value("layers.0.ffn_norm.weight", (4,), 7, 0.02, gpu)
+    assert draws[2] == gpu
+
+
+# --- rank-0 file work outside the collective timeout ----------------------------------------------
+
+def _in_threads(*fns):
+    """Run each fn in a thread; return their results or exceptions, in order."""
+    import threading
+
+    out = [None] * len(fns)
+
+    def call(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            out[i] = err
+    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_other_ranks_learn_rank0s_file_error_at_once():
+    import time
+
+    import torch.distributed as dist
+
+    from hsdp_runner.rank0_io import run_on_rank0
+
+    store = dist.HashStore()
+
+    def fail():
+        raise OSError("No space left on device")
+    start = time.monotonic()
+    got = _in_threads(lambda: run_on_rank0("pruning", fail, 60, rank=0, store=store),
+                      lambda: run_on_rank0("pruning", fail, 60, rank=1, store=store))
+    assert isinstance(got[0], OSError)
+    assert "rank 0 failed while pruning: OSError: No space left on device" in str(got[1])
+    assert time.monotonic() - start < 10
+
+
+def test_rank0_file_work_is_bounded_by_rank0_wait_s():
+    import torch.distributed as dist
+
+    from hsdp_runner.rank0_io import run_on_rank0
+
+    with pytest.raises(RuntimeError, match=r"rank 0 did not finish exporting within "
+                                            r"checkpoint.rank0_wait_s=0.2 s"):
+        run_on_rank0("exporting", lambda: None, 0.2, rank=1, store=dist.HashStore())
+
+
+COLLECTIVE_TIMEOUT_S, SLOW_PRUNE_S = 10, 14
+
+
+def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
+    import gc
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from hsdp_runner.checkpoint import Checkpointer
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.sharding import build_model
+    from hsdp_runner.trainer import Trainer
+    from test_config import compose
+
+    cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2",
+                   "metrics.peak_tflops=1", "checkpoint.enable=true", "checkpoint.keep_last=1",
+                   f"launcher.timeout_s={COLLECTIVE_TIMEOUT_S}"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
+        world = dims.build_mesh("cpu", COLLECTIVE_TIMEOUT_S)
+        device = torch.device("cpu")
+        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
+        trainer = Trainer(cfg, dims, world, model, device)
+        ckpt = Checkpointer(cfg, dims, Path(out), trainer.model, trainer.optimizer,
+                            trainer.scheduler, device)
+        prune = ckpt._prune
+        ckpt._prune = lambda newest: (time.sleep(SLOW_PRUNE_S), prune(newest))  # a slow NFS
+        ckpt.save(1)
+        dist.barrier()  # the next collective after the save
+        return sorted(p.name for p in ckpt.folder.iterdir())
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_slow_rank0_prune_longer_than_the_collective_timeout_does_not_fail_the_job(tmp_path):
+    from hsdp_runner.launch import start_local_workers
+
+    results = start_local_workers(_save_while_rank0_prunes_slowly, 2, str(tmp_path))
+    assert results == {0: ["step-1"], 1: ["step-1"]}
