@@ -155,7 +155,7 @@ def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypa
         ran_layouts.append(cfg)
         return codes[cfg]
 
-    args = Namespace(layouts=["single", "ddp", "fsdp"], steps=2, rtol=1e-5, overrides=[],
+    args = Namespace(layouts=["single", "ddp", "fsdp"], steps=2, rtol=1e-5, rtol_why="", overrides=[],
                      out=tmp_path)
     monkeypatch.setattr(parity, "run_job",
                         lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 130}))
