@@ -76,7 +76,8 @@ class DashboardCallback(Callback):
 
         def finish() -> None:
             dashboard.mark_sweep(self._sweep_dir, running=False)
-            dashboard.refresh(self._sweep_dir, live=False, reload_s=self.reload_s)
+            path = dashboard.refresh(self._sweep_dir, live=False, reload_s=self.reload_s)
+            print(f"hsdp_runner: dashboard: {path}", flush=True)
 
         self._guard("final", finish)
 

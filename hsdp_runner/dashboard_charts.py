@@ -33,7 +33,7 @@ def _name(job: Job) -> str:
 
 
 def _style(fig, height: int):
-    fig.update_layout(template="plotly_white", height=height, hovermode="closest",
+    fig.update_layout(height=height, hovermode="closest",
                       margin=dict(l=10, r=10, t=50, b=10), font=dict(size=12))
     return fig
 
