@@ -164,14 +164,16 @@ def refresh(sweep_dir: Path, live: bool, reload_s: int = RELOAD_S) -> Path:
 # not draw then says why, and the browser test reads them from the rendered DOM.
 _ERRORS_JS = """
 window.dashErrors = [];
-function dashError(message) {
-  window.dashErrors.push(String(message));
+function showDashErrors() {
   var box = document.getElementById('js-errors');
-  if (box) { box.hidden = false; box.textContent = 'JavaScript errors: ' + window.dashErrors.join(' | '); }
+  if (!box || !window.dashErrors.length) return;
+  box.hidden = false;
+  box.textContent = 'JavaScript errors: ' + window.dashErrors.join(' | ');
 }
+function dashError(message) { window.dashErrors.push(String(message)); showDashErrors(); }
 window.addEventListener('error', function (e) { dashError(e.message); });
 window.addEventListener('unhandledrejection', function (e) { dashError(e.reason); });
-document.addEventListener('DOMContentLoaded', function () { if (window.dashErrors.length) dashError('(see console)'); });
+document.addEventListener('DOMContentLoaded', showDashErrors);
 """
 
 # A dozen lines of sorting, rather than a table library embedded next to plotly.
