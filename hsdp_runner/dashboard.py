@@ -80,6 +80,14 @@ def _sort_key(text: str) -> str:
     return match.group(1).replace(",", "") if match else text.lower()
 
 
+def _why(summary: dict) -> str:
+    """The whole reason a job did not complete, for the status cell's tooltip."""
+    if summary.get("status") == "interrupted":
+        return (f"interrupted by {summary.get('signal')} after step "
+                f"{summary.get('interrupted_at_step')}; rerun the same command to resume")
+    return str(summary.get("reason") or summary.get("error") or "")
+
+
 def table_html(jobs: list[compare.Job]) -> str:
     """``compare.table(jobs)`` as an HTML table: a sort key per cell, a status class per row,
     the full reason or error of a job that did not complete as the status cell's tooltip."""
@@ -88,7 +96,7 @@ def table_html(jobs: list[compare.Job]) -> str:
     rows = []
     for job, line in zip(jobs, lines[2:]):
         cells = _cells(line)
-        why = job.summary.get("reason") or job.summary.get("error") or ""
+        why = _why(job.summary)
         tds = [f'<td data-key="{html.escape(_sort_key(c))}">'
                f'{html.escape(c.replace("**", ""))}</td>' for c in cells[:-1]]
         tds.append(f'<td data-key="{html.escape(cells[-1].lower())}" '
@@ -119,8 +127,8 @@ def render(title: str, jobs: list[compare.Job], predictions: dict, live: bool,
     ``live``: reload every ``reload_s`` seconds)."""
     import plotly.offline
 
-    counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}"
-                       for s in sorted({j.status for j in jobs}, key=lambda s: compare.ORDER.get(s, 9)))
+    statuses = sorted({j.status for j in jobs}, key=lambda s: compare.ORDER.get(s, 9))
+    counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in statuses)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     state = (f'<label class="live"><input type="checkbox" id="auto-reload" checked> sweep '
              f'running: reload every {reload_s} s</label>' if live else "")
@@ -213,7 +221,8 @@ _RELOAD_JS = """
 """
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px; padding: 0 1em; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px;
+       padding: 0 1em; color: #222; }
 h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin: 1.6em 0 0.2em; }
 .summary, .note, .empty { color: #666; margin: 0.2em 0; } .empty { font-style: italic; }
 .live { background: #fff4d6; padding: 0.2em 0.6em; border-radius: 4px; margin-left: 1em; }

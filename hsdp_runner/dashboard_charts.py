@@ -53,11 +53,11 @@ def bars(jobs: list[Job]):
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.03,
                         subplot_titles=("tokens/s, global (median after warm-up, min–max)",
                                         "peak memory GiB (rank 0, min–max over ranks)"))
+    high = [j.summary.get("max_tps_global", t) - t for j, t in zip(done, tps)]
+    low = [t - j.summary.get("min_tps_global", t) for j, t in zip(done, tps)]
     fig.add_trace(go.Bar(
         y=names, x=tps, orientation="h", marker_color=colors, name="tokens/s",
-        error_x=dict(type="data", symmetric=False,
-                     array=[j.summary.get("max_tps_global", t) - t for j, t in zip(done, tps)],
-                     arrayminus=[t - j.summary.get("min_tps_global", t) for j, t in zip(done, tps)]),
+        error_x=dict(type="data", symmetric=False, array=high, arrayminus=low),
         hovertemplate="%{y}<br>%{x:,.0f} tokens/s<extra></extra>"), row=1, col=1)
     fig.add_trace(go.Bar(
         y=names, x=mem, orientation="h", marker_color=colors, name="peak memory",

@@ -104,6 +104,7 @@ def test_html_table_has_the_rows_and_columns_of_compare_md(sweep):
     assert "skipped: parallel.dp_replicate=-1 cannot be inferred" in skipped
     assert 'title="parallel.dp_replicate=-1 cannot be inferred: world size 8' in skipped
     assert skipped.count("is not divisible") > 19
+    assert 'title="interrupted by SIGTERM after step 2; rerun' in dict(rows)["interrupted"]
     # numeric cells sort by their number, e.g. "12,000 (10,800–13,200)" by 12000
     assert '<td data-key="12000">12,000 (10,800–13,200)</td>' in rows[0][1]
 

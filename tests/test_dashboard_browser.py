@@ -146,4 +146,5 @@ def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_swee
     assert kinds <= set(dom.text["chart-comm"])
     # predicted vs measured: points and diagonal in both panels, the correlation in the title
     assert dom.count("chart-predicted", "trace", "scatter") == 4
-    assert any(t.startswith("Spearman ρ tokens/s per device: ") for t in dom.text["chart-predicted"])
+    title = "Spearman ρ tokens/s per device: "
+    assert any(t.startswith(title) for t in dom.text["chart-predicted"])
