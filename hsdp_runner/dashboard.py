@@ -149,8 +149,8 @@ def write_dashboard(out_dir: Path, jobs: list[compare.Job], plan_file: Path | No
                     live: bool | None = None, reload_s: int = RELOAD_S) -> Path:
     """Write ``out_dir/compare.html`` for ``jobs`` and return its path.
 
-    ``plan_file``: a ``plan.json`` for jobs whose config names none; ``live``: whether the page
-    reloads itself (default: whether ``out_dir``'s sweep is running).
+    ``plan_file``: a ``plan.json`` to compare with, instead of each job's ``plan.source``;
+    ``live``: whether the page reloads itself (default: whether ``out_dir``'s sweep runs).
     """
     out_dir = Path(out_dir)
     live = sweep_running(out_dir) if live is None else live

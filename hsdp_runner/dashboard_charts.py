@@ -32,6 +32,11 @@ def _name(job: Job) -> str:
     return f"{job.label} · {layout} {shape}"
 
 
+def _short(text: str, limit: int = 44) -> str:
+    """An axis label that leaves the plot its width (the full name is in the hover)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _style(fig, height: int):
     fig.update_layout(height=height, hovermode="closest",
                       margin=dict(l=10, r=10, t=50, b=10), font=dict(size=12))
@@ -45,26 +50,28 @@ def bars(jobs: list[Job]):
     done = measured(jobs)
     if not done:
         return None, "no job has steady-state figures yet"
-    names = [_name(j) for j in done]
+    names = [_short(_name(j)) for j in done]
     colors = [BEST if i == 0 else OTHER for i in range(len(done))]
     tps = [j.summary["median_tps_global"] for j in done]
     mem = [j.summary.get("mem_peak_gib") for j in done]
     ranks = [j.summary.get("mem_peak_gib_per_rank") or [m] for j, m in zip(done, mem)]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.03,
-                        subplot_titles=("tokens/s, global (median after warm-up, min–max)",
-                                        "peak memory GiB (rank 0, min–max over ranks)"))
+                        subplot_titles=("tokens/s global (median, min–max)",
+                                        "peak memory GiB (rank 0; min–max of ranks)"))
     high = [j.summary.get("max_tps_global", t) - t for j, t in zip(done, tps)]
     low = [t - j.summary.get("min_tps_global", t) for j, t in zip(done, tps)]
     fig.add_trace(go.Bar(
         y=names, x=tps, orientation="h", marker_color=colors, name="tokens/s",
         error_x=dict(type="data", symmetric=False, array=high, arrayminus=low),
-        hovertemplate="%{y}<br>%{x:,.0f} tokens/s<extra></extra>"), row=1, col=1)
+        customdata=[_name(j) for j in done],
+        hovertemplate="%{customdata}<br>%{x:,.0f} tokens/s<extra></extra>"), row=1, col=1)
     fig.add_trace(go.Bar(
         y=names, x=mem, orientation="h", marker_color=colors, name="peak memory",
         error_x=dict(type="data", symmetric=False,
                      array=[max(r) - (m or 0) for r, m in zip(ranks, mem)],
                      arrayminus=[(m or 0) - min(r) for r, m in zip(ranks, mem)]),
-        hovertemplate="%{y}<br>%{x:.3f} GiB<extra></extra>"), row=1, col=2)
+        customdata=[_name(j) for j in done],
+        hovertemplate="%{customdata}<br>%{x:.3f} GiB<extra></extra>"), row=1, col=2)
     fig.update_yaxes(autorange="reversed", automargin=True)
     fig.update_layout(showlegend=False)
     return _style(fig, 140 + 42 * len(done)), "best in orange"
@@ -160,7 +167,8 @@ def communication(jobs: list[Job]):
         return None, "no job counted its communication (metrics.comm_step=null, or none ran)"
     keys = sorted({k for j in counted for source in ("comm_measured", "comm_analytic")
                    for k in (j.summary.get(source) or {})})
-    x = [[j.label for j in counted for _ in (0, 1)], ["measured", "model"] * len(counted)]
+    x = [[_short(j.label) for j in counted for _ in (0, 1)],
+         ["measured", "model"] * len(counted)]
     fig = go.Figure()
     for key in keys:
         cells = [(j.summary.get(source) or {}).get(key, {}) for j in counted
@@ -170,6 +178,7 @@ def communication(jobs: list[Job]):
             customdata=[c.get("calls", 0) for c in cells],
             hovertemplate=f"<b>{key}</b><br>%{{x}}<br>%{{y:,.3f}} MiB in %{{customdata}} calls"
                           "<extra></extra>"))
+    fig.update_xaxes(tickangle=0)
     fig.update_layout(barmode="stack", yaxis_title="MiB per step and rank",
                       legend=dict(title="collective/mesh dim"))
     steps = sorted({j.summary.get("comm_step") for j in counted} - {None})
