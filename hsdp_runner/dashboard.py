@@ -227,11 +227,12 @@ h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin: 1.
 .summary, .note, .empty { color: #666; margin: 0.2em 0; } .empty { font-style: italic; }
 .live { background: #fff4d6; padding: 0.2em 0.6em; border-radius: 4px; margin-left: 1em; }
 #js-errors { background: #fde2e1; color: #900; padding: 0.5em; white-space: pre-wrap; }
-table { border-collapse: collapse; font-size: 0.85em; width: 100%; }
+table { border-collapse: collapse; font-size: 0.8em; width: 100%; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; cursor: pointer; position: sticky; top: 0; }
 th[data-dir=asc]::after { content: ' \\25B2'; } th[data-dir=desc]::after { content: ' \\25BC'; }
-tr.best td { font-weight: 600; background: #fff1e6; }
+td:first-child { min-width: 11em; } td:last-child { min-width: 14em; }
+.table-box { overflow-x: auto; } tr.best td { font-weight: 600; background: #fff1e6; }
 tr.failed td { background: #fdecea; } tr.interrupted td { background: #fff8e1; }
 tr.skipped td, tr.unfinished td { color: #777; background: #f7f7f7; }
 """
@@ -246,7 +247,7 @@ _PAGE = """<!DOCTYPE html>
 <h1>{title}</h1>
 <p class="summary">{summary}{state}</p>
 <section><h2>Jobs</h2><p class="note">click a column head to sort; hover a status for the
-full reason</p>{table}</section>
+full reason</p><div class="table-box">{table}</div></section>
 {sections}
 <script>{sort_js}</script>
 <script>{reload_js}</script>
