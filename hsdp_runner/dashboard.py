@@ -154,7 +154,8 @@ def write_dashboard(out_dir: Path, jobs: list[compare.Job], plan_file: Path | No
     """
     out_dir = Path(out_dir)
     live = sweep_running(out_dir) if live is None else live
-    predictions = plan_lookup.predictions_for([j.path for j in jobs], plan_file)
+    planned = plan_file or any((j.config.get("plan") or {}).get("source") for j in jobs)
+    predictions = plan_lookup.predictions_for([j.path for j in jobs], plan_file) if planned else {}
     page = render(f"{out_dir.name}", jobs, predictions, live, reload_s)
     path = out_dir / HTML_FILE
     _write_atomic(path, page)
