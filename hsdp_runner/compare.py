@@ -5,7 +5,8 @@ Reads what every job dir of a multirun holds (``summary.json``, ``metrics.jsonl`
 trainer, so it works offline and on a laptop. Writes into the sweep dir:
 - ``compare.md``: one row per job, sorted by global throughput, the best marked;
 - ``throughput_memory.png``: throughput and peak memory per job (bars);
-- ``loss.png``: the loss curves of every job that trained.
+- ``loss.png``: the loss curves of every job that trained;
+- ``compare.html``: all of it and more, interactive, in one file (``hsdp_runner/dashboard.py``).
 Steady-state figures are the medians the run wrote into ``summary.json`` (steps after
 ``metrics.warmup_steps``); the spread shown is their min-max over the same steps.
 """
@@ -58,7 +59,8 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
     overrides)."""
     jobs = []
     for path in sorted({p.parent for p in sweep_dir.rglob(".hydra")}):
-        prefix = path.relative_to(sweep_dir).parts[0].split("_", 1)[0]
+        parts = path.relative_to(sweep_dir).parts  # () when sweep_dir is one job's dir
+        prefix = parts[0].split("_", 1)[0] if parts else ""
         jobs.append(Job(path=path, num=int(prefix) if prefix.isdigit() else len(jobs),
                         overrides=_read_yaml(path / ".hydra" / "overrides.yaml") or [],
                         config=_read_yaml(path / tracking.RESOLVED_CONFIG_FILE) or {},
@@ -71,7 +73,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
 
 def _label(jobs: list[Job]) -> None:
     """Name each job by the overrides that differ between the sweep's jobs."""
-    common = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
+    common = set.intersection(*(set(j.overrides) for j in jobs)) if len(jobs) > 1 else set()
     for job in jobs:
         own = [o.removeprefix("parallel.") for o in job.overrides if o not in common]
         job.label = f"#{job.num} " + (" ".join(own) or "(base config)")
@@ -248,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wandb-report", action="store_true",
                         help="also save a W&B report for the sweep's group (needs W&B online "
                              "and the wandb-workspaces package)")
+    parser.add_argument("--plan", type=Path, default=None,
+                        help="a plan.json whose predictions to compare with (default: the "
+                             "plan.source of each job's config)")
     args = parser.parse_args(argv)
     jobs = load_jobs(args.sweep_dir) if args.sweep_dir.is_dir() else []
     if not jobs:
@@ -255,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
               "printed (hydra.sweep.dir)", file=sys.stderr)
         return 2
     text, paths = write_comparison(args.sweep_dir, jobs)
+    from hsdp_runner import dashboard  # it imports this module
+
+    paths.append(dashboard.write_dashboard(args.sweep_dir, jobs, plan_file=args.plan))
     print(text)
     print("compare: wrote " + ", ".join(str(p) for p in paths))
     if args.wandb_report:
