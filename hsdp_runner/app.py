@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner import sweep
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ParallelConfig, register_schemas
-from hsdp_runner.launch import EXIT_CONFIG, EXIT_OK, run_job
+from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.launch import run_job
 from hsdp_runner.mesh import DIM_NAMES
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")

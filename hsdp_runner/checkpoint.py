@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 
 from hsdp_runner import hf
 from hsdp_runner.config import DTYPES, ConfigError
+from hsdp_runner.faults import inject_fault
 from hsdp_runner.models.llama import meta_model
 from hsdp_runner.rank0_io import run_on_rank0
 
@@ -364,7 +365,6 @@ class Checkpointer:
         """Write ``step-<step>`` crash-safely (see the module docstring); return its path."""
         import torch.distributed.checkpoint as dcp
 
-        from hsdp_runner.trainer import inject_fault
 
         final, partial = self.folder / f"step-{step}", self.folder / f"step-{step}.partial"
 

@@ -47,7 +47,7 @@ import torch
 from hsdp_runner.comm import GROUP_NAMES
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.models.llama import TP_SPLIT_DIM, meta_model
-from hsdp_runner.sharding import frozen_names
+from hsdp_runner.params import frozen_names
 from hsdp_runner.step_stats import STATS_BYTES
 
 

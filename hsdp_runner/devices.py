@@ -8,18 +8,50 @@
 - ``cuda_fallback_warning``: ``device=auto`` on a node with GPUs that this torch cannot use (a
   CPU build, hidden by ``CUDA_VISIBLE_DEVICES``, a driver too old) would silently run every rank
   on the CPU; this names the cause.
+- ``check_torch_apis``: the torch build has the distributed APIs the runner uses.
 - ``cpu_threads``: intra-op threads per rank from the affinity mask (what SLURM, cgroups or
   ``taskset`` allow this process), not ``os.cpu_count()`` (every core of the node).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
 import torch
 
 from hsdp_runner.config import ConfigError
+
+
+# (module, attribute, what needs it) — checked before any worker starts.
+REQUIRED_APIS = (
+    ("torch.distributed.fsdp", "fully_shard", "FSDP2 (torch>=2.6)"),
+    ("torch.distributed.fsdp", "MixedPrecisionPolicy", "FSDP2 mixed precision (torch>=2.6)"),
+    ("torch.distributed.device_mesh", "init_device_mesh", "DeviceMesh (torch>=2.4)"),
+    ("torch.distributed.tensor", "DTensor", "public DTensor (torch>=2.5)"),
+    ("torch.distributed.tensor.parallel", "parallelize_module", "tensor parallel (torch>=2.4)"),
+    ("torch.distributed.launcher.api", "elastic_launch", "the elastic launcher"),
+)
+MIN_TORCH = "2.6"
+
+
+def check_torch_apis() -> None:
+    """Raise ConfigError naming the missing API and the minimum torch version, if any is absent."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    missing = []
+    for module, attr, what in REQUIRED_APIS:
+        try:
+            if not hasattr(importlib.import_module(module), attr):
+                missing.append(f"{module}.{attr} ({what})")
+        except ImportError:
+            missing.append(f"{module}.{attr} ({what})")
+    if not hasattr(DeviceMesh, "_flatten"):
+        missing.append("DeviceMesh._flatten (torch>=2.6)")
+    if missing:
+        raise ConfigError(f"torch {torch.__version__} lacks {', '.join(missing)}; install "
+                          f"torch>={MIN_TORCH} (the project is tested with torch==2.13.0)")
 
 
 def check_visible_gpus(local_world_size: int, visible: int) -> None:

@@ -26,16 +26,17 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner import checkpoint, tracking
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
-from hsdp_runner.devices import check_visible_gpus, cpu_threads, cuda_fallback_warning
+from hsdp_runner.devices import (check_torch_apis, check_visible_gpus, cpu_threads,
+                                 cuda_fallback_warning)
+from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.failures import cause_from_log, signal_only
 from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.llama import meta_model
-from hsdp_runner.sharding import check_torch_apis, frozen_names
+from hsdp_runner.params import frozen_names
 
 log = logging.getLogger("hsdp_runner")
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 RESOLVED_CONFIG_FILE = tracking.RESOLVED_CONFIG_FILE
 
 

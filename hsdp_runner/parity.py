@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 
 from hsdp_runner import tracking
 from hsdp_runner.config import ConfigError
-from hsdp_runner.launch import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, run_job, validate
+from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hsdp_runner.launch import run_job, validate
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BASELINE = "single"

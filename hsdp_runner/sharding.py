@@ -7,7 +7,6 @@ Mixed precision in every data-parallel mode comes from ``MixedPrecisionPolicy``,
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import logging
 from functools import partial
@@ -19,38 +18,9 @@ from torch import nn
 from hsdp_runner.config import ConfigError
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models import llama
+from hsdp_runner.params import copy_full_into, freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
-
-# (module, attribute, what needs it) — checked before any worker starts.
-REQUIRED_APIS = (
-    ("torch.distributed.fsdp", "fully_shard", "FSDP2 (torch>=2.6)"),
-    ("torch.distributed.fsdp", "MixedPrecisionPolicy", "FSDP2 mixed precision (torch>=2.6)"),
-    ("torch.distributed.device_mesh", "init_device_mesh", "DeviceMesh (torch>=2.4)"),
-    ("torch.distributed.tensor", "DTensor", "public DTensor (torch>=2.5)"),
-    ("torch.distributed.tensor.parallel", "parallelize_module", "tensor parallel (torch>=2.4)"),
-    ("torch.distributed.launcher.api", "elastic_launch", "the elastic launcher"),
-)
-MIN_TORCH = "2.6"
-
-
-def check_torch_apis() -> None:
-    """Raise ConfigError naming the missing API and the minimum torch version, if any is absent."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    missing = []
-    for module, attr, what in REQUIRED_APIS:
-        try:
-            if not hasattr(importlib.import_module(module), attr):
-                missing.append(f"{module}.{attr} ({what})")
-        except ImportError:
-            missing.append(f"{module}.{attr} ({what})")
-    if not hasattr(DeviceMesh, "_flatten"):
-        missing.append("DeviceMesh._flatten (torch>=2.6)")
-    if missing:
-        raise ConfigError(f"torch {torch.__version__} lacks {', '.join(missing)}; install "
-                          f"torch>={MIN_TORCH} (the project is tested with torch==2.13.0)")
-
 
 def _new_replicate():
     """Return torch's FSDP-based ``replicate`` if this torch has it, else None."""
@@ -58,11 +28,6 @@ def _new_replicate():
         return importlib.import_module("torch.distributed._composable.replicate_with_fsdp").replicate
     except (ImportError, AttributeError):
         return None
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """Map a precision config name ('float32', 'bfloat16', 'float16') to a torch dtype."""
-    return getattr(torch, name)
 
 
 def mixed_precision_policy(precision):
@@ -171,23 +136,6 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
     wrap(model, mp_policy=mp_policy, **mesh_kw)
 
 
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the full (unsharded) value ``full`` into ``param``, keeping only this rank's shard.
-
-    Works for plain tensors and for DTensors with any placements, strided sharding included:
-    the full value is wrapped as a replicated DTensor and redistributed, which slices locally.
-    """
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        replicated = DTensor.from_local(full.to(param.device, param.dtype), mesh,
-                                        [Replicate()] * mesh.ndim, run_check=False)
-        param.to_local().copy_(replicated.redistribute(mesh, param.placements).to_local())
-    else:
-        param.copy_(full.to(param.device, param.dtype))
-
-
 def sync_buffers(model: nn.Module) -> int:
     """Broadcast every non-DTensor buffer from global rank 0 so all ranks agree.
 
@@ -215,36 +163,6 @@ def parallelize(model: llama.Llama, dims: ParallelDims, world: WorldMesh, parall
         apply_compile(model, dims.tp)
     apply_data_parallel(model, dims, world, precision, parallel.reshard_after_forward,
                         parallel.ddp_impl)
-
-
-def frozen_names(names, patterns) -> list[str]:
-    """The parameter ``names`` matching any of ``patterns`` (fnmatch), sorted.
-
-    Raises ConfigError naming ``trainer.freeze`` when a pattern matches nothing (a typo would
-    train everything).
-    """
-    names = list(names)
-    frozen = set()
-    for pattern in patterns:
-        matched = fnmatch.filter(names, pattern)
-        if not matched:
-            raise ConfigError(f"trainer.freeze pattern {pattern!r} matches no parameter; names "
-                              f"look like {names[0]!r}, {names[1]!r}")
-        frozen.update(matched)
-    return sorted(frozen)
-
-
-def freeze_parameters(model: nn.Module, patterns) -> list[str]:
-    """Set requires_grad=False on parameters whose name matches a pattern (fnmatch).
-
-    Call before any wrapping, on plain names. Returns the frozen names; raises ConfigError as
-    ``frozen_names`` does.
-    """
-    params = dict(model.named_parameters())
-    frozen = frozen_names(params, patterns)
-    for name in frozen:
-        params[name].requires_grad_(False)
-    return frozen
 
 
 def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,

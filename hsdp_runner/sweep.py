@@ -14,7 +14,7 @@ A job stopped by a signal (128 + signal) makes that the multirun's code.
 
 from __future__ import annotations
 
-from hsdp_runner.launch import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 
 STATUS = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_CONFIG: "skipped"}
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from tqdm import tqdm
 from hsdp_runner import comm, metrics, step_stats
 from hsdp_runner.comm_model import analytic_comm, comm_report
 from hsdp_runner.data import Prefetcher, TokenBatches
+from hsdp_runner.faults import inject_fault
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models.llama import flops_per_token
 
@@ -59,28 +58,6 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
 
 class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient norm and ``trainer.on_nan=stop``."""
-
-
-def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> bool:
-    """Fail on purpose when ``fault.rank`` is this rank, ``fault.step`` this (1-based) step and
-    ``fault.phase`` this phase ('step': its start; 'save': while its checkpoint is written).
-
-    Returns True when the fault is ``nan``: the caller poisons this step's loss.
-    """
-    if fault_cfg.rank != rank or fault_cfg.step != step or fault_cfg.phase != phase:
-        return False
-    if fault_cfg.kind == "nan":
-        return True
-    if fault_cfg.kind == "hang":
-        while True:  # never joins the next collective; the peers' timeout ends the job
-            time.sleep(3600)
-    if fault_cfg.kind == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault_cfg.kind == "sigterm":  # as a scheduler would send it; the step goes on
-        os.kill(os.getpid(), signal.SIGTERM)
-        return False
-    raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
-                       + (" while saving its checkpoint" if phase == "save" else ""))
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

@@ -154,8 +154,8 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
              device.type, dims.layout, dims.world_size)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
                         cfg.trainer.seed, cfg.trainer.freeze)
-    # Checkpoints (issue 4): where the state comes from; a resumed job's metrics.jsonl keeps
-    # only the steps up to its checkpoint, the later ones are trained again.
+    # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
+    # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint.agree_on_start(cfg, output_dir)
     if rank == 0:
         _prepare_metrics(cfg, output_dir, start)
@@ -166,7 +166,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
         sinks = (tracking.MetricsFile(output_dir),
                  tracking.WandbRun(cfg.logger, run_info, config, output_dir))
     trainer = Trainer(cfg, dims, world, model, device, sinks)
-    # Memory estimate (issue 7), to compare with the measured peak.
+    # Memory estimate, to compare with the measured peak.
     mem_estimate = metrics.memory_breakdown(model, cfg.precision.master_dtype)
     if rank == 0:
         log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
@@ -177,7 +177,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
                                    trainer.scheduler, device)
     try:
         first = ckpt.restore(start)
-        profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)  # issue 7
+        profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)
         records = trainer.fit(first, profiler.wrap(ckpt.after_step, first), stop)
         # A signal during the last step stops nothing: training is complete (saved as usual).
         stopped = trainer.stopped_by if trainer.last_step < cfg.trainer.steps else None

@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
     parallelize_module)
 
+from hsdp_runner.params import copy_full_into
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -138,8 +140,6 @@ class Llama(nn.Module):
         job, but not equal to the CPU values, and not promised equal across GPU models or torch
         versions (torch may split the draw differently over another GPU's multiprocessors).
         """
-        from hsdp_runner.sharding import copy_full_into
-
         std = self.cfg.init_std
         depth_std = std / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
