@@ -49,6 +49,14 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
     return records, summary
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses ``trained_checkpoint`` starts a worker (the fixture's job): mark it
+    ``multiprocess`` so ``make test-fast`` (``-m "not multiprocess"``) leaves it out."""
+    for item in items:
+        if "trained_checkpoint" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multiprocess)
+
+
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"

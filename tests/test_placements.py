@@ -53,11 +53,25 @@ def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh():
     assert params["layers.0.attention_norm.weight"][0] == ("Replicate()", "Shard(dim=0)", "Replicate()")
 
 
-def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights():
+def _four_rank_layouts():
+    """fsdp, hsdp and ddp placements, then hsdp buffers: one set of four workers serves the
+    tests below."""
+    tiny = ["model=llama3_tiny"]
+    return {"fsdp": _placements(["parallel=fsdp", *tiny]),
+            "hsdp": _placements(["parallel=hsdp", *tiny]),
+            "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=4", *tiny]),
+            "buffers": _buffers_after_build(["parallel=hsdp", *tiny])}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """{rank: _four_rank_layouts()} from four in-process workers."""
+    return run_workers(_four_rank_layouts, 4)
+
+
+def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights(four_ranks):
     single = run_workers(_placements, 1, ["parallel=single", "model=llama3_tiny"])[0]
-    fsdp = run_workers(_placements, 4, ["parallel=fsdp", "model=llama3_tiny"])[0]
-    hsdp = run_workers(_placements, 4, ["parallel=hsdp", "model=llama3_tiny"])[0]
-    ddp = run_workers(_placements, 2, ["parallel=ddp", "model=llama3_tiny"])[0]
+    fsdp, hsdp, ddp = (four_ranks[0][layout] for layout in ("fsdp", "hsdp", "ddp"))
     key = "layers.1.feed_forward.w2.weight"
     assert single["params"][key][0] is None
     assert fsdp["params"][key][:2] == (("Shard(dim=0)",), ("dp_shard",))
@@ -81,8 +95,8 @@ def _buffers_after_build(overrides):
     return before.tolist(), model.noise.tolist(), model.rope_sin.sum().item()
 
 
-def test_non_dtensor_buffers_are_identical_on_every_rank():
-    results = run_workers(_buffers_after_build, 4, ["parallel=hsdp", "model=llama3_tiny"])
+def test_non_dtensor_buffers_are_identical_on_every_rank(four_ranks):
+    results = {rank: layouts["buffers"] for rank, layouts in four_ranks.items()}
     befores = [r[0] for r in results.values()]
     afters = [r[1] for r in results.values()]
     assert len({tuple(b) for b in befores}) > 1
