@@ -62,6 +62,24 @@ def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"
 
 
+def _eight_rank_cases() -> dict:
+    """Every eight-rank in-process case of test_placements and test_correctness, in one set
+    of workers (starting eight workers costs more than all the cases together)."""
+    import test_correctness
+    import test_placements
+
+    return {**test_placements._eight_rank_layouts(),
+            "state_dicts": test_correctness._two_models_state_dicts(test_correctness.TWO_MODELS)}
+
+
+@pytest.fixture(scope="session")
+def eight_ranks() -> dict:
+    """{rank: _eight_rank_cases()} from eight in-process gloo workers."""
+    from distributed import run_workers
+
+    return run_workers(_eight_rank_cases, 8)
+
+
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory) -> Path:
     """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export."""

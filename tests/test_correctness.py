@@ -160,7 +160,9 @@ def _two_models_state_dicts(specs):
     return ok
 
 
-def test_hsdp_tp_and_fsdp_models_in_one_process_keep_separate_state_dicts():
-    specs = {"hsdp_tp": ["parallel=hsdp_tp"], "fsdp8": ["parallel=fsdp", "parallel.dp_shard=8"]}
-    ok = run_workers(_two_models_state_dicts, 8, specs)[0]
-    assert ok == {"hsdp_tp": True, "fsdp8": True}
+TWO_MODELS = {"hsdp_tp": ["parallel=hsdp_tp"], "fsdp8": ["parallel=fsdp", "parallel.dp_shard=8"]}
+
+
+def test_hsdp_tp_and_fsdp_models_in_one_process_keep_separate_state_dicts(eight_ranks):
+    """Runs in conftest's ``eight_ranks`` workers (``_two_models_state_dicts(TWO_MODELS)``)."""
+    assert eight_ranks[0]["state_dicts"] == {"hsdp_tp": True, "fsdp8": True}

@@ -39,8 +39,8 @@ def _placements(overrides):
 
 
 def _eight_rank_layouts():
-    """hsdp_tp, fsdp (8), hsdp (2x4) and ddp (8) placements, then hsdp buffers: one set of
-    eight workers serves every test below but the single-process reference."""
+    """hsdp_tp, fsdp (8), hsdp (2x4) and ddp (8) placements, then hsdp buffers: conftest's
+    ``eight_ranks`` workers serve every test below but the single-process reference."""
     tiny = ["model=llama3_tiny"]
     return {"hsdp_tp": _placements(["parallel=hsdp_tp", *tiny]),
             "fsdp": _placements(["parallel=fsdp", "parallel.dp_shard=8", *tiny]),
@@ -48,12 +48,6 @@ def _eight_rank_layouts():
                                  "parallel.dp_shard=4", *tiny]),
             "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=8", *tiny]),
             "buffers": _buffers_after_build(["parallel=hsdp", "parallel.dp_shard=4", *tiny])}
-
-
-@pytest.fixture(scope="module")
-def eight_ranks():
-    """{rank: _eight_rank_layouts()} from eight in-process workers."""
-    return run_workers(_eight_rank_layouts, 8)
 
 
 def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eight_ranks):
