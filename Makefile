@@ -14,7 +14,7 @@ TORCH_STAMP := $(VENV)/.torch-spec
 # `make parity` checks every layout against a single process (README "Is my layout correct?").
 PARITY_ARGS ?= model=llama3_tiny
 
-.PHONY: run test parity venv clean sweep compare FORCE
+.PHONY: run test test-fast parity venv clean sweep compare FORCE
 
 venv: $(VENV)/.installed
 
@@ -49,6 +49,10 @@ parity: venv
 
 test: venv
 	WANDB_MODE=offline $(PY) -m pytest -q tests $(ARGS)
+
+# The tests that start no worker process (pyproject.toml's `multiprocess` marker).
+test-fast: venv
+	WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess" tests $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

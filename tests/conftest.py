@@ -49,9 +49,35 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
     return records, summary
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses ``trained_checkpoint`` starts a worker (the fixture's job): mark it
+    ``multiprocess`` so ``make test-fast`` (``-m "not multiprocess"``) leaves it out."""
+    for item in items:
+        if "trained_checkpoint" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multiprocess)
+
+
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"
+
+
+def _eight_rank_cases() -> dict:
+    """Every eight-rank in-process case of test_placements and test_correctness, in one set
+    of workers (starting eight workers costs more than all the cases together)."""
+    import test_correctness
+    import test_placements
+
+    return {**test_placements._eight_rank_layouts(),
+            "state_dicts": test_correctness._two_models_state_dicts(test_correctness.TWO_MODELS)}
+
+
+@pytest.fixture(scope="session")
+def eight_ranks() -> dict:
+    """{rank: _eight_rank_cases()} from eight in-process gloo workers."""
+    from distributed import run_workers
+
+    return run_workers(_eight_rank_cases, 8)
 
 
 @pytest.fixture(scope="session")

@@ -43,8 +43,21 @@ def _reduced_gradients():
     return out
 
 
-def test_gradient_reduction_divides_once_by_the_dp_size():
-    grads = run_workers(_reduced_gradients, 4)[0]
+def _four_rank_cases(eval_cases):
+    """The gradient probe, then the eval/frozen cases: one set of four workers serves both."""
+    return {"grads": _reduced_gradients(), "eval": _train_eval_frozen(eval_cases)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Rank 0's results of ``_four_rank_cases`` for fsdp, hsdp and fsdp_tp, each with
+    ``reshard_after_forward`` on and off."""
+    cases = [(layout, reshard) for layout in ("fsdp", "hsdp", "fsdp_tp") for reshard in (True, False)]
+    return run_workers(_four_rank_cases, 4, cases)[0]
+
+
+def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
+    grads = four_ranks["grads"]
     for name, grad in grads.items():
         # mean over dp ranks of (1, 2, 3, 4) = 2.5; a missing division gives 10, a double one less.
         assert torch.equal(grad, torch.full((8, 4), 2.5)), (name, grad.flatten()[:4])
@@ -105,9 +118,8 @@ def _check_eval_and_frozen(results):
         assert r["eval_loss"] == pytest.approx(r["single_eval"], rel=1e-6), case
 
 
-def test_eval_after_training_and_frozen_params_on_four_ranks():
-    cases = [(layout, reshard) for layout in ("fsdp", "hsdp", "fsdp_tp") for reshard in (True, False)]
-    _check_eval_and_frozen(run_workers(_train_eval_frozen, 4, cases)[0])
+def test_eval_after_training_and_frozen_params_on_four_ranks(four_ranks):
+    _check_eval_and_frozen(four_ranks["eval"])
 
 
 def test_eval_after_training_and_frozen_params_on_two_ranks():
@@ -148,7 +160,9 @@ def _two_models_state_dicts(specs):
     return ok
 
 
-def test_hsdp_tp_and_fsdp_models_in_one_process_keep_separate_state_dicts():
-    specs = {"hsdp_tp": ["parallel=hsdp_tp"], "fsdp8": ["parallel=fsdp", "parallel.dp_shard=8"]}
-    ok = run_workers(_two_models_state_dicts, 8, specs)[0]
-    assert ok == {"hsdp_tp": True, "fsdp8": True}
+TWO_MODELS = {"hsdp_tp": ["parallel=hsdp_tp"], "fsdp8": ["parallel=fsdp", "parallel.dp_shard=8"]}
+
+
+def test_hsdp_tp_and_fsdp_models_in_one_process_keep_separate_state_dicts(eight_ranks):
+    """Runs in conftest's ``eight_ranks`` workers (``_two_models_state_dicts(TWO_MODELS)``)."""
+    assert eight_ranks[0]["state_dicts"] == {"hsdp_tp": True, "fsdp8": True}

@@ -4,12 +4,13 @@ estimate and per-rank peaks, and a profiler trace of the chosen step window."""
 import json
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 
 from conftest import TINY, read_job, run_cli
+from hsdp_runner import app
 
-pytestmark = pytest.mark.multiprocess
 
-
+@pytest.mark.multiprocess
 def test_job_records_comm_memory_and_a_profiler_trace(job_dir):
     result = run_cli(job_dir, *TINY, "parallel=fsdp", "parallel.dp_shard=2", "trainer.steps=3",
                      "metrics.comm_step=2", "profile.enable=true", "profile.start_step=2",
@@ -39,8 +40,14 @@ def test_job_records_comm_memory_and_a_profiler_trace(job_dir):
                for e in trace["traceEvents"])
 
 
-def test_profile_window_after_the_last_step_is_a_config_error(job_dir):
-    result = run_cli(job_dir, *TINY, "parallel=single", "trainer.steps=3",
-                     "profile.enable=true", "profile.start_step=3", "profile.steps=2")
-    assert result.returncode == 2
-    assert "profile.start_step=3" in result.stderr and "trainer.steps=3" in result.stderr
+def test_profile_window_after_the_last_step_is_a_config_error(job_dir, monkeypatch, capsys):
+    # In-process: ``python -m hsdp_runner`` exits with what app.main() returns.
+    monkeypatch.setattr("sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY,
+                                     "parallel=single", "trainer.steps=3", "profile.enable=true",
+                                     "profile.start_step=3", "profile.steps=2"])
+    GlobalHydra.instance().clear()
+    code = app.main()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "profile.start_step=3" in err and "trainer.steps=3" in err
+

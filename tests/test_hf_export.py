@@ -14,7 +14,10 @@ from hsdp_runner import hf
 from hsdp_runner.export import load_full_weights
 from hsdp_runner.models.llama import Llama
 
-transformers = pytest.importorskip("transformers")
+
+def _transformers():
+    """transformers, imported on first use: only the tests that load an export need it."""
+    return pytest.importorskip("transformers")
 
 
 def _our_model(checkpoint):
@@ -26,7 +29,7 @@ def _our_model(checkpoint):
 
 
 def _hf_logits(folder, tokens):
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = _transformers().LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return model.eval()(tokens).logits
 
@@ -66,6 +69,7 @@ def test_export_cli_splits_into_shards_with_an_index_above_the_size_limit(traine
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 1 and set(index["weight_map"].values()) == set(files)
     assert not (out / hf.SINGLE_FILE).exists()
+    transformers = _transformers()
     model = transformers.LlamaForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
     fp32 = transformers.LlamaForCausalLM.from_pretrained(trained_checkpoint / "hf")

@@ -10,8 +10,6 @@ import pytest
 
 from conftest import TINY, cli_env, read_job, run_cli
 
-pytestmark = pytest.mark.multiprocess
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,6 +17,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multiprocess
 def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_path):
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
              "--nproc-per-node", "2", "--rdzv-backend", "c10d",
@@ -81,6 +80,7 @@ def test_slurm_job_with_tp_across_nodes_is_refused_before_submission(tmp_path, f
     assert not Path(fake_slurm["SBATCH_CAPTURE"]).exists()
 
 
+@pytest.mark.multiprocess
 def test_two_task_job_through_submitit_local_executor_trains_into_one_dir(tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli(tmp_path, "launcher=slurm_local", "launcher.nproc_per_node=2",

@@ -1,6 +1,7 @@
 """Precision, activation checkpointing, accumulation and data options train end to end.
 
-The presets themselves are trained by the parity run (tests/test_parity.py)."""
+The presets themselves are trained by the parity run (tests/test_parity.py). Options that
+apply to the same layout share one job: each must train for the job to train."""
 
 import pytest
 
@@ -10,10 +11,10 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize("overrides", [
-    ["parallel=fsdp_tp", "precision=bf16_pure"],
+    ["parallel=fsdp_tp", "precision=bf16_pure", "parallel.ac=selective",
+     "parallel.reshard_after_forward=false"],
     ["parallel=single", "precision=bf16"],
     ["parallel=hsdp", "parallel.ac=full", "trainer.grad_accum_steps=2"],
-    ["parallel=fsdp_tp", "parallel.ac=selective", "parallel.reshard_after_forward=false"],
     ["parallel=tp", "parallel.sequence_parallel=false", "data=text"],
 ], ids=lambda o: ",".join(o))
 def test_precision_ac_and_accumulation_options_train(overrides, job_dir):

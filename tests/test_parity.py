@@ -1,27 +1,28 @@
 """`hsdp_runner.parity`: every layout trains the same model as a single process.
 
-One parity run (all presets, 20 steps, fp32, tiny model) is shared by the tests below; they
+One parity run (all presets, 6 steps, fp32, tiny model) is shared by the tests below; they
 also check that each preset trained (loss down, metrics, logs) through the real launch path.
+The DDP-implementation and bf16 comparisons, which are about the numerics and not the launch
+path, train in one set of four in-process workers.
 """
 
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO, TINY, cli_env, read_job, run_cli
-
-pytestmark = pytest.mark.multiprocess
+from conftest import REPO, cli_env, read_job
+from distributed import run_workers
+from hsdp_runner import parity as parity_cli
+from test_config import compose
 
 WORLD = {"single": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 2, "fsdp_tp": 4, "hsdp_tp": 8}
 METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tps_per_device", "tps_global",
                "tflops", "mfu", "mem_peak_gib"}
-STEPS = 20
-
-
-def run_parity(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "hsdp_runner.parity", *args], cwd=REPO,
-                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+# The per-step TP layouts dominate the run's cost; 6 steps still move the loss by > 0.3.
+STEPS = 6
+BF16_STEPS = 20
 
 
 def rel_diffs(a, b, key="loss"):
@@ -30,11 +31,15 @@ def rel_diffs(a, b, key="loss"):
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
+    """``python -m hsdp_runner.parity`` over every preset: (output dir, completed process)."""
     out = tmp_path_factory.mktemp("parity")
-    result = run_parity("--steps", str(STEPS), "--out", str(out), "model=llama3_tiny")
+    result = subprocess.run([sys.executable, "-m", "hsdp_runner.parity", "--steps", str(STEPS),
+                             "--out", str(out), "model=llama3_tiny"], cwd=REPO, env=cli_env(),
+                            capture_output=True, text=True, timeout=900)
     return out, result
 
 
+@pytest.mark.multiprocess
 def test_every_layout_matches_single_process_within_1e5(parity):
     out, result = parity
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -50,6 +55,7 @@ def test_every_layout_matches_single_process_within_1e5(parity):
         assert abs(summary["eval_loss"] - read_job(out / "single")[1]["eval_loss"]) <= 1e-5 * summary["eval_loss"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(WORLD))
 def test_preset_trained_through_the_launch_path(parity, layout):
     out, _ = parity
@@ -62,6 +68,7 @@ def test_preset_trained_through_the_launch_path(parity, layout):
     assert len(list((out / layout / "logs").glob("rank*.log"))) == WORLD[layout]
 
 
+@pytest.mark.multiprocess
 def test_fsdp_and_hsdp_are_identical_at_step_one(parity):
     out, _ = parity
     fsdp, _ = read_job(out / "fsdp")
@@ -70,24 +77,65 @@ def test_fsdp_and_hsdp_are_identical_at_step_one(parity):
     assert fsdp[0]["grad_norm"] == pytest.approx(hsdp[0]["grad_norm"], rel=1e-6)
 
 
-def test_ddp_replicate_equals_hsdp_with_shard_size_one(parity, job_dir):
-    out, _ = parity
-    result = run_cli(job_dir, *TINY, "parallel=ddp", "parallel.ddp_impl=fully_shard",
-                     f"trainer.steps={STEPS}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    replicate, _ = read_job(out / "ddp")
-    hsdp_n1, summary = read_job(job_dir)
-    assert summary["dp_mode"] == "ddp"
+class _Records:
+    """A metrics sink (``log(record)``) that keeps the step records."""
+
+    def __init__(self):
+        self.records = []
+
+    def log(self, record):
+        self.records.append(record)
+
+
+def _train_cases(cases):
+    """Train each ``{name: overrides}`` case in turn on these ranks (tiny model, fp32 unless
+    the overrides say otherwise); return {name: (step records, ParallelDims.describe())}."""
+    import torch.distributed as dist
+    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.sharding import build_model
+    from hsdp_runner.trainer import Trainer
+
+    out = {}
+    for name, overrides in cases.items():
+        cfg = compose(["model=llama3_tiny", "trainer.global_batch_size=8", "logger=none",
+                       *overrides])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+        world = dims.build_mesh("cpu")
+        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
+                            torch.device("cpu"), cfg.trainer.seed)
+        sink = _Records()
+        Trainer(cfg, dims, world, model, torch.device("cpu"), (sink, _Records())).fit()
+        out[name] = (sink.records, dims.describe())
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs():
+    """DDP(4) through ``replicate`` and through ``fully_shard`` on a (4, 1) mesh; HSDP(2x2) in
+    fp32 and in bf16 for 20 steps; all in one set of four workers."""
+    ddp = ["parallel=ddp", "parallel.dp_replicate=4", f"trainer.steps={STEPS}"]
+    hsdp = ["parallel=hsdp", f"trainer.steps={BF16_STEPS}"]
+    return run_workers(_train_cases, 4, {
+        "ddp_replicate": ddp, "ddp_fully_shard": [*ddp, "parallel.ddp_impl=fully_shard"],
+        "hsdp_fp32": hsdp, "hsdp_bf16": [*hsdp, "precision=bf16"]})[0]
+
+
+@pytest.mark.multiprocess
+def test_ddp_replicate_equals_hsdp_with_shard_size_one(four_rank_runs):
+    replicate, _ = four_rank_runs["ddp_replicate"]
+    hsdp_n1, facts = four_rank_runs["ddp_fully_shard"]
+    assert facts["dp_mode"] == "ddp" and facts["mesh_shape"] == [4, 1, 1]
+    assert len(hsdp_n1) == STEPS
     assert max(rel_diffs(hsdp_n1, replicate)) <= 1e-6
     assert max(rel_diffs(hsdp_n1, replicate, "grad_norm")) <= 1e-6
 
 
-def test_bf16_stays_within_2e2_of_fp32(parity, job_dir):
-    out, _ = parity
-    result = run_cli(job_dir, *TINY, "parallel=hsdp", "precision=bf16", f"trainer.steps={STEPS}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    bf16, _ = read_job(job_dir)
-    fp32, _ = read_job(out / "single")
+@pytest.mark.multiprocess
+def test_bf16_stays_within_2e2_of_fp32(four_rank_runs):
+    """Over 20 steps; the fp32 run is HSDP, which the parity run shows equals single."""
+    bf16, _ = four_rank_runs["hsdp_bf16"]
+    fp32, _ = four_rank_runs["hsdp_fp32"]
+    assert len(bf16) == BF16_STEPS
     assert max(rel_diffs(bf16, fp32)) <= 2e-2
     assert max(rel_diffs(bf16, fp32)) > 0  # bf16 really ran in bf16
 
@@ -98,8 +146,10 @@ def test_bf16_stays_within_2e2_of_fp32(parity, job_dir):
     (["--layouts", "fsdp,zero3"], "unknown layout(s) zero3"),
     (["--layouts", "fsdp", "launcher.nproc_per_node=3"], "world size is 3"),
 ])
-def test_bad_parity_input_is_one_clear_error_before_launch(args, words, tmp_path):
-    result = run_parity(*args, "--out", str(tmp_path / "p"), "model=llama3_tiny", timeout=120)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert words in result.stderr
+def test_bad_parity_input_is_one_clear_error_before_launch(args, words, tmp_path, capsys):
+    # In-process: ``python -m hsdp_runner.parity`` exits with what main() returns.
+    code = parity_cli.main([*args, "--out", str(tmp_path / "p"), "model=llama3_tiny"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err
     assert not (tmp_path / "p" / "single" / "logs").exists()

@@ -38,8 +38,20 @@ def _placements(overrides):
             "params": params, "rope": model.rope_cos.sum().item()}
 
 
-def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh():
-    results = run_workers(_placements, 8, ["parallel=hsdp_tp", "model=llama3_tiny"])
+def _eight_rank_layouts():
+    """hsdp_tp, fsdp (8), hsdp (2x4) and ddp (8) placements, then hsdp buffers: conftest's
+    ``eight_ranks`` workers serve every test below but the single-process reference."""
+    tiny = ["model=llama3_tiny"]
+    return {"hsdp_tp": _placements(["parallel=hsdp_tp", *tiny]),
+            "fsdp": _placements(["parallel=fsdp", "parallel.dp_shard=8", *tiny]),
+            "hsdp": _placements(["parallel=hsdp", "parallel.dp_replicate=2",
+                                 "parallel.dp_shard=4", *tiny]),
+            "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=8", *tiny]),
+            "buffers": _buffers_after_build(["parallel=hsdp", "parallel.dp_shard=4", *tiny])}
+
+
+def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eight_ranks):
+    results = {rank: layouts["hsdp_tp"] for rank, layouts in eight_ranks.items()}
     r0 = results[0]
     assert r0["mesh"] == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
     assert r0["dp_size"] == 4
@@ -53,11 +65,9 @@ def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh():
     assert params["layers.0.attention_norm.weight"][0] == ("Replicate()", "Shard(dim=0)", "Replicate()")
 
 
-def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights():
+def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights(eight_ranks):
     single = run_workers(_placements, 1, ["parallel=single", "model=llama3_tiny"])[0]
-    fsdp = run_workers(_placements, 4, ["parallel=fsdp", "model=llama3_tiny"])[0]
-    hsdp = run_workers(_placements, 4, ["parallel=hsdp", "model=llama3_tiny"])[0]
-    ddp = run_workers(_placements, 2, ["parallel=ddp", "model=llama3_tiny"])[0]
+    fsdp, hsdp, ddp = (eight_ranks[0][layout] for layout in ("fsdp", "hsdp", "ddp"))
     key = "layers.1.feed_forward.w2.weight"
     assert single["params"][key][0] is None
     assert fsdp["params"][key][:2] == (("Shard(dim=0)",), ("dp_shard",))
@@ -81,8 +91,8 @@ def _buffers_after_build(overrides):
     return before.tolist(), model.noise.tolist(), model.rope_sin.sum().item()
 
 
-def test_non_dtensor_buffers_are_identical_on_every_rank():
-    results = run_workers(_buffers_after_build, 4, ["parallel=hsdp", "model=llama3_tiny"])
+def test_non_dtensor_buffers_are_identical_on_every_rank(eight_ranks):
+    results = {rank: layouts["buffers"] for rank, layouts in eight_ranks.items()}
     befores = [r[0] for r in results.values()]
     afters = [r[1] for r in results.values()]
     assert len({tuple(b) for b in befores}) > 1
