@@ -86,7 +86,7 @@ class Cluster:
 
     def describe(self) -> dict:
         """Plain dict for plan.json (the measured table included)."""
-        return asdict(self)
+        return {**asdict(self), "world_size": self.world_size}
 
 
 def resolve(node, compute_dtype: str) -> Cluster:

@@ -32,6 +32,8 @@ model: they scale with the number of norms, the rest with parameters and activat
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from collections import defaultdict
 
@@ -54,20 +56,36 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int,
     Sizes are one TP rank's part of each parameter (``TP_SPLIT_DIM``), dim 0 padded to a
     multiple of ``dp_shard`` as FSDP pads it.
     """
-    with torch.device("meta"):
-        model = Llama(model_cfg)
-    freeze_parameters(model, freeze)
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for name, param in model.named_parameters():
-        shape = list(param.shape)
+    for name, shape, trainable in _parameter_shapes(_plain_json(model_cfg), tuple(freeze)):
+        shape = list(shape)
         split = TP_SPLIT_DIM.get(name.split(".")[-2]) if dims.tp > 1 else None
         if split is not None:
             shape[split] //= dims.tp
         shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         units[unit][0] += math.prod(shape)
-        units[unit][1] += math.prod(shape) if param.requires_grad else 0
+        units[unit][1] += math.prod(shape) if trainable else 0
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
+
+
+def _plain_json(model_cfg) -> str:
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(model_cfg) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    return json.dumps(plain, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _parameter_shapes(model_json: str, freeze: tuple) -> tuple:
+    """(name, shape, trainable) of every parameter; cached because building a deep model on
+    the meta device takes seconds and the planner asks once per layout."""
+    from omegaconf import OmegaConf
+
+    with torch.device("meta"):
+        model = Llama(OmegaConf.create(json.loads(model_json)))
+    freeze_parameters(model, freeze)
+    return tuple((name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters())
 
 
 class _Tally:

@@ -63,7 +63,9 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
 
     from hsdp_runner.metrics import measure_cpu_tflops
 
-    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
     dist.init_process_group("gloo", rank=rank, world_size=ranks,
                             store=dist.FileStore(store_path, ranks))
     try:
