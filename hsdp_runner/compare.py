@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from hsdp_runner import tracking
+from hsdp_runner import prediction, tracking
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
 ORDER = {"completed": 0, "failed": 1, "skipped": 2, "unfinished": 3}
@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wandb-report", action="store_true",
                         help="also save a W&B report for the sweep's group (needs W&B online "
                              "and the wandb-workspaces package)")
+    parser.add_argument("--plan", type=Path, default=None,
+                        help="a plan.json to take predictions from (default: each job's "
+                             "plan.source, set by a sweep the planner wrote)")
     args = parser.parse_args(argv)
     jobs = load_jobs(args.sweep_dir) if args.sweep_dir.is_dir() else []
     if not jobs:
@@ -253,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text, paths = write_comparison(args.sweep_dir, jobs)
     print(text)
+    predicted = prediction.comparison_section(jobs, args.plan)
+    if predicted:
+        with open(args.sweep_dir / TABLE_FILE, "a") as md:
+            md.write("\n" + predicted)
+        print("\n" + predicted)
     print("compare: wrote " + ", ".join(str(p) for p in paths))
     if args.wandb_report:
         from hsdp_runner import wandb_report
