@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # `make parity` checks every layout against a single process (README "Is my layout correct?").
 PARITY_ARGS ?= model=llama3_tiny
 
-.PHONY: run test parity venv clean sweep compare
+.PHONY: run test parity venv clean sweep compare plan
 
 venv: $(VENV)/.installed
 
@@ -39,3 +39,8 @@ test: venv
 
 clean:
 	rm -rf outputs multirun .pytest_cache
+
+# `make plan ARGS="model=llama3_8b precision=bf16 cluster=h100_sxm cluster.nodes=4"` predicts
+# memory and step time of every layout (README "Plan before you spend").
+plan: venv
+	$(PY) -m hsdp_runner.plan $(ARGS)

@@ -117,7 +117,9 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
             if dims is None:
                 continue
             micro = validate_batch(cfg, dims.dp)
-            key = (v, dims.tp, dims.dp_mode, micro)
+            # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
+            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters).
+            key = (v, dims.tp, dims.dp_shard > 1, micro)
             if key not in groups:
                 groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
             entry["mem_key"] = key

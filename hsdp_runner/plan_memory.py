@@ -14,7 +14,7 @@ Three things are worked out instead of measured, and said so in the plan:
   linearly in the number of blocks (each adds its parameters, gradients and saved
   activations), so ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``.
 - **Shard size.** A measurement is reused by every layout with the same tp degree, micro-batch
-  and data-parallel wrapper (DDP / FSDP / HSDP); the parts that scale with the shard (sharded
+  and data-parallel wrapper (whole parameters (DDP) or sharded (FSDP, HSDP)); the parts that scale with the shard (sharded
   parameters and gradients) are rescaled to each layout's shard by exact arithmetic, FSDP's
   padding included (``comm_model.unit_sizes``).
 - **Optimizer.** AdamW's two moments per trainable shard element, in the stored dtype, held
@@ -72,8 +72,14 @@ def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
         else:
             todo.append(i)
     if todo:
-        with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-            fresh = pool.submit(_measure_all, [requests[i] for i in todo]).result()
+        # One child per core (two at most: each pays ~3 s of imports); a child keeps its fake
+        # process group per world size, so the requests are dealt out in turn.
+        workers = max(1, min(2, os.cpu_count() or 1, len(todo) // 4))
+        chunks = [todo[k::workers] for k in range(workers)]
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_measure_all, [requests[i] for i in c]) for c in chunks]
+            done = {i: res for c, f in zip(chunks, futures) for i, res in zip(c, f.result())}
+        fresh = [done[i] for i in todo]
         for i, res in zip(todo, fresh):
             results[i] = res
             if use_disk_cache:

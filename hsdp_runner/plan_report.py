@@ -128,9 +128,10 @@ def write_sweep(path: Path, cfg, cluster: dict, entries: list[dict], overrides: 
             f"{entry['step_time_s']:.4g} s, {entry['mem_gib']:.2f} GiB per rank\n"
             + yaml.safe_dump(body, sort_keys=False))
         names.append(name)
-    defaults = ["config"] + [f"override {k.split('=')[0]}: {k.split('=', 1)[1]}"
-                             for k in overrides if "=" in k and "." not in k.split("=")[0]
-                             and k.split("=")[0] in GROUPS] + [f"{group}: {names[0]}", "_self_"]
+    choices = [item.split("=", 1) for item in overrides if "=" in item]
+    defaults = ["config", {group: names[0]}] + [{f"override {key}": value}
+                                                for key, value in choices if key in GROUPS]
+    defaults.append("_self_")
     body = OmegaConf.create({"plan": {"source": str(plan_json)},
                              "launcher": {"nnodes": cluster["nodes"],
                                           "nproc_per_node": cluster["gpus_per_node"]}})

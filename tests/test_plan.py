@@ -65,14 +65,15 @@ def test_full_ac_predicts_less_memory_and_more_compute(planned):
     assert full["compute_s"] > none["compute_s"]
 
 
-def test_tracked_sharded_params_equal_exact_arithmetic():
-    """The fake-PG tracker's sharded parameters of a layout equal elements x dtype / dp_shard."""
-    cfg = plan.compose(["model=llama3_tiny", "cluster.gpus_per_node=4"])
+def test_tracked_sharded_params_equal_exact_arithmetic(planned):
+    """The fake-PG tracker's sharded parameters of a layout equal elements x dtype / dp_shard
+    (the measurements the planned fixture made, read back from its cache)."""
+    cfg = plan.compose(TINY)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for shape in ((1, 4, 1), (2, 1, 2), (1, 2, 2)):
+    for shape, micro in (((4, 1, 1), 2), ((2, 2, 1), 2), ((1, 2, 2), 4), ((2, 1, 2), 4)):
         req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
-                                  shape, 2, 1, 4, 4, 2)
-        measured = plan_memory.measure([req], use_disk_cache=False)[0]
+                                  shape, micro, 1, 4, 4, 2)
+        measured = plan_memory.measure([req])[0]
         dims = ParallelDims(*shape, 4, 4)
         exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard, 4)
         assert measured["sharded_param"] == exact["params"], shape
@@ -89,8 +90,8 @@ def _cluster(**kw) -> Cluster:
 def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=8",
                         "model.seq_len=2048"])
-    fast = _cluster()
-    fsdp = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), fast)
+    fast = _cluster(nodes=1, gpus_per_node=8)
+    fsdp = step_time(cfg, ParallelDims(1, 8, 1, 8, 8), fast)
     assert fsdp["dominant"] == "compute"
     hidden = fsdp["exposed_comm_s"]["dp_shard"]
     slow = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(inter_node_gbps=0.01))
@@ -98,9 +99,9 @@ def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     no_overlap = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
     assert no_overlap["step_time_s"] == pytest.approx(
         no_overlap["compute_s"] + no_overlap["comm_total_s"])
-    tp = step_time(cfg, ParallelDims(2, 1, 4, 8, 4), fast)
+    tp = step_time(cfg, ParallelDims(2, 1, 4, 8, 8), fast)
     assert tp["exposed_comm_s"]["tp"] == pytest.approx(
-        sum(v for k, v in _times(cfg, ParallelDims(2, 1, 4, 8, 4), fast).items()
+        sum(v for k, v in _times(cfg, ParallelDims(2, 1, 4, 8, 8), fast).items()
             if k.endswith("/tp")))
 
 
@@ -120,17 +121,18 @@ def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
     names = sweep["hydra"]["sweeper"]["params"]["planned_layouts"].split(",")
     top = [e for e in data["layouts"] if e["valid"] and e["fits"]][:3]
     assert len(names) == 3
-    with initialize_config_dir(config_dir=plan.CONF_DIR, version_base="1.3"):
+    # As `python -m hsdp_runner --config-dir <dir> --config-name planned` finds it.
+    with initialize_config_dir(config_dir=str(out), version_base="1.3"):
         for name, entry in zip(names, top):
             cfg = compose(config_name="planned", overrides=[
-                f"hydra.searchpath=[file://{out}]", f"planned_layouts={name}"])
+                f"hydra.searchpath=[file://{plan.CONF_DIR}]", f"planned_layouts={name}"])
             assert cfg.plan.source == str((out / "plan.json").resolve())
             assert cfg.model.name == "llama3_tiny" and cfg.launcher.nproc_per_node == 4
             for key, value in entry["overrides"].items():
                 assert OmegaConf.select(cfg, key) == value
 
 
-def _job(sweep: Path, num: int, overrides: dict, step_s: float | None, source: str) -> Path:
+def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str) -> Path:
     job = sweep / f"{num}_job"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"planned_layouts=r{num}"]))
@@ -139,8 +141,9 @@ def _job(sweep: Path, num: int, overrides: dict, step_s: float | None, source: s
         OmegaConf.update(node := OmegaConf.create(config), key, value)
         config = OmegaConf.to_container(node)
     (job / "config_resolved.yaml").write_text(yaml.safe_dump(config))
-    summary = {"status": "completed", "median_step_time_s": step_s} if step_s else \
-        {"status": "failed", "error": "boom"}
+    summary = {"status": "completed", "median_step_time_s": step_s, "median_tps_global": 1 / step_s,
+               "min_tps_global": 0.9 / step_s, "max_tps_global": 1.1 / step_s,
+               "mem_peak_gib": 1.0}
     (job / "summary.json").write_text(json.dumps(summary))
     return job
 
@@ -158,7 +161,7 @@ def test_compare_pairs_jobs_with_their_layouts_and_scores_the_ranking(planned, t
     assert compare.main([str(tmp_path)]) == 0
     text = (tmp_path / "compare.md").read_text()
     assert "## Predicted vs measured" in text and "Spearman's rank correlation" in text
-    assert "1.00" in text and "+10%" in text and "measured best in the predicted top 2: True" in text
+    assert "1.00" in text and "-9%" in text and "measured best in the predicted top 2: True" in text
 
 
 def test_spearman_handles_ties_and_degenerate_input():
