@@ -200,13 +200,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", type=Path, metavar="SWEEP_DIR",
                         help="fit the cluster's efficiency and link figures to a planned sweep")
+    parser.add_argument("--plan", type=Path, default=None, dest="plan_file",
+                        help="with --calibrate: the plan.json a sweep not written by the planner "
+                             "is compared with")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama3_8b")
     args = parser.parse_args(argv)
     try:
         if args.calibrate is not None:
             from hsdp_runner import plan_calibrate
 
-            print(plan_calibrate.calibrate(args.calibrate))
+            print(plan_calibrate.calibrate(args.calibrate, args.plan_file))
             return EXIT_OK
         overrides, axes = split_axes(args.overrides)
         cfg = compose(overrides)

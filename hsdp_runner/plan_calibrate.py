@@ -42,24 +42,28 @@ def fit_two(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, floa
     return min((only_a, only_b), key=residual)
 
 
-def calibrate(sweep_dir: Path) -> str:
-    """Fit and write the calibration file for ``sweep_dir``; return a report for the console."""
+def calibrate(sweep_dir: Path, plan_file: Path | None = None) -> str:
+    """Fit and write the calibration file for ``sweep_dir``; return a report for the console.
+
+    Predictions come from each job's ``plan.source``, or from ``plan_file`` for a sweep the
+    planner did not write.
+    """
     from hsdp_runner.compare import load_jobs
 
     jobs = [j for j in load_jobs(sweep_dir) if j.status == "completed"
             and j.summary.get("median_step_time_s")] if sweep_dir.is_dir() else []
-    found = predictions_for([j.path for j in jobs])
+    found = predictions_for([j.path for j in jobs], plan_file)
     pairs = [(found[j.path], j.summary["median_step_time_s"]) for j in jobs if j.path in found]
     if len(pairs) < 2:
         raise ConfigError(f"--calibrate {sweep_dir}: {len(pairs)} completed job(s) with a "
-                          "prediction (plan.source); run a sweep written by plan.write_sweep "
-                          "with at least 2 layouts first")
+                          "prediction (plan.source, or --plan FILE); run a sweep written by "
+                          "plan.write_sweep with at least 2 layouts first")
     xs = [(e["compute_s"], sum(e["exposed_comm_s"].values())) for e, _ in pairs]
     a, b = fit_two(xs, [m for _, m in pairs])
     if a <= 0:
         raise ConfigError(f"--calibrate {sweep_dir}: the measured times do not grow with "
                           "compute; the sweep cannot calibrate the efficiency")
-    source = next(j.config["plan"]["source"] for j in jobs if j.path in found)
+    source = plan_file or next(j.config["plan"]["source"] for j in jobs if j.path in found)
     plan = json.loads(Path(source).read_text())
     cluster = plan["cluster"]
     fitted = {"compute_efficiency": cluster["compute_efficiency"] / a,

@@ -2,7 +2,8 @@
 
 A job's prediction is the layout in its plan.json (``plan.source`` in the job's resolved
 config, or a file named with ``compare --plan``) whose every ``overrides`` key equals the job's
-resolved config value at that dotted key. ``compare`` calls ``comparison_section`` for the
+resolved config value at that dotted key (a degree the job left at -1 is read from the mesh
+shape in its summary.json). ``compare`` calls ``comparison_section`` for the
 predicted-vs-measured table: per job the predicted and measured steady-state step time, the
 error, both ranks, and for the sweep Spearman's rank correlation, whether the measured best is
 in the predicted top 2, and the median absolute error.
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
+DEGREES = ("dp_replicate", "dp_shard", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
 
 
 def _select(config: dict, dotted: str):
@@ -50,11 +52,28 @@ def predictions_for(job_dirs: list[Path], plan_file: Path | None = None) -> dict
         plan = _load_plan(Path(source), cache) if source else None
         if not plan:
             continue
+        values = _job_values(job, config)
         for entry in plan.get("layouts", []):
-            if all(_select(config, k) == v for k, v in entry["overrides"].items()):
+            if all(values(k) == v for k, v in entry["overrides"].items()):
                 out[job] = entry
                 break
     return out
+
+
+def _job_values(job: Path, config: dict):
+    """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
+    used from summary.json's ``mesh_shape``."""
+    summary_path = job / "summary.json"
+    shape = (json.loads(summary_path.read_text()).get("mesh_shape")
+             if summary_path.exists() else None)
+
+    def value(key: str):
+        found = _select(config, key)
+        degree = key.removeprefix("parallel.")
+        if found == -1 and shape and degree in DEGREES:
+            return shape[DEGREES.index(degree)]
+        return found
+    return value
 
 
 def _ranks(values: list[float]) -> list[float]:
