@@ -81,7 +81,9 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
                 small = _time(kind, SMALL, n, group)
                 large = _time(kind, LARGE, n, group)
                 factor = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
-                bandwidth = factor * (LARGE - SMALL) / max(large - small, 1e-9)
+                # A loaded machine can time the small message slower than the large one; the
+                # slope is bounded by half the large message's whole time.
+                bandwidth = factor * (LARGE - SMALL) / max(large - small, 0.5 * large)
                 links[kind][str(n)] = [small, bandwidth]
         if rank == 0:
             mean = {k: sum(_gather_float(v)) / ranks for k, v in peaks.items()}

@@ -115,6 +115,8 @@ def _measure_one(req: dict) -> dict:
     from omegaconf import OmegaConf
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hsdp_runner import sharding
@@ -140,9 +142,13 @@ def _measure_one(req: dict) -> dict:
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        tracker = FSDPMemTracker(model)
         tokens = torch.randint(0, model_cfg.vocab_size, (b, seq))
-        tracker.track_inputs((tokens,))
+        if isinstance(model, FSDPModule):
+            tracker = FSDPMemTracker(model)
+            tracker.track_inputs((tokens,))
+        else:  # TP alone in the stored dtype: no data-parallel wrapper to hook
+            tracker = MemTracker()
+            tracker.track_external(model, tokens)
         with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             for micro in range(accum):
                 if hasattr(model, "set_requires_gradient_sync"):
@@ -153,11 +159,18 @@ def _measure_one(req: dict) -> dict:
         peak = tracker.get_tracker_snapshot("peak")
     device = next(iter(peak))
     cats = {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
+    # MemTracker's names for what FSDPMemTracker calls sharded (nothing is sharded there).
+    for plain, sharded in (("param", "sharded_param"), ("grad", "sharded_grad")):
+        if plain in cats:
+            cats[sharded] = cats.pop(plain)
     return cats
 
 
 def extrapolate(measured: dict[int, dict], n_layers: int) -> dict:
-    """Categories at ``n_layers`` blocks from measurements at two depths, linear per block."""
+    """Categories at ``n_layers`` blocks from measurements at two depths, linear per block
+    (a model no deeper than the shallowest measurement is measured whole: returned as is)."""
+    if len(measured) == 1:
+        return dict(next(iter(measured.values())))
     (l1, a), (l2, b) = sorted(measured.items())[:2]
     per_layer = {k: (b.get(k, 0) - a.get(k, 0)) / (l2 - l1) for k in set(a) | set(b)}
     return {k: max(0.0, a.get(k, 0) + (n_layers - l1) * per_layer[k]) for k in per_layer}

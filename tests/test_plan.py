@@ -14,7 +14,10 @@ from hsdp_runner.comm_model import unit_sizes
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.plan_time import step_time
 
-TINY = ["model=llama3_tiny", "trainer.global_batch_size=8", "cluster.gpus_per_node=4"]
+# One block: the fake measurement then needs one depth per layout group (fast); the per-block
+# extrapolation has its own test.
+TINY = ["model=llama3_tiny", "model.n_layers=1", "trainer.global_batch_size=8",
+        "cluster.gpus_per_node=4"]
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +75,24 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
     plain = OmegaConf.to_container(cfg, resolve=True)
     for shape, micro in (((4, 1, 1), 2), ((2, 2, 1), 2), ((1, 2, 2), 4), ((2, 1, 2), 4)):
         req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
-                                  shape, micro, 1, 4, 4, 2)
+                                  shape, micro, 1, 4, 4, 1)
         measured = plan_memory.measure([req])[0]
         dims = ParallelDims(*shape, 4, 4)
         exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard, 4)
         assert measured["sharded_param"] == exact["params"], shape
+    # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
+    req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
+                              (1, 1, 2), 8, 1, 2, 2, 1)
+    measured = plan_memory.measure([req])[0]
+    exact = plan_memory.state_bytes(unit_sizes(cfg.model, ParallelDims(1, 1, 2, 2, 2)), 1, 4)
+    assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
+
+
+def test_memory_extrapolates_linearly_per_block():
+    one, two = {"act": 10, "sharded_param": 4}, {"act": 16, "sharded_param": 7}
+    assert plan_memory.extrapolate({1: one, 2: two}, 32) == {"act": 10 + 31 * 6,
+                                                            "sharded_param": 4 + 31 * 3}
+    assert plan_memory.extrapolate({1: one}, 1) == one
 
 
 def _cluster(**kw) -> Cluster:
