@@ -67,9 +67,9 @@ class Cluster:
         """(latency in s, bandwidth in bytes/s) of collective ``kind`` over ``n`` ranks."""
         table = self.measured_links.get(kind)
         if table and not across_nodes:
-            sizes = sorted(int(k) for k in table)
-            near = min(sizes, key=lambda k: abs(k - n))
-            latency, bandwidth = table[str(near)] if str(near) in table else table[near]
+            # Measured per group size (JSON keys are strings); the nearest size stands in.
+            near = min(table, key=lambda k: abs(int(k) - n))
+            latency, bandwidth = table[near]
         elif across_nodes:
             latency, bandwidth = self.inter_node_latency_us * 1e-6, self.inter_node_gbps * 1e9
         else:

@@ -107,8 +107,6 @@ def _divisors(n: int) -> list[int]:
 
 def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
-    from hsdp_runner.plan_time import step_time  # noqa: F401  (import cost paid once, here)
-
     groups: dict[tuple, dict] = {}
     for v, (chosen, cfg, layouts) in enumerate(variants):
         depths = sorted({min(n, cfg.model.n_layers) for n in layers})
@@ -148,6 +146,12 @@ def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dic
     """Return (cluster description, one entry per layout and axis combination, ranked)."""
     from hsdp_runner.plan_time import step_time
 
+    layers = list(cfg.plan.layers_measured)
+    if len(set(layers)) < 2 or min(layers) < 1:
+        raise ConfigError(f"plan.layers_measured={layers} needs two different block counts >= 1 "
+                          "to extrapolate per block, e.g. plan.layers_measured=[1,2]")
+    if cfg.plan.top_k < 1:
+        raise ConfigError(f"plan.top_k={cfg.plan.top_k} must be >= 1")
     cluster = resolve(cfg.cluster, cfg.precision.param_dtype)
     variants = [(chosen, variant, enumerate_layouts(variant, cluster.world_size,
                                                     cluster.gpus_per_node))
@@ -158,7 +162,7 @@ def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dic
                           f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
                           f"valid for this config: {'; '.join(reasons[:3])}; change the world "
                           "size or the batch/model")
-    requests, groups = _memory_requests(variants, cluster, list(cfg.plan.layers_measured))
+    requests, groups = _memory_requests(variants, cluster, layers)
     measured = plan_memory.measure(requests)
     entries = []
     for chosen, variant, layouts in variants:

@@ -17,6 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
+DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 
@@ -34,8 +35,7 @@ def _degrees(entry: dict) -> str:
 
 
 def _axes(entry: dict) -> str:
-    extra = {k: v for k, v in entry["overrides"].items() if not k.startswith("parallel.d")
-             and k != "parallel.tp"}
+    extra = {k: v for k, v in entry["overrides"].items() if k not in DEGREE_KEYS}
     return " ".join(f"{k.removeprefix('parallel.')}={v}" for k, v in extra.items())
 
 

@@ -211,6 +211,7 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
     (["cluster=nope"], "Could not find 'cluster/nope'"),
     (["cluster.nodez=2"], "cluster.nodez"),
     (["plan.axes.parallel.acc=none,full"], "parallel.acc is not a key"),
+    (["plan.layers_measured=[2]"], "plan.layers_measured=[2] needs two"),
     (["trainer.global_batch_size=3", "cluster.gpus_per_node=2", "model=llama3_tiny",
       "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48"], "no layout of 2 ranks"),
 ])
