@@ -46,15 +46,15 @@ def _group(dims: ParallelDims, dim: str) -> tuple[int, bool]:
     return dims.shape[DIM_NAMES.index(dim)], dim in dims.dims_across_nodes()
 
 
-def comm_times(comm: dict, dims: ParallelDims, cluster) -> dict:
-    """{'<kind>/<dim>': seconds} of every collective of one step, none hidden."""
+def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> dict:
+    """{'<kind>/<dim>': seconds} of every collective of one step, none hidden; with ``split``
+    the values are (latency part, bandwidth part)."""
     out = {}
     for key, entry in comm.items():
         kind, dim = key.split("/")
         n, across = _group(dims, dim)
-        latency, bandwidth = cluster.collective_time(kind, n, across, entry["calls"],
-                                                     entry["bytes"])
-        out[key] = latency + bandwidth
+        parts = cluster.collective_time(kind, n, across, entry["calls"], entry["bytes"])
+        out[key] = parts if split else sum(parts)
     return out
 
 
@@ -68,7 +68,8 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     compute = hw_flops / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
     fwd, bwd = compute / 3, 2 * compute / 3
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
-    times = comm_times(comm, dims, cluster)
+    parts = comm_times(comm, dims, cluster, split=True)
+    times = {key: sum(pair) for key, pair in parts.items()}
     units = unit_sizes(cfg.model, dims, cfg.trainer.freeze)
     total = sum(u[0] for u in units.values()) or 1
     root = units.get("root", (0, 0))[0] / total
@@ -109,5 +110,6 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     return {"step_time_s": step, "compute_s": compute,
             "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
             "comm_total_s": sum(times.values()), "tps_per_device": tps,
+            "comm_latency_s": sum(p[0] for p in parts.values()),
             "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
             "dominant": max(terms, key=terms.get), "comm": comm}
