@@ -77,7 +77,11 @@ def main() -> None:
     _run(["-m", "hsdp_runner.compare", str(sweep), "--plan", str(plan_json)])
     figures(sweep, plan_json, "Predicted (measured link table, default efficiency) vs measured")
     _run(["-m", "hsdp_runner.plan", "--calibrate", str(sweep), "--plan", str(plan_json)])
-    fitted = sorted(sweep.glob("cluster_calibrated*.yaml"))[-1]
+    written = sorted(sweep.glob("cluster_calibrated*.yaml"), key=lambda p: p.stat().st_mtime)
+    if not written:
+        print("no calibration was written (see the message above)")
+        return
+    fitted = written[-1]
     _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps,
           f"cluster.calibration={fitted}", f"plan.out_dir={out / 'plan_calibrated'}"])
     figures(sweep, out / "plan_calibrated" / "plan.json",
