@@ -1,6 +1,6 @@
 """The planner against published torchtitan figures, and its own speed at up to 1,024 ranks.
 
-    python benchmarks/plan_published.py [--skip-speed]
+    python benchmarks/plan_published.py [--skip-speed] [--skip-published]
 
 Prints predicted vs published for
 - Llama 3 8B on 8x H100, FSDP 8, local batch 2, seq 8192, selective AC, bf16 (torchtitan
@@ -77,7 +77,9 @@ def speed() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-published", action="store_true")
     args = parser.parse_args()
-    published()
+    if not args.skip_published:
+        published()
     if not args.skip_speed:
         speed()
