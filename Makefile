@@ -14,7 +14,7 @@ TORCH_STAMP := $(VENV)/.torch-spec
 # `make parity` checks every layout against a single process (README "Is my layout correct?").
 PARITY_ARGS ?= model=llama3_tiny
 
-.PHONY: run test test-fast parity venv clean sweep compare FORCE
+.PHONY: run test test-fast parity venv clean sweep compare plan FORCE
 
 venv: $(VENV)/.installed
 
@@ -56,3 +56,8 @@ test-fast: venv
 
 clean:
 	rm -rf outputs multirun .pytest_cache
+
+# `make plan ARGS="model=llama3_8b precision=bf16 cluster=h100_sxm cluster.nodes=4"` predicts
+# memory and step time of every layout (README "Plan before you spend").
+plan: venv
+	$(PY) -m hsdp_runner.plan $(ARGS)

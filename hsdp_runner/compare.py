@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from hsdp_runner import tracking
+from hsdp_runner import prediction, tracking
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
 ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
@@ -264,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
 
     paths.append(dashboard.write_dashboard(args.sweep_dir, jobs, plan_file=args.plan))
     print(text)
+    predicted = prediction.comparison_section(jobs, args.plan)
+    if predicted:
+        with open(args.sweep_dir / TABLE_FILE, "a") as md:
+            md.write("\n" + predicted)
+        print("\n" + predicted)
     print("compare: wrote " + ", ".join(str(p) for p in paths))
     if args.wandb_report:
         from hsdp_runner import wandb_report

@@ -173,6 +173,38 @@ class CheckpointConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """A machine the planner predicts for (conf/cluster/*.yaml; see hsdp_runner/cluster.py)."""
+
+    name: str = MISSING
+    device: str = MISSING
+    gpus_per_node: int = MISSING
+    nodes: int = 1
+    device_memory_gib: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    compute_efficiency: float = MISSING
+    intra_node_gbps: float = MISSING
+    inter_node_gbps: float = MISSING
+    intra_node_latency_us: float = MISSING
+    inter_node_latency_us: float = MISSING
+    overlap: float = 1.0
+    memory_reserve_gib: float = 0.0
+    measure: bool = False
+    calibration: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    """The planner's options (hsdp_runner/plan.py); ``source`` is also set in planned jobs."""
+
+    source: Optional[str] = None
+    top_k: int = 4
+    write_sweep: Optional[str] = None
+    out_dir: Optional[str] = None
+    layers_measured: list = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
 class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,6 +218,9 @@ class RunConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    # Only the planner composes a cluster (conf/plan.yaml); a job's is null.
+    cluster: Optional[ClusterConfig] = None
     device: str = "auto"
 
 

@@ -34,7 +34,8 @@ def test_every_group_has_its_options():
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_each_group_option_composes_and_validates(group, option):
-    cfg = compose([f"{group}={option}"])
+    # A job has no cluster by default (only the planner's conf/plan.yaml picks one): append it.
+    cfg = compose([f"{'+' if group == 'cluster' else ''}{group}={option}"])
     validate_config(cfg)
     if group == "model":
         assert cfg.model.name == option

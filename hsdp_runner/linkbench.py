@@ -1,0 +1,128 @@
+"""Measure this machine for the planner: matmul peak per rank and each collective's cost.
+
+The idea of nccl-tests, on the backend this machine trains with (gloo on CPU): ``ranks``
+processes start together; each times square matmuls while all others do too (its share of
+the machine), then for every group size that divides the rank count the ranks split into
+groups of that size that all run the collective at once (as mesh dims do in training), at a
+small and a large message. Latency = the small message's time; bandwidth = ring factor x
+(large - small bytes) / (large - small time), bytes counted as ``comm_model`` counts them (the
+full tensor). The result is cached per host and rank count in ``~/.cache/hsdp_runner``, so
+only the first plan on a machine pays the ~20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+SMALL, LARGE = 1 << 10, 1 << 22  # bytes of the full tensor
+REPEATS = 5
+
+
+def cache_path(ranks: int) -> Path:
+    """Where this host's measurement for ``ranks`` ranks is kept."""
+    from hsdp_runner.plan_memory import CACHE_DIR
+
+    return CACHE_DIR / f"linkbench_{socket.gethostname()}_{ranks}.json"
+
+
+def cached_or_measure(ranks: int) -> dict:
+    """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent."""
+    path = cache_path(ranks)
+    if path.exists():
+        return json.loads(path.read_text())
+    print(f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
+          f"cached in {path}", flush=True)
+    result = measure(ranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def measure(ranks: int) -> dict:
+    """Run the micro-benchmark on ``ranks`` local processes; return peaks, links and memory."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        mp.spawn(_worker, args=(ranks, str(Path(tmp) / "store"), str(out)), nprocs=ranks)
+        result = json.loads(out.read_text())
+    result["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    result["host"], result["ranks"] = socket.gethostname(), ranks
+    return result
+
+
+def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hsdp_runner.metrics import measure_cpu_tflops
+
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks,
+                            store=dist.FileStore(store_path, ranks))
+    try:
+        peaks = {}
+        for name in ("float32", "bfloat16"):
+            dist.barrier()
+            # The best of three windows: a busy moment on a shared machine only lowers it.
+            peaks[name] = max(measure_cpu_tflops(getattr(torch, name)) for _ in range(3))
+        links: dict = {kind: {} for kind in KINDS}
+        for n in [d for d in range(2, ranks + 1) if ranks % d == 0]:
+            groups = [dist.new_group(list(range(g, g + n))) for g in range(0, ranks, n)]
+            group = groups[rank // n]
+            for kind in KINDS:
+                small = _time(kind, SMALL, n, group)
+                large = _time(kind, LARGE, n, group)
+                factor = (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
+                # A loaded machine can time the small message slower than the large one; the
+                # slope is bounded by half the large message's whole time.
+                bandwidth = factor * (LARGE - SMALL) / max(large - small, 0.5 * large)
+                links[kind][str(n)] = [small, bandwidth]
+        if rank == 0:
+            mean = {k: sum(_gather_float(v)) / ranks for k, v in peaks.items()}
+            Path(out).write_text(json.dumps({"peak_tflops": mean, "links": links}))
+        else:
+            for value in peaks.values():
+                _gather_float(value)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_float(value: float) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([value]))
+    return [t.item() for t in out]
+
+
+def _time(kind: str, nbytes: int, n: int, group) -> float:
+    """Median seconds of one collective whose full tensor is ``nbytes``, all groups at once."""
+    import torch
+    import torch.distributed as dist
+
+    full = torch.zeros(nbytes // 4)
+    shard = torch.zeros(nbytes // 4 // n)
+    times = []
+    for _ in range(REPEATS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if kind == "all_gather":
+            dist.all_gather_into_tensor(full, shard, group=group)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(shard, full, group=group)
+        else:
+            dist.all_reduce(full, group=group)
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])
+    return times[len(times) // 2]

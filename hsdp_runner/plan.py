@@ -1,0 +1,242 @@
+"""``python -m hsdp_runner.plan [overrides]``: predict memory and step time of every layout.
+
+Composes the same config as a job (``conf/plan.yaml`` = ``conf/config.yaml`` + a ``cluster``),
+enumerates every ``(dp_replicate, dp_shard, tp)`` whose product is the cluster's world size
+(``cluster.nodes x cluster.gpus_per_node``) times every value of the axes given as
+``plan.axes.<dotted key>=v1,v2``, checks each with ``ParallelDims`` and the batch split
+(invalid ones are kept, with the reason), predicts memory per rank (``plan_memory``: the
+runner's model and sharding under a fake process group) and step time (``plan_time``), and
+writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format: README "Plan before
+you spend"). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
+fit; ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
+(``plan_calibrate``). Exit 2 on bad input: unknown cluster or key, no valid layout, a model
+that fits nowhere. Never imports the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from hsdp_runner import plan_memory, plan_report
+from hsdp_runner.cluster import resolve
+from hsdp_runner.comm_model import unit_sizes
+from hsdp_runner.config import ConfigError, register_schemas, validate_batch, validate_config
+from hsdp_runner.mesh import DIM_NAMES, ParallelDims
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+AXES_PREFIX = "plan.axes."
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose ``conf/plan.yaml`` with ``overrides``; raise ConfigError on a Hydra error."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schemas()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return hydra_compose(config_name="plan", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(str(err).split("\nConfig search path")[0]) from None
+
+
+def split_axes(args: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """Separate ``plan.axes.<key>=a,b`` arguments from ordinary overrides."""
+    overrides, axes = [], {}
+    for arg in args:
+        if arg.startswith(AXES_PREFIX):
+            key, _, values = arg[len(AXES_PREFIX):].partition("=")
+            axes[key] = [v.strip() for v in values.split(",") if v.strip()]
+        else:
+            overrides.append(arg)
+    return overrides, axes
+
+
+def axis_configs(cfg: DictConfig, axes: dict[str, list[str]]) -> list[tuple[dict, DictConfig]]:
+    """One (axis values, config) per combination of the axes; each config validated."""
+    for key in axes:
+        if key.split(".")[0] in ("cluster", "plan") or OmegaConf.select(cfg, key,
+                                                                      default="<absent>") == "<absent>":
+            raise ConfigError(f"plan.axes.{key}: {key} is not a key of the job config; "
+                              "axes take dotted keys such as plan.axes.parallel.ac=none,selective")
+        if key.split(".")[-1] in DIM_NAMES:
+            raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
+    out = []
+    for values in itertools.product(*axes.values()) if axes else [()]:
+        variant = cfg.copy()
+        chosen = dict(zip(axes, values))
+        for key, value in chosen.items():
+            node = OmegaConf.create({"v": value})  # YAML typing: true -> bool, 2 -> int
+            OmegaConf.update(variant, key, node.v, merge=False)
+        validate_config(variant)
+        out.append((chosen, variant))
+    return out
+
+
+def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
+    """Every (dp_replicate, dp_shard, tp) with product ``world``: dims or the reason it is invalid."""
+    out = []
+    for tp in _divisors(world):
+        for shard in _divisors(world // tp):
+            rep = world // tp // shard
+            parallel = OmegaConf.merge(cfg.parallel, {"dp_replicate": rep, "dp_shard": shard,
+                                                      "tp": tp})
+            entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
+            try:
+                dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+                validate_batch(cfg, dims.dp)
+                entry["dims"] = dims
+            except ConfigError as err:
+                entry["reason"] = str(err)
+            out.append(entry)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
+    """Group valid layouts by what their measurement depends on; return (requests, groups)."""
+    groups: dict[tuple, dict] = {}
+    for v, (chosen, cfg, layouts) in enumerate(variants):
+        depths = sorted({min(n, cfg.model.n_layers) for n in layers})
+        for entry in layouts:
+            dims = entry["dims"]
+            if dims is None:
+                continue
+            micro = validate_batch(cfg, dims.dp)
+            # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
+            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters).
+            key = (v, dims.tp, dims.dp_shard > 1, micro)
+            if key not in groups:
+                groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
+            entry["mem_key"] = key
+    requests = []
+    for key, group in groups.items():
+        cfg = group["cfg"]
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        for depth in group["depths"]:
+            group.setdefault("index", {})[depth] = len(requests)
+            requests.append(plan_memory.request(
+                plain["model"], plain["parallel"], plain["precision"], plain["trainer"]["freeze"],
+                group["shape"], key[3], cfg.trainer.grad_accum_steps, cluster.world_size,
+                cluster.gpus_per_node, depth))
+    return requests, groups
+
+
+def _state(cfg, dims: ParallelDims) -> dict:
+    import torch
+
+    master = getattr(torch, cfg.precision.master_dtype).itemsize
+    return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze),
+                                   dims.dp_shard, master)
+
+
+def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dict]]:
+    """Return (cluster description, one entry per layout and axis combination, ranked)."""
+    from hsdp_runner.plan_time import step_time
+
+    layers = list(cfg.plan.layers_measured)
+    if len(set(layers)) < 2 or min(layers) < 1:
+        raise ConfigError(f"plan.layers_measured={layers} needs two different block counts >= 1 "
+                          "to extrapolate per block, e.g. plan.layers_measured=[1,2]")
+    if cfg.plan.top_k < 1:
+        raise ConfigError(f"plan.top_k={cfg.plan.top_k} must be >= 1")
+    cluster = resolve(cfg.cluster, cfg.precision.param_dtype)
+    variants = [(chosen, variant, enumerate_layouts(variant, cluster.world_size,
+                                                    cluster.gpus_per_node))
+                for chosen, variant in axis_configs(cfg, axes)]
+    if not any(e["dims"] for _, _, layouts in variants for e in layouts):
+        reasons = sorted({e["reason"] for _, _, layouts in variants for e in layouts})
+        raise ConfigError(f"no layout of {cluster.world_size} ranks (cluster.nodes="
+                          f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
+                          f"valid for this config: {'; '.join(reasons[:3])}; change the world "
+                          "size or the batch/model")
+    requests, groups = _memory_requests(variants, cluster, layers)
+    measured = plan_memory.measure(requests)
+    entries = []
+    for chosen, variant, layouts in variants:
+        for entry in layouts:
+            entries.append(_entry(chosen, variant, entry, groups, measured, cluster, step_time))
+    plan_report.rank(entries)
+    return cluster.describe(), entries
+
+
+def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
+    rep, shard, tp = layout["shape"]
+    overrides = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard, "parallel.tp": tp,
+                 **{k: OmegaConf.select(cfg, k) for k in chosen}}
+    dims = layout["dims"]
+    if dims is None:
+        return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,
+                "mem_gib": None, "step_time_s": None, "tps_per_device": None, "mfu": None,
+                "dominant": None, "rank": None}
+    group = groups[layout["mem_key"]]
+    cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
+                                   cfg.model.n_layers)
+    ref = ParallelDims(*group["shape"], dims.world_size, dims.ranks_per_node)
+    memory = plan_memory.layout_memory(cats, _state(cfg, ref), _state(cfg, dims),
+                                       cluster.memory_reserve_gib)
+    time = step_time(cfg, dims, cluster)
+    return {"overrides": overrides, "valid": True, "reason": None,
+            "fits": memory["peak_gib"] <= cluster.device_memory_gib,
+            "mem_gib": memory["peak_gib"], "step_time_s": time["step_time_s"],
+            "tps_per_device": time["tps_per_device"], "mfu": time["mfu"],
+            "dominant": time["dominant"], "rank": None, "layout": dims.layout,
+            "memory": memory, "compute_s": time["compute_s"],
+            "exposed_comm_s": time["exposed_comm_s"], "comm_total_s": time["comm_total_s"],
+            "comm_latency_s": time["comm_latency_s"],
+            "dims_across_nodes": dims.dims_across_nodes()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; returns 0, or 2 for bad input (the message says which key and the fix)."""
+    parser = argparse.ArgumentParser(prog="python -m hsdp_runner.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calibrate", type=Path, metavar="SWEEP_DIR",
+                        help="fit the cluster's efficiency and link figures to a planned sweep")
+    parser.add_argument("--plan", type=Path, default=None, dest="plan_file",
+                        help="with --calibrate: the plan.json a sweep not written by the planner "
+                             "is compared with")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama3_8b")
+    args = parser.parse_args(argv)
+    try:
+        if args.calibrate is not None:
+            from hsdp_runner import plan_calibrate
+
+            print(plan_calibrate.calibrate(args.calibrate, args.plan_file))
+            return EXIT_OK
+        overrides, axes = split_axes(args.overrides)
+        cfg = compose(overrides)
+        validate_config(cfg)
+        cluster, entries = predict(cfg, axes)
+    except ConfigError as err:
+        print(f"plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    out_dir = Path(cfg.plan.out_dir or datetime.datetime.now().strftime(
+        f"plans/%Y-%m-%d_%H-%M-%S_{cfg.model.name}"))
+    paths = plan_report.write(out_dir, cfg, cluster, entries, overrides, axes)
+    print(plan_report.table(entries, cluster))
+    print("plan: wrote " + ", ".join(str(p) for p in paths))
+    if not any(e["fits"] for e in entries):
+        print(f"plan: error: model {cfg.model.name} fits on no layout of {cluster['world_size']}"
+              f" x {cluster['device_memory_gib']:.1f} GiB devices (every layout is listed above);"
+              " add nodes (cluster.nodes), use activation checkpointing (parallel.ac=full or "
+              "plan.axes.parallel.ac=none,full), or lower trainer.global_batch_size",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

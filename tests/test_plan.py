@@ -1,0 +1,230 @@
+"""The planner: every layout listed and ranked, memory from the fake-PG tracker equal to exact
+arithmetic, step-time terms, the planned sweep, predicted vs measured, calibration, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from hsdp_runner import plan, plan_calibrate, plan_memory, prediction
+from hsdp_runner.cluster import Cluster
+from hsdp_runner.comm_model import unit_sizes
+from hsdp_runner.mesh import ParallelDims
+from hsdp_runner.plan_time import step_time
+
+# One block: the fake measurement then needs one depth per layout group (fast); the per-block
+# extrapolation has its own test.
+TINY = ["model=llama3_tiny", "model.n_layers=1", "trainer.global_batch_size=8",
+        "cluster.gpus_per_node=4"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, monkeypatch_module):
+    """One plan of the tiny model on 4 H100s with an AC axis and a 3-layout sweep."""
+    out = tmp_path_factory.mktemp("plan")
+    code = plan.main(TINY + [f"plan.out_dir={out}", "plan.axes.parallel.ac=none,full",
+                             f"plan.write_sweep={out}/planned.yaml", "plan.top_k=3"])
+    assert code == 0
+    return out, json.loads((out / "plan.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plan_memory, "CACHE_DIR", tmp_path_factory.mktemp("cache"))
+    yield mp
+    mp.undo()
+
+
+def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(planned):
+    out, data = planned
+    assert data["version"] == 1 and data["world_size"] == 4 and data["model"] == "llama3_tiny"
+    shapes = {(e["overrides"]["parallel.dp_replicate"], e["overrides"]["parallel.dp_shard"],
+               e["overrides"]["parallel.tp"], e["overrides"]["parallel.ac"])
+              for e in data["layouts"]}
+    assert len(shapes) == len(data["layouts"]) == 6 * 2  # 6 degree triples of 4 x 2 AC modes
+    valid = [e for e in data["layouts"] if e["valid"]]
+    assert [e["rank"] for e in valid] == list(range(1, len(valid) + 1))
+    times = [e["step_time_s"] for e in valid if e["fits"]]
+    assert times == sorted(times)
+    for entry in data["layouts"]:
+        if entry["valid"]:
+            assert entry["mem_gib"] > 0 and entry["tps_per_device"] > 0 and entry["dominant"]
+        else:  # llama3_tiny has 2 kv heads: tp=4 does not divide them
+            assert entry["overrides"]["parallel.tp"] == 4 and "n_kv_heads" in entry["reason"]
+            assert entry["step_time_s"] is None and entry["rank"] is None
+    assert "invalid: parallel.tp=4" in (out / "plan.md").read_text()
+
+
+def test_full_ac_predicts_less_memory_and_more_compute(planned):
+    _, data = planned
+    by = {(tuple(e["overrides"][k] for k in ("parallel.dp_replicate", "parallel.dp_shard",
+                                               "parallel.tp")), e["overrides"]["parallel.ac"]): e
+          for e in data["layouts"] if e["valid"]}
+    none, full = by[((1, 4, 1), "none")], by[((1, 4, 1), "full")]
+    assert full["memory"]["activations_gib"] < none["memory"]["activations_gib"]
+    assert full["compute_s"] > none["compute_s"]
+
+
+def test_tracked_sharded_params_equal_exact_arithmetic(planned):
+    """The fake-PG tracker's sharded parameters of a layout equal elements x dtype / dp_shard
+    (the measurements the planned fixture made, read back from its cache)."""
+    cfg = plan.compose(TINY)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for shape, micro in (((4, 1, 1), 2), ((2, 2, 1), 2), ((1, 2, 2), 4), ((2, 1, 2), 4)):
+        req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
+                                  shape, micro, 1, 4, 4, 1)
+        measured = plan_memory.measure([req])[0]
+        dims = ParallelDims(*shape, 4, 4)
+        exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard, 4)
+        assert measured["sharded_param"] == exact["params"], shape
+    # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
+    req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
+                              (1, 1, 2), 8, 1, 2, 2, 1)
+    measured = plan_memory.measure([req])[0]
+    exact = plan_memory.state_bytes(unit_sizes(cfg.model, ParallelDims(1, 1, 2, 2, 2)), 1, 4)
+    assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
+
+
+def test_memory_extrapolates_linearly_per_block():
+    one, two = {"act": 10, "sharded_param": 4}, {"act": 16, "sharded_param": 7}
+    assert plan_memory.extrapolate({1: one, 2: two}, 32) == {"act": 10 + 31 * 6,
+                                                            "sharded_param": 4 + 31 * 3}
+    assert plan_memory.extrapolate({1: one}, 1) == one
+
+
+def _cluster(**kw) -> Cluster:
+    base = dict(name="t", device="H100", gpus_per_node=4, nodes=2, device_memory_gib=80.0,
+                peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
+                intra_node_gbps=100.0, inter_node_gbps=10.0, intra_node_latency_us=10.0,
+                inter_node_latency_us=20.0, overlap=1.0, memory_reserve_gib=0.0)
+    return Cluster(**{**base, **kw})
+
+
+def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
+    cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=8",
+                        "model.seq_len=2048"])
+    fast = _cluster(nodes=1, gpus_per_node=8)
+    fsdp = step_time(cfg, ParallelDims(1, 8, 1, 8, 8), fast)
+    assert fsdp["dominant"] == "compute"
+    hidden = fsdp["exposed_comm_s"]["dp_shard"]
+    slow = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(inter_node_gbps=0.01))
+    assert slow["dominant"] == "comm:dp_shard" and slow["exposed_comm_s"]["dp_shard"] > 10 * hidden
+    no_overlap = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
+    assert no_overlap["step_time_s"] == pytest.approx(
+        no_overlap["compute_s"] + no_overlap["comm_total_s"])
+    tp = step_time(cfg, ParallelDims(2, 1, 4, 8, 8), fast)
+    assert tp["exposed_comm_s"]["tp"] == pytest.approx(
+        sum(v for k, v in _times(cfg, ParallelDims(2, 1, 4, 8, 8), fast).items()
+            if k.endswith("/tp")))
+
+
+def _times(cfg, dims, cluster):
+    from hsdp_runner.comm_model import analytic_comm
+    from hsdp_runner.plan_time import comm_times
+
+    return comm_times(analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer),
+                      dims, cluster)
+
+
+def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
+    out, data = planned
+    from hydra import compose, initialize_config_dir
+
+    sweep = yaml.safe_load((out / "planned.yaml").read_text())
+    names = sweep["hydra"]["sweeper"]["params"]["planned_layouts"].split(",")
+    top = [e for e in data["layouts"] if e["valid"] and e["fits"]][:3]
+    assert len(names) == 3
+    # As `python -m hsdp_runner --config-dir <dir> --config-name planned` finds it.
+    with initialize_config_dir(config_dir=str(out), version_base="1.3"):
+        for name, entry in zip(names, top):
+            cfg = compose(config_name="planned", overrides=[
+                f"hydra.searchpath=[file://{plan.CONF_DIR}]", f"planned_layouts={name}"])
+            assert cfg.plan.source == str((out / "plan.json").resolve())
+            assert cfg.model.name == "llama3_tiny" and cfg.launcher.nproc_per_node == 4
+            for key, value in entry["overrides"].items():
+                assert OmegaConf.select(cfg, key) == value
+
+
+def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str) -> Path:
+    job = sweep / f"{num}_job"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"planned_layouts=r{num}"]))
+    config = {"plan": {"source": source}}
+    for key, value in overrides.items():
+        OmegaConf.update(node := OmegaConf.create(config), key, value)
+        config = OmegaConf.to_container(node)
+    (job / "config_resolved.yaml").write_text(yaml.safe_dump(config))
+    summary = {"status": "completed", "median_step_time_s": step_s, "median_tps_global": 1 / step_s,
+               "min_tps_global": 0.9 / step_s, "max_tps_global": 1.1 / step_s,
+               "mem_peak_gib": 1.0}
+    (job / "summary.json").write_text(json.dumps(summary))
+    return job
+
+
+def test_compare_pairs_jobs_with_their_layouts_and_scores_the_ranking(planned, tmp_path):
+    out, data = planned
+    from hsdp_runner import compare
+
+    source = str((out / "plan.json").resolve())
+    top = [e for e in data["layouts"] if e["valid"] and e["fits"]][:3]
+    jobs = [_job(tmp_path, i, e["overrides"], e["step_time_s"] * (1.1 + 0.1 * i), source)
+            for i, e in enumerate(top)]
+    found = prediction.predictions_for(jobs)
+    assert [found[j]["rank"] for j in jobs] == [e["rank"] for e in top]
+    assert compare.main([str(tmp_path)]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    assert "## Predicted vs measured" in text and "Spearman's rank correlation" in text
+    assert "1.00" in text and "-9%" in text and "measured best in the predicted top 2: True" in text
+
+
+def test_spearman_handles_ties_and_degenerate_input():
+    assert prediction.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert prediction.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert prediction.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)
+    assert prediction.spearman([1], [1]) is None and prediction.spearman([1, 1], [1, 2]) is None
+
+
+def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
+    out, data = planned
+    source = str((out / "plan.json").resolve())
+    valid = [e for e in data["layouts"] if e["valid"]]
+    for i, e in enumerate(valid):  # a machine 2x slower at compute, 3x at links, 5x per call
+        compute, bandwidth, latency = plan_calibrate._terms(e)
+        _job(tmp_path, i, e["overrides"], 2 * compute + 3 * bandwidth + 5 * latency, source)
+    report = plan_calibrate.calibrate(tmp_path)
+    fitted = yaml.safe_load((tmp_path / "cluster_calibrated.yaml").read_text())
+    assert fitted["compute_efficiency"] == pytest.approx(data["cluster"]["compute_efficiency"] / 2)
+    assert fitted["link_scale"] == pytest.approx(1 / 3, rel=1e-4)
+    assert fitted["latency_scale"] == pytest.approx(5, rel=1e-4)
+    assert "cluster.calibration=" in report
+    plan_calibrate.calibrate(tmp_path)  # a second fit never overwrites the first
+    assert (tmp_path / "cluster_calibrated_1.yaml").exists()
+    code = plan.main(TINY + [f"plan.out_dir={tmp_path / 'again'}",
+                             f"cluster.calibration={tmp_path / 'cluster_calibrated.yaml'}"])
+    again = json.loads((tmp_path / "again" / "plan.json").read_text())
+    assert code == 0 and again["cluster"]["link_scale"] == pytest.approx(1 / 3, rel=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cluster=nope"], "Could not find 'cluster/nope'"),
+    (["cluster.nodez=2"], "cluster.nodez"),
+    (["plan.axes.parallel.acc=none,full"], "parallel.acc is not a key"),
+    (["plan.layers_measured=[2]"], "plan.layers_measured=[2] needs two"),
+    (["trainer.global_batch_size=3", "cluster.gpus_per_node=2", "model=llama3_tiny",
+      "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48"], "no layout of 2 ranks"),
+])
+def test_bad_input_exits_2_with_a_message(args, message, capsys):
+    assert plan.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_that_fits_nowhere_is_listed_and_exits_2(monkeypatch_module, tmp_path, capsys):
+    code = plan.main(TINY + [f"plan.out_dir={tmp_path}", "cluster.device_memory_gib=0.0001"])
+    captured = capsys.readouterr()
+    assert code == 2 and "fits on no layout" in captured.err
+    assert "does not fit" in captured.out
+    assert all(not e["fits"] for e in json.loads((tmp_path / "plan.json").read_text())["layouts"]
+               if e["valid"])
