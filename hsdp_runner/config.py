@@ -369,13 +369,32 @@ def _schema_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
+def _dataclass_keys(schema, prefix: str = "") -> set[str]:
+    """Every dotted key of a schema dataclass, optional nested sections (e.g. ``cluster``, null
+    in a job) included."""
+    import dataclasses
+    import typing
+
+    keys = set()
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        keys.add(prefix + spec.name)
+        kind = hints[spec.name]
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(inner) == 1:
+            kind = inner[0]
+        if dataclasses.is_dataclass(kind):
+            keys |= _dataclass_keys(kind, f"{prefix}{spec.name}.")
+    return keys
+
+
 def _reject_unknown_keys(cfg: DictConfig) -> None:
     """Refuse keys the schema does not know (added with ``+``, which the typed schema cannot
     stop): nothing reads them, so ``+trainer.stepz=10`` would run a full job silently.
     The message names the nearest valid key. ``hydra.*`` is not part of the job's config."""
     import difflib
 
-    known = set(_schema_keys(OmegaConf.structured(RunConfig)))
+    known = _dataclass_keys(RunConfig)
     for key in _schema_keys(cfg):
         if key in known:
             continue

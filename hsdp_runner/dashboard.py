@@ -8,7 +8,7 @@ charts of ``dashboard_charts``. While a sweep runs (its ``sweep_state.json`` say
 by ``dashboard_callback``) the page reloads itself every few seconds, keeping its scroll
 position; the reload can be paused with a checkbox.
 
-Jobs are read by ``compare.load_jobs``; the table is ``compare.table`` rendered as HTML, so
+Jobs are read by ``runs.load_jobs``; the table is ``runs.table`` rendered as HTML, so
 both views always show the same columns.
 """
 
@@ -22,7 +22,7 @@ import re
 import socket
 from pathlib import Path
 
-from hsdp_runner import compare, dashboard_charts, plan_lookup
+from hsdp_runner import dashboard_charts, prediction, runs
 
 HTML_FILE, STATE_FILE = "compare.html", "sweep_state.json"
 RELOAD_S = 10
@@ -89,10 +89,10 @@ def _why(summary: dict) -> str:
     return str(summary.get("reason") or summary.get("error") or "")
 
 
-def table_html(jobs: list[compare.Job]) -> str:
-    """``compare.table(jobs)`` as an HTML table: a sort key per cell, a status class per row,
+def table_html(jobs: list[runs.Job]) -> str:
+    """``runs.table(jobs)`` as an HTML table: a sort key per cell, a status class per row,
     the full reason or error of a job that did not complete as the status cell's tooltip."""
-    lines = compare.table(jobs).splitlines()
+    lines = runs.table(jobs).splitlines()
     head = "".join(f'<th title="click to sort">{html.escape(c)}</th>' for c in _cells(lines[0]))
     rows = []
     for job, line in zip(jobs, lines[2:]):
@@ -122,13 +122,13 @@ def _section(div_id: str, heading: str, fig, note: str) -> str:
     return f'<section><h2>{html.escape(heading)}</h2>{caption}{body}</section>'
 
 
-def render(title: str, jobs: list[compare.Job], predictions: dict, live: bool,
+def render(title: str, jobs: list[runs.Job], predictions: dict, live: bool,
            reload_s: int = RELOAD_S) -> str:
     """Return the whole page for ``jobs`` (``predictions``: job dir -> plan layout entry;
     ``live``: reload every ``reload_s`` seconds)."""
     import plotly.offline
 
-    statuses = sorted({j.status for j in jobs}, key=lambda s: compare.ORDER.get(s, 9))
+    statuses = sorted({j.status for j in jobs}, key=lambda s: runs.ORDER.get(s, 9))
     counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in statuses)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     state = (f'<label class="live"><input type="checkbox" id="auto-reload" checked> sweep '
@@ -146,7 +146,7 @@ def render(title: str, jobs: list[compare.Job], predictions: dict, live: bool,
         sort_js=_SORT_JS, style=_STYLE)
 
 
-def write_dashboard(out_dir: Path, jobs: list[compare.Job], plan_file: Path | None = None,
+def write_dashboard(out_dir: Path, jobs: list[runs.Job], plan_file: Path | None = None,
                     live: bool | None = None, reload_s: int = RELOAD_S) -> Path:
     """Write ``out_dir/compare.html`` for ``jobs`` and return its path.
 
@@ -156,7 +156,7 @@ def write_dashboard(out_dir: Path, jobs: list[compare.Job], plan_file: Path | No
     out_dir = Path(out_dir)
     live = sweep_running(out_dir) if live is None else live
     planned = plan_file or any((j.config.get("plan") or {}).get("source") for j in jobs)
-    predictions = plan_lookup.predictions_for([j.path for j in jobs], plan_file) if planned else {}
+    predictions = prediction.predictions_for([j.path for j in jobs], plan_file) if planned else {}
     page = render(f"{out_dir.name}", jobs, predictions, live, reload_s)
     path = out_dir / HTML_FILE
     _write_atomic(path, page)
@@ -166,7 +166,7 @@ def write_dashboard(out_dir: Path, jobs: list[compare.Job], plan_file: Path | No
 def refresh(sweep_dir: Path, live: bool, reload_s: int = RELOAD_S) -> Path:
     """Read the jobs in ``sweep_dir`` as they are now and rewrite its dashboard."""
     sweep_dir = Path(sweep_dir)
-    jobs = compare.load_jobs(sweep_dir) if sweep_dir.is_dir() else []
+    jobs = runs.load_jobs(sweep_dir) if sweep_dir.is_dir() else []
     return write_dashboard(sweep_dir, jobs, live=live, reload_s=reload_s)
 
 

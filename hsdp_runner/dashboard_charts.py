@@ -7,8 +7,8 @@ here only, so importing the dashboard (e.g. as a Hydra callback) stays cheap.
 
 from __future__ import annotations
 
-from hsdp_runner import plan_lookup
-from hsdp_runner.compare import Job, _degrees
+from hsdp_runner import prediction
+from hsdp_runner.runs import Job, degrees
 
 DEGREES = ("dp_replicate", "dp_shard", "tp")
 BEST, OTHER = "#e8710a", "#1f77b4"
@@ -28,7 +28,7 @@ def measured(jobs: list[Job]) -> list[Job]:
 
 
 def _name(job: Job) -> str:
-    layout, shape, _ = _degrees(job)
+    layout, shape, _ = degrees(job)
     return f"{job.label} · {layout} {shape}"
 
 
@@ -201,7 +201,7 @@ def predicted(jobs: list[Job], predictions: dict) -> tuple:
     for col, (want, got, title) in enumerate(panels, start=1):
         pts = [(p[want], j.summary.get(got), j) for j, p in pairs
                if p.get(want) is not None and j.summary.get(got) is not None]
-        rhos[title] = plan_lookup.spearman([a for a, _, _ in pts], [b for _, b, _ in pts])
+        rhos[title] = prediction.spearman([a for a, _, _ in pts], [b for _, b, _ in pts])
         fig.add_trace(go.Scatter(
             x=[a for a, _, _ in pts], y=[b for _, b, _ in pts], mode="markers+text",
             text=[j.label.split(" ", 1)[0] for _, _, j in pts], textposition="top center",

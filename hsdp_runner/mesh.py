@@ -215,7 +215,8 @@ def default_group_timeout_s(device_type: str) -> float | None:
     if not dist.is_initialized():
         return None
     backend = dist.group.WORLD._get_backend(torch.device(device_type))
-    return backend.options._timeout.total_seconds()
+    options = getattr(backend, "options", None)  # None for backends without options (fake)
+    return options._timeout.total_seconds() if options is not None else None
 
 
 def _backend_with_timeout(device_type: str, timeout_s: float | None):

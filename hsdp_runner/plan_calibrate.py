@@ -76,7 +76,7 @@ def calibrate(sweep_dir: Path, plan_file: Path | None = None) -> str:
     Predictions come from each job's ``plan.source``, or from ``plan_file`` for a sweep the
     planner did not write.
     """
-    from hsdp_runner.compare import load_jobs
+    from hsdp_runner.runs import load_jobs
 
     jobs = [j for j in load_jobs(sweep_dir) if j.status == "completed"
             and j.summary.get("median_step_time_s")] if sweep_dir.is_dir() else []

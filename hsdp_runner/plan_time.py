@@ -39,7 +39,10 @@ def step_flops(model_cfg, trainer, ac: str, world_size: int) -> tuple[float, flo
 
 
 def _group(dims: ParallelDims, dim: str) -> tuple[int, bool]:
-    """(group size, spans nodes) of a mesh dim or of the flattened 'dp' view."""
+    """(group size, spans nodes) of a mesh dim, of the flattened 'dp' view, or of 'world' (all
+    ranks: the trainer's step-statistics all-reduce when no one dim spans them)."""
+    if dim == "world":
+        return dims.world_size, dims.world_size > dims.node_size
     if dim == "dp":
         shape = (dims.dp, dims.tp)
         return dims.dp, _group_spans_nodes(shape, 0, dims.node_size)

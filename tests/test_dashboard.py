@@ -12,7 +12,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from hsdp_runner import compare, dashboard, dashboard_charts, plan_lookup
+from hsdp_runner import compare, dashboard, dashboard_charts, prediction, runs
 from hsdp_runner.dashboard_callback import DashboardCallback
 
 COMM = {"all_gather/dp_shard": {"calls": 3, "bytes": 3 * 2**20},
@@ -90,13 +90,14 @@ def test_compare_writes_one_self_contained_page_next_to_compare_md(sweep, capsys
 
 
 def test_html_table_has_the_rows_and_columns_of_compare_md(sweep):
-    jobs = compare.load_jobs(sweep)
-    md_rows = compare.table(jobs).splitlines()
+    jobs = runs.load_jobs(sweep)
+    md_rows = runs.table(jobs).splitlines()
     table = dashboard.table_html(jobs)
     assert table.count("<th ") == md_rows[0].count(" | ") + 1
     rows = re.findall(r'<tr class="([^"]+)">(.*?)</tr>', table)
-    assert [cls for cls, _ in rows][:3] == ["completed best", "completed", "failed"]
-    assert sorted(cls for cls, _ in rows[3:]) == ["interrupted", "skipped"]  # in compare's order
+    # compare's order: completed by throughput, then interrupted, failed, skipped
+    assert [cls for cls, _ in rows] == ["completed best", "completed", "interrupted", "failed",
+                                        "skipped"]
     assert ">#3 dp_shard=8 tp=1 precision=bf16 (best)</td>" in rows[0][1]
     assert "failed (rank 3): torch.OutOfMemoryError: CUDA out" in rows[2][1]
     skipped = dict(rows)["skipped"]
@@ -110,7 +111,7 @@ def test_html_table_has_the_rows_and_columns_of_compare_md(sweep):
 
 
 def test_bars_show_min_max_of_throughput_and_of_memory_over_ranks(sweep):
-    fig, _ = dashboard_charts.bars(compare.load_jobs(sweep))
+    fig, _ = dashboard_charts.bars(runs.load_jobs(sweep))
     tps, mem = fig.data
     assert list(tps.x) == [12000.0, 9000.0] and "dp_shard=8" in tps.y[0]
     assert list(tps.error_x.array) == pytest.approx([1200.0, 900.0])
@@ -119,7 +120,7 @@ def test_bars_show_min_max_of_throughput_and_of_memory_over_ranks(sweep):
 
 
 def test_parallel_coordinates_have_degrees_varying_options_and_figures(sweep):
-    fig, note = dashboard_charts.parallel_coordinates(compare.load_jobs(sweep))
+    fig, note = dashboard_charts.parallel_coordinates(runs.load_jobs(sweep))
     dims = {d.label: d for d in fig.data[0].dimensions}
     assert list(dims) == ["dp_replicate", "dp_shard", "tp", "precision", "tokens/s global",
                           "MFU %", "peak mem GiB"]
@@ -130,7 +131,7 @@ def test_parallel_coordinates_have_degrees_varying_options_and_figures(sweep):
 
 
 def test_curves_overlay_loss_and_step_time_of_every_job_named_on_hover(sweep):
-    fig, _ = dashboard_charts.curves(compare.load_jobs(sweep))
+    fig, _ = dashboard_charts.curves(runs.load_jobs(sweep))
     names = [t.name for t in fig.data]
     # two traces per job that logged a step (loss, step time), in job order
     assert names == [n for n in ["#1 dp_shard=4 tp=2 precision=fp32",
@@ -144,7 +145,7 @@ def test_curves_overlay_loss_and_step_time_of_every_job_named_on_hover(sweep):
 
 
 def test_communication_stacks_each_collective_measured_next_to_the_model(sweep):
-    fig, note = dashboard_charts.communication(compare.load_jobs(sweep))
+    fig, note = dashboard_charts.communication(runs.load_jobs(sweep))
     assert [t.name for t in fig.data] == ["all_gather/dp_shard", "reduce_scatter/dp_shard"]
     gather = fig.data[0]
     assert [list(level) for level in gather.x] == [
@@ -176,8 +177,8 @@ def write_plan(path: Path, rows: list[tuple[int, int, float, float | None]]) -> 
 def test_predictions_match_a_layout_by_every_override_key(sweep, tmp_path_factory):
     plan = write_plan(tmp_path_factory.mktemp("plan") / "plan.json",
                       [(8, 1, 1600.0, 28.0), (4, 2, 1000.0, 31.0), (2, 4, None, None)])
-    jobs = compare.load_jobs(sweep)
-    found = plan_lookup.predictions_for([j.path for j in jobs], plan)
+    jobs = runs.load_jobs(sweep)
+    found = prediction.predictions_for([j.path for j in jobs], plan)
     by_num = {j.num: found.get(j.path) for j in jobs}
     assert by_num[3]["rank"] == 1 and by_num[1]["rank"] == 2
     assert by_num[2]["valid"] is False  # matched; the chart leaves invalid layouts out
@@ -197,7 +198,7 @@ def test_a_jobs_plan_source_names_its_plan_and_the_page_shows_it(tmp_path):
                  ran(tps, shard, tp), steps=2,
                  config={"parallel": {"dp_shard": shard, "tp": tp},
                          "plan": {"source": str(plan)}, "precision": {"name": "bf16"}})
-    path = dashboard.write_dashboard(sweep, compare.load_jobs(sweep))
+    path = dashboard.write_dashboard(sweep, runs.load_jobs(sweep))
     page = path.read_text()
     assert 'id="chart-predicted"' in page
     assert r"Spearman \u03c1 tokens\u002fs per device: +1.00" in page  # as plotly escapes it
@@ -212,11 +213,11 @@ def test_a_jobs_plan_source_names_its_plan_and_the_page_shows_it(tmp_path):
     ([1], [1], None),
 ])
 def test_spearman_rank_correlation(xs, ys, rho):
-    assert plan_lookup.spearman(xs, ys) == (None if rho is None else pytest.approx(rho))
+    assert prediction.spearman(xs, ys) == (None if rho is None else pytest.approx(rho))
 
 
 def test_page_reloads_itself_only_while_its_sweep_runs(sweep):
-    jobs = compare.load_jobs(sweep)
+    jobs = runs.load_jobs(sweep)
     dashboard.mark_sweep(sweep, running=True)
     page = dashboard.write_dashboard(sweep, jobs).read_text()
     assert 'id="auto-reload"' in page and "location.reload()" in page

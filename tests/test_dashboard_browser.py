@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from hsdp_runner import compare
+from hsdp_runner import compare, runs
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Two layouts of the same 2 ranks: FSDP (1 x 2) and DDP (2 x 1); tiny and short.
@@ -112,7 +112,7 @@ def test_sweep_says_where_its_live_dashboard_is_and_ends_it_static(small_sweep):
 def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_sweep, tmp_path):
     chromium = browser()
     _, sweep_dir = small_sweep
-    jobs = compare.load_jobs(sweep_dir)
+    jobs = runs.load_jobs(sweep_dir)
     plan = tmp_path / "plan.json"  # a plan whose layouts name both jobs by their overrides
     plan.write_text(json.dumps({"version": 1, "layouts": [
         {"overrides": {"parallel.dp_replicate": r}, "valid": True, "reason": None,
