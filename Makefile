@@ -55,7 +55,7 @@ test-fast: venv
 	WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess" tests $(ARGS)
 
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun parity plans .pytest_cache
 
 # `make plan ARGS="model=llama3_8b precision=bf16 cluster=h100_sxm cluster.nodes=4"` predicts
 # memory and step time of every layout (README "Plan before you spend").
