@@ -48,7 +48,7 @@ parity: venv
 	$(PY) -m hsdp_runner.parity $(PARITY_ARGS)
 
 test: venv
-	WANDB_MODE=offline $(PY) -m pytest -q tests $(ARGS)
+	WANDB_MODE=offline $(PY) -m pytest -q --durations=25 tests $(ARGS)
 
 # The tests that start no worker process (pyproject.toml's `multiprocess` marker).
 test-fast: venv

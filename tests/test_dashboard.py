@@ -99,7 +99,7 @@ def test_html_table_has_the_rows_and_columns_of_compare_md(sweep):
     assert [cls for cls, _ in rows] == ["completed best", "completed", "interrupted", "failed",
                                         "skipped"]
     assert ">#3 dp_shard=8 tp=1 precision=bf16 (best)</td>" in rows[0][1]
-    assert "failed (rank 3): torch.OutOfMemoryError: CUDA out" in rows[2][1]
+    assert "failed (rank 3): torch.OutOfMemoryError: CUDA out" in rows[3][1]
     skipped = dict(rows)["skipped"]
     # the cell holds compare.md's shortened reason, the tooltip the whole of it
     assert "skipped: parallel.dp_replicate=-1 cannot be inferred" in skipped

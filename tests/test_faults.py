@@ -199,11 +199,12 @@ def test_sigterm_to_the_launcher_only_reaches_the_workers(tmp_path):
 
 
 def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(tmp_path):
-    # Rank 1 hangs in step 3, so no step boundary comes; the user presses Ctrl-C again.
+    # Rank 1 hangs in step 4, so no step boundary comes; the user presses Ctrl-C again. (Step
+    # 3's figures would be read once step 4's work is done, so metrics.jsonl ends at step 2.)
     job_dir = tmp_path / "job"
     marker = uuid.uuid4().hex
     proc = start_job(job_dir, *TINY, "parallel=ddp", "trainer.steps=30", "fault.rank=1",
-                     "fault.step=3", "fault.kind=hang", "launcher.timeout_s=120", marker=marker)
+                     "fault.step=4", "fault.kind=hang", "launcher.timeout_s=120", marker=marker)
     wait_for_steps(job_dir / "metrics.jsonl", 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(2)
