@@ -73,3 +73,16 @@ def cause_from_log(log_dir: Path, rank: int, max_chars: int = 400) -> str | None
         return None
     dump = log_dir / f"{TRACE_PREFIX}{rank}"
     return f"{cause} (NCCL flight recorder dump: {dump})" if dump.exists() else cause
+
+
+# What a rank's collective raises when a peer process is gone (gloo's TCP pair, NCCL).
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ncclRemoteError")
+# How long such a rank lingers before it exits; see ``peer_lost``.
+PEER_LOST_GRACE_S = 1.0
+
+
+def peer_lost(err: BaseException) -> bool:
+    """True when ``err`` says only that another rank went away. Such a rank waits
+    ``PEER_LOST_GRACE_S`` before it exits: torch's agent names the first failed worker it
+    notices, and that should be the rank that died, not the peer it took with it."""
+    return bool(_PEER_LOST.search(str(err)))

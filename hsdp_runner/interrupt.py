@@ -145,18 +145,25 @@ def _send(pids: list[int], signum: int) -> None:
 
 
 def worker_pids(parent: int | None = None) -> list[int]:
-    """PIDs of the worker processes torch's launcher spawned from ``parent`` (default: this
-    process): its children that run multiprocessing's ``spawn_main``, which leaves out the
-    resource tracker. Read from /proc (psutil is not a dependency); [] where there is none."""
+    """PIDs of the worker processes torch's launcher started from ``parent`` (default: this
+    process): the children of its forkserver (or, started by spawn, its children that run
+    multiprocessing's ``spawn_main``), which leaves out the resource tracker and anything a
+    worker starts. Read from /proc (psutil is not a dependency); [] where there is none."""
     parent = os.getpid() if parent is None else parent
-    found = []
+    children: dict[int, list[tuple[int, bytes]]] = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"spawn_main" in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
+            children.setdefault(ppid, []).append((int(proc.name),
+                                                  (proc / "cmdline").read_bytes()))
         except (OSError, IndexError, ValueError):
             continue
+    found = []
+    for pid, cmdline in children.get(parent, []):
+        if b"spawn_main" in cmdline:
+            found.append(pid)
+        elif b"multiprocessing.forkserver" in cmdline:
+            found += [child for child, _ in children.get(pid, [])]
     return found
 
 

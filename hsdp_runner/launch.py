@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import checkpoint, tracking
+from hsdp_runner import checkpoint, forkserver, tracking
 from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
 from hsdp_runner.data import load_corpus
 from hsdp_runner.devices import (check_torch_apis, check_visible_gpus, cpu_threads,
@@ -196,7 +196,8 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
 
 def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
                         agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict:
-    """Run ``fn(*args)`` in ``nproc`` fresh processes on this node with torch's elastic launcher.
+    """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
+    forked from a server that imported torch once (``forkserver``).
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
     raises ``ChildFailedError`` (the others are stopped). On a signal named in
@@ -209,9 +210,9 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        start_method="spawn", monitor_interval=0.1, shutdown_timeout=shutdown_timeout,
-        signals_to_handle=agent_signals)
-    return elastic_launch(config, fn)(*args)
+        start_method=forkserver.use_server(), monitor_interval=0.1,
+        shutdown_timeout=shutdown_timeout, signals_to_handle=agent_signals)
+    return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
 
 
 def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[int, dict | None]:

@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from omegaconf import OmegaConf
 
 from hsdp_runner import checkpoint, metrics, profiling, tracking
 from hsdp_runner.devices import pick_device, set_cpu_threads
-from hsdp_runner.failures import nccl_failure_env
+from hsdp_runner.failures import PEER_LOST_GRACE_S, nccl_failure_env, peer_lost
 from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_name, stop_signals
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
@@ -93,6 +94,8 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     try:
         summary = _train(cfg, dims, run_info, device, output_dir, rank, stop)
     except BaseException as err:
+        if peer_lost(err):
+            time.sleep(PEER_LOST_GRACE_S)
         _record_failure(cfg, dims, output_dir, rank, err)
         dist.destroy_process_group()
         raise

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import REPO, TINY, cli_env, read_job, run_cli
 
+from hsdp_runner.interrupt import worker_pids
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -170,8 +172,7 @@ def test_sigterm_to_the_workers_only_stops_them_together_and_the_rerun_resumes(t
     job_dir = tmp_path / "job"
     proc = start_job(job_dir, *RUN, "launcher.timeout_s=60")
     wait_for_steps(job_dir / "metrics.jsonl", 3, proc)
-    signal_pids([pid for pid, cmd in descendants(proc.pid) if b"spawn_main" in cmd],
-                signal.SIGTERM)
+    signal_pids(worker_pids(proc.pid), signal.SIGTERM)
     code, stderr = finish(proc, job_dir, timeout=60)
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
     _, summary = read_job(job_dir)
