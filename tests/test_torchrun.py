@@ -22,3 +22,22 @@ def test_torchrun_fsdp_trains_into_exactly_one_output_dir(tmp_path):
     assert len(records) == 6
     assert sorted(p.name for p in (dirs[0] / "logs").iterdir()) == [f"rank{r}.log" for r in range(2)]
     assert not (tmp_path / "outputs").joinpath("2026").exists()
+
+
+# --standalone: a free rendezvous port, so parallel test runs on one machine do not collide.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def test_rank_aborted_by_the_nccl_watchdog_under_torchrun_is_recorded_with_its_cause(tmp_path):
+    # Rank 1 dies as NCCL's watchdog ends a rank (its message in C++, then SIGABRT); no
+    # launcher of ours is there to read its log: rank 0, failing next, names rank 1 and why.
+    job_dir = tmp_path / "job"
+    result = run_cli(job_dir, *TINY, "parallel=ddp", "fault.rank=1", "fault.step=2",
+                     "fault.kind=abort", prefix=TORCHRUN)
+    assert result.returncode == 1, result.stderr[-3000:]
+    _, summary = read_job(job_dir)
+    assert summary["status"] == "failed" and summary["failed_rank"] == 1, summary
+    assert summary["error"].startswith("rank 1 died in C++: Watchdog caught collective "
+                                       "operation timeout: WorkNCCL(SeqNum=2")
+    assert "launcher.timeout_s" in summary["error"]  # the timeout hint shows
+    assert "rank 1 failed first: rank 1 died in C++" in result.stdout + result.stderr
