@@ -15,6 +15,9 @@ is the launcher's (``launch._failure_message``), so the sidecar only copies.
 The sidecar imports no torch (it starts in a few tens of milliseconds), runs in its own
 session and ignores stop signals (torchrun's agent kills each rank's process group; a
 scheduler signals every process), and ends at the latest ``launcher.timeout_s`` after rank 0.
+Why not coreutils ``tee``: a scheduler's SIGTERM would end it mid-job (and with it rank 0's
+stderr), and it could neither tell readers when the copy is complete (the lock on the log)
+nor write the failure record.
 """
 
 from __future__ import annotations
