@@ -147,6 +147,21 @@ def died_in_cpp(log_dir: Path, exclude: int | None = None,
     return rank, cause
 
 
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The (rank, failure) that started a job's failure, from torch's ``{rank: ProcessFailure}``.
+
+    torch takes the smallest timestamp, in whole seconds. A rank killed by a signal is stamped
+    when the agent noticed its death, later than the death, while its peers' errors ("Connection
+    closed by peer") came after it and may carry an earlier second: such a rank within a second
+    of the earliest stamp comes first.
+    """
+    earliest = min(f.timestamp for f in failures.values())
+    killed = [r for r, f in sorted(failures.items())
+              if f.exitcode < 0 and f.timestamp <= earliest + 1]
+    rank = killed[0] if killed else min(failures, key=lambda r: failures[r].timestamp)
+    return rank, failures[rank]
+
+
 def with_timeout_hint(message: str) -> str:
     """``message``, plus what a collective timeout means when it mentions one."""
     if re.search(r"timed out|timeout", message, re.IGNORECASE):

@@ -84,6 +84,18 @@ def test_a_rank_failing_after_a_peer_died_in_cpp_names_the_peer(tmp_path):
     assert failed_facts(tmp_path, 2, own)["failed_rank"] == 1
 
 
+def test_a_rank_killed_by_a_signal_comes_before_its_peers_echoes_in_the_same_second():
+    from types import SimpleNamespace as Failure
+
+    from hsdp_runner.failures import first_failure
+
+    # Rank 0 aborted at 10.9 s, noticed at 11.0 s; rank 1's "Connection closed" at 10.95 s.
+    echo, aborted = Failure(exitcode=1, timestamp=10), Failure(exitcode=-6, timestamp=11)
+    assert first_failure({0: aborted, 1: echo}) == (0, aborted)
+    late = Failure(exitcode=-9, timestamp=12)  # killed later: the Python error came first
+    assert first_failure({0: late, 1: echo}) == (1, echo)
+
+
 # Rank 0 as NCCL's watchdog ends it, without torch: its sidecar, then the C-level message and
 # SIGABRT (fault.kind=abort's own code).
 ABORTING_RANK0 = """
