@@ -14,13 +14,22 @@ The settings (``nccl_failure_env``), chosen rather than inherited:
   each node's own ``/tmp``).
 
 A rank killed that way leaves its launcher only "Signal 6 (SIGABRT)". The watchdog wrote the
-cause to the rank's stderr first, which is its ``logs/rank<N>.log`` (rank 0's goes to the
-console); ``cause_from_log`` finds it there for the failure record.
+cause to the rank's stderr first, which is its ``logs/rank<N>.log`` (rank 0's stderr goes
+through its sidecar, ``rank0_sidecar.py``, to the console and ``logs/rank0.log``);
+``cause_from_log`` finds it there for the failure record. Each rank opens its part of the log
+with ``mark_attempt``, so a cause left by an earlier attempt in the same dir is never read.
+
+Who writes the failure record of a rank that died in C++: the local launcher
+(``launch._failure_message``); under torchrun / SLURM the first rank to fail in Python, which
+names a peer that died before it (``failed_facts``), or rank 0's sidecar when rank 0 itself
+ends without a record.
 """
 
 from __future__ import annotations
 
+import fcntl
 import re
+import time
 from pathlib import Path
 
 TRACE_BUFFER_ENTRIES = 2000
@@ -35,6 +44,13 @@ _CAUSES = (
     re.compile(r"(?<=what\(\):).*\S.*"),
     re.compile(r"Fatal Python error: .*"),
 )
+# faulthandler's first line when a fatal signal ends the process (worker.py enables it).
+_FATAL_SIGNAL = re.compile(r"Fatal Python error: (Aborted|Segmentation fault|Bus error|"
+                           r"Floating-point exception|Illegal instruction)")
+_ATTEMPT_MARK = "==== hsdp_runner: this attempt's log starts"
+# A record of the runner's own logging (worker.setup_logging's format): it may quote another
+# rank's cause ("rank 1 failed first: ..."), so it is never read as this rank's.
+_OWN_RECORD = re.compile(r"^\[rank\d+\] \d\d:\d\d:\d\d [A-Z]+ ")
 # torch's elastic failure record when the rank wrote no error file (killed, or died in C++).
 _SIGNAL_ONLY = re.compile(r"^(Signal \d+ \(\w+\) received by PID \d+|exit code -?\d+|"
                           r"To enable traceback see: \S+)$")
@@ -54,15 +70,51 @@ def signal_only(message: str) -> bool:
     return bool(_SIGNAL_ONLY.match(message.strip()))
 
 
-def cause_from_log(log_dir: Path, rank: int, max_chars: int = 400) -> str | None:
-    """Return the most telling cause line in ``logs/rank<rank>.log`` (a watchdog timeout, an
-    NCCL or CUDA error, a C++ exception's ``what()``), plus the flight-recorder dump's path if
-    there is one; None when the log holds no such line."""
-    path = log_dir / f"rank{rank}.log"
+def mark_attempt(log_dir: Path, rank: int) -> None:
+    """Open this attempt's part of ``logs/rank<rank>.log`` (the log is appended to across
+    attempts); called by each rank before it writes anything there."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / f"rank{rank}.log", "a") as log:
+        log.write(f"{_ATTEMPT_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+
+
+def _attempt_lines(path: Path, wait_s: float) -> list[str]:
+    """The lines of the log at ``path`` written since its last ``mark_attempt`` (all of them
+    in a log without one), less the runner's own log records; [] when there is no log.
+
+    Rank 0's sidecar holds a lock on its log until it has copied all rank 0 wrote; wait up to
+    ``wait_s`` for that lock, so a reader right after rank 0's death sees its last words.
+    """
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with open(path, errors="replace") as log:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(log, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        break  # read what is there
+                    time.sleep(0.05)
+            text = log.read()
     except OSError:
-        return None
+        return []
+    start = text.rfind(_ATTEMPT_MARK)
+    return [line for line in (text[start:] if start >= 0 else text).splitlines()
+            if not _OWN_RECORD.match(line)]
+
+
+def cause_from_log(log_dir: Path, rank: int, max_chars: int = 400,
+                   wait_s: float = 5.0) -> str | None:
+    """Return the most telling cause line in this attempt's part of ``logs/rank<rank>.log``
+    (a watchdog timeout, an NCCL or CUDA error, a C++ exception's ``what()``), plus the
+    flight-recorder dump's path if there is one; None when the log holds no such line.
+    ``wait_s``: how long to wait for rank 0's sidecar to finish copying (see
+    ``_attempt_lines``)."""
+    return _cause(_attempt_lines(log_dir / f"rank{rank}.log", wait_s), log_dir, rank, max_chars)
+
+
+def _cause(lines: list[str], log_dir: Path, rank: int, max_chars: int = 400) -> str | None:
     cause = None
     for pattern in _CAUSES:
         hits = [m.group(0).strip() for m in map(pattern.search, lines) if m]
@@ -86,3 +138,60 @@ def peer_lost(err: BaseException) -> bool:
     ``PEER_LOST_GRACE_S`` before it exits: torch's agent names the first failed worker it
     notices, and that should be the rank that died, not the peer it took with it."""
     return bool(_PEER_LOST.search(str(err)))
+
+
+def died_in_cpp(log_dir: Path, exclude: int | None = None,
+                wait_s: float = 1.0) -> tuple[int, str] | None:
+    """Find a rank that died of a fatal signal in this attempt (``faulthandler`` wrote "Fatal
+    Python error: Aborted" or the like to its log as it died): return (its rank, its cause),
+    the earliest such log first; None when no rank's log says so. ``exclude``: the caller's
+    own rank."""
+    dead = []
+    for path in log_dir.glob("rank*.log"):
+        rank = path.stem.removeprefix("rank")
+        if not rank.isdigit() or int(rank) == exclude:
+            continue
+        lines = _attempt_lines(path, wait_s)
+        if any(_FATAL_SIGNAL.search(line) for line in lines):
+            dead.append((path.stat().st_mtime, int(rank), _cause(lines, log_dir, int(rank))))
+    if not dead:
+        return None
+    _, rank, cause = min(dead)
+    return rank, cause
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The (rank, failure) that started a job's failure, from torch's ``{rank: ProcessFailure}``.
+
+    torch takes the smallest timestamp, in whole seconds. A rank killed by a signal is stamped
+    when the agent noticed its death, later than the death, while its peers' errors ("Connection
+    closed by peer") came after it and may carry an earlier second: such a rank within a second
+    of the earliest stamp comes first.
+    """
+    earliest = min(f.timestamp for f in failures.values())
+    killed = [r for r, f in sorted(failures.items())
+              if f.exitcode < 0 and f.timestamp <= earliest + 1]
+    rank = killed[0] if killed else min(failures, key=lambda r: failures[r].timestamp)
+    return rank, failures[rank]
+
+
+def with_timeout_hint(message: str) -> str:
+    """``message``, plus what a collective timeout means when it mentions one."""
+    if re.search(r"timed out|timeout", message, re.IGNORECASE):
+        message += (" (a collective waited launcher.timeout_s without its peers: another rank "
+                    "hung or died; see the rank logs)")
+    return message
+
+
+def failed_facts(log_dir: Path, rank: int, err: BaseException) -> dict:
+    """The failure facts a rank whose Python code raised ``err`` records: ``status``,
+    ``failed_rank``, ``error``. When a peer died in C++ before (NCCL's watchdog, a
+    segfault), that peer is the failed rank and its cause the error: this rank's own error
+    is then only the dead peer's echo ("Connection closed by peer", a timeout)."""
+    found = died_in_cpp(log_dir, exclude=rank)
+    if found is None:
+        return {"status": "failed", "failed_rank": rank,
+                "error": f"{type(err).__name__}: {err}".strip()}
+    dead, cause = found
+    error = with_timeout_hint(f"rank {dead} died in C++: {cause or 'no cause in its log'}")
+    return {"status": "failed", "failed_rank": dead, "error": error}

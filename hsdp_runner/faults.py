@@ -26,8 +26,21 @@ def inject_fault(fault_cfg, rank: int, step: int, phase: str = "step") -> bool:
             time.sleep(3600)
     if fault_cfg.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault_cfg.kind == "abort":
+        _abort_like_nccl_watchdog(rank, step)
     if fault_cfg.kind == "sigterm":  # as a scheduler would send it; the step goes on
         os.kill(os.getpid(), signal.SIGTERM)
         return False
     raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
                        + (" while saving its checkpoint" if phase == "save" else ""))
+
+
+def _abort_like_nccl_watchdog(rank: int, step: int) -> None:
+    """End this rank as NCCL's watchdog ends one whose collective timed out, with torch 2.13's
+    wording: the cause written to stderr from C++ (file descriptor 2, unbuffered, not Python's
+    ``sys.stderr``), then SIGABRT. On CPU this is the only way to see that path."""
+    os.write(2, (f"[rank{rank}]:[E ProcessGroupNCCL.cpp:685] [Rank {rank}] Watchdog caught "
+                 f"collective operation timeout: WorkNCCL(SeqNum={step}, OpType=ALLREDUCE, "
+                 "NumelIn=1, NumelOut=1, Timeout(ms)=300000) ran for 300047 milliseconds before "
+                 "timing out (simulated by fault.kind=abort)\n").encode())
+    os.abort()

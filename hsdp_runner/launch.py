@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import sys
 import uuid
@@ -29,7 +28,8 @@ from hsdp_runner.data import load_corpus
 from hsdp_runner.devices import (check_torch_apis, check_visible_gpus, cpu_threads,
                                  cuda_fallback_warning)
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from hsdp_runner.failures import cause_from_log, signal_only
+from hsdp_runner.failures import (cause_from_log, first_failure, signal_only,
+                                  with_timeout_hint)
 from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.llama import meta_model
@@ -242,7 +242,7 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
               "running", file=sys.stderr)
         return 128 + err.sigval, None
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = first_failure(err.failures)
         stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
         if stopped:
             return _stopped_at_once(cfg_dict, dims, run_info["output_dir"], stopped), None
@@ -285,10 +285,7 @@ def _failure_message(failure, log_dir: Path | None = None, rank: int | None = No
     cause = cause_from_log(log_dir, rank) if log_dir and signal_only(message) else None
     if cause:
         message = f"{message}: {cause}"
-    if re.search(r"timed out|timeout", message, re.IGNORECASE):
-        message += (" (a collective waited launcher.timeout_s without its peers: another rank "
-                    "hung or died; see the rank logs)")
-    return message
+    return with_timeout_hint(message)
 
 
 def _write_failed_summary(output_dir: str, dims: ParallelDims, rank: int, message: str) -> None:

@@ -101,6 +101,11 @@ def record_end(output_dir: str | Path, summary: dict) -> bool:
     return True
 
 
+def end_recorded(output_dir: str | Path) -> bool:
+    """Whether a process of this attempt already recorded its end through ``record_end``."""
+    return (Path(output_dir) / "logs" / _ENDED_TOKEN).exists()
+
+
 def last_step(output_dir: str | Path) -> int:
     """The last step recorded in metrics.jsonl (0 when none)."""
     return max((r["step"] for r in read_metrics(output_dir)), default=0)

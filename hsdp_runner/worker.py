@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint, metrics, profiling, tracking
+from hsdp_runner import checkpoint, metrics, profiling, rank0_sidecar, tracking
 from hsdp_runner.devices import pick_device, set_cpu_threads
-from hsdp_runner.failures import PEER_LOST_GRACE_S, nccl_failure_env, peer_lost
+from hsdp_runner.failures import (PEER_LOST_GRACE_S, failed_facts, mark_attempt,
+                                  nccl_failure_env, peer_lost)
 from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_name, stop_signals
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.sharding import build_model
@@ -37,10 +38,11 @@ def setup_logging(output_dir: Path, rank: int) -> None:
     """Rank 0 logs to the console and ``logs/rank0.log``; other ranks only to their own file.
 
     Non-zero ranks also point their stdout/stderr file descriptors at their log, so warnings
-    from C++ and third-party code do not clutter the console.
+    from C++ and third-party code do not clutter the console (rank 0's stderr reaches its log
+    through its sidecar, started by ``run_worker``).
     """
     logs = output_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    mark_attempt(logs, rank)
     path = logs / f"rank{rank}.log"
     handlers: list[logging.Handler] = [logging.FileHandler(path)]
     if rank == 0:
@@ -80,6 +82,11 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     stop.install(stop_signals(cfg_dict["launcher"].get("signal")))
     output_dir = Path(run_info["output_dir"])
     setup_logging(output_dir, rank)
+    # Rank 0's stderr goes through a process that outlives it (its C++ last words reach its
+    # log; under torchrun / SLURM it records a rank 0 that died without a word).
+    sidecar = rank0_sidecar.start(output_dir, None if run_info.get("local_launch")
+                                  else dims.describe(), cfg_dict["launcher"]["timeout_s"]) \
+        if rank == 0 else None
     faulthandler.enable(all_threads=True)  # a rank killed in C++ leaves its Python stack in its log
     cfg = OmegaConf.create(cfg_dict)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -98,12 +105,16 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
             time.sleep(PEER_LOST_GRACE_S)
         _record_failure(cfg, dims, output_dir, rank, err)
         dist.destroy_process_group()
+        if sidecar is not None:
+            sidecar.stop()
         raise
     # Without this orderly teardown a gloo worker that used DeviceMesh often aborts at
     # interpreter exit (SIGABRT, exit code 1) although training finished.
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    if sidecar is not None:
+        sidecar.stop()
     if summary is not None and summary["status"] == "interrupted":
         _requeue_if_asked(cfg.launcher, stop, summary)
     return summary
@@ -121,8 +132,9 @@ def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
                  "error": None}
     else:
         log.exception("rank %d failed", rank)
-        facts = {"status": "failed", "failed_rank": rank,
-                 "error": f"{type(err).__name__}: {err}".strip()}
+        facts = failed_facts(output_dir / "logs", rank, err)
+        if facts["failed_rank"] != rank:
+            log.error("rank %d failed first: %s", facts["failed_rank"], facts["error"])
     tracking.record_end(output_dir, {**facts, **dims.describe(), "last_checkpoint": last_ckpt})
 
 

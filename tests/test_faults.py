@@ -84,13 +84,16 @@ def test_sigkilled_rank_ends_the_job_and_leaves_no_orphans(job_dir):
 # (a terminal's foreground process group, a SLURM step), and a signal goes to every process of
 # it (Ctrl-C, scancel), to the workers alone (`kill <pid of a rank>`) or to the launcher alone.
 
-def start_job(job_dir: Path, *overrides: str, marker: str = "") -> subprocess.Popen:
-    """Start ``python -m hsdp_runner`` in a new session; output goes to files in the job's
-    parent dir (a pipe nobody reads could block the job)."""
+def start_job(job_dir: Path, *overrides: str, marker: str = "",
+              prefix: list[str] | None = None) -> subprocess.Popen:
+    """Start ``python -m hsdp_runner`` (``prefix``: e.g. torchrun's command instead of python)
+    in a new session; output goes to files in the job's parent dir (a pipe nobody reads could
+    block the job)."""
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     env = cli_env({"HSDP_TEST_JOB": marker} if marker else None)
-    return subprocess.Popen([sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job_dir}",
-                             *overrides], cwd=REPO, env=env, start_new_session=True,
+    return subprocess.Popen([*(prefix or [sys.executable]), "-m", "hsdp_runner",
+                             f"hydra.run.dir={job_dir}", *overrides], cwd=REPO, env=env,
+                            start_new_session=True,
                             stdout=open(job_dir.parent / "stdout.txt", "w"),
                             stderr=open(job_dir.parent / "stderr.txt", "w"))
 

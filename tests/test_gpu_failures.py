@@ -55,6 +55,116 @@ def test_nccl_settings_dump_the_flight_recorder_into_the_job_logs(tmp_path):
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "logs" / "nccl_trace_rank_")
 
 
+def test_a_cause_left_by_an_earlier_attempt_is_not_read(tmp_path):
+    from hsdp_runner.failures import cause_from_log, mark_attempt
+
+    (tmp_path / "rank1.log").write_text(WATCHDOG_LOG)
+    assert cause_from_log(tmp_path, 1).startswith("Watchdog caught")
+    mark_attempt(tmp_path, 1)  # a rerun in the same dir
+    assert cause_from_log(tmp_path, 1) is None
+
+
+def test_a_rank_failing_after_a_peer_died_in_cpp_names_the_peer(tmp_path):
+    from hsdp_runner.failures import failed_facts, mark_attempt
+
+    for rank in (0, 1):
+        mark_attempt(tmp_path, rank)
+    own = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert failed_facts(tmp_path, 0, own)["failed_rank"] == 0  # no peer died: its own error
+    with open(tmp_path / "rank1.log", "a") as log:
+        log.write(WATCHDOG_LOG)
+    facts = failed_facts(tmp_path, 0, own)
+    assert facts["failed_rank"] == 1
+    assert facts["error"].startswith("rank 1 died in C++: Watchdog caught collective operation "
+                                     "timeout: WorkNCCL(SeqNum=812")
+    assert "launcher.timeout_s" in facts["error"]
+    with open(tmp_path / "rank0.log", "a") as log:  # rank 0's own record quoting rank 1
+        log.write("[rank0] 21:45:03 ERROR hsdp_runner: rank 1 failed first: rank 1 died in C++: "
+                  "Fatal Python error: Aborted\n")
+    assert failed_facts(tmp_path, 2, own)["failed_rank"] == 1
+
+
+def test_a_rank_killed_by_a_signal_comes_before_its_peers_echoes_in_the_same_second():
+    from types import SimpleNamespace as Failure
+
+    from hsdp_runner.failures import first_failure
+
+    # Rank 0 aborted at 10.9 s, noticed at 11.0 s; rank 1's "Connection closed" at 10.95 s.
+    echo, aborted = Failure(exitcode=1, timestamp=10), Failure(exitcode=-6, timestamp=11)
+    assert first_failure({0: aborted, 1: echo}) == (0, aborted)
+    late = Failure(exitcode=-9, timestamp=12)  # killed later: the Python error came first
+    assert first_failure({0: late, 1: echo}) == (1, echo)
+
+
+# Rank 0 as NCCL's watchdog ends it, without torch: its sidecar, then the C-level message and
+# SIGABRT (fault.kind=abort's own code).
+ABORTING_RANK0 = """
+import faulthandler, sys
+from pathlib import Path
+from hsdp_runner import rank0_sidecar
+from hsdp_runner.faults import _abort_like_nccl_watchdog
+sidecar = rank0_sidecar.start(Path(sys.argv[1]), {"world_size": 2, "layout": "ddp"}, 30)
+faulthandler.enable()
+if sys.argv[2] == "abort":
+    _abort_like_nccl_watchdog(0, 3)
+print("a warning from C++", file=sys.stderr, flush=True)
+sidecar.stop()
+print("after stop", file=sys.stderr)
+"""
+
+
+def _rank0(tmp_path, how: str):
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    # The captured stderr is the console: it ends when both rank 0 and its sidecar closed it.
+    return subprocess.run([sys.executable, "-c", ABORTING_RANK0, str(tmp_path), how], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_rank0_killed_in_cpp_without_a_launcher_leaves_its_cause_in_log_console_and_summary(
+        tmp_path):
+    import json
+
+    result = _rank0(tmp_path, "abort")
+    assert result.returncode == -6
+    cause = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3"
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert cause in log and "Fatal Python error: Aborted" in log
+    assert cause in result.stderr and "hsdp_runner: rank 0 failed: rank 0 died in C++" in \
+        result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_rank"] == 0
+    assert summary["world_size"] == 2 and cause in summary["error"]
+    assert "launcher.timeout_s" in summary["error"]
+
+
+def test_rank0_ending_on_its_own_gets_its_stderr_back_and_no_failure_record(tmp_path):
+    result = _rank0(tmp_path, "stop")
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == ["a warning from C++", "after stop"]
+    assert (tmp_path / "logs" / "rank0.log").read_text() == "a warning from C++\n"
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.multiprocess
+def test_rank0_aborted_by_the_nccl_watchdog_is_reported_with_its_cause(job_dir):
+    from conftest import TINY, read_job, run_cli
+
+    result = run_cli(job_dir, *TINY, "parallel=ddp", "fault.rank=0", "fault.step=2",
+                     "fault.kind=abort")
+    assert result.returncode == 1
+    cause = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2"
+    assert "rank 0 failed (exit code -6): Signal 6 (SIGABRT)" in result.stderr, result.stderr
+    _, summary = read_job(job_dir)
+    assert summary["status"] == "failed" and summary["failed_rank"] == 0
+    assert summary["error"].startswith("Signal 6 (SIGABRT) received by PID")
+    assert cause in summary["error"] and "launcher.timeout_s" in summary["error"]
+    assert cause in result.stderr.split("rank 0 failed")[1]  # in the launcher's line too
+
+
 # --- one NCCL options object per mesh group ---------------------------------------------------
 
 def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
