@@ -39,7 +39,7 @@ from pathlib import Path
 
 GIB = 2**30
 CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bump when what a measurement holds changes
 
 
 def request(model: dict, parallel: dict, precision: dict, freeze: list, shape: tuple,
@@ -111,7 +111,6 @@ def _measure_all(requests: list[dict]) -> list[dict]:
 
 def _measure_one(req: dict) -> dict:
     import torch
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -153,9 +152,7 @@ def _measure_one(req: dict) -> dict:
             for micro in range(accum):
                 if hasattr(model, "set_requires_gradient_sync"):
                     model.set_requires_gradient_sync(micro == accum - 1)
-                logits = model(tokens)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-                loss.backward()
+                _loss(model, tokens).backward()
         peak = tracker.get_tracker_snapshot("peak")
     device = next(iter(peak))
     cats = {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
@@ -164,6 +161,16 @@ def _measure_one(req: dict) -> dict:
         if plain in cats:
             cats[sharded] = cats.pop(plain)
     return cats
+
+
+def _loss(model, tokens):
+    """The trainer's loss (``Trainer.loss_on``): cross-entropy of the logits in fp32. The
+    logits die with this call, as in the trainer, so backward holds only what autograd saved
+    (the fp32 log-probabilities), not the logits themselves."""
+    import torch.nn.functional as F
+
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
 
 def extrapolate(measured: dict[int, dict], n_layers: int) -> dict:

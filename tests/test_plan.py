@@ -88,6 +88,33 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
     assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
 
 
+def _one_rank(*cases: tuple[str, int, int]) -> list[dict]:
+    """The tracker's peak categories of llama3_tiny (fp32) on one fake rank with no wrapper,
+    per (ac, blocks, micro-batch) case, measured in one child process."""
+    requests = []
+    for ac, n_layers, micro in cases:
+        cfg = plan.compose(["model=llama3_tiny", "model.seq_len=256", "parallel=single",
+                            f"parallel.ac={ac}"])
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        requests.append(plan_memory.request(plain["model"], plain["parallel"],
+                                            plain["precision"], [], (1, 1, 1), micro, 1, 1, 1,
+                                            n_layers))
+    return plan_memory.measure(requests, use_disk_cache=False)
+
+
+def test_selective_ac_block_keeps_every_other_matmul_output_and_loss_temporaries_are_fp32():
+    """One more block under selective AC adds exactly what the policy saves, per token: the
+    block's input, the 1st/3rd/5th/7th matmul outputs (wq, wv, w1, w2; wk, wo, w3 are
+    recomputed), the attention output and its fp32 log-sum-exp per head. Without AC the peak
+    is the loss backward, before any gradient exists: two fp32 vocab-sized temporaries (the
+    gradient of the log-probabilities, then of the logits)."""
+    one, two, none = _one_rank(("selective", 1, 4), ("selective", 2, 4), ("none", 1, 4))
+    tokens, dim, kv, ffn, heads, vocab = 4 * 256, 64, 2 * 16, 192, 4, 256
+    per_token = 4 * (dim + dim + kv + dim + ffn + dim) + 4 * heads
+    assert two["act"] - one["act"] == tokens * per_token
+    assert none["temp"] == 2 * tokens * vocab * 4 and none["sharded_grad"] == 0
+
+
 def test_memory_extrapolates_linearly_per_block():
     one, two = {"act": 10, "sharded_param": 4}, {"act": 16, "sharded_param": 7}
     assert plan_memory.extrapolate({1: one, 2: two}, 32) == {"act": 10 + 31 * 6,
