@@ -26,6 +26,15 @@ What differs on a GPU: the fake step runs with the flash-attention backend force
 saves only the output and the log-sum-exp per row, as CUDA's flash kernel does, so no
 seq x seq scores are counted; the cluster's ``memory_reserve_gib`` adds the CUDA caching
 allocator's slack above live tensors.
+
+The step's loss is the trainer's (``_loss``): the logits die with the loss call, so backward
+holds the saved fp32 log-probabilities, and its first step adds two fp32 vocab-sized
+temporaries: for long sequences that moment is the peak. Selective AC is measured as the
+runner applies it (``sharding._selective_contexts``: every other matmul output saved).
+
+What a CPU rank holds beyond its tensors, not modelled yet (README "Memory on this machine"):
+library code pages and Python objects the first step touches (~47 MiB per process on the
+2-core machine), and glibc's heap slack (freed tensors' holes stay resident).
 """
 
 from __future__ import annotations
