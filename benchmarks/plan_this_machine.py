@@ -8,7 +8,9 @@
    finished one.
 3. ``compare --plan plan.json``: prints Spearman's rank correlation of predicted vs measured
    steady-state step time, whether the measured best is in the predicted top 2, and the median
-   absolute error, against the targets (>= 0.8, yes, <= 25%).
+   absolute error, against the targets (>= 0.8, yes, <= 25%); and per job the predicted memory
+   per rank against the measured peak minus the baseline before the model was built (target:
+   every job within 15%).
 4. ``--calibrate`` on the sweep, a new plan with the fitted file, and the same figures again:
    those are *fitted* to this sweep, not an independent check.
 Timings on a shared, loaded machine are noisy; rerun on a quiet one for figures to quote.
@@ -45,17 +47,24 @@ def figures(sweep: Path, plan_json: Path, title: str) -> None:
     pairs = [(j.label, found[j.path], j.summary["median_step_time_s"]) for j in jobs
              if j.path in found and j.status == "completed"]
     fig = prediction.evaluate(pairs)
+    summaries = {j.label: j.summary for j in jobs}
+    mem = prediction.memory_figures([(label, entry["mem_gib"],
+                                      prediction.measured_memory_gib(summaries[label]))
+                                     for label, entry, _ in pairs])
     print(f"\n## {title}\n\n| layout | predicted s | measured s | error | predicted mem GiB | "
-          "measured peak RSS GiB |\n|---|---|---|---|---|---|")
-    for (label, entry, measured), error in sorted(zip(pairs, fig["errors"]),
-                                                  key=lambda p: p[0][2]):
-        job = next(j for j in jobs if j.label == label)
+          "measured mem GiB (peak - baseline) | mem error |\n|---|---|---|---|---|---|---|")
+    rows = zip(pairs, fig["errors"], mem["errors"])
+    for (label, entry, measured), error, mem_error in sorted(rows, key=lambda r: r[0][2]):
+        measured_mem = prediction.measured_memory_gib(summaries[label])
         print(f"| {label} | {entry['step_time_s']:.3g} | {measured:.3g} | {error:+.0%} | "
-              f"{entry['mem_gib']:.2f} | {job.summary.get('mem_peak_gib', float('nan')):.2f} |")
+              f"{entry['mem_gib']:.3f} | "
+              f"{'n/a' if measured_mem is None else f'{measured_mem:.3f}'} | "
+              f"{'n/a' if mem_error is None else f'{mem_error:+.0%}'} |")
     rho, med = fig["spearman"], fig["median_abs_error"]
     print(f"\nSpearman {rho if rho is None else round(rho, 3)} (target >= 0.8); measured best in "
           f"predicted top 2: {fig['best_in_predicted_top2']} (target yes); median |error| "
           f"{med if med is None else f'{med:.0%}'} (target <= 25%); {fig['jobs']} jobs")
+    print(prediction.memory_summary(mem))
 
 
 def main() -> None:

@@ -161,6 +161,19 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
 
 
+def current_memory_gib(device: torch.device) -> float:
+    """Memory this process holds now, in GiB: allocated CUDA memory, or on CPU the resident
+    set (``/proc/self/statm``; the peak RSS so far where there is no /proc). Read before the
+    model is built, it is the baseline that ``peak_memory_gib`` is compared against."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return peak_memory_gib(device)
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def peak_reserved_gib(device: torch.device) -> float | None:
     """Peak memory the CUDA caching allocator reserved, in GiB; None on CPU."""
     if device.type == "cuda":

@@ -26,6 +26,15 @@ What differs on a GPU: the fake step runs with the flash-attention backend force
 saves only the output and the log-sum-exp per row, as CUDA's flash kernel does, so no
 seq x seq scores are counted; the cluster's ``memory_reserve_gib`` adds the CUDA caching
 allocator's slack above live tensors.
+
+The step's loss is the trainer's (``_loss``): the logits die with the loss call, so backward
+holds the saved fp32 log-probabilities, and its first step adds two fp32 vocab-sized
+temporaries: for long sequences that moment is the peak. Selective AC is measured as the
+runner applies it (``sharding._selective_contexts``: every other matmul output saved).
+
+What a CPU rank holds beyond its tensors, not modelled yet (README "Memory on this machine"):
+library code pages and Python objects the first step touches (~47 MiB per process on the
+2-core machine), and glibc's heap slack (freed tensors' holes stay resident).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from pathlib import Path
 
 GIB = 2**30
 CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bump when what a measurement holds changes
 
 
 def request(model: dict, parallel: dict, precision: dict, freeze: list, shape: tuple,
@@ -111,7 +120,6 @@ def _measure_all(requests: list[dict]) -> list[dict]:
 
 def _measure_one(req: dict) -> dict:
     import torch
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -153,9 +161,7 @@ def _measure_one(req: dict) -> dict:
             for micro in range(accum):
                 if hasattr(model, "set_requires_gradient_sync"):
                     model.set_requires_gradient_sync(micro == accum - 1)
-                logits = model(tokens)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-                loss.backward()
+                _loss(model, tokens).backward()
         peak = tracker.get_tracker_snapshot("peak")
     device = next(iter(peak))
     cats = {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
@@ -164,6 +170,16 @@ def _measure_one(req: dict) -> dict:
         if plain in cats:
             cats[sharded] = cats.pop(plain)
     return cats
+
+
+def _loss(model, tokens):
+    """The trainer's loss (``Trainer.loss_on``): cross-entropy of the logits in fp32. The
+    logits die with this call, as in the trainer, so backward holds only what autograd saved
+    (the fp32 log-probabilities), not the logits themselves."""
+    import torch.nn.functional as F
+
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
 
 def extrapolate(measured: dict[int, dict], n_layers: int) -> dict:

@@ -2,8 +2,10 @@
 
 - **Compute** = FLOPs per step and rank / (peak x ``cluster.compute_efficiency``). FLOPs are the
   runner's own count (``models.llama.flops_per_token`` x tokens / world size: TP splits the
-  matmuls, data parallelism the batch), plus the forward of every block once more with full
-  activation checkpointing (recomputed in backward). Forward is 1/3 of it, backward 2/3.
+  matmuls, data parallelism the batch), plus what activation checkpointing recomputes in
+  backward: with ``full`` the forward of every block once more, with ``selective`` the
+  forward of the matmuls its policy does not save (``sharding._selective_contexts``: every
+  other one, in our block wk, wo and w3). Forward is 1/3 of it, backward 2/3.
 - **Communication** = ``comm_model.analytic_comm`` (calls and bytes per collective kind and mesh
   dim, proven equal to what a job measures), each over the link its dim spans
   (``Cluster.collective_time``: intra-node unless the dim's groups span nodes in mesh.py's
@@ -35,6 +37,11 @@ def step_flops(model_cfg, trainer, ac: str, world_size: int) -> tuple[float, flo
         blocks = count_params(model_cfg)["matmul"] - model_cfg.vocab_size * model_cfg.dim
         forward = 2.0 * blocks + 4.0 * model_cfg.n_layers * model_cfg.dim * model_cfg.seq_len
         hardware += forward * tokens / world_size
+    elif ac == "selective":
+        # The block's 2nd, 4th and 6th matmuls (wk, wo, w3) are recomputed: 2 FLOPs per weight.
+        kv_dim = (model_cfg.n_kv_heads or model_cfg.n_heads) * (model_cfg.dim // model_cfg.n_heads)
+        recomputed = model_cfg.dim * (kv_dim + model_cfg.dim + model_cfg.ffn_hidden_dim)
+        hardware += 2.0 * model_cfg.n_layers * recomputed * tokens / world_size
     return model, hardware
 
 

@@ -6,7 +6,9 @@ resolved config value at that dotted key (a degree the job left at -1 is read fr
 shape in its summary.json). ``compare`` calls ``comparison_section`` for the
 predicted-vs-measured table: per job the predicted and measured steady-state step time, the
 error, both ranks, and for the sweep Spearman's rank correlation, whether the measured best is
-in the predicted top 2, and the median absolute error.
+in the predicted top 2, and the median absolute error; and per job the predicted memory per
+rank next to the measured one (the largest rank's peak minus its baseline before the model was
+built, ``measured_memory_gib``), with the error against the 15% target.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import yaml
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
+MEMORY_TARGET = 0.15  # the planner's memory target: |predicted / measured - 1| <= 15%
 
 
 def _select(config: dict, dotted: str):
@@ -116,6 +119,40 @@ def evaluate(pairs: list[tuple[str, dict, float]]) -> dict:
             "best_in_predicted_top2": best in top2 if pairs else None, "errors": errors}
 
 
+def measured_memory_gib(summary: dict) -> float | None:
+    """The memory a job's training added, in GiB: the largest over ranks of the peak
+    (``mem_peak_gib_per_rank``) minus that rank's baseline before the model was built
+    (``mem_baseline_gib_per_rank``); None for a job that recorded no baseline."""
+    peaks = summary.get("mem_peak_gib_per_rank")
+    bases = summary.get("mem_baseline_gib_per_rank")
+    if not peaks or not bases or len(peaks) != len(bases):
+        return None
+    return max(p - b for p, b in zip(peaks, bases))
+
+
+def memory_figures(pairs: list[tuple[str, float, float | None]]) -> dict:
+    """Figures of (label, predicted GiB, measured GiB or None) pairs: per-job errors (None
+    where nothing was measured), the median and largest absolute error and how many jobs lie
+    within ``MEMORY_TARGET``."""
+    errors = [None if not m else p / m - 1 for _, p, m in pairs]
+    known = [abs(e) for e in errors if e is not None]
+    return {"errors": errors, "jobs": len(known),
+            "median_abs_error": statistics.median(known) if known else None,
+            "max_abs_error": max(known) if known else None,
+            "within_target": sum(e <= MEMORY_TARGET for e in known)}
+
+
+def memory_summary(figures: dict) -> str:
+    """One sentence on the memory figures against the target."""
+    if not figures["jobs"]:
+        return ("Memory: no job recorded its baseline before the model was built "
+                "(mem_baseline_gib_per_rank); rerun the jobs to compare memory.")
+    return (f"Memory per rank (predicted vs measured peak minus baseline): median |error| "
+            f"{figures['median_abs_error']:.0%}, largest {figures['max_abs_error']:.0%}; "
+            f"{figures['within_target']} of {figures['jobs']} jobs within "
+            f"{MEMORY_TARGET:.0%} (target: all).")
+
+
 def comparison_section(jobs, plan_file: Path | None = None) -> str:
     """Markdown for compare.md: predicted vs measured per job and the sweep's figures.
 
@@ -129,19 +166,28 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     if not found:
         return ""
     figures = evaluate(pairs)
+    summaries = {j.label: j.summary for j in jobs}
+    mem_pairs = [(label, entry["mem_gib"], measured_memory_gib(summaries[label]))
+                 for label, entry, _ in pairs]
+    memory = memory_figures(mem_pairs)
     measured_rank = {label: i + 1 for i, (label, _, _) in
                      enumerate(sorted(pairs, key=lambda p: p[2]))}
     rows = ["| job | predicted rank | measured rank | predicted step s | measured step s "
-            "| error | predicted mem GiB | dominant (predicted) |",
-            "|---|---|---|---|---|---|---|---|"]
-    for (label, entry, measured), error in zip(pairs, figures["errors"]):
+            "| error | predicted mem GiB | measured mem GiB (peak - baseline) | mem error "
+            "| dominant (predicted) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for (label, entry, measured), error, (_, _, mem), mem_error in zip(
+            pairs, figures["errors"], mem_pairs, memory["errors"]):
         rows.append(f"| {label} | {entry['rank']} | {measured_rank[label]} | "
                     f"{entry['step_time_s']:.4g} | {measured:.4g} | {error:+.0%} | "
-                    f"{entry['mem_gib']:.2f} | {entry['dominant']} |")
+                    f"{entry['mem_gib']:.3g} | {'n/a' if mem is None else f'{mem:.3g}'} | "
+                    f"{'n/a' if mem_error is None else f'{mem_error:+.0%}'} | "
+                    f"{entry['dominant']} |")
     rho, med = figures["spearman"], figures["median_abs_error"]
     summary = (f"Spearman's rank correlation (predicted vs measured step time): "
                f"{'n/a' if rho is None else f'{rho:.2f}'}; measured best in the predicted top 2: "
                f"{figures['best_in_predicted_top2']}; median absolute step-time error: "
                f"{'n/a' if med is None else f'{med:.0%}'} ({figures['jobs']} completed jobs with "
                "a prediction).")
-    return "## Predicted vs measured\n\n" + "\n".join(rows) + "\n\n" + summary + "\n"
+    return ("## Predicted vs measured\n\n" + "\n".join(rows) + "\n\n" + summary + "\n\n"
+            + memory_summary(memory) + "\n")

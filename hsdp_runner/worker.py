@@ -167,6 +167,9 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
+    # What the process holds before the model exists (interpreter, torch, process groups):
+    # the planner predicts the peak minus this.
+    mem_baseline = metrics.current_memory_gib(device)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
                         cfg.trainer.seed, cfg.trainer.freeze)
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
@@ -211,7 +214,7 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     eval_loss = None
     if cfg.trainer.eval_batches and not stopped:
         eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
-    memory = _memory_facts(device, mem_estimate)  # a collective: every rank calls it
+    memory = _memory_facts(device, mem_estimate, mem_baseline)  # a collective: every rank calls it
     if rank != 0:
         return None
     metrics_file, wandb_run = sinks
@@ -257,12 +260,14 @@ def _save_on_stop(cfg, ckpt, step: int) -> None:
                 step, ckpt.facts["last_checkpoint"])
 
 
-def _memory_facts(device: torch.device, estimate: dict) -> dict:
-    """Every rank's peak memory (allocated; reserved on CUDA) and the state estimate."""
-    mine = (metrics.peak_memory_gib(device), metrics.peak_reserved_gib(device))
+def _memory_facts(device: torch.device, estimate: dict, baseline: float) -> dict:
+    """Every rank's peak memory (allocated; reserved on CUDA), its memory before the model
+    was built (``baseline``, GiB) and the state estimate."""
+    mine = (metrics.peak_memory_gib(device), metrics.peak_reserved_gib(device), baseline)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    facts = {"mem_peak_gib_per_rank": [m[0] for m in every], "mem_estimate_gib": estimate}
+    facts = {"mem_peak_gib_per_rank": [m[0] for m in every],
+             "mem_baseline_gib_per_rank": [m[2] for m in every], "mem_estimate_gib": estimate}
     if device.type == "cuda":
         facts["mem_reserved_gib_per_rank"] = [m[1] for m in every]
     return facts

@@ -88,6 +88,33 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
     assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
 
 
+def _one_rank(*cases: tuple[str, int, int]) -> list[dict]:
+    """The tracker's peak categories of llama3_tiny (fp32) on one fake rank with no wrapper,
+    per (ac, blocks, micro-batch) case, measured in one child process."""
+    requests = []
+    for ac, n_layers, micro in cases:
+        cfg = plan.compose(["model=llama3_tiny", "model.seq_len=256", "parallel=single",
+                            f"parallel.ac={ac}"])
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        requests.append(plan_memory.request(plain["model"], plain["parallel"],
+                                            plain["precision"], [], (1, 1, 1), micro, 1, 1, 1,
+                                            n_layers))
+    return plan_memory.measure(requests, use_disk_cache=False)
+
+
+def test_selective_ac_block_keeps_every_other_matmul_output_and_loss_temporaries_are_fp32():
+    """One more block under selective AC adds exactly what the policy saves, per token: the
+    block's input, the 1st/3rd/5th/7th matmul outputs (wq, wv, w1, w2; wk, wo, w3 are
+    recomputed), the attention output and its fp32 log-sum-exp per head. Without AC the peak
+    is the loss backward, before any gradient exists: two fp32 vocab-sized temporaries (the
+    gradient of the log-probabilities, then of the logits)."""
+    one, two, none = _one_rank(("selective", 1, 4), ("selective", 2, 4), ("none", 1, 4))
+    tokens, dim, kv, ffn, heads, vocab = 4 * 256, 64, 2 * 16, 192, 4, 256
+    per_token = 4 * (dim + dim + kv + dim + ffn + dim) + 4 * heads
+    assert two["act"] - one["act"] == tokens * per_token
+    assert none["temp"] == 2 * tokens * vocab * 4 and none["sharded_grad"] == 0
+
+
 def test_memory_extrapolates_linearly_per_block():
     one, two = {"act": 10, "sharded_param": 4}, {"act": 16, "sharded_param": 7}
     assert plan_memory.extrapolate({1: one, 2: two}, 32) == {"act": 10 + 31 * 6,
@@ -148,7 +175,8 @@ def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
                 assert OmegaConf.select(cfg, key) == value
 
 
-def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str) -> Path:
+def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str,
+         mem: tuple[list, list] | None = None) -> Path:
     job = sweep / f"{num}_job"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"planned_layouts=r{num}"]))
@@ -160,6 +188,8 @@ def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str) -> 
     summary = {"status": "completed", "median_step_time_s": step_s, "median_tps_global": 1 / step_s,
                "min_tps_global": 0.9 / step_s, "max_tps_global": 1.1 / step_s,
                "mem_peak_gib": 1.0}
+    if mem is not None:  # (peaks, baselines) per rank
+        summary["mem_peak_gib_per_rank"], summary["mem_baseline_gib_per_rank"] = mem
     (job / "summary.json").write_text(json.dumps(summary))
     return job
 
@@ -170,14 +200,20 @@ def test_compare_pairs_jobs_with_their_layouts_and_scores_the_ranking(planned, t
 
     source = str((out / "plan.json").resolve())
     top = [e for e in data["layouts"] if e["valid"] and e["fits"]][:3]
-    jobs = [_job(tmp_path, i, e["overrides"], e["step_time_s"] * (1.1 + 0.1 * i), source)
-            for i, e in enumerate(top)]
+    # Job 0's busiest rank added predicted / 1.25 over its baseline, job 1's predicted / 1.1;
+    # job 2 recorded no baseline.
+    mems = [([0.5 + top[0]["mem_gib"] / 1.25, 0.6], [0.5, 0.5]),
+            ([0.3, 0.2 + top[1]["mem_gib"] / 1.1], [0.3, 0.2]), None]
+    jobs = [_job(tmp_path, i, e["overrides"], e["step_time_s"] * (1.1 + 0.1 * i), source,
+                 mems[i]) for i, e in enumerate(top)]
     found = prediction.predictions_for(jobs)
     assert [found[j]["rank"] for j in jobs] == [e["rank"] for e in top]
     assert compare.main([str(tmp_path)]) == 0
     text = (tmp_path / "compare.md").read_text()
     assert "## Predicted vs measured" in text and "Spearman's rank correlation" in text
     assert "1.00" in text and "-9%" in text and "measured best in the predicted top 2: True" in text
+    assert "+25%" in text and "+10%" in text and "| n/a | n/a |" in text
+    assert "median |error| 18%, largest 25%; 1 of 2 jobs within 15%" in text
 
 
 def test_spearman_handles_ties_and_degenerate_input():
