@@ -43,7 +43,7 @@ from omegaconf import OmegaConf
 from hsdp_runner import hf
 from hsdp_runner.config import DTYPES, ConfigError
 from hsdp_runner.faults import inject_fault
-from hsdp_runner.models.llama import meta_model
+from hsdp_runner.models.base import build_meta_model
 from hsdp_runner.rank0_io import run_on_rank0
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def resolve(path: Path, key: str) -> Path:
 
 def expected_shapes(model_cfg) -> dict[str, tuple]:
     """Parameter name -> shape of the model ``model_cfg`` describes (its shared meta model)."""
-    return {k: tuple(v.shape) for k, v in meta_model(model_cfg).state_dict().items()}
+    return {k: tuple(v.shape) for k, v in build_meta_model(model_cfg).state_dict().items()}
 
 
 def inspect(path: Path, model_cfg) -> dict:
@@ -156,8 +156,8 @@ def _check_shapes(path: Path, metadata, manifest: dict, model_cfg) -> None:
            if saved.get(k) != shape] + [f"{k} is not in this model" for k in saved if k not in wanted]
     if bad:
         theirs = manifest.get("model", {})
-        keys = [f"model.{k}={theirs.get(k)} there, {getattr(model_cfg, k)} here"
-                for k in hf.SHAPE_KEYS if k in theirs and theirs[k] != getattr(model_cfg, k)]
+        keys = [f"model.{k}={theirs.get(k)} there, {getattr(model_cfg, k, None)} here"
+                for k in theirs if k != "name" and theirs[k] != getattr(model_cfg, k, None)]
         raise CheckpointError(f"checkpoint {path} holds another model shape: {'; '.join(bad[:3])}"
                               f" ({'; '.join(keys) or 'see its ' + MANIFEST}); load it with the "
                               "model config it was saved with")
@@ -182,7 +182,7 @@ def plan_start(cfg, output_dir: Path) -> Start:
             what = "is an hsdp_runner checkpoint (use checkpoint.load_path)" if folder.is_dir() \
                 else "does not exist or is not a folder"
             raise CheckpointError(f"checkpoint.init_from_hf={folder} {what}; point it at a Hugging "
-                                  "Face Llama safetensors folder")
+                                  "Face safetensors folder")
         hf.check_folder(folder, cfg.model, expected_shapes(cfg.model))
         return Start("hf", str(folder))
     return Start("fresh")
@@ -448,7 +448,7 @@ class Checkpointer:
             dtype = getattr(torch, c.export_dtype)
             hf.write_folder(hf.to_hf(full, self.cfg.model, dtype), hf.hf_config(self.cfg.model, dtype),
                             self.export_folder, int(c.export_max_shard_gib * 2**30))
-            log.info("exported Hugging Face Llama weights (%s) to %s", c.export_dtype, self.export_folder)
+            log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)
 
         run_on_rank0(f"exporting to {self.export_folder}", write, self._wait_s)
         self.facts["export"] = str(self.export_folder)

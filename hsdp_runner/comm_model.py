@@ -13,13 +13,14 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   each parameter's dim 0 to a multiple of the shard degree; the model pads the same way.
 - HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
   ``dp_replicate``; DDP (``dp_shard`` = 1) is that all-reduce of the whole gradients.
-- TP (Megatron plan in ``models/llama.py``) moves activations of the rank's tokens
-  ``n = global_batch / dp x seq_len`` in the compute dtype. With sequence parallel, per block
+- TP (the model's Megatron plan, e.g. ``models/llama.py``) moves activations of the rank's
+  tokens ``n = global_batch / dp x seq_len`` in the compute dtype. With sequence parallel, per block
   an all-gather before attention and before the FFN and a reduce-scatter after each (and
   their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
   (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
-  weights' gradients. Without sequence parallel those become all-reduces of the same tensors.
+  parameters' gradients (``ModelSpec.tp_partial_grad_numels``). Without sequence parallel
+  those become all-reduces of the same tensors.
   With ``parallel.ac=full`` backward recomputes each block's forward, its TP collectives
   included, up to the last op whose output backward needs (torch's checkpoint stops early):
   per block the 2 all-gathers and the attention output's reduce-scatter with sequence
@@ -46,7 +47,7 @@ import torch
 
 from hsdp_runner.comm import GROUP_NAMES
 from hsdp_runner.mesh import ParallelDims
-from hsdp_runner.models.llama import TP_SPLIT_DIM, meta_model
+from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec
 from hsdp_runner.params import frozen_names
 from hsdp_runner.step_stats import STATS_BYTES
 
@@ -55,22 +56,26 @@ def _dtype_bytes(name: str) -> int:
     return getattr(torch, name).itemsize
 
 
-def unit_sizes(model_cfg, dims: ParallelDims, freeze=()) -> dict[str, tuple[int, int]]:
-    """Elements per FSDP unit ('layers.<i>' or 'root'): (all parameters, trainable ones).
+def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
+               ) -> dict[str, tuple[int, int]]:
+    """Elements per FSDP unit ('<blocks>.<i>', e.g. 'layers.0', or 'root'): (all parameters,
+    trainable ones).
 
-    Sizes are one TP rank's part of each parameter (``TP_SPLIT_DIM``), dim 0 padded to a
-    multiple of ``dp_shard`` as FSDP pads it.
+    Sizes are one TP rank's part of each parameter (``ModelSpec.tp_split_dim``), dim 0 padded
+    to a multiple of ``dp_shard`` as FSDP pads it.
     """
-    params = dict(meta_model(model_cfg).named_parameters())
+    spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
+    params = dict(model.named_parameters())
+    blocks = block_prefix(model) + "."
     frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for name, param in params.items():
         shape = list(param.shape)
-        split = TP_SPLIT_DIM.get(name.split(".")[-2]) if dims.tp > 1 else None
+        split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
         if split is not None:
             shape[split] //= dims.tp
         shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
-        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
         units[unit][0] += math.prod(shape)
         units[unit][1] += 0 if name in frozen else math.prod(shape)
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
@@ -95,8 +100,8 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
     """
     tally = _Tally()
     accum = trainer.grad_accum_steps
-    _data_parallel(tally, unit_sizes(model_cfg, dims, trainer.freeze), dims,
-                   parallel.reshard_after_forward, precision, accum)
+    units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
+    _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum)
     if dims.tp > 1:
         tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
         _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
@@ -146,8 +151,8 @@ def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: b
         tally.add("reduce_scatter/tp", 2 * per_pass * accum, 2 * per_pass * act)
         # Once a step: the partial gradients accumulate over micro-batches and are reduced
         # when first used (by FSDP's reduce-scatter, or by clip_grad_norm_ without FSDP).
-        norms = 2 * layers + 1
-        tally.add("all_reduce/tp", norms, norms * dim * compute)
+        norms = model_spec(model_cfg).tp_partial_grad_numels()
+        tally.add("all_reduce/tp", len(norms), sum(norms) * compute)
     else:
         calls = 4 * layers + 2  # per block 2 in forward, 2 in backward; embedding; output
         tally.add("all_reduce/tp", calls * accum, calls * act)

@@ -14,6 +14,12 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+# The model group's base schema: the fields every family shares. Each family extends it with a
+# dataclass of its own (models/base.py), stored by register_schemas as model/<family>_schema;
+# a conf/model/*.yaml names its family's schema first in its defaults list, so the node is typed
+# by the family's dataclass (Hydra's pattern for a group of schemas that extend one base).
+from hsdp_runner.models.base import ModelConfig, family_schema, family_schemas, model_spec
+
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the key, the value and a fix."""
@@ -30,21 +36,6 @@ class ParallelConfig:
     compile: bool = False
     ddp_impl: str = "replicate"
     allow_tp_across_nodes: bool = False
-
-
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    dim: int = MISSING
-    n_layers: int = MISSING
-    n_heads: int = MISSING
-    n_kv_heads: Optional[int] = None
-    vocab_size: int = MISSING
-    ffn_hidden_dim: int = MISSING
-    seq_len: int = MISSING
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    init_std: float = 0.02
 
 
 @dataclass
@@ -239,8 +230,12 @@ FAULT_PHASES = ("step", "save")
 
 
 def register_schemas() -> None:
-    """Store ``RunConfig`` as ``run_schema`` so ``conf/config.yaml`` can extend it."""
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    """Store ``RunConfig`` as ``run_schema`` so ``conf/config.yaml`` can extend it, and each
+    model family's schema as ``model/<family>_schema`` for its ``conf/model/*.yaml``."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for name, schema in family_schemas().items():
+        store.store(group="model", name=name, node=schema)
 
 
 def _require_choice(key: str, value: Any, choices: tuple) -> None:
@@ -278,7 +273,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _require_choice("fault.phase", c.fault.phase, FAULT_PHASES)
     for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
                 "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
-                "model.vocab_size", "model.seq_len", "model.ffn_hidden_dim",
+                "model.vocab_size", "model.seq_len",
                 "launcher.nnodes", "launcher.timeout_s"):
         _require_positive(key, OmegaConf.select(c, key))
     if c.launcher.requeue and not c.checkpoint.enable:
@@ -308,12 +303,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
     if c.model.dim % c.model.n_heads:
         raise ConfigError(f"model.dim={c.model.dim} is not divisible by model.n_heads="
                           f"{c.model.n_heads}; pick a head count that divides the width")
-    n_kv = c.model.n_kv_heads or c.model.n_heads
-    if c.model.n_heads % n_kv:
-        raise ConfigError(f"model.n_kv_heads={n_kv} does not divide model.n_heads={c.model.n_heads}")
-    if (c.model.dim // c.model.n_heads) % 2:
-        raise ConfigError(f"model.dim/model.n_heads={c.model.dim // c.model.n_heads} must be even "
-                          "for rotary embeddings")
+    model_spec(c.model).validate()  # the family's own checks
     if c.data.kind == "text" and c.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "
                           "tokenizer of data.kind=text; it needs at least 256")
@@ -394,7 +384,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
     The message names the nearest valid key. ``hydra.*`` is not part of the job's config."""
     import difflib
 
-    known = _dataclass_keys(RunConfig)
+    known = _dataclass_keys(RunConfig) | _dataclass_keys(family_schema(cfg.model), "model.")
     for key in _schema_keys(cfg):
         if key in known:
             continue

@@ -1,11 +1,8 @@
-"""The Hugging Face Llama format: parameter names, RoPE row order, config.json, safetensors folders.
+"""Hugging Face folders: config.json and safetensors files, read, checked and written.
 
-Our model and ``transformers``' LlamaForCausalLM compute the same function, but
-- names differ (``layers.0.attention.wq.weight`` vs ``model.layers.0.self_attn.q_proj.weight``);
-- our RoPE (``models/llama.apply_rope``) rotates interleaved channel pairs (2i, 2i+1), Meta's
-  original layout, while HF rotates the two halves of a head (i, i + head_dim/2). So the rows of
-  ``wq`` and ``wk`` are permuted within each head on export and back on import, exactly as
-  HF's own ``convert_llama_weights_to_hf.py`` does for Meta checkpoints.
+The names, tensor layout and ``config.json`` of a family's Hugging Face model are the
+family's own (its ``ModelSpec``: ``to_hf``, ``from_hf``, ``hf_config``, see
+``models/base.py``); this module does the file work for any family that has them.
 
 A folder is ``config.json`` plus ``model.safetensors``, or above the size limit
 ``model-0000i-of-0000N.safetensors`` files and ``model.safetensors.index.json``. We write the
@@ -18,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -26,118 +22,44 @@ from pathlib import Path
 import torch
 
 from hsdp_runner.config import ConfigError
+from hsdp_runner.models.base import model_spec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-
-# (ours, Hugging Face); "{i}" is the block index.
-NAMES = (
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-)
-# Model config keys that fix the tensor shapes, and those that only change the arithmetic.
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
-NUMERIC_KEYS = ("norm_eps", "rope_theta")
 
 
 class HFFormatError(ConfigError):
     """A Hugging Face folder that cannot be read or written; the message names the path."""
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
-
-
-_TO_HF = [(_pattern(ours), hf) for ours, hf in NAMES]
-_FROM_HF = [(_pattern(hf), ours) for ours, hf in NAMES]
-
-
-def _rename(name: str, rules) -> str | None:
-    for pattern, template in rules:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group(1)) if match.groups() else template
-    return None
-
-
-def _rope_rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs (ours) to halves (HF)."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _rope_rows_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of ``_rope_rows_to_hf``."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _rope_heads(name: str, model_cfg) -> int | None:
-    if name.endswith("attention.wq.weight"):
-        return model_cfg.n_heads
-    if name.endswith("attention.wk.weight"):
-        return model_cfg.n_kv_heads or model_cfg.n_heads
-    return None
+def _hf_spec(model_cfg):
+    spec = model_spec(model_cfg)
+    if not hasattr(spec, "to_hf"):
+        raise HFFormatError(f"model {spec.name} ({type(spec).__name__}) has no Hugging Face "
+                            "mapping; Hugging Face export and import need one (models/base.py)")
+    return spec
 
 
 def to_hf(state: dict[str, torch.Tensor], model_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Map our full (unsharded) state dict to HF names, RoPE row order and ``dtype``."""
-    out = {}
-    for name, tensor in state.items():
-        hf_name = _rename(name, _TO_HF)
-        if hf_name is None:
-            raise HFFormatError(f"parameter {name!r} has no Hugging Face Llama name")
-        heads = _rope_heads(name, model_cfg)
-        tensor = _rope_rows_to_hf(tensor, heads) if heads else tensor
-        out[hf_name] = tensor.detach().to("cpu", dtype).contiguous()
-    return out
+    """Map our full (unsharded) state dict to the family's HF names, layout and ``dtype``."""
+    spec = _hf_spec(model_cfg)
+    unnamed = [name for name in state if spec.hf_names().to_hf(name) is None]
+    if unnamed:
+        raise HFFormatError(f"parameter {unnamed[0]!r} has no Hugging Face "
+                            f"{spec.hf_model_type} name")
+    return {name: tensor.detach().to("cpu", dtype).contiguous()
+            for name, tensor in spec.to_hf(state).items()}
 
 
 def from_hf(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """Map an HF Llama state dict (HF names) back to our names and RoPE row order."""
-    out = {}
-    for hf_name, tensor in state.items():
-        name = _rename(hf_name, _FROM_HF)
-        heads = _rope_heads(name, model_cfg)
-        out[name] = _rope_rows_from_hf(tensor, heads) if heads else tensor
-    return out
+    """Map an HF state dict (HF names) back to our names and layout."""
+    return _hf_spec(model_cfg).from_hf(state)
 
 
 def hf_config(model_cfg, dtype: torch.dtype) -> dict:
-    """The ``config.json`` of a LlamaForCausalLM with our model's shape."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": model_cfg.dim, "intermediate_size": model_cfg.ffn_hidden_dim,
-        "num_hidden_layers": model_cfg.n_layers, "num_attention_heads": model_cfg.n_heads,
-        "num_key_value_heads": model_cfg.n_kv_heads or model_cfg.n_heads,
-        "head_dim": model_cfg.dim // model_cfg.n_heads, "vocab_size": model_cfg.vocab_size,
-        "max_position_embeddings": model_cfg.seq_len, "rms_norm_eps": model_cfg.norm_eps,
-        "rope_theta": model_cfg.rope_theta, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": False,
-        "initializer_range": model_cfg.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def model_keys_from_hf_config(config: dict) -> dict:
-    """Our ``model.*`` values that an HF Llama ``config.json`` implies (shape and numerics)."""
-    rope = config.get("rope_parameters") or {}
-    return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-            "n_heads": config["num_attention_heads"],
-            "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
-            "vocab_size": config["vocab_size"], "ffn_hidden_dim": config["intermediate_size"],
-            "norm_eps": config.get("rms_norm_eps", 1e-6),
-            "rope_theta": config.get("rope_theta", rope.get("rope_theta", 10000.0))}
+    """The family's ``config.json`` for our model's shape, weights in ``dtype``."""
+    return _hf_spec(model_cfg).hf_config(dtype)
 
 
 def require_empty_destination(out_dir: Path, what: str) -> None:
@@ -194,22 +116,23 @@ def write_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path,
     return [out_dir / name for name in names]
 
 
-def read_config(folder: Path) -> dict:
-    """Return the folder's config.json; HFFormatError if it is missing or not Llama."""
+def read_config(folder: Path, model_cfg) -> dict:
+    """Return the folder's config.json; HFFormatError if it is missing or of another family
+    (or asks for what the model cannot compute)."""
+    spec = _hf_spec(model_cfg)
     path = folder / CONFIG_FILE
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise HFFormatError(f"{path} cannot be read ({err}); a Hugging Face Llama folder needs "
+        raise HFFormatError(f"{path} cannot be read ({err}); a Hugging Face folder needs "
                             "config.json beside its safetensors files") from None
-    if config.get("model_type") != "llama":
-        raise HFFormatError(f"{path} has model_type={config.get('model_type')!r}; only Llama "
-                            "folders (model_type 'llama') can be loaded")
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
-        raise HFFormatError(f"{path} asks for rope_type={kind!r}; hsdp_runner's model applies "
-                            "plain RoPE only, so these weights would compute something else")
+    if config.get("model_type") != spec.hf_model_type:
+        raise HFFormatError(f"{path} has model_type={config.get('model_type')!r}; model "
+                            f"{spec.name} loads only model_type {spec.hf_model_type!r} folders")
+    try:
+        spec.check_hf_config(config, path)
+    except ConfigError as err:
+        raise HFFormatError(str(err)) from None
     return config
 
 
@@ -235,7 +158,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 
 def check_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> dict[str, Path]:
-    """Check an HF Llama folder against the model without reading the weights.
+    """Check an HF folder against the model without reading the weights.
 
     ``expected_shapes`` maps our parameter names to shapes. Checks config.json (shape and
     numerics against ``model_cfg``), tensor names and shapes (from the safetensors headers).
@@ -243,35 +166,39 @@ def check_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> 
     """
     from safetensors import safe_open
 
-    implied = model_keys_from_hf_config(read_config(folder))
-    ours = {key: getattr(model_cfg, key) for key in SHAPE_KEYS + NUMERIC_KEYS}
-    ours["n_kv_heads"] = ours["n_kv_heads"] or ours["n_heads"]
+    spec = _hf_spec(model_cfg)
+    implied = spec.model_keys_from_hf_config(read_config(folder, spec))
+    # Our values as our own config.json would state them (e.g. n_kv_heads=null -> n_heads).
+    ours = spec.model_keys_from_hf_config(spec.hf_config(torch.float32))
     differ = [f"model.{k}={ours[k]} but config.json implies {implied[k]}"
               for k in implied if ours[k] != implied[k]]
     if differ:
         raise HFFormatError(f"{folder} was written for another model: {'; '.join(differ)}; set "
                             "those model.* keys to the folder's values")
     files = weight_files(folder)
-    hf_names = {_rename(name, _TO_HF): name for name in expected_shapes}
-    missing = sorted(set(hf_names) - set(files))
-    extra = sorted(n for n in set(files) - set(hf_names) if not n.endswith("rotary_emb.inv_freq"))
+    # The HF names and shapes: our mapping applied to shape-only (meta) tensors.
+    wanted = {name: tuple(t.shape) for name, t in spec.to_hf(
+        {k: torch.empty(shape, device="meta") for k, shape in expected_shapes.items()}).items()}
+    ignored = getattr(spec, "hf_ignored", ())
+    missing = sorted(set(wanted) - set(files))
+    extra = sorted(n for n in set(files) - set(wanted) if not n.endswith(ignored))
     if missing or extra:
         raise HFFormatError(f"{folder} does not match the model: missing {missing[:3]}, "
                             f"unexpected {extra[:3]}")
-    for hf_name, name in hf_names.items():
+    for hf_name, shape_wanted in wanted.items():
         try:
             with safe_open(str(files[hf_name]), framework="pt") as f:
                 shape = tuple(f.get_slice(hf_name).get_shape())
         except Exception as err:  # safetensors raises its own error types for bad files
             raise HFFormatError(f"{files[hf_name]} cannot be read ({err})") from None
-        if shape != expected_shapes[name]:
+        if shape != shape_wanted:
             raise HFFormatError(f"{files[hf_name]}: {hf_name} has shape {shape}, the model "
-                                f"needs {expected_shapes[name]}")
-    return {hf_name: files[hf_name] for hf_name in hf_names}
+                                f"needs {shape_wanted}")
+    return {hf_name: files[hf_name] for hf_name in wanted}
 
 
 def read_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Check (``check_folder``) and read an HF Llama folder into our names and row order."""
+    """Check (``check_folder``) and read an HF folder into our names and layout."""
     from safetensors import safe_open
 
     files = check_folder(folder, model_cfg, expected_shapes)
@@ -279,4 +206,4 @@ def read_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> d
     for hf_name, file in files.items():
         with safe_open(str(file), framework="pt") as f:
             tensors[hf_name] = f.get_tensor(hf_name)
-    return from_hf(tensors, model_cfg)
+    return _hf_spec(model_cfg).from_hf(tensors)

@@ -32,7 +32,7 @@ from hsdp_runner.failures import (cause_from_log, first_failure, signal_only,
                                   with_timeout_hint)
 from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
-from hsdp_runner.models.llama import meta_model
+from hsdp_runner.models.base import build_meta_model
 from hsdp_runner.params import frozen_names
 
 log = logging.getLogger("hsdp_runner")
@@ -82,7 +82,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if cfg.data.kind == "text":
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     if cfg.trainer.freeze:
-        frozen_names(dict(meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
+        frozen_names(dict(build_meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
     _check_writable(output_dir)
     checkpoint.validate(cfg, output_dir)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:

@@ -83,7 +83,9 @@ class ParallelDims:
         if model is None:
             return
         n_heads = get(model, "n_heads")
-        n_kv_heads = get(model, "n_kv_heads") or n_heads
+        # Only grouped-query families (Llama) have n_kv_heads.
+        kv = model.get("n_kv_heads") if hasattr(model, "get") else getattr(model, "n_kv_heads", None)
+        n_kv_heads = kv or n_heads
         for key, value in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
             if value % self.tp:
                 raise ConfigError(f"parallel.tp={self.tp} does not divide {key}={value}; choose a "

@@ -138,7 +138,8 @@ def _state(cfg, dims: ParallelDims) -> dict:
     import torch
 
     master = getattr(torch, cfg.precision.master_dtype).itemsize
-    return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze),
+    return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
+                                                 cfg.parallel.sequence_parallel),
                                    dims.dp_shard, master)
 
 

@@ -2,7 +2,7 @@
 
 No device and no memory is used: a child process joins a *fake* process group of the target
 world size (``FakeStore``), builds the world mesh with ``ParallelDims.build_mesh``, applies
-``sharding.parallelize`` to ``models.llama.Llama`` exactly as a job does, materialises it under
+``sharding.parallelize`` to the configured model exactly as a job does, materialises it under
 ``FakeTensorMode`` and runs one training step's forward and backward (the trainer's loss, its
 micro-batches and gradient-sync switching) inside torch's ``FSDPMemTracker``, which records
 per-category peaks: sharded and unsharded parameters, gradients, activations, temporaries,
@@ -129,7 +129,7 @@ def _measure_one(req: dict) -> dict:
 
     from hsdp_runner import sharding
     from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.models.llama import Llama
+    from hsdp_runner.models.base import model_spec
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
@@ -141,7 +141,7 @@ def _measure_one(req: dict) -> dict:
     torch.set_default_dtype(getattr(torch, precision.master_dtype))
     try:
         with torch.device("meta"):
-            model = Llama(model_cfg)
+            model = model_spec(model_cfg).build()
     finally:
         torch.set_default_dtype(default_dtype)
     sharding.freeze_parameters(model, req["freeze"])

@@ -1,11 +1,12 @@
 """Step time per rank of a layout: compute plus the communication that compute cannot hide.
 
 - **Compute** = FLOPs per step and rank / (peak x ``cluster.compute_efficiency``). FLOPs are the
-  runner's own count (``models.llama.flops_per_token`` x tokens / world size: TP splits the
+  runner's own count (the model's ``flops_per_token`` x tokens / world size: TP splits the
   matmuls, data parallelism the batch), plus what activation checkpointing recomputes in
   backward: with ``full`` the forward of every block once more, with ``selective`` the
   forward of the matmuls its policy does not save (``sharding._selective_contexts``: every
-  other one, in our block wk, wo and w3). Forward is 1/3 of it, backward 2/3.
+  other one; the model's ``selective_recompute_flops_per_token``). Forward is 1/3 of it,
+  backward 2/3.
 - **Communication** = ``comm_model.analytic_comm`` (calls and bytes per collective kind and mesh
   dim, proven equal to what a job measures), each over the link its dim spans
   (``Cluster.collective_time``: intra-node unless the dim's groups span nodes in mesh.py's
@@ -25,23 +26,19 @@ from __future__ import annotations
 
 from hsdp_runner.comm_model import analytic_comm, unit_sizes
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, _group_spans_nodes
-from hsdp_runner.models.llama import count_params, flops_per_token
+from hsdp_runner.models.base import model_spec
 
 
 def step_flops(model_cfg, trainer, ac: str, world_size: int) -> tuple[float, float]:
     """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
+    spec = model_spec(model_cfg)
     tokens = trainer.global_batch_size * model_cfg.seq_len
-    model = flops_per_token(model_cfg) * tokens / world_size
+    model = spec.flops_per_token() * tokens / world_size
     hardware = model
     if ac == "full":
-        blocks = count_params(model_cfg)["matmul"] - model_cfg.vocab_size * model_cfg.dim
-        forward = 2.0 * blocks + 4.0 * model_cfg.n_layers * model_cfg.dim * model_cfg.seq_len
-        hardware += forward * tokens / world_size
+        hardware += spec.block_forward_flops_per_token() * tokens / world_size
     elif ac == "selective":
-        # The block's 2nd, 4th and 6th matmuls (wk, wo, w3) are recomputed: 2 FLOPs per weight.
-        kv_dim = (model_cfg.n_kv_heads or model_cfg.n_heads) * (model_cfg.dim // model_cfg.n_heads)
-        recomputed = model_cfg.dim * (kv_dim + model_cfg.dim + model_cfg.ffn_hidden_dim)
-        hardware += 2.0 * model_cfg.n_layers * recomputed * tokens / world_size
+        hardware += spec.selective_recompute_flops_per_token() * tokens / world_size
     return model, hardware
 
 
@@ -80,7 +77,7 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     parts = comm_times(comm, dims, cluster, split=True)
     times = {key: sum(pair) for key, pair in parts.items()}
-    units = unit_sizes(cfg.model, dims, cfg.trainer.freeze)
+    units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     total = sum(u[0] for u in units.values()) or 1
     root = units.get("root", (0, 0))[0] / total
     reshard = cfg.parallel.reshard_after_forward

@@ -1,7 +1,9 @@
 """The sharding applier: TP/SP -> activation checkpointing -> compile -> data parallel.
 
 Each step is its own function and ``parallelize`` applies them in that fixed order, the order
-FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding).
+FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding). What is
+model-specific (the TP plan, the blocks that are wrapped) comes from the model through the
+seam in ``models/base.py``; nothing here knows a model family.
 Mixed precision in every data-parallel mode comes from ``MixedPrecisionPolicy``, never autocast.
 """
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from hsdp_runner.config import ConfigError
 from hsdp_runner.mesh import ParallelDims, WorldMesh
-from hsdp_runner.models import llama
+from hsdp_runner.models.base import ParallelModule, model_spec
 from hsdp_runner.params import copy_full_into, freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -37,9 +39,9 @@ def mixed_precision_policy(precision):
                                 reduce_dtype=torch_dtype(precision.reduce_dtype))
 
 
-def apply_tp(model: llama.Llama, world: WorldMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
     """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model."""
-    llama.tp_plan(model, world["tp"], sequence_parallel)
+    model.tp_plan(world["tp"], sequence_parallel)
 
 
 def _selective_contexts():
@@ -73,7 +75,7 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_ac(model: llama.Llama, mode: str) -> None:
+def apply_ac(model: ParallelModule, mode: str) -> None:
     """Wrap each block for activation checkpointing.
 
     'full' recomputes the whole block in backward (TP's forward collectives included);
@@ -86,18 +88,19 @@ def apply_ac(model: llama.Llama, mode: str) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     kwargs = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+    blocks = model.blocks()
+    for name, block in list(blocks.items()):
+        blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
-def apply_compile(model: llama.Llama, tp: int) -> None:
+def apply_compile(model: ParallelModule, tp: int) -> None:
     """Compile each block in place (names and state-dict keys stay unchanged)."""
     if tp > 1:
         # torch 2.13 computes an all-zero embedding gradient (TP+FSDP) or crashes in backward
         # (TP alone) when compiled blocks take the TP embedding's output directly; a clone
         # between them avoids it (see tests/test_compile.py).
         model.clone_embedding_output = True
-    for block in model.layers.values():
+    for block in model.blocks().values():
         block.compile()
 
 
@@ -109,7 +112,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
     dp_shard) mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
     it shares FSDP's mixed-precision policy, or with ``ddp_impl='fully_shard'`` (and on torch
     without ``replicate``) ``fully_shard`` on the (dp_replicate, dp_shard=1) mesh: the same
-    HSDP-with-shard-size-1 computation. Blocks are ``model.layers`` when the model has them.
+    HSDP-with-shard-size-1 computation. Blocks are ``model.blocks()`` when the model has them.
     With no data parallelism, a size-1 ``fully_shard`` is applied only when the precision
     needs a policy (compute dtype differs from the stored dtype).
     """
@@ -136,7 +139,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
     else:
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"],
                                       "reshard_after_forward": reshard_after_forward}
-    blocks = model.layers.values() if hasattr(model, "layers") else ()
+    blocks = model.blocks().values() if hasattr(model, "blocks") else ()
     for block in blocks:
         wrap(block, mp_policy=mp_policy, **mesh_kw)
     # The root's parameters (embedding, final norm, output) are used again right at the start
@@ -163,7 +166,7 @@ def sync_buffers(model: nn.Module) -> int:
     return count
 
 
-def parallelize(model: llama.Llama, dims: ParallelDims, world: WorldMesh, parallel, precision
+def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
                 ) -> None:
     """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
@@ -176,7 +179,7 @@ def parallelize(model: llama.Llama, dims: ParallelDims, world: WorldMesh, parall
 
 
 def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,
-                device: torch.device, seed: int, freeze=()) -> llama.Llama:
+                device: torch.device, seed: int, freeze=()) -> ParallelModule:
     """Create the model on the meta device, parallelize it, then materialise and initialise.
 
     Returns the sharded model on ``device`` with identical weights in every layout and
@@ -188,7 +191,7 @@ def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, preci
     torch.set_default_dtype(torch_dtype(precision.master_dtype))
     try:
         with torch.device("meta"):
-            model = llama.Llama(model_cfg)
+            model = model_spec(model_cfg).build()
     finally:
         torch.set_default_dtype(default_dtype)
     freeze_parameters(model, freeze)

@@ -23,7 +23,7 @@ from hsdp_runner.comm_model import analytic_comm, comm_report
 from hsdp_runner.data import Prefetcher, TokenBatches
 from hsdp_runner.faults import inject_fault
 from hsdp_runner.mesh import ParallelDims, WorldMesh
-from hsdp_runner.models.llama import flops_per_token
+from hsdp_runner.models.base import model_spec
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Trainer:
         self.batches = TokenBatches(
             cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
             dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
-        self.flops_per_token = flops_per_token(cfg.model)
+        self.flops_per_token = model_spec(cfg.model).flops_per_token()
         self.peak_tflops, self.peak_source = metrics.resolve_peak_tflops(
             device, cfg.precision.param_dtype, cfg.metrics.peak_tflops)
         self.records: list[dict] = []

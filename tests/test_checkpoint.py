@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume, crash safety of a save, resharding across layouts (through the CLI)."""
+"""Checkpoints: exact resume, crash safety of a save, resharding across layouts (through the CLI),
+for Llama and for GPT-2 (the family added through the model seam)."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from conftest import TINY, read_job, run_cli
 from hsdp_runner import hf
 from hsdp_runner.checkpoint import expected_shapes
 from hsdp_runner.export import load_full_weights
+from hsdp_runner.models.base import model_spec
 
 pytestmark = pytest.mark.multiprocess
 
@@ -90,3 +92,41 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
     assert manifest["layout"]["mesh_shape"] == [2, 2, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
+
+
+def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers(tmp_path):
+    """gpt2_tiny saved under fsdp_tp (4 ranks: strided FSDP-on-TP shards, the position table
+    split by sequence parallel) continues in one process with the 4-rank run's losses; the
+    4-rank run's HF export equals DCP's reassembly of its last checkpoint, and transformers'
+    GPT2LMHeadModel computes our logits from it."""
+    job = ["model=gpt2_tiny", "trainer.global_batch_size=8", "logger=none", "trainer.steps=4",
+           *SAVE]
+    ref = run_cli(tmp_path / "fsdp_tp", *job, "parallel=fsdp_tp", "checkpoint.interval=2",
+                  "checkpoint.export_at_end=true", "checkpoint.export_dtype=float32")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference, _ = read_job(tmp_path / "fsdp_tp")
+    source = tmp_path / "fsdp_tp" / "checkpoints" / "step-2"
+    result = run_cli(tmp_path / "single", *job, "parallel=single", f"checkpoint.load_path={source}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records, summary = read_job(tmp_path / "single")
+    assert summary["loaded_from"] == str(source) and [r["step"] for r in records] == [3, 4]
+    for step in (3, 4):
+        assert _loss_at(records, step) == pytest.approx(_loss_at(reference, step), rel=1e-5), step
+
+    weights, manifest = load_full_weights(tmp_path / "fsdp_tp" / "checkpoints" / "step-4")
+    model_cfg = OmegaConf.create(manifest["model"])
+    exported = hf.read_folder(tmp_path / "fsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
+    assert manifest["layout"]["mesh_shape"] == [1, 2, 2]
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, exported[name]), name
+
+    transformers = pytest.importorskip("transformers")
+    ours = model_spec(model_cfg).build()
+    ours.load_state_dict(weights)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "fsdp_tp" / "hf",
+                                                          dtype=torch.float32)
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(tokens).logits, ours.eval()(tokens),
+                                   rtol=1e-5, atol=1e-5)

@@ -28,6 +28,10 @@ LAYOUTS = {
     "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=full"],
     "tp_full_ac_no_sp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8",
                          "parallel.ac=full", "parallel.sequence_parallel=false"],
+    # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel).
+    "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
+    "gpt2_ddp_tp_no_sp": ["model=gpt2_tiny", "parallel=hsdp_tp", "parallel.dp_replicate=4",
+                          "parallel.dp_shard=1", "parallel.sequence_parallel=false"],
 }
 
 
@@ -40,7 +44,9 @@ def _measure_layouts():
 
     out = {}
     for name, overrides in LAYOUTS.items():
-        cfg = compose(BASE + overrides)
+        base = [o for o in BASE if not (o.startswith("model=") and
+                                        any(m.startswith("model=") for m in overrides))]
+        cfg = compose(base + overrides)
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
         device = torch.device("cpu")

@@ -77,5 +77,16 @@ def test_readers_of_finished_runs_never_import_the_training_side():
     graph = import_graph()
     training = {"hsdp_runner.trainer", "hsdp_runner.worker", "hsdp_runner.sharding"}
     for reader in ("hsdp_runner.compare", "hsdp_runner.tracking", "hsdp_runner.models.llama",
-                   "hsdp_runner.comm_model"):
+                   "hsdp_runner.models.gpt2", "hsdp_runner.comm_model"):
         assert not (_reachable(graph, reader) & training), reader
+
+
+def test_the_runner_reaches_models_only_through_the_seam():
+    """Outside ``hsdp_runner/models/`` no module imports a model family (mesh, sharding,
+    trainer, checkpoint, planner...): they use ``models.base`` (model_spec, build_meta_model)."""
+    graph = import_graph()
+    families = {m for m in graph if m.startswith("hsdp_runner.models.")} - {"hsdp_runner.models.base"}
+    assert {"hsdp_runner.models.llama", "hsdp_runner.models.gpt2"} <= families
+    for module, deps in sorted(graph.items()):
+        if not module.startswith("hsdp_runner.models."):
+            assert not deps & families, f"{module} imports {sorted(deps & families)}"

@@ -1,7 +1,8 @@
 """`hsdp_runner.parity`: every layout trains the same model as a single process.
 
-One parity run (all presets, 6 steps, fp32, tiny model) is shared by the tests below; they
-also check that each preset trained (loss down, metrics, logs) through the real launch path.
+One parity run per model family (all presets, 6 steps, fp32, tiny Llama and tiny GPT-2) is
+shared by the tests below; they also check that each preset trained (loss down, metrics, logs)
+through the real launch path.
 The DDP-implementation and bf16 comparisons, which are about the numerics and not the launch
 path, train in one set of four in-process workers.
 """
@@ -29,13 +30,18 @@ def rel_diffs(a, b, key="loss"):
     return [abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b)]
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    """``python -m hsdp_runner.parity`` over every preset: (output dir, completed process)."""
-    out = tmp_path_factory.mktemp("parity")
+# One family each: the second one (GPT-2) came in through the model seam alone.
+MODELS = ("llama3_tiny", "gpt2_tiny")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def parity(request, tmp_path_factory):
+    """``python -m hsdp_runner.parity`` over every preset for one tiny model: (output dir,
+    completed process)."""
+    out = tmp_path_factory.mktemp(f"parity_{request.param}")
     result = subprocess.run([sys.executable, "-m", "hsdp_runner.parity", "--steps", str(STEPS),
-                             "--out", str(out), "model=llama3_tiny"], cwd=REPO, env=cli_env(),
-                            capture_output=True, text=True, timeout=900)
+                             "--out", str(out), f"model={request.param}"], cwd=REPO,
+                            env=cli_env(), capture_output=True, text=True, timeout=900)
     return out, result
 
 

@@ -35,7 +35,8 @@ def _placements(overrides):
                          p.full_tensor().sum().item()) if isinstance(p, DTensor) else (None, None, p.sum().item())
     return {"mesh": (world.root.mesh_dim_names, tuple(world.root.shape)),
             "dp_size": world["dp"].size(), "dp_rank": world.local_rank_in("dp"),
-            "params": params, "rope": model.rope_cos.sum().item()}
+            "params": params,
+            "rope": model.rope_cos.sum().item() if hasattr(model, "rope_cos") else None}
 
 
 def _eight_rank_layouts():
@@ -47,6 +48,7 @@ def _eight_rank_layouts():
             "hsdp": _placements(["parallel=hsdp", "parallel.dp_replicate=2",
                                  "parallel.dp_shard=4", *tiny]),
             "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=8", *tiny]),
+            "gpt2_hsdp_tp": _placements(["parallel=hsdp_tp", "model=gpt2_tiny"]),
             "buffers": _buffers_after_build(["parallel=hsdp", "parallel.dp_shard=4", *tiny])}
 
 
@@ -63,6 +65,22 @@ def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eig
     assert params["layers.0.feed_forward.w1.weight"][0] == colwise
     assert params["layers.0.attention.wo.weight"][0] == ("Replicate()", "Shard(dim=0)", "Shard(dim=1)")
     assert params["layers.0.attention_norm.weight"][0] == ("Replicate()", "Shard(dim=0)", "Replicate()")
+
+
+def test_gpt2_biases_follow_their_layers_and_positions_split_by_sequence(eight_ranks):
+    """A column-parallel layer's bias is sharded with its weight, a row-parallel layer's bias
+    stays whole on the TP ranks (added once, after the reduction), and with sequence parallel
+    the position table is split by position like the residual stream."""
+    params = eight_ranks[0]["gpt2_hsdp_tp"]["params"]
+    colwise = ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    whole_on_tp = ("Replicate()", "Shard(dim=0)", "Replicate()")
+    for name in ("attn.q_proj", "attn.v_proj", "mlp.c_fc"):
+        assert params[f"h.0.{name}.weight"][0] == params[f"h.0.{name}.bias"][0] == colwise, name
+    for name in ("attn.c_proj", "mlp.c_proj"):
+        assert params[f"h.1.{name}.weight"][0] == ("Replicate()", "Shard(dim=0)", "Shard(dim=1)")
+        assert params[f"h.1.{name}.bias"][0] == whole_on_tp, name
+    assert params["h.0.ln_1.weight"][0] == params["h.0.ln_2.bias"][0] == whole_on_tp
+    assert params["wpe.weight"][0] == colwise
 
 
 def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights(eight_ranks):

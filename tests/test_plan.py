@@ -264,3 +264,29 @@ def test_model_that_fits_nowhere_is_listed_and_exits_2(monkeypatch_module, tmp_p
     assert "does not fit" in captured.out
     assert all(not e["fits"] for e in json.loads((tmp_path / "plan.json").read_text())["layouts"]
                if e["valid"])
+
+
+@pytest.mark.parametrize("model", ["llama3_tiny", "gpt2_tiny"])
+def test_selective_ac_recomputes_the_flops_the_planner_counts(model):
+    """Forward + backward of a real model, counted by torch's FlopCounterMode: selective AC
+    adds exactly the model's ``selective_recompute_flops_per_token`` (the planner's term)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hsdp_runner.models.base import model_spec
+    from hsdp_runner.sharding import apply_ac
+    from test_config import compose
+
+    spec = model_spec(compose([f"model={model}"]).model)
+    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
+
+    def train_flops(ac: str) -> int:
+        model_ = spec.build()
+        model_.init_weights(0)
+        apply_ac(model_, ac)
+        with FlopCounterMode(display=False) as counter:
+            model_(tokens).float().sum().backward()
+        return counter.get_total_flops()
+
+    extra = train_flops("selective") - train_flops("none")
+    assert extra == spec.selective_recompute_flops_per_token() * tokens.numel()

@@ -1,0 +1,216 @@
+"""The model seam: what the runner needs from a model family, and the one place it is built.
+
+A family is one module under ``hsdp_runner/models/`` holding
+- a config dataclass that extends ``ModelConfig`` (the shared fields) with its own. It is the
+  family's Hydra schema (so a typo in ``conf/model/*.yaml`` or an override fails at
+  composition) and, built by ``hydra.utils.instantiate`` from the YAML's ``_target_``, the
+  object the runner asks about the model: it implements ``ModelSpec``;
+- the ``nn.Module`` that ``ModelSpec.build`` returns, which implements ``ParallelModule``.
+
+Nothing outside ``hsdp_runner/models/`` imports a family module: the runner reaches a model
+through ``model_spec`` and ``build_meta_model`` only. Families are found by walking this
+package (``family_schemas``), so adding one edits no list here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import json
+import pkgutil
+import re
+from typing import TYPE_CHECKING, Optional, Protocol
+
+from omegaconf import MISSING, OmegaConf
+
+if TYPE_CHECKING:  # torch is imported where a model is built: config.py imports this module
+    from torch import nn
+
+# The family of model configs saved before ``_target_`` existed (checkpoint manifests): Llama
+# was the only one then.
+LEGACY_TARGET = "hsdp_runner.models.llama.LlamaConfig"
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Fields every family has; the runner's shape arithmetic (mesh checks, communication
+    model, planner, data) reads only these. Families add theirs in a subclass."""
+
+    _target_: str = MISSING
+    name: str = MISSING
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    vocab_size: int = MISSING
+    seq_len: int = MISSING
+    init_std: float = 0.02
+
+
+class ParallelModule(Protocol):
+    """The module a family builds. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+
+    # Set by the sharding applier when compiled blocks follow a TP embedding: forward must
+    # then clone the embedding output before the first block (see sharding.apply_compile).
+    clone_embedding_output: bool
+
+    def blocks(self) -> nn.ModuleDict:
+        """The repeated blocks, keyed "0".."n-1": activation checkpointing replaces its entries,
+        compile and FSDP wrap each one (the rest of the model is FSDP's root unit)."""
+
+    def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
+        """Apply the family's tensor (and optionally sequence) parallel plan on ``tp_mesh``."""
+
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and buffer; each parameter's full value must be a function of
+        (seed, parameter name) alone (``initial_value``), so every layout starts equal."""
+
+
+class ModelSpec(Protocol):
+    """What the runner asks a family's config (an instance of its ``ModelConfig`` subclass)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the ``model.*`` key for a family-specific bad value."""
+
+    def build(self) -> ParallelModule:
+        """The model on the current default device (``torch.device('meta')`` to build empty)."""
+
+    def tp_split_dim(self, param: str, sequence_parallel: bool) -> Optional[int]:
+        """The dim parameter ``param`` is split on by the TP plan (None: whole on every rank)."""
+
+    def tp_partial_grad_numels(self) -> list[int]:
+        """Sizes of the parameters kept whole on every TP rank while their input is
+        sequence-sharded (the norms): their gradients are partial and all-reduced once a step."""
+
+    def count_params(self) -> dict:
+        """{'total', 'embedding', 'matmul'} parameter counts (matmul: weights of Linear layers)."""
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward and backward)."""
+
+    def block_forward_flops_per_token(self) -> float:
+        """Forward FLOPs per token of all blocks: what full activation checkpointing repeats."""
+
+    def selective_recompute_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the matmuls selective activation checkpointing recomputes
+        (``sharding._selective_contexts``: a block's 2nd, 4th, ... matmul in call order)."""
+
+    # Optional: families that export to / import from Hugging Face also define
+    #   hf_model_type: str
+    #   hf_names() -> HFNames; to_hf(state) / from_hf(state) -> dict (full tensors);
+    #   hf_config(dtype) -> dict; model_keys_from_hf_config(config) -> dict;
+    #   check_hf_config(config, path) -> None (raise for what the model cannot compute).
+
+
+def _fields(model_cfg) -> dict:
+    """The fields of a model config in any form, ``_target_`` included (legacy: Llama)."""
+    if isinstance(model_cfg, dict):
+        fields = dict(model_cfg)
+    elif OmegaConf.is_config(model_cfg):
+        fields = OmegaConf.to_container(model_cfg, resolve=True)
+    elif dataclasses.is_dataclass(model_cfg):  # a built spec: its class is its target
+        cls = type(model_cfg)
+        fields = {**dataclasses.asdict(model_cfg), "_target_": f"{cls.__module__}.{cls.__qualname__}"}
+    else:
+        fields = dict(vars(model_cfg))
+    if not fields.get("_target_") or fields["_target_"] == MISSING:
+        fields["_target_"] = LEGACY_TARGET
+    return fields
+
+
+def model_spec(model_cfg) -> ModelSpec:
+    """Build the family config ``model_cfg`` names by its ``_target_`` (Hydra ``instantiate``).
+
+    Takes a ``model`` config node, a plain dict (a worker's or a checkpoint manifest's copy)
+    or an already built spec (returned as is); returns the ``ModelSpec``.
+    """
+    from hydra.utils import instantiate
+
+    if isinstance(model_cfg, ModelConfig):
+        return model_cfg
+    fields = _fields(model_cfg)
+    spec = instantiate(fields)
+    spec._target_ = fields["_target_"]  # instantiate consumes it; keep it for copies of the spec
+    return spec
+
+
+def family_schema(model_cfg) -> type:
+    """The config dataclass (schema) of the family ``model_cfg``'s ``_target_`` names."""
+    from hydra.utils import get_class
+
+    return get_class(_fields(model_cfg)["_target_"])
+
+
+def build_meta_model(model_cfg) -> ParallelModule:
+    """The model ``model_cfg`` describes, on the meta device, built once per shape in a process.
+
+    For code that reads names and shapes (pre-flight checks, checkpoint shapes, the analytic
+    communication model): the instance is shared, so read it, never change it.
+    """
+    return _meta_model(json.dumps(_fields(model_cfg), sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(fields: str) -> ParallelModule:
+    import torch
+
+    with torch.device("meta"):
+        return model_spec(json.loads(fields)).build()
+
+
+def block_prefix(model: nn.Module) -> str:
+    """The name under which ``model.blocks()`` sits in ``model``'s parameter names ('layers')."""
+    container = model.blocks()
+    return next(name for name, module in model.named_modules() if module is container)
+
+
+def family_schemas() -> dict[str, type]:
+    """{'<module>_schema': config dataclass} for every family module in this package.
+
+    ``config.register_schemas`` stores them in Hydra's ConfigStore (group ``model``), where a
+    ``conf/model/*.yaml`` names its family's schema first in its defaults list.
+    """
+    import hsdp_runner.models as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name == "base":
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for value in vars(module).values():
+            if (isinstance(value, type) and issubclass(value, ModelConfig)
+                    and value is not ModelConfig and value.__module__ == module.__name__):
+                found[f"{info.name}_schema"] = value
+    return found
+
+
+class HFNames:
+    """Rename rules between our parameter names and Hugging Face's, "{i}" being a block index.
+
+    Takes ((ours, theirs), ...) templates; ``to_hf`` / ``from_hf`` return the other name or None.
+    """
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+        self.pairs = pairs
+        self._to = [(self._pattern(ours), hf) for ours, hf in pairs]
+        self._from = [(self._pattern(hf), ours) for ours, hf in pairs]
+
+    @staticmethod
+    def _pattern(template: str) -> re.Pattern:
+        return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+    @staticmethod
+    def _rename(name: str, rules) -> str | None:
+        for pattern, template in rules:
+            match = pattern.match(name)
+            if match:
+                return template.replace("{i}", match.group(1)) if match.groups() else template
+        return None
+
+    def to_hf(self, name: str) -> str | None:
+        """Hugging Face's name for our parameter ``name`` (None if it has none)."""
+        return self._rename(name, self._to)
+
+    def from_hf(self, name: str) -> str | None:
+        """Our name for Hugging Face's tensor ``name`` (None if we have none)."""
+        return self._rename(name, self._from)

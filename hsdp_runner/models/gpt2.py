@@ -1,0 +1,338 @@
+"""A GPT-2-style decoder (learned absolute positions, LayerNorm, GELU MLP, multi-head attention,
+biases everywhere) and, beside it, its tensor/sequence-parallel plan and its Hugging Face names.
+
+Read top to bottom: the config (``GPT2Config``, the family's schema and ``ModelSpec``, see
+``models/base.py``), building blocks, the model, initialisation, ``tp_plan``, then the Hugging
+Face mapping. Parameter names follow ``transformers``' GPT2LMHeadModel without its
+``transformer.`` prefix, with two differences the mapping undoes: q, k and v are separate
+Linear layers here (a fused qkv cannot be split by heads with one column-parallel layer), and
+our Linear weights are (out, in) where HF's Conv1D stores (in, out).
+
+Embeddings are untied: ``lm_head`` has its own weight (``tie_word_embeddings: false`` in the
+exported config.json). Tying would make one parameter both the vocab-parallel embedding and the
+column-parallel output layer, two placements, and one FSDP unit's parameter used at both ends
+of the step; untied keeps TP, FSDP and checkpoints as simple as Llama's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    parallelize_module)
+
+from hsdp_runner.config import ConfigError
+from hsdp_runner.models.base import HFNames, ModelConfig
+from hsdp_runner.models.llama import ReplicatedParams, initial_value
+from hsdp_runner.params import copy_full_into
+
+
+@dataclass
+class GPT2Config(ModelConfig):
+    """``model.*`` of a GPT-2 (conf/model/gpt2_*.yaml); built, it is the ``ModelSpec``."""
+
+    norm_eps: float = 1e-5
+
+    def validate(self) -> None:
+        """Raise ConfigError for a GPT-2-specific bad value (naming the key)."""
+        if not self.norm_eps > 0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps} must be positive (LayerNorm epsilon)")
+
+    def build(self) -> "GPT2":
+        """The model on the current default device."""
+        return GPT2(self)
+
+    def tp_split_dim(self, param: str, sequence_parallel: bool) -> Optional[int]:
+        """The dim ``tp_plan`` splits parameter ``param`` on (None: whole on every rank)."""
+        key = ".".join(param.split(".")[-2:])
+        if key == "wpe.weight":
+            return 0 if sequence_parallel else None
+        return TP_SPLIT_DIM.get(key)
+
+    def tp_partial_grad_numels(self) -> list[int]:
+        """The LayerNorms' weights and biases (2 norms per block and the final one)."""
+        return [self.dim] * (2 * (2 * self.n_layers + 1))
+
+    def count_params(self) -> dict:
+        """{'total', 'embedding' (tokens and positions), 'matmul' (Linear weights)}."""
+        d, layers = self.dim, self.n_layers
+        attn = 4 * d * d + 4 * d
+        mlp = 8 * d * d + 4 * d + d
+        block = attn + mlp + 4 * d  # two LayerNorms with weight and bias
+        embedding = self.vocab_size * d + self.seq_len * d
+        output = self.vocab_size * d
+        return {"total": embedding + layers * block + 2 * d + output, "embedding": embedding,
+                "matmul": layers * 12 * d * d + output}
+
+    def flops_per_token(self) -> float:
+        """6 x matmul weights + 12 x layers x dim x seq_len (attention), as Llama's count."""
+        return 6.0 * self.count_params()["matmul"] + 12.0 * self.n_layers * self.dim * self.seq_len
+
+    def block_forward_flops_per_token(self) -> float:
+        """2 x the blocks' matmul weights + the forward attention term."""
+        return 2.0 * 12 * self.n_layers * self.dim ** 2 + 4.0 * self.n_layers * self.dim * self.seq_len
+
+    def selective_recompute_flops_per_token(self) -> float:
+        """k_proj and attention's c_proj of every block (called 2nd and 4th; dim^2 weights
+        each), 2 FLOPs per weight. The 6th, the MLP's c_proj, is not recomputed: nothing
+        backward needs comes after it, and torch's checkpoint stops recomputing there."""
+        return 2.0 * self.n_layers * 2 * self.dim ** 2
+
+    hf_model_type = "gpt2"
+    hf_ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older HF files
+
+    def hf_names(self) -> HFNames:
+        """Our parameter names and Hugging Face GPT-2's (q, k, v all map to ``c_attn``)."""
+        return HF_NAMES
+
+    def to_hf(self, state: dict) -> dict:
+        """Our full state dict in HF names: q, k, v fused into ``c_attn``, Conv1D weights (in, out)."""
+        out, qkv = {}, {}
+        for name, tensor in state.items():
+            match = _QKV.match(name)
+            if match:
+                qkv.setdefault((match[1], match[3]), {})[match[2]] = tensor
+                continue
+            out[HF_NAMES.to_hf(name)] = tensor.t() if name.endswith(_CONV1D) else tensor
+        for (i, kind), parts in qkv.items():
+            fused = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+            out[f"transformer.h.{i}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
+        return out
+
+    def from_hf(self, state: dict) -> dict:
+        """An HF GPT-2 state dict in our names and layout (inverse of ``to_hf``)."""
+        out = {}
+        for hf_name, tensor in state.items():
+            match = _C_ATTN.match(hf_name)
+            if match:
+                fused = tensor.t() if match[2] == "weight" else tensor
+                for part, chunk in zip("qkv", fused.chunk(3, dim=0)):
+                    out[f"h.{match[1]}.attn.{part}_proj.{match[2]}"] = chunk.contiguous()
+                continue
+            name = HF_NAMES.from_hf(hf_name)
+            out[name] = tensor.t().contiguous() if name.endswith(_CONV1D) else tensor
+        return out
+
+    def hf_config(self, dtype: torch.dtype) -> dict:
+        """The ``config.json`` of a GPT2LMHeadModel with this shape (untied, no dropout)."""
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": self.vocab_size, "n_positions": self.seq_len, "n_embd": self.dim,
+            "n_layer": self.n_layers, "n_head": self.n_heads, "n_inner": None,
+            "activation_function": "gelu_new", "layer_norm_epsilon": self.norm_eps,
+            "initializer_range": self.init_std, "tie_word_embeddings": False,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+
+    def model_keys_from_hf_config(self, config: dict) -> dict:
+        """Our ``model.*`` values (shape and numerics) an HF GPT-2 ``config.json`` implies."""
+        return {"dim": config["n_embd"], "n_layers": config["n_layer"], "n_heads": config["n_head"],
+                "vocab_size": config["vocab_size"], "seq_len": config["n_positions"],
+                "norm_eps": config.get("layer_norm_epsilon", 1e-5)}
+
+    def check_hf_config(self, config: dict, path) -> None:
+        """Refuse HF GPT-2 options this model does not compute (ConfigError naming ``path``)."""
+        n_inner = config.get("n_inner")
+        differ = {"activation_function": config.get("activation_function", "gelu_new")
+                  not in ("gelu_new", "gelu_pytorch_tanh"),
+                  "n_inner": n_inner not in (None, 4 * config["n_embd"]),
+                  "tie_word_embeddings": config.get("tie_word_embeddings", True),
+                  "scale_attn_by_inverse_layer_idx": config.get("scale_attn_by_inverse_layer_idx"),
+                  "reorder_and_upcast_attn": config.get("reorder_and_upcast_attn")}
+        bad = [f"{key}={config.get(key)!r}" for key, differs in differ.items() if differs]
+        if bad:
+            raise ConfigError(f"{path} sets {', '.join(bad)}; hsdp_runner's GPT-2 computes a tanh "
+                              "GELU MLP of 4 x n_embd with an untied lm_head and plain attention "
+                              "scaling, so these weights would compute something else")
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim)
+        self.v_proj = nn.Linear(dim, dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under TP each rank holds n_heads / tp of them.
+        q, k, v = (proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.c_proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # HF's "gelu_new"
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = Attention(cfg.dim, cfg.n_heads)
+        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
+
+
+class LearnedPositions(nn.Module):
+    """Adds one learned vector per position to the token embeddings.
+
+    The weight is used as a tensor, not looked up: under sequence parallel it is split over the
+    TP ranks by position (``PositionParallel``), so each rank adds its own positions' vectors to
+    its sequence shard with no communication. Sequences are model.seq_len long (data.py) when
+    sequence parallel is on.
+    """
+
+    def __init__(self, seq_len: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(seq_len, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return x + weight[: x.shape[1]]
+
+
+class GPT2(nn.Module):
+    """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.wpe = LearnedPositions(cfg.seq_len, cfg.dim)
+        # A ModuleDict keyed "0".."n-1" keeps block names stable when blocks are wrapped.
+        self.h = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Set by the sharding applier when compiled blocks follow a TP embedding (see sharding).
+        self.clone_embedding_output = False
+
+    def blocks(self) -> nn.ModuleDict:
+        """The transformer blocks (what AC, compile and FSDP wrap)."""
+        return self.h
+
+    def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
+        """Apply ``tp_plan`` (below) to this model."""
+        tp_plan(self, tp_mesh, sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wpe(self.wte(tokens))
+        if self.clone_embedding_output:
+            h = h.clone()
+        for block in self.h.values():
+            h = block(h)
+        return self.lm_head(self.ln_f(h))
+
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter deterministically from ``seed``: LayerNorms 1 (weights) and 0
+        (biases), every bias 0, the rest N(0, init_std^2) drawn by ``llama.initial_value``
+        from (seed, name), the residual projections (``c_proj``) scaled by 1/sqrt(2 x layers)
+        as GPT-2 does. See ``Llama.init_weights`` for why each value is drawn whole."""
+        std = self.cfg.init_std
+        depth_std = std / (2 * self.cfg.n_layers) ** 0.5
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if name.endswith("bias"):
+                    full = torch.zeros(param.shape, device=local.device)
+                elif ".ln_" in f".{name}":
+                    full = torch.ones(param.shape, device=local.device)
+                else:
+                    scale = depth_std if name.endswith("c_proj.weight") else std
+                    full = initial_value(name, tuple(param.shape), seed, scale, local.device)
+                copy_full_into(param, full)
+
+
+class PositionParallel(ParallelStyle):
+    """Split ``LearnedPositions`` by position over the TP ranks (with sequence parallel), or keep
+    it whole on each as a Replicate DTensor (without). torch has no style for a weight that is
+    added to a sequence-sharded stream rather than looked up."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.placement = Shard(0) if sequence_parallel else Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param, mesh, [self.placement])))
+
+        return distribute_module(module, device_mesh, partition_fn=partition)
+
+
+# The dim each parameter is split on by ``tp_plan``, keyed by its last two name parts: column-
+# parallel weights and their biases on 0, row-parallel weights on 1 (their biases stay whole:
+# added once, after the partial sums are reduced), the embedding over the vocab (0). The
+# position table (``wpe.weight``) is split on 0 only with sequence parallel (``tp_split_dim``).
+TP_SPLIT_DIM = {"wte.weight": 0, "lm_head.weight": 0, "c_fc.weight": 0, "c_fc.bias": 0,
+                "c_proj.weight": 1, **{f"{p}_proj.{kind}": 0 for p in "qkv"
+                                       for kind in ("weight", "bias")}}
+
+
+def tp_plan(model: GPT2, tp_mesh, sequence_parallel: bool) -> None:
+    """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
+
+    As Llama's plan: q/k/v and ``c_fc`` column-parallel, the ``c_proj`` layers row-parallel;
+    with sequence parallel the LayerNorms and the residual stream are sharded on the sequence
+    dim between blocks, and the position table by position.
+    """
+    stream = Shard(1) if sequence_parallel else Replicate()
+    norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
+    parallelize_module(model, tp_mesh, {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "wpe": PositionParallel(sequence_parallel),
+        "ln_f": norm_style(),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    })
+    for block in model.h.values():
+        parallelize_module(block, tp_mesh, {
+            "ln_1": norm_style(),
+            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(output_layouts=stream),
+            "ln_2": norm_style(),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(output_layouts=stream),
+        })
+
+
+# --- Hugging Face names -------------------------------------------------------------------------
+
+_PAIRS = [("wte.weight", "transformer.wte.weight"), ("wpe.weight", "transformer.wpe.weight"),
+          ("ln_f.weight", "transformer.ln_f.weight"), ("ln_f.bias", "transformer.ln_f.bias"),
+          ("lm_head.weight", "lm_head.weight")]
+for _kind in ("weight", "bias"):
+    _PAIRS += [(f"h.{{i}}.{m}.{_kind}", f"transformer.h.{{i}}.{m}.{_kind}")
+               for m in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    _PAIRS += [(f"h.{{i}}.attn.{p}_proj.{_kind}", f"transformer.h.{{i}}.attn.c_attn.{_kind}")
+               for p in "qkv"]
+HF_NAMES = HFNames(tuple(_PAIRS))
+_QKV = re.compile(r"^h\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
+_C_ATTN = re.compile(r"^transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)$")
+_CONV1D = ("c_proj.weight", "c_fc.weight")  # HF stores these (in, out)
