@@ -6,7 +6,6 @@ Hydra's runtime config exists only in this process, so everything workers need f
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import tempfile
@@ -18,27 +17,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner import sweep
-from hsdp_runner.config import SUBMITIT_LAUNCHERS, ParallelConfig, register_schemas
+from hsdp_runner.choices import LauncherName
+from hsdp_runner.compose import CONF_DIR, bootstrap, default_run_dir
+from hsdp_runner.config import ParallelConfig
+from hsdp_runner.config_checks import bad_choice_override
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.launch import run_job
 from hsdp_runner.mesh import DIM_NAMES
-
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-def default_run_dir() -> str:
-    """Output dir of a single run: time-stamped, or one name shared by all torchrun ranks.
-
-    Every torchrun rank composes the config itself, so a clock-based name could differ between
-    ranks; they share the rendezvous id (or, without one, their agent's pid and start time).
-    """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None or "RANK" not in os.environ:
-        return datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
-    if run_id in ("", "none"):
-        run_id = f"{os.uname().nodename}-{os.getppid()}-{_process_start(os.getppid())}"
-    return f"outputs/torchrun/{run_id}"
-
 
 def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
     """Return an error for a torchrun launch the runner cannot serve, else None.
@@ -60,13 +45,6 @@ def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
     return (f"torchrun runs {nodes} nodes without --rdzv-id, so each node would name its own "
             "output dir; pass the same --rdzv-id on every node (e.g. --rdzv-id exp17, or "
             "$SLURM_JOB_ID in an allocation) or hydra.run.dir=<a folder every node sees>")
-
-
-def _process_start(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "0"
 
 
 def run_info_from_hydra(cfg: DictConfig) -> dict:
@@ -133,7 +111,7 @@ def unwritable_output_dir(argv: list[str]) -> str | None:
     return None
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_task(cfg: DictConfig) -> int:
     _state["task_started"] = True
     info = run_info_from_hydra(cfg)
@@ -142,7 +120,7 @@ def hydra_task(cfg: DictConfig) -> int:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     code = run_job(cfg, info)
-    if cfg.launcher.name in SUBMITIT_LAUNCHERS:
+    if LauncherName(cfg.launcher.name).submitit:
         return code  # submitit pickles it for the submitting process, which tallies the sweep
     if info["multirun"]:
         sweep.note_job(info["sweep_dir"], code)
@@ -153,13 +131,13 @@ def hydra_task(cfg: DictConfig) -> int:
 
 def main() -> int:
     """Entry point: register schemas and resolvers, run Hydra; return the process exit code."""
-    register_schemas()
-    problem = unwritable_output_dir(sys.argv[1:])
+    bootstrap()
+    # Hydra reports a bad choice over several lines (the schema's Enum error and its context);
+    # a choice override on the command line is checked first, for one line.
+    problem = bad_choice_override(sys.argv[1:]) or unwritable_output_dir(sys.argv[1:])
     if problem:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    if not OmegaConf.has_resolver("hsdp_run_dir"):
-        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
     try:
         hydra_task()
     except SystemExit as stop:

@@ -18,7 +18,8 @@ import torch
 from omegaconf import OmegaConf
 
 from hsdp_runner import checkpoint, hf
-from hsdp_runner.config import DTYPES, ConfigError
+from hsdp_runner.choices import Dtype
+from hsdp_runner.config import ConfigError
 
 
 def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -50,8 +51,8 @@ def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: 
     Raises ConfigError (CheckpointError / HFFormatError) naming the path for bad input; an
     existing non-empty ``out_dir`` is never overwritten.
     """
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    if dtype not in Dtype.names():
+        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(Dtype.names())}")
     if max_shard_gib <= 0:
         raise ConfigError(f"--max-shard-gib {max_shard_gib} must be positive")
     hf.require_empty_destination(out_dir, "export folder")
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a step-N checkpoint, or a folder of them")
     parser.add_argument("out_dir", type=Path, help="new (or empty) output folder")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=Dtype.names(), help="weight dtype")
     parser.add_argument("--max-shard-gib", type=float, default=5.0,
                         help="split into several files above this size (default 5)")
     args = parser.parse_args(argv)

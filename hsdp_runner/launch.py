@@ -24,7 +24,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner import checkpoint, tracking
-from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
+from hsdp_runner.choices import DataKind, Device, LauncherName
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_batch, validate_config
 from hsdp_runner.data import load_corpus
 from hsdp_runner.devices import (check_torch_apis, check_visible_gpus, cpu_threads,
                                  cuda_fallback_warning)
@@ -46,10 +48,10 @@ def under_torchrun() -> bool:
 
 
 def _cuda_count(cfg) -> int:
-    if cfg.device == "cpu":
+    if cfg.device == Device.cpu:
         return 0
     count = torch.cuda.device_count()
-    if cfg.device == "cuda" and count == 0:
+    if cfg.device == Device.cuda and count == 0:
         raise ConfigError("device=cuda but no CUDA device is visible; set device=cpu or auto")
     return count
 
@@ -79,7 +81,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
             and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
                           "support; use precision=fp32")
-    if cfg.data.kind == "text":
+    if cfg.data.kind == DataKind.text:
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     if cfg.trainer.freeze:
         frozen_names(dict(meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
@@ -98,7 +100,7 @@ def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
         return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if cfg.launcher.nnodes > 1 and cfg.launcher.name == "local":
+    if cfg.launcher.nnodes > 1 and cfg.launcher.name == LauncherName.local:
         raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
                           "ranks on this node only; use torchrun on every node or launcher=slurm "
                           "(README, 'Many nodes'), or keep launcher.nnodes=1")
@@ -126,7 +128,7 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
     """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config)."""
     output_dir = Path(run_info["output_dir"])
     try:
-        if cfg.launcher.name in SUBMITIT_LAUNCHERS:
+        if LauncherName(cfg.launcher.name).submitit:
             join_submitit_job(cfg.launcher.name)
         dims = validate(cfg, output_dir, size_degrees=run_info.get("size_degrees"))
     except ConfigError as err:

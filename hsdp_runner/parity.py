@@ -18,11 +18,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from hsdp_runner import tracking
+from hsdp_runner.compose import CONF_DIR
+from hsdp_runner.compose import compose as compose_config
 from hsdp_runner.config import ConfigError
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.launch import run_job, validate
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BASELINE = "single"
 ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
@@ -48,19 +49,7 @@ def compose(layout: str, overrides: list[str]) -> DictConfig:
     its degrees multiply to, on GPU too (where the default would be every GPU of the node,
     and ``single`` could not run on a multi-GPU node).
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from hsdp_runner.app import default_run_dir
-    from hsdp_runner.config import register_schemas
-
-    register_schemas()
-    if not OmegaConf.has_resolver("hsdp_run_dir"):
-        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config",
-                            overrides=["logger=none", f"parallel={layout}", *overrides])
+    cfg = compose_config(["logger=none", f"parallel={layout}", *overrides])
     degrees = [cfg.parallel[name] for name in ("dp_replicate", "dp_shard", "tp")]
     if not any(o.startswith("launcher.nproc_per_node=") for o in overrides) and -1 not in degrees:
         cfg.launcher.nproc_per_node = degrees[0] * degrees[1] * degrees[2] // cfg.launcher.nnodes

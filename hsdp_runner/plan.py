@@ -26,25 +26,22 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner import plan_memory, plan_report
 from hsdp_runner.cluster import resolve
 from hsdp_runner.comm_model import unit_sizes
-from hsdp_runner.config import ConfigError, register_schemas, validate_batch, validate_config
+from hsdp_runner.compose import compose as compose_config
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_batch, validate_config
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def compose(overrides: list[str]) -> DictConfig:
     """Compose ``conf/plan.yaml`` with ``overrides``; raise ConfigError on a Hydra error."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    register_schemas()
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return hydra_compose(config_name="plan", overrides=overrides)
+        return compose_config(overrides, config_name="plan")
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(str(err).split("\nConfig search path")[0]) from None
 

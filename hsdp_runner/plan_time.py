@@ -21,17 +21,18 @@ The dominant term is the largest of compute and each mesh dim's exposed communic
 
 from __future__ import annotations
 
+from hsdp_runner.choices import AC
 from hsdp_runner.comm_model import analytic_comm, unit_sizes
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, _group_spans_nodes
 from hsdp_runner.models.llama import count_params, flops_per_token
 
 
-def step_flops(model_cfg, trainer, ac: str, world_size: int) -> tuple[float, float]:
+def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, float]:
     """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
     tokens = trainer.global_batch_size * model_cfg.seq_len
     model = flops_per_token(model_cfg) * tokens / world_size
     hardware = model
-    if ac == "full":
+    if ac == AC.full:
         blocks = count_params(model_cfg)["matmul"] - model_cfg.vocab_size * model_cfg.dim
         forward = 2.0 * blocks + 4.0 * model_cfg.n_layers * model_cfg.dim * model_cfg.seq_len
         hardware += forward * tokens / world_size

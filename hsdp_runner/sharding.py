@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hsdp_runner.choices import AC, DDPImpl
 from hsdp_runner.config import ConfigError
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models import llama
@@ -61,21 +62,29 @@ def _save_matmuls_policy():
     return policy
 
 
-def apply_ac(model: llama.Llama, mode: str) -> None:
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_policy())}
+
+
+# parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).
+_AC_WRAPPER_KWARGS = {AC.none: None, AC.full: dict, AC.selective: _selective_context}
+
+
+def apply_ac(model: llama.Llama, mode: AC) -> None:
     """Wrap each block for activation checkpointing.
 
     'full' recomputes the whole block in backward (TP's forward collectives included);
     'selective' saves matmul, attention and TP collective outputs and recomputes the cheap
     element-wise ops (norms, activations, RoPE), so it repeats no communication.
     """
-    if mode == "none":
+    make_kwargs = _AC_WRAPPER_KWARGS[AC(mode)]
+    if make_kwargs is None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    kwargs = {}
-    if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls_policy())
+    kwargs = make_kwargs()
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
@@ -92,7 +101,8 @@ def apply_compile(model: llama.Llama, tp: int) -> None:
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
-                        reshard_after_forward: bool, ddp_impl: str = "replicate") -> None:
+                        reshard_after_forward: bool, ddp_impl: DDPImpl = DDPImpl.replicate
+                        ) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
     fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
@@ -112,8 +122,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
             return
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
     elif mode == "ddp":
-        replicate = _new_replicate() if ddp_impl == "replicate" else None
-        if ddp_impl == "replicate" and replicate is None:
+        wanted = DDPImpl(ddp_impl) is DDPImpl.replicate
+        replicate = _new_replicate() if wanted else None
+        if wanted and replicate is None:
             log.warning("this torch has no FSDP-based replicate; parallel.ddp_impl=fully_shard "
                         "is used instead (same computation)")
         if replicate is not None:

@@ -9,19 +9,12 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hsdp_runner.config import ConfigError, register_schemas, validate_batch, validate_config
+from hsdp_runner.compose import CONF_DIR as CONF
+from hsdp_runner.compose import compose
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_batch, validate_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir() if g.is_dir()}
-
-
-def compose(overrides):
-    """Compose the app's config with ``overrides`` (no run dir, no launch)."""
-    register_schemas()
-    if not OmegaConf.has_resolver("hsdp_run_dir"):
-        OmegaConf.register_new_resolver("hsdp_run_dir", lambda: "outputs/test")
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
 
 
 def test_every_group_has_its_options():

@@ -69,7 +69,8 @@ def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype", "master_dtype"])
 def test_float16_without_a_gradient_scaler_is_refused(key):
-    from hsdp_runner.config import ConfigError, validate_config
+    from hsdp_runner.config import ConfigError
+    from hsdp_runner.config_checks import validate_config
     from test_config import compose
 
     with pytest.raises(ConfigError, match=f"precision.{key}=float16 needs a gradient scaler"):
