@@ -1,7 +1,7 @@
 """The Hydra application: composition, the job's output dir, and W&B naming facts.
 
 Hydra's runtime config exists only in this process, so everything workers need from it
-(output dir, group, run name, tags) is read here into a plain ``run_info`` dict.
+(output dir, group, run name, tags) is read here into a ``contracts.RunInfo``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hsdp_runner.choices import LauncherName
 from hsdp_runner.compose import CONF_DIR, bootstrap, default_run_dir
 from hsdp_runner.config import ParallelConfig
 from hsdp_runner.config_checks import bad_choice_override
+from hsdp_runner.contracts import RunInfo
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.launch import run_job
 from hsdp_runner.mesh import DIM_NAMES
@@ -47,22 +48,20 @@ def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
             "$SLURM_JOB_ID in an allocation) or hydra.run.dir=<a folder every node sees>")
 
 
-def run_info_from_hydra(cfg: DictConfig) -> dict:
+def run_info_from_hydra(cfg: DictConfig) -> RunInfo:
     """Read output dir, W&B group, run name and tags from Hydra's runtime config."""
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     overrides = hc.job.override_dirname
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     group = cfg.logger.group or (Path(hc.sweep.dir).name if multirun else hc.job.name)
-    info = {"output_dir": hc.runtime.output_dir, "group": group,
-            "run_name": overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
-                                              if k in ("parallel", "model", "precision")),
-            "tags": [f"{k}={v}" for k, v in sorted(choices.items())], "multirun": multirun,
-            "overrides": list(hc.overrides.task)}
-    if multirun:
-        info["sweep_dir"] = hc.sweep.dir
-        info["size_degrees"] = preset_degrees(choices.get("parallel"))
-    return info
+    return RunInfo(
+        output_dir=hc.runtime.output_dir, group=group,
+        run_name=overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
+                                       if k in ("parallel", "model", "precision")),
+        tags=[f"{k}={v}" for k, v in sorted(choices.items())], multirun=multirun,
+        overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir if multirun else None,
+        size_degrees=preset_degrees(choices.get("parallel")) if multirun else None)
 
 
 def preset_degrees(choice: str | None) -> dict | None:
@@ -115,16 +114,16 @@ def unwritable_output_dir(argv: list[str]) -> str | None:
 def hydra_task(cfg: DictConfig) -> int:
     _state["task_started"] = True
     info = run_info_from_hydra(cfg)
-    problem = torchrun_problem(info["multirun"], HydraConfig.get().run.dir)
+    problem = torchrun_problem(info.multirun, HydraConfig.get().run.dir)
     if problem:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     code = run_job(cfg, info)
     if LauncherName(cfg.launcher.name).submitit:
         return code  # submitit pickles it for the submitting process, which tallies the sweep
-    if info["multirun"]:
-        sweep.note_job(info["sweep_dir"], code)
-    if code > 128 or (code != EXIT_OK and not info["multirun"]):
+    if info.multirun:
+        sweep.note_job(info.sweep_dir, code)
+    if code > 128 or (code != EXIT_OK and not info.multirun):
         raise SystemExit(code)  # an interrupt (128 + signal) also ends a sweep
     return code
 

@@ -70,6 +70,7 @@ def _require_positive(key: str, value) -> None:
     if value is None or value < 1:
         raise ConfigError(f"{key}={value} must be a positive integer; set {key}>=1")
 
+
 def validate_config(cfg: DictConfig | dict) -> None:
     """Check the fields that need no world size; raise ConfigError naming key, value and fix.
 

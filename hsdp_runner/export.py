@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint, hf
+from hsdp_runner import checkpoint_start, hf
 from hsdp_runner.choices import Dtype
 from hsdp_runner.config import ConfigError
 
@@ -25,12 +25,13 @@ from hsdp_runner.config import ConfigError
 def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Read a checkpoint's model weights unsharded into this process.
 
-    Checks the checkpoint first (``checkpoint.inspect``). Returns ({name: full tensor}, manifest).
+    Checks the checkpoint first (``checkpoint_start.inspect``). Returns ({name: full tensor},
+    manifest).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    manifest = checkpoint.inspect(path, None)
+    manifest = checkpoint_start.inspect(path, None)
     metadata = FileSystemReader(str(path)).read_metadata()
     weights = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in metadata.state_dict_metadata.items() if key.startswith("model.")}
@@ -39,8 +40,9 @@ def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
     except (Exception, dcp.CheckpointException) as err:
-        raise checkpoint.CheckpointError(f"checkpoint {path} could not be read "
-                                         f"({checkpoint.load_failure(err)}); it may be damaged") from err
+        raise checkpoint_start.CheckpointError(
+            f"checkpoint {path} could not be read ({checkpoint_start.load_failure(err)}); it "
+            "may be damaged") from err
     return weights, manifest
 
 
@@ -56,7 +58,7 @@ def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: 
     if max_shard_gib <= 0:
         raise ConfigError(f"--max-shard-gib {max_shard_gib} must be positive")
     hf.require_empty_destination(out_dir, "export folder")
-    path = checkpoint.resolve(source, "checkpoint")
+    path = checkpoint_start.resolve(source, "checkpoint")
     weights, manifest = load_full_weights(path)
     model_cfg = OmegaConf.create(manifest["model"])
     torch_dtype = getattr(torch, dtype)

@@ -21,6 +21,7 @@ from hsdp_runner import tracking
 from hsdp_runner.compose import CONF_DIR
 from hsdp_runner.compose import compose as compose_config
 from hsdp_runner.config import ConfigError
+from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.launch import run_job, validate
 
@@ -144,28 +145,28 @@ def run_parity(args: argparse.Namespace) -> int:
     codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():
         print(f"parity: running {layout} -> {out_dir}", flush=True)
-        codes[layout] = run_job(cfg, {"output_dir": str(out_dir),
-                                      "group": f"parity-{args.out.name}", "run_name": layout,
-                                      "tags": [f"parallel={layout}", "parity"],
-                                      "multirun": True, "overrides": overrides})
+        codes[layout] = run_job(cfg, RunInfo(output_dir=str(out_dir),
+                                             group=f"parity-{args.out.name}", run_name=layout,
+                                             tags=[f"parallel={layout}", "parity"],
+                                             multirun=True, overrides=overrides))
         if codes[layout] > 128:  # Ctrl-C / SIGTERM: the whole parity run stops
             print(f"parity: stopped by a signal during {layout}; layouts not run: "
                   f"{', '.join(list(jobs)[len(codes):]) or 'none'}", file=sys.stderr)
             return codes[layout]
     base_records = tracking.read_metrics(jobs[BASELINE][1])
-    base_summary = tracking.read_summary(jobs[BASELINE][1]) or {}
+    base_summary = RunSummary.read(jobs[BASELINE][1]) or RunSummary()
     rows = []
     for layout, (_, out_dir, dims) in jobs.items():
-        summary = tracking.read_summary(out_dir) or {}
+        summary = RunSummary.read(out_dir) or RunSummary()
         row = {"layout": layout, "world_size": dims.world_size}
-        if codes[layout] != EXIT_OK or summary.get("status") != "completed":
+        if codes[layout] != EXIT_OK or summary.status is not RunStatus.completed:
             row.update(passed=False, note=f"run failed (exit code {codes[layout]}): "
-                                          f"{summary.get('error') or 'see its logs'}")
-        elif base_summary.get("status") != "completed":
+                                          f"{summary.error or 'see its logs'}")
+        elif base_summary.status is not RunStatus.completed:
             row.update(passed=False, note=f"baseline {BASELINE} did not complete")
         else:
             row.update(compare(base_records, tracking.read_metrics(out_dir), args.rtol,
-                               base_summary.get("eval_loss"), summary.get("eval_loss")))
+                               base_summary.eval_loss, summary.eval_loss))
         rows.append(row)
     table = format_table(rows, args.rtol, args.rtol_why)
     (args.out / "parity.md").write_text(table + "\n")

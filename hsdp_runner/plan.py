@@ -19,6 +19,7 @@ import argparse
 import datetime
 import itertools
 import sys
+from enum import Enum
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -121,7 +122,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     requests = []
     for key, group in groups.items():
         cfg = group["cfg"]
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         for depth in group["depths"]:
             group.setdefault("index", {})[depth] = len(requests)
             requests.append(plan_memory.request(
@@ -169,10 +170,15 @@ def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dic
     return cluster.describe(), entries
 
 
+def _plain(value):
+    """A config value as YAML and JSON write it: a choice (an Enum) as its string."""
+    return value.value if isinstance(value, Enum) else value
+
+
 def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
     rep, shard, tp = layout["shape"]
     overrides = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard, "parallel.tp": tp,
-                 **{k: OmegaConf.select(cfg, k) for k in chosen}}
+                 **{k: _plain(OmegaConf.select(cfg, k)) for k in chosen}}
     dims = layout["dims"]
     if dims is None:
         return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.contracts import RunSummary
+
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
 
@@ -63,9 +65,7 @@ def predictions_for(job_dirs: list[Path], plan_file: Path | None = None) -> dict
 def _job_values(job: Path, config: dict):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
-    summary_path = job / "summary.json"
-    shape = (json.loads(summary_path.read_text()).get("mesh_shape")
-             if summary_path.exists() else None)
+    shape = (RunSummary.read(job) or RunSummary()).mesh_shape
 
     def value(key: str):
         found = _select(config, key)
@@ -123,9 +123,9 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     when no job has a prediction.
     """
     found = predictions_for([j.path for j in jobs], plan_file)
-    pairs = [(j.label, found[j.path], j.summary["median_step_time_s"]) for j in jobs
+    pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
              if j.path in found and j.status == "completed"
-             and j.summary.get("median_step_time_s")]
+             and j.summary.median_step_time_s]
     if not found:
         return ""
     figures = evaluate(pairs)
