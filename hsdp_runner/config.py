@@ -154,7 +154,9 @@ class ProfileConfig:
 class FaultConfig:
     rank: Optional[int] = None
     step: int = 1
-    kind: FaultKind = FaultKind.exception
+    # A str, checked against FaultKind in config_checks: Hydra's override parser reads
+    # ``fault.kind=nan`` as a float, which an Enum field would reject.
+    kind: str = FaultKind.exception.value
     phase: FaultPhase = FaultPhase.step
 
 

@@ -15,7 +15,7 @@ import typing
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner.choices import Choice, DataKind, Dtype, LauncherName
+from hsdp_runner.choices import Choice, DataKind, Dtype, FaultKind, LauncherName
 from hsdp_runner.config import ConfigError, RunConfig
 
 
@@ -36,9 +36,10 @@ def _field_types(schema, prefix: str = "") -> dict[str, type]:
 
 
 SCHEMA_TYPES = _field_types(RunConfig)
+# The schema's Enum fields, and fault.kind: a str in the schema (see FaultConfig), same check.
 CHOICE_FIELDS: dict[str, type[Choice]] = {
     key: kind for key, kind in SCHEMA_TYPES.items()
-    if isinstance(kind, type) and issubclass(kind, Choice)}
+    if isinstance(kind, type) and issubclass(kind, Choice)} | {"fault.kind": FaultKind}
 
 
 def check_choice(key: str, value) -> None:
