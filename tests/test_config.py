@@ -85,6 +85,12 @@ def test_choices_dispatch_as_enums_and_read_as_strings():
     assert OmegaConf.to_yaml(cfg.parallel).count("ac: selective") == 1
 
 
+def test_fault_kind_nan_composes_although_hydra_reads_it_as_a_float():
+    cfg = compose(["fault.kind=nan"])
+    assert cfg.fault.kind == "nan"
+    validate_config(cfg)
+
+
 def test_a_plain_dict_config_gets_the_same_choice_check():
     cfg = OmegaConf.to_container(compose([]), resolve=True, enum_to_str=True)
     cfg["fault"]["kind"] = "segfault"
