@@ -16,7 +16,6 @@ running anything.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from hsdp_runner.contracts import RunSummary  # noqa: E402
 # (model, global batch in sequences), largest first.
 CANDIDATES = [("llama3_1b", 8), ("llama3_1b", 4), ("llama3_1b", 2), ("llama3_1b", 1),
               ("llama3_debug", 16)]
@@ -67,23 +68,21 @@ def _run(model: str, batch: int, args, out: Path) -> subprocess.CompletedProcess
 
 
 def _out_of_memory(result: subprocess.CompletedProcess, out: Path) -> bool:
-    summary = out / "summary.json"
-    error = json.loads(summary.read_text()).get("error") or "" if summary.exists() else ""
+    error = (RunSummary.read(out) or RunSummary()).error or ""
     return "out of memory" in (result.stderr + error).lower()
 
 
 def report(model: str, batch: int, out: Path) -> None:
     """Print the steady-state figures of a finished run from its summary.json."""
-    s = json.loads((out / "summary.json").read_text())
-    mfu = "unknown (set metrics.peak_tflops)" if s["median_mfu"] is None \
-        else f"{100 * s['median_mfu']:.1f}%"
-    print(f"device: {s['device_name']} (peak {s['peak_tflops']} TFLOP/s: "
-          f"{s['peak_tflops_source']})")
+    s = RunSummary.read(out)
+    mfu = "unknown (set metrics.peak_tflops)" if s.median_mfu is None \
+        else f"{100 * s.median_mfu:.1f}%"
+    print(f"device: {s.device_name} (peak {s.peak_tflops} TFLOP/s: {s.peak_tflops_source})")
     print(f"model={model} global_batch={batch} seq_len from the model config, "
-          f"{s['steady_steps']} steady steps after {s['warmup_steps_excluded']} warm-up")
-    print(f"tokens/s: {s['median_tps_per_device']:,.0f}  TFLOP/s: {s['median_tflops']:.1f}  "
-          f"MFU: {mfu}  peak memory: {s['mem_peak_gib']:.1f} GiB  "
-          f"step: {s['median_step_time_s']:.3f} s")
+          f"{s.steady_steps} steady steps after {s.warmup_steps_excluded} warm-up")
+    print(f"tokens/s: {s.median_tps_per_device:,.0f}  TFLOP/s: {s.median_tflops:.1f}  "
+          f"MFU: {mfu}  peak memory: {s.mem_peak_gib:.1f} GiB  "
+          f"step: {s.median_step_time_s:.3f} s")
 
 
 def main() -> int:

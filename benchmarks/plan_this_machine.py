@@ -44,7 +44,7 @@ def figures(sweep: Path, plan_json: Path, title: str) -> None:
     """Print the ranking figures of ``sweep`` against ``plan_json`` and the targets."""
     jobs = compare.load_jobs(sweep)
     found = prediction.predictions_for([j.path for j in jobs], plan_json)
-    pairs = [(j.label, found[j.path], j.summary["median_step_time_s"]) for j in jobs
+    pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
              if j.path in found and j.status == "completed"]
     fig = prediction.evaluate(pairs)
     summaries = {j.label: j.summary for j in jobs}

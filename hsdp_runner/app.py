@@ -1,12 +1,11 @@
 """The Hydra application: composition, the job's output dir, and W&B naming facts.
 
 Hydra's runtime config exists only in this process, so everything workers need from it
-(output dir, group, run name, tags) is read here into a plain ``run_info`` dict.
+(output dir, group, run name, tags) is read here into a ``contracts.RunInfo``.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import tempfile
@@ -18,27 +17,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner import sweep
-from hsdp_runner.config import SUBMITIT_LAUNCHERS, ParallelConfig, register_schemas
+from hsdp_runner.choices import LauncherName
+from hsdp_runner.compose import CONF_DIR, bootstrap, default_run_dir
+from hsdp_runner.config import ParallelConfig
+from hsdp_runner.config_checks import bad_choice_override
+from hsdp_runner.contracts import RunInfo
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.launch import run_job
 from hsdp_runner.mesh import DIM_NAMES
-
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-def default_run_dir() -> str:
-    """Output dir of a single run: time-stamped, or one name shared by all torchrun ranks.
-
-    Every torchrun rank composes the config itself, so a clock-based name could differ between
-    ranks; they share the rendezvous id (or, without one, their agent's pid and start time).
-    """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None or "RANK" not in os.environ:
-        return datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
-    if run_id in ("", "none"):
-        run_id = f"{os.uname().nodename}-{os.getppid()}-{_process_start(os.getppid())}"
-    return f"outputs/torchrun/{run_id}"
-
 
 def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
     """Return an error for a torchrun launch the runner cannot serve, else None.
@@ -62,29 +48,20 @@ def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
             "$SLURM_JOB_ID in an allocation) or hydra.run.dir=<a folder every node sees>")
 
 
-def _process_start(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "0"
-
-
-def run_info_from_hydra(cfg: DictConfig) -> dict:
+def run_info_from_hydra(cfg: DictConfig) -> RunInfo:
     """Read output dir, W&B group, run name and tags from Hydra's runtime config."""
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     overrides = hc.job.override_dirname
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     group = cfg.logger.group or (Path(hc.sweep.dir).name if multirun else hc.job.name)
-    info = {"output_dir": hc.runtime.output_dir, "group": group,
-            "run_name": overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
-                                              if k in ("parallel", "model", "precision")),
-            "tags": [f"{k}={v}" for k, v in sorted(choices.items())], "multirun": multirun,
-            "overrides": list(hc.overrides.task)}
-    if multirun:
-        info["sweep_dir"] = hc.sweep.dir
-        info["size_degrees"] = preset_degrees(choices.get("parallel"))
-    return info
+    return RunInfo(
+        output_dir=hc.runtime.output_dir, group=group,
+        run_name=overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
+                                       if k in ("parallel", "model", "precision")),
+        tags=[f"{k}={v}" for k, v in sorted(choices.items())], multirun=multirun,
+        overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir if multirun else None,
+        size_degrees=preset_degrees(choices.get("parallel")) if multirun else None)
 
 
 def preset_degrees(choice: str | None) -> dict | None:
@@ -133,33 +110,33 @@ def unwritable_output_dir(argv: list[str]) -> str | None:
     return None
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_task(cfg: DictConfig) -> int:
     _state["task_started"] = True
     info = run_info_from_hydra(cfg)
-    problem = torchrun_problem(info["multirun"], HydraConfig.get().run.dir)
+    problem = torchrun_problem(info.multirun, HydraConfig.get().run.dir)
     if problem:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
     code = run_job(cfg, info)
-    if cfg.launcher.name in SUBMITIT_LAUNCHERS:
+    if LauncherName(cfg.launcher.name).submitit:
         return code  # submitit pickles it for the submitting process, which tallies the sweep
-    if info["multirun"]:
-        sweep.note_job(info["sweep_dir"], code)
-    if code > 128 or (code != EXIT_OK and not info["multirun"]):
+    if info.multirun:
+        sweep.note_job(info.sweep_dir, code)
+    if code > 128 or (code != EXIT_OK and not info.multirun):
         raise SystemExit(code)  # an interrupt (128 + signal) also ends a sweep
     return code
 
 
 def main() -> int:
     """Entry point: register schemas and resolvers, run Hydra; return the process exit code."""
-    register_schemas()
-    problem = unwritable_output_dir(sys.argv[1:])
+    bootstrap()
+    # Hydra reports a bad choice over several lines (the schema's Enum error and its context);
+    # a choice override on the command line is checked first, for one line.
+    problem = bad_choice_override(sys.argv[1:]) or unwritable_output_dir(sys.argv[1:])
     if problem:
         print(f"hsdp_runner: config error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    if not OmegaConf.has_resolver("hsdp_run_dir"):
-        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
     try:
         hydra_task()
     except SystemExit as stop:

@@ -45,6 +45,7 @@ from collections import defaultdict
 
 import torch
 
+from hsdp_runner.choices import AC
 from hsdp_runner.comm import GROUP_NAMES
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec
@@ -105,7 +106,7 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
     if dims.tp > 1:
         tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
         _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
-                         _dtype_bytes(precision.param_dtype), accum, parallel.ac == "full")
+                         _dtype_bytes(precision.param_dtype), accum, parallel.ac == AC.full)
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}

@@ -36,7 +36,7 @@ def plot_bars(jobs: list[Job], path: Path) -> Path:
     bars = ax_tps.barh(names, tps, xerr=whiskers, color=colors, capsize=3)
     ax_tps.bar_label(bars, fmt="{:,.0f}", label_type="center", color="white")
     ax_tps.set_title("tokens/s, global (median after warm-up, min–max)")
-    bars = ax_mem.barh(names, [j.summary.get("mem_peak_gib") or 0 for j in done], color=colors)
+    bars = ax_mem.barh(names, [j.summary.mem_peak_gib or 0 for j in done], color=colors)
     ax_mem.bar_label(bars, fmt="{:.2f}", label_type="center", color="white")
     ax_mem.set_title("peak memory, rank 0 (GiB)")
     ax_tps.invert_yaxis()

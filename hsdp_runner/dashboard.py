@@ -23,6 +23,7 @@ import socket
 from pathlib import Path
 
 from hsdp_runner import dashboard_charts, prediction, runs
+from hsdp_runner.contracts import RunStatus, RunSummary
 
 HTML_FILE, STATE_FILE = "compare.html", "sweep_state.json"
 RELOAD_S = 10
@@ -81,12 +82,12 @@ def _sort_key(text: str) -> str:
     return match.group(1).replace(",", "") if match else text.lower()
 
 
-def _why(summary: dict) -> str:
+def _why(summary: RunSummary) -> str:
     """The whole reason a job did not complete, for the status cell's tooltip."""
-    if summary.get("status") == "interrupted":
-        return (f"interrupted by {summary.get('signal')} after step "
-                f"{summary.get('interrupted_at_step')}; rerun the same command to resume")
-    return str(summary.get("reason") or summary.get("error") or "")
+    if summary.status is RunStatus.interrupted:
+        return (f"interrupted by {summary.signal} after step "
+                f"{summary.interrupted_at_step}; rerun the same command to resume")
+    return str(summary.reason or summary.error or "")
 
 
 def table_html(jobs: list[runs.Job]) -> str:

@@ -24,7 +24,7 @@ def _go():
 
 def measured(jobs: list[Job]) -> list[Job]:
     """Jobs with steady-state figures (completed, or interrupted after its warm-up)."""
-    return [j for j in jobs if j.summary.get("median_tps_global") is not None]
+    return [j for j in jobs if j.summary.median_tps_global is not None]
 
 
 def _name(job: Job) -> str:
@@ -52,9 +52,9 @@ def bars(jobs: list[Job]):
         return None, "no job has steady-state figures yet"
     names = [_short(_name(j)) for j in done]
     colors = [BEST if i == 0 else OTHER for i in range(len(done))]
-    tps = [j.summary["median_tps_global"] for j in done]
-    mem = [j.summary.get("mem_peak_gib") for j in done]
-    ranks = [j.summary.get("mem_peak_gib_per_rank") or [m] for j, m in zip(done, mem)]
+    tps = [j.summary.median_tps_global for j in done]
+    mem = [j.summary.mem_peak_gib for j in done]
+    ranks = [j.summary.mem_peak_gib_per_rank or [m] for j, m in zip(done, mem)]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.03,
                         subplot_titles=("tokens/s global (median, min–max)",
                                         "peak memory GiB (rank 0; min–max of ranks)"))
@@ -113,10 +113,10 @@ def parallel_coordinates(jobs: list[Job]):
         return None, "no job has steady-state figures yet"
     dims = [_axis(name, [j.summary.get(name, "?") for j in done]) for name in DEGREES]
     dims += [_axis(key, values) for key, values in _option_values(done).items()]
-    metrics = {"tokens/s global": [j.summary["median_tps_global"] for j in done],
-               "MFU %": [None if j.summary.get("median_mfu") is None
-                         else 100 * j.summary["median_mfu"] for j in done],
-               "peak mem GiB": [j.summary.get("mem_peak_gib") for j in done]}
+    metrics = {"tokens/s global": [j.summary.median_tps_global for j in done],
+               "MFU %": [None if j.summary.median_mfu is None
+                         else 100 * j.summary.median_mfu for j in done],
+               "peak mem GiB": [j.summary.mem_peak_gib for j in done]}
     left_out = [name for name, values in metrics.items() if None in values]
     dims += [dict(label=name, values=values) for name, values in metrics.items()
              if name not in left_out]
@@ -162,7 +162,7 @@ def communication(jobs: list[Job]):
     """MiB per step and rank of the counted step, stacked by ``<collective>/<mesh dim>``:
     measured next to the analytic model, per job."""
     go, _ = _go()
-    counted = [j for j in jobs if j.summary.get("comm_measured") is not None]
+    counted = [j for j in jobs if j.summary.comm_measured is not None]
     if not counted:
         return None, "no job counted its communication (metrics.comm_step=null, or none ran)"
     keys = sorted({k for j in counted for source in ("comm_measured", "comm_analytic")
@@ -181,7 +181,7 @@ def communication(jobs: list[Job]):
     fig.update_xaxes(tickangle=0)
     fig.update_layout(barmode="stack", yaxis_title="MiB per step and rank",
                       legend=dict(title="collective/mesh dim"))
-    steps = sorted({j.summary.get("comm_step") for j in counted} - {None})
+    steps = sorted({j.summary.comm_step for j in counted} - {None})
     return _style(fig, 460), f"counted on step {', '.join(map(str, steps))}"
 
 

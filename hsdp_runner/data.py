@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hsdp_runner.choices import DataKind
 from hsdp_runner.config import ConfigError
 
 
@@ -89,11 +90,12 @@ class TokenBatches:
 
     def __init__(self, data_cfg, vocab_size: int, seq_len: int, global_batch: int,
                  dp_rank: int, dp_size: int, seed: int):
-        self.kind = data_cfg.kind
+        self.kind = DataKind(data_cfg.kind)
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
-        self.corpus = load_corpus(data_cfg.path, seq_len + 1) if self.kind == "text" else None
-        if self.kind == "synthetic":
+        self.corpus = load_corpus(data_cfg.path, seq_len + 1) \
+            if self.kind is DataKind.text else None
+        if self.kind is DataKind.synthetic:
             # Fixed per seed: a Zipf unigram law and a random successor for every token. A token
             # follows its predecessor's successor half the time, else is drawn from the Zipf law,
             # so the loss falls quickly (unigram, then bigram) below log(vocab).
@@ -106,7 +108,7 @@ class TokenBatches:
         """Return the whole step's batch, (global_batch, seq_len + 1) int64, on CPU."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, length = self.global_batch, self.seq_len + 1
-        if self.kind == "synthetic":
+        if self.kind is DataKind.synthetic:
             draws = torch.multinomial(self.unigram, n * length, replacement=True,
                                       generator=gen).view(n, length)
             follow = torch.rand(n, length, generator=gen) < 0.5

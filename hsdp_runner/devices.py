@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from hsdp_runner.choices import Device
 from hsdp_runner.config import ConfigError
 
 
@@ -68,13 +69,14 @@ def check_visible_gpus(local_world_size: int, visible: int) -> None:
             "--nproc-per-node), or bind one GPU per task (SLURM --gpus-per-task=1)")
 
 
-def pick_device(choice: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+def pick_device(choice: Device, local_rank: int, local_world_size: int = 1) -> torch.device:
     """Return this rank's device for ``device`` = auto | cpu | cuda and make it current.
 
     Takes the config choice, the rank's index on its node and the ranks on the node. Raises
     ConfigError when ``device=cuda`` sees no GPU or the local ranks outnumber visible GPUs.
     """
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    choice = Device(choice)
+    if choice is Device.cpu or (choice is Device.auto and not torch.cuda.is_available()):
         return torch.device("cpu")
     visible = torch.cuda.device_count()
     if visible == 0:
@@ -112,7 +114,7 @@ def cuda_fallback_warning(choice: str, root: Path = Path("/")) -> str | None:
 
     ``device=cpu`` is a deliberate choice and stays quiet; ``device=cuda`` fails elsewhere.
     """
-    if choice != "auto" or torch.cuda.is_available():
+    if Device(choice) is not Device.auto or torch.cuda.is_available():
         return None
     count, vendor = gpus_present(root)
     if not count:

@@ -17,19 +17,21 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint, hf
-from hsdp_runner.config import DTYPES, ConfigError
+from hsdp_runner import checkpoint_start, hf
+from hsdp_runner.choices import Dtype
+from hsdp_runner.config import ConfigError
 
 
 def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Read a checkpoint's model weights unsharded into this process.
 
-    Checks the checkpoint first (``checkpoint.inspect``). Returns ({name: full tensor}, manifest).
+    Checks the checkpoint first (``checkpoint_start.inspect``). Returns ({name: full tensor},
+    manifest).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    manifest = checkpoint.inspect(path, None)
+    manifest = checkpoint_start.inspect(path, None)
     metadata = FileSystemReader(str(path)).read_metadata()
     weights = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in metadata.state_dict_metadata.items() if key.startswith("model.")}
@@ -38,8 +40,9 @@ def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
     except (Exception, dcp.CheckpointException) as err:
-        raise checkpoint.CheckpointError(f"checkpoint {path} could not be read "
-                                         f"({checkpoint.load_failure(err)}); it may be damaged") from err
+        raise checkpoint_start.CheckpointError(
+            f"checkpoint {path} could not be read ({checkpoint_start.load_failure(err)}); it "
+            "may be damaged") from err
     return weights, manifest
 
 
@@ -50,12 +53,12 @@ def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: 
     Raises ConfigError (CheckpointError / HFFormatError) naming the path for bad input; an
     existing non-empty ``out_dir`` is never overwritten.
     """
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    if dtype not in Dtype.names():
+        raise ConfigError(f"--dtype {dtype} is not one of {', '.join(Dtype.names())}")
     if max_shard_gib <= 0:
         raise ConfigError(f"--max-shard-gib {max_shard_gib} must be positive")
     hf.require_empty_destination(out_dir, "export folder")
-    path = checkpoint.resolve(source, "checkpoint")
+    path = checkpoint_start.resolve(source, "checkpoint")
     weights, manifest = load_full_weights(path)
     model_cfg = OmegaConf.create(manifest["model"])
     torch_dtype = getattr(torch, dtype)
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a step-N checkpoint, or a folder of them")
     parser.add_argument("out_dir", type=Path, help="new (or empty) output folder")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=Dtype.names(), help="weight dtype")
     parser.add_argument("--max-shard-gib", type=float, default=5.0,
                         help="split into several files above this size (default 5)")
     args = parser.parse_args(argv)

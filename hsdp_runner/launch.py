@@ -12,6 +12,7 @@ process, so a bad degree or path costs seconds, not a node-hour. Then either
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,8 +23,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import checkpoint, forkserver, tracking
-from hsdp_runner.config import SUBMITIT_LAUNCHERS, ConfigError, validate_batch, validate_config
+from hsdp_runner import checkpoint_start, forkserver, tracking
+from hsdp_runner.choices import DataKind, Device, LauncherName
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_batch, validate_config
+from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
 from hsdp_runner.data import load_corpus
 from hsdp_runner.devices import (check_torch_apis, check_visible_gpus, cpu_threads,
                                  cuda_fallback_warning)
@@ -46,10 +50,10 @@ def under_torchrun() -> bool:
 
 
 def _cuda_count(cfg) -> int:
-    if cfg.device == "cpu":
+    if cfg.device == Device.cpu:
         return 0
     count = torch.cuda.device_count()
-    if cfg.device == "cuda" and count == 0:
+    if cfg.device == Device.cuda and count == 0:
         raise ConfigError("device=cuda but no CUDA device is visible; set device=cpu or auto")
     return count
 
@@ -79,12 +83,12 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
             and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
                           "support; use precision=fp32")
-    if cfg.data.kind == "text":
+    if cfg.data.kind == DataKind.text:
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     if cfg.trainer.freeze:
         frozen_names(dict(build_meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
     _check_writable(output_dir)
-    checkpoint.validate(cfg, output_dir)
+    checkpoint_start.validate(cfg, output_dir)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)
@@ -98,7 +102,7 @@ def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
         return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if cfg.launcher.nnodes > 1 and cfg.launcher.name == "local":
+    if cfg.launcher.nnodes > 1 and cfg.launcher.name == LauncherName.local:
         raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
                           "ranks on this node only; use torchrun on every node or launcher=slurm "
                           "(README, 'Many nodes'), or keep launcher.nnodes=1")
@@ -122,15 +126,15 @@ def _check_writable(output_dir: Path) -> None:
                           "hydra.run.dir (or hydra.sweep.dir) to a writable folder") from None
 
 
-def run_job(cfg: DictConfig, run_info: dict) -> int:
+def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
     """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config)."""
-    output_dir = Path(run_info["output_dir"])
+    output_dir = Path(run_info.output_dir)
     try:
-        if cfg.launcher.name in SUBMITIT_LAUNCHERS:
+        if LauncherName(cfg.launcher.name).submitit:
             join_submitit_job(cfg.launcher.name)
-        dims = validate(cfg, output_dir, size_degrees=run_info.get("size_degrees"))
+        dims = validate(cfg, output_dir, size_degrees=run_info.size_degrees)
     except ConfigError as err:
-        if run_info.get("multirun"):  # a sweep skips a combination that cannot run, goes on
+        if run_info.multirun:  # a sweep skips a combination that cannot run, goes on
             _record_skipped(cfg, run_info, str(err))
         else:
             print(f"hsdp_runner: config error: {err}", file=sys.stderr)
@@ -146,15 +150,15 @@ def run_job(cfg: DictConfig, run_info: dict) -> int:
         code, summary = _launch_local(cfg_dict, dims, run_info)
         if code != EXIT_OK:
             return code
-    if summary is not None and summary.get("status") == "interrupted":
-        print(f"hsdp_runner: interrupted by {summary['signal']} after step "
-              f"{summary['interrupted_at_step']}; last checkpoint: "
-              f"{summary.get('last_checkpoint') or 'none (checkpoint.enable=false)'}; rerun the "
+    if summary is not None and summary.status is RunStatus.interrupted:
+        print(f"hsdp_runner: interrupted by {summary.signal} after step "
+              f"{summary.interrupted_at_step}; last checkpoint: "
+              f"{summary.last_checkpoint or 'none (checkpoint.enable=false)'}; rerun the "
               f"same command to resume. Outputs in {output_dir}", file=sys.stderr)
-        return 128 + signal.Signals[summary["signal"]].value
+        return 128 + signal.Signals[summary.signal].value
     if summary is not None:
         print(f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
-              f"{summary['final_loss']:.4f}); outputs in {output_dir}")
+              f"{summary.final_loss:.4f}); outputs in {output_dir}")
     return EXIT_OK
 
 
@@ -215,7 +219,8 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
     return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
 
 
-def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[int, dict | None]:
+def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
+                  ) -> tuple[int, RunSummary | None]:
     """Start ``dims.world_size`` workers on this node and wait; return (exit code, summary)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -234,7 +239,7 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
     signals.install(stop_signals(cfg_dict["launcher"].get("signal")))
     try:
         results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
-                                      {**run_info, "local_launch": True},
+                                      dataclasses.replace(run_info, local_launch=True),
                                       shutdown_timeout=cfg_dict["launcher"]["timeout_s"],
                                       agent_signals="SIGHUP,SIGQUIT")
     except SignalException as err:  # a stop signal while no worker was running
@@ -245,11 +250,12 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> tuple[i
         rank, failure = first_failure(err.failures)
         stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
         if stopped:
-            return _stopped_at_once(cfg_dict, dims, run_info["output_dir"], stopped), None
-        message = _failure_message(failure, Path(run_info["output_dir"]) / "logs", rank)
+            return _stopped_at_once(cfg_dict, dims, run_info.output_dir, stopped), None
+        message = _failure_message(failure, Path(run_info.output_dir) / "logs", rank)
         print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
-              f"rank logs: {Path(run_info['output_dir']) / 'logs'}", file=sys.stderr)
-        _write_failed_summary(run_info["output_dir"], dims, rank, message)
+              f"rank logs: {Path(run_info.output_dir) / 'logs'}", file=sys.stderr)
+        # Replaces summary.json: figures of an earlier attempt must not appear under 'failed'.
+        RunSummary.failed(dims.describe(), rank, message).write(run_info.output_dir)
         return EXIT_FAILED, None
     finally:
         signals.uninstall()
@@ -263,13 +269,11 @@ def _stop_exit_signal(exitcode: int) -> int | None:
 
 def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum: int) -> int:
     """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
-    cfg = OmegaConf.create(cfg_dict)
-    last_ckpt = checkpoint.newest_checkpoint(cfg, Path(output_dir))
+    last_ckpt = checkpoint_start.newest_checkpoint(OmegaConf.create(cfg_dict["checkpoint"]),
+                                                   Path(output_dir))
     step = tracking.last_step(output_dir)
-    tracking.write_summary(output_dir, {
-        "status": "interrupted", **dims.describe(), "signal": signal_name(signum),
-        "interrupted_at_step": step, "stopped_at_once": True, "last_checkpoint": last_ckpt,
-        "error": None})
+    RunSummary.interrupted_at_once(dims.describe(), signal_name(signum), step,
+                                   last_ckpt).write(output_dir)
     print(f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
           f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
           file=sys.stderr)
@@ -288,25 +292,16 @@ def _failure_message(failure, log_dir: Path | None = None, rank: int | None = No
     return with_timeout_hint(message)
 
 
-def _write_failed_summary(output_dir: str, dims: ParallelDims, rank: int, message: str) -> None:
-    """Replace summary.json with a failed record: the layout, the rank and its error only
-    (figures of an earlier attempt must not appear under ``status: failed``)."""
-    tracking.write_summary(output_dir, {"status": "failed", **dims.describe(),
-                                        "failed_rank": rank, "error": message})
-
-
-def _record_skipped(cfg: DictConfig, run_info: dict, reason: str) -> None:
+def _record_skipped(cfg: DictConfig, run_info: RunInfo, reason: str) -> None:
     """A sweep's job that cannot run: print why; write its resolved config and its summary
     (``status: skipped``, the reason, its overrides and the degrees it asked for)."""
-    output_dir = Path(run_info["output_dir"])
+    output_dir = Path(run_info.output_dir)
     print(f"hsdp_runner: skipped (not counted as a failure): {reason}", flush=True)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        tracking.write_summary(output_dir, {
-            "status": "skipped", "reason": reason, "overrides": run_info["overrides"],
-            "requested_degrees": {name: cfg.parallel[name] for name in DIM_NAMES},
-            "error": None})
+        RunSummary.skipped(reason, run_info.overrides,
+                           {name: cfg.parallel[name] for name in DIM_NAMES}).write(output_dir)
     except OSError as err:  # e.g. the reason itself is an unwritable output dir
         print(f"hsdp_runner: could not record the skipped job in {output_dir}: {err}",
               file=sys.stderr)

@@ -228,19 +228,3 @@ def steady_state(records: list[dict], warmup_steps: int) -> dict:
             out[f"min_{key}"], out[f"max_{key}"] = min(values), max(values)
     out["mem_peak_gib"] = max((r["mem_peak_gib"] for r in records), default=None)
     return out
-
-
-def flat_summary(memory: dict, comm_facts: dict) -> dict:
-    """Scalars for the W&B summary: memory estimate, comm totals and ratio, and the measured
-    and analytic bytes per collective kind and mesh dim (``comm/<kind>/<dim>/bytes``, ...)."""
-    out = {f"mem_estimate_gib/{k}": v for k, v in memory.get("mem_estimate_gib", {}).items()}
-    if memory.get("mem_peak_gib_per_rank"):
-        out["mem_peak_gib_max_rank"] = max(memory["mem_peak_gib_per_rank"])
-    for key in ("comm_bytes_measured", "comm_bytes_analytic", "comm_ratio", "comm_step"):
-        if key in comm_facts:
-            out[key] = comm_facts[key]
-    for source in ("measured", "analytic"):
-        for name, entry in comm_facts.get(f"comm_{source}", {}).items():
-            for field, value in entry.items():
-                out[f"comm_{source}/{name}/{field}"] = value
-    return out

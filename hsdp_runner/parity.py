@@ -18,11 +18,13 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from hsdp_runner import tracking
+from hsdp_runner.compose import CONF_DIR
+from hsdp_runner.compose import compose as compose_config
 from hsdp_runner.config import ConfigError
+from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
 from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.launch import run_job, validate
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 BASELINE = "single"
 ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
@@ -48,19 +50,7 @@ def compose(layout: str, overrides: list[str]) -> DictConfig:
     its degrees multiply to, on GPU too (where the default would be every GPU of the node,
     and ``single`` could not run on a multi-GPU node).
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from hsdp_runner.app import default_run_dir
-    from hsdp_runner.config import register_schemas
-
-    register_schemas()
-    if not OmegaConf.has_resolver("hsdp_run_dir"):
-        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config",
-                            overrides=["logger=none", f"parallel={layout}", *overrides])
+    cfg = compose_config(["logger=none", f"parallel={layout}", *overrides])
     degrees = [cfg.parallel[name] for name in ("dp_replicate", "dp_shard", "tp")]
     if not any(o.startswith("launcher.nproc_per_node=") for o in overrides) and -1 not in degrees:
         cfg.launcher.nproc_per_node = degrees[0] * degrees[1] * degrees[2] // cfg.launcher.nnodes
@@ -155,28 +145,28 @@ def run_parity(args: argparse.Namespace) -> int:
     codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():
         print(f"parity: running {layout} -> {out_dir}", flush=True)
-        codes[layout] = run_job(cfg, {"output_dir": str(out_dir),
-                                      "group": f"parity-{args.out.name}", "run_name": layout,
-                                      "tags": [f"parallel={layout}", "parity"],
-                                      "multirun": True, "overrides": overrides})
+        codes[layout] = run_job(cfg, RunInfo(output_dir=str(out_dir),
+                                             group=f"parity-{args.out.name}", run_name=layout,
+                                             tags=[f"parallel={layout}", "parity"],
+                                             multirun=True, overrides=overrides))
         if codes[layout] > 128:  # Ctrl-C / SIGTERM: the whole parity run stops
             print(f"parity: stopped by a signal during {layout}; layouts not run: "
                   f"{', '.join(list(jobs)[len(codes):]) or 'none'}", file=sys.stderr)
             return codes[layout]
     base_records = tracking.read_metrics(jobs[BASELINE][1])
-    base_summary = tracking.read_summary(jobs[BASELINE][1]) or {}
+    base_summary = RunSummary.read(jobs[BASELINE][1]) or RunSummary()
     rows = []
     for layout, (_, out_dir, dims) in jobs.items():
-        summary = tracking.read_summary(out_dir) or {}
+        summary = RunSummary.read(out_dir) or RunSummary()
         row = {"layout": layout, "world_size": dims.world_size}
-        if codes[layout] != EXIT_OK or summary.get("status") != "completed":
+        if codes[layout] != EXIT_OK or summary.status is not RunStatus.completed:
             row.update(passed=False, note=f"run failed (exit code {codes[layout]}): "
-                                          f"{summary.get('error') or 'see its logs'}")
-        elif base_summary.get("status") != "completed":
+                                          f"{summary.error or 'see its logs'}")
+        elif base_summary.status is not RunStatus.completed:
             row.update(passed=False, note=f"baseline {BASELINE} did not complete")
         else:
             row.update(compare(base_records, tracking.read_metrics(out_dir), args.rtol,
-                               base_summary.get("eval_loss"), summary.get("eval_loss")))
+                               base_summary.eval_loss, summary.eval_loss))
         rows.append(row)
     table = format_table(rows, args.rtol, args.rtol_why)
     (args.out / "parity.md").write_text(table + "\n")

@@ -19,6 +19,7 @@ import argparse
 import datetime
 import itertools
 import sys
+from enum import Enum
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,25 +27,22 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner import plan_memory, plan_report
 from hsdp_runner.cluster import resolve
 from hsdp_runner.comm_model import unit_sizes
-from hsdp_runner.config import ConfigError, register_schemas, validate_batch, validate_config
+from hsdp_runner.compose import compose as compose_config
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_batch, validate_config
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def compose(overrides: list[str]) -> DictConfig:
     """Compose ``conf/plan.yaml`` with ``overrides``; raise ConfigError on a Hydra error."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    register_schemas()
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return hydra_compose(config_name="plan", overrides=overrides)
+        return compose_config(overrides, config_name="plan")
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError(str(err).split("\nConfig search path")[0]) from None
 
@@ -124,7 +122,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     requests = []
     for key, group in groups.items():
         cfg = group["cfg"]
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         for depth in group["depths"]:
             group.setdefault("index", {})[depth] = len(requests)
             requests.append(plan_memory.request(
@@ -173,10 +171,15 @@ def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dic
     return cluster.describe(), entries
 
 
+def _plain(value):
+    """A config value as YAML and JSON write it: a choice (an Enum) as its string."""
+    return value.value if isinstance(value, Enum) else value
+
+
 def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
     rep, shard, tp = layout["shape"]
     overrides = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard, "parallel.tp": tp,
-                 **{k: OmegaConf.select(cfg, k) for k in chosen}}
+                 **{k: _plain(OmegaConf.select(cfg, k)) for k in chosen}}
     dims = layout["dims"]
     if dims is None:
         return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,

@@ -79,9 +79,9 @@ def calibrate(sweep_dir: Path, plan_file: Path | None = None) -> str:
     from hsdp_runner.runs import load_jobs
 
     jobs = [j for j in load_jobs(sweep_dir) if j.status == "completed"
-            and j.summary.get("median_step_time_s")] if sweep_dir.is_dir() else []
+            and j.summary.median_step_time_s] if sweep_dir.is_dir() else []
     found = predictions_for([j.path for j in jobs], plan_file)
-    pairs = [(found[j.path], j.summary["median_step_time_s"]) for j in jobs if j.path in found]
+    pairs = [(found[j.path], j.summary.median_step_time_s) for j in jobs if j.path in found]
     if len(pairs) < 2:
         raise ConfigError(f"--calibrate {sweep_dir}: {len(pairs)} completed job(s) with a "
                           "prediction (plan.source, or --plan FILE); run a sweep written by "

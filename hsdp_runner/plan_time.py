@@ -24,20 +24,21 @@ The dominant term is the largest of compute and each mesh dim's exposed communic
 
 from __future__ import annotations
 
+from hsdp_runner.choices import AC
 from hsdp_runner.comm_model import analytic_comm, unit_sizes
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, _group_spans_nodes
 from hsdp_runner.models.base import model_spec
 
 
-def step_flops(model_cfg, trainer, ac: str, world_size: int) -> tuple[float, float]:
+def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, float]:
     """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
     spec = model_spec(model_cfg)
     tokens = trainer.global_batch_size * model_cfg.seq_len
     model = spec.flops_per_token() * tokens / world_size
     hardware = model
-    if ac == "full":
+    if ac == AC.full:
         hardware += spec.block_forward_flops_per_token() * tokens / world_size
-    elif ac == "selective":
+    elif ac == AC.selective:
         hardware += spec.selective_recompute_flops_per_token() * tokens / world_size
     return model, hardware
 

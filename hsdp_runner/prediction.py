@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.contracts import RunSummary
+
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 DEGREES = ("dp_replicate", "dp_shard", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
 MEMORY_TARGET = 0.15  # the planner's memory target: |predicted / measured - 1| <= 15%
@@ -66,9 +68,7 @@ def predictions_for(job_dirs: list[Path], plan_file: Path | None = None) -> dict
 def _job_values(job: Path, config: dict):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
-    summary_path = job / "summary.json"
-    shape = (json.loads(summary_path.read_text()).get("mesh_shape")
-             if summary_path.exists() else None)
+    shape = (RunSummary.read(job) or RunSummary()).mesh_shape
 
     def value(key: str):
         found = _select(config, key)
@@ -119,12 +119,11 @@ def evaluate(pairs: list[tuple[str, dict, float]]) -> dict:
             "best_in_predicted_top2": best in top2 if pairs else None, "errors": errors}
 
 
-def measured_memory_gib(summary: dict) -> float | None:
+def measured_memory_gib(summary: RunSummary) -> float | None:
     """The memory a job's training added, in GiB: the largest over ranks of the peak
     (``mem_peak_gib_per_rank``) minus that rank's baseline before the model was built
     (``mem_baseline_gib_per_rank``); None for a job that recorded no baseline."""
-    peaks = summary.get("mem_peak_gib_per_rank")
-    bases = summary.get("mem_baseline_gib_per_rank")
+    peaks, bases = summary.mem_peak_gib_per_rank, summary.mem_baseline_gib_per_rank
     if not peaks or not bases or len(peaks) != len(bases):
         return None
     return max(p - b for p, b in zip(peaks, bases))
@@ -160,9 +159,9 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     when no job has a prediction.
     """
     found = predictions_for([j.path for j in jobs], plan_file)
-    pairs = [(j.label, found[j.path], j.summary["median_step_time_s"]) for j in jobs
+    pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
              if j.path in found and j.status == "completed"
-             and j.summary.get("median_step_time_s")]
+             and j.summary.median_step_time_s]
     if not found:
         return ""
     figures = evaluate(pairs)

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from hsdp_runner import tracking
+from hsdp_runner.contracts import RunSummary
 from hsdp_runner.failures import cause_from_log, died_in_cpp, with_timeout_hint
 
 _STOP_WAIT_S = 5.0  # how long rank 0 waits for the sidecar to copy what it wrote
@@ -154,7 +155,7 @@ def _end_recorded(output_dir: Path, started: float) -> bool:
         return False
 
 
-def record_if_missing(output_dir: Path, layout: dict, started: float) -> dict | None:
+def record_if_missing(output_dir: Path, layout: dict, started: float) -> RunSummary | None:
     """Rank 0 has died: unless this attempt's end is on record, write a failed summary naming
     the rank whose log holds a cause (rank 0 first) and return it; else None."""
     if _end_recorded(output_dir, started):
@@ -166,8 +167,8 @@ def record_if_missing(output_dir: Path, layout: dict, started: float) -> dict | 
     error = with_timeout_hint(f"rank {rank} died in C++: {cause}") if cause else \
         ("rank 0 ended without recording why (killed by a signal it could not handle, e.g. "
          "its launcher's SIGKILL after a shutdown timeout); no cause in logs/rank*.log")
-    facts = {"status": "failed", **layout, "failed_rank": rank, "error": error}
-    return facts if tracking.record_end(output_dir, facts) else None
+    summary = RunSummary.failed(layout, rank, error)
+    return summary if tracking.record_end(output_dir, summary) else None
 
 
 def main(argv: list[str]) -> int:
@@ -188,9 +189,9 @@ def main(argv: list[str]) -> int:
     if clean:
         control.sendall(_ACK)
     elif spec["layout"] is not None:
-        facts = record_if_missing(output_dir, spec["layout"], spec["started"])
-        if facts is not None:
-            _write_all(1, f"hsdp_runner: rank {facts['failed_rank']} failed: {facts['error']}\n"
+        summary = record_if_missing(output_dir, spec["layout"], spec["started"])
+        if summary is not None:
+            _write_all(1, f"hsdp_runner: rank {summary.failed_rank} failed: {summary.error}\n"
                           f"rank logs: {output_dir / 'logs'}\n".encode())
     control.close()
     if not at_eof:

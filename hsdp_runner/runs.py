@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner import tracking
+from hsdp_runner.contracts import RunSummary
 
 ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
 
@@ -25,18 +26,18 @@ class Job:
     num: int
     overrides: list[str]
     config: dict
-    summary: dict
+    summary: RunSummary  # empty (status None) while the job has no summary.json
     records: list[dict]
     label: str = field(default="")
 
     @property
     def status(self) -> str:
         """completed / interrupted / failed / skipped, or unfinished without a summary."""
-        return self.summary.get("status", "unfinished")
+        return self.summary.status or "unfinished"
 
     @property
     def tps_global(self) -> float | None:
-        return self.summary.get("median_tps_global")
+        return self.summary.median_tps_global
 
 
 def _read_yaml(path: Path):
@@ -55,7 +56,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
         jobs.append(Job(path=path, num=int(prefix) if prefix.isdigit() else len(jobs),
                         overrides=_read_yaml(path / ".hydra" / "overrides.yaml") or [],
                         config=_read_yaml(path / tracking.RESOLVED_CONFIG_FILE) or {},
-                        summary=tracking.read_summary(path) or {},
+                        summary=RunSummary.read(path) or RunSummary(),
                         records=tracking.read_metrics(path)))
     _label(jobs)
     jobs.sort(key=lambda j: (ORDER.get(j.status, len(ORDER)), -(j.tps_global or 0.0), j.num))
@@ -74,7 +75,7 @@ def _num(value, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def _spread(summary: dict, key: str) -> str:
+def _spread(summary: RunSummary, key: str) -> str:
     median = summary.get(f"median_{key}")
     if median is None:
         return "—"
@@ -92,13 +93,13 @@ def _cell(text: str, limit: int = 240) -> str:
 def _mfu(job: Job) -> str:
     if job.status != "completed":
         return "—"
-    mfu = job.summary.get("median_mfu")
+    mfu = job.summary.median_mfu
     return "n/a" if mfu is None else f"{100 * mfu:.2f}%"
 
 
-def _comm(summary: dict) -> str:
+def _comm(summary: RunSummary) -> str:
     """Measured collective bytes of the counted step and their ratio to the analytic model."""
-    measured, ratio = summary.get("comm_bytes_measured"), summary.get("comm_ratio")
+    measured, ratio = summary.comm_bytes_measured, summary.comm_ratio
     if measured is None:
         return "—"
     return f"{measured / 2**20:,.2f}" + ("" if ratio is None else f" (×{ratio:.3f})")
@@ -109,20 +110,20 @@ def _status(job: Job) -> str:
     if job.status == "completed":
         return "ok"
     if job.status == "skipped":
-        return "skipped: " + _cell(s.get("reason", ""))
+        return "skipped: " + _cell(s.reason or "")
     if job.status == "failed":
-        return f"failed (rank {s.get('failed_rank')}): " + _cell(s.get("error", ""))
+        return f"failed (rank {s.failed_rank}): " + _cell(s.error or "")
     if job.status == "interrupted":
-        return f"interrupted at step {s.get('interrupted_at_step')} ({s.get('signal')})"
+        return f"interrupted at step {s.interrupted_at_step} ({s.signal})"
     return "unfinished (no summary.json)"
 
 
 def degrees(job: Job) -> tuple[str, str, str]:
     """(layout, 'r x s x t', world size) from the run's mesh, or the asked-for degrees."""
     s = job.summary
-    if "mesh_shape" in s:
-        return s["layout"], "×".join(map(str, s["mesh_shape"])), str(s["world_size"])
-    asked = s.get("requested_degrees") or job.config.get("parallel") or {}
+    if s.mesh_shape is not None:
+        return s.layout, "×".join(map(str, s.mesh_shape)), str(s.world_size)
+    asked = s.requested_degrees or job.config.get("parallel") or {}
     shape = "×".join(str(asked.get(k, "?")) for k in ("dp_replicate", "dp_shard", "tp"))
     return "—", shape, "—"
 
@@ -144,6 +145,6 @@ def table(jobs: list[Job]) -> str:
             (job.config.get("precision") or {}).get("name", "?"), _comm(s),
             _spread(s, "tps_per_device"), _spread(s, "tps_global"),
             _mfu(job),
-            _num(s.get("mem_peak_gib"), ".2f"), _num(s.get("median_step_time_s"), ".3g"),
+            _num(s.mem_peak_gib, ".2f"), _num(s.median_step_time_s, ".3g"),
             _status(job)]) + " |")
     return "\n".join(rows)

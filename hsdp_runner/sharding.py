@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hsdp_runner.choices import AC, DDPImpl
 from hsdp_runner.config import ConfigError
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
@@ -75,7 +76,12 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_ac(model: ParallelModule, mode: str) -> None:
+# parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).
+_AC_WRAPPER_KWARGS = {AC.none: None, AC.full: dict,
+                      AC.selective: lambda: {"context_fn": _selective_contexts}}
+
+
+def apply_ac(model: ParallelModule, mode: AC) -> None:
     """Wrap each block for activation checkpointing.
 
     'full' recomputes the whole block in backward (TP's forward collectives included);
@@ -83,11 +89,12 @@ def apply_ac(model: ParallelModule, mode: str) -> None:
     matmul output, attention and TP collective outputs and recomputes the rest, so it repeats
     no communication.
     """
-    if mode == "none":
+    make_kwargs = _AC_WRAPPER_KWARGS[AC(mode)]
+    if make_kwargs is None:
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    kwargs = {"context_fn": _selective_contexts} if mode == "selective" else {}
+    kwargs = make_kwargs()
     blocks = model.blocks()
     for name, block in list(blocks.items()):
         blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
@@ -105,7 +112,8 @@ def apply_compile(model: ParallelModule, tp: int) -> None:
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
-                        reshard_after_forward: bool, ddp_impl: str = "replicate") -> None:
+                        reshard_after_forward: bool, ddp_impl: DDPImpl = DDPImpl.replicate
+                        ) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
     fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
@@ -125,8 +133,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
             return
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
     elif mode == "ddp":
-        replicate = _new_replicate() if ddp_impl == "replicate" else None
-        if ddp_impl == "replicate" and replicate is None:
+        wanted = DDPImpl(ddp_impl) is DDPImpl.replicate
+        replicate = _new_replicate() if wanted else None
+        if wanted and replicate is None:
             log.warning("this torch has no FSDP-based replicate; parallel.ddp_impl=fully_shard "
                         "is used instead (same computation)")
         if replicate is not None:

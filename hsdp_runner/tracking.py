@@ -1,8 +1,11 @@
-"""Where rank 0's figures go: the console, the job's metrics files, and Weights & Biases.
+"""Where rank 0's figures go: the job's metrics files and Weights & Biases, behind one interface.
 
-W&B is optional and never fatal: it runs offline by default (no account, no network), an
-online run without credentials falls back to offline, and any W&B failure becomes a warning
-while training and the local metrics files go on.
+Every sink is a ``Tracker`` (log a step, log the run's summary, finish); ``open_trackers``
+returns rank 0's list of them for the ``logger`` config: always ``MetricsFile`` (metrics.jsonl
+and summary.json), plus ``WandbRun`` with ``logger=wandb``. W&B is optional and never fatal:
+it runs offline by default (no account, no network), an online run without credentials falls
+back to offline, and any W&B failure becomes a warning while training and the local metrics
+files go on.
 """
 
 from __future__ import annotations
@@ -12,29 +15,17 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import Protocol
+
+from hsdp_runner.choices import Logger, WandbMode
+from hsdp_runner.contracts import SUMMARY_FILE, RunInfo, RunSummary
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 EARLIER_RUNS_DIR = "earlier_runs"
 _ENDED_TOKEN = ".end_recorded"
-
-
-def write_summary(output_dir: str | Path, summary: dict) -> Path:
-    """Write ``summary.json`` atomically (temp file + rename); return its path."""
-    path = Path(output_dir) / SUMMARY_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_summary(output_dir: str | Path) -> dict | None:
-    """Return the job's summary.json as a dict, or None if it has none."""
-    path = Path(output_dir) / SUMMARY_FILE
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
@@ -87,7 +78,7 @@ def begin_attempt(output_dir: str | Path) -> None:
     (Path(output_dir) / "logs" / _ENDED_TOKEN).unlink(missing_ok=True)
 
 
-def record_end(output_dir: str | Path, summary: dict) -> bool:
+def record_end(output_dir: str | Path, summary: RunSummary) -> bool:
     """Write ``summary`` (a failed or interrupted-at-once record) unless another process of
     this attempt already did: the first rank to fail names the failure (its peers fail after
     it, with "connection closed"). Returns whether it wrote."""
@@ -97,7 +88,7 @@ def record_end(output_dir: str | Path, summary: dict) -> bool:
         os.close(os.open(logs / _ENDED_TOKEN, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return False
-    write_summary(output_dir, summary)
+    summary.write(output_dir)
     return True
 
 
@@ -111,27 +102,46 @@ def last_step(output_dir: str | Path) -> int:
     return max((r["step"] for r in read_metrics(output_dir)), default=0)
 
 
+class Tracker(Protocol):
+    """A sink of rank 0's figures; the trainer and worker talk to every sink through this."""
+
+    def log_step(self, record: dict) -> None:
+        """Take one step's record (metrics.step_record plus the step's extras)."""
+
+    def log_summary(self, summary: RunSummary) -> None:
+        """Take the finished run's summary."""
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Flush and close (``exit_code`` 1: the run failed)."""
+
+
 class MetricsFile:
-    """Appends one JSON line per step to ``metrics.jsonl`` in the job's output dir."""
+    """The job's own files: one JSON line per step in ``metrics.jsonl``, and ``summary.json``."""
 
     def __init__(self, output_dir: str | Path):
-        self.path = Path(output_dir) / METRICS_FILE
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / METRICS_FILE
         self._file = open(self.path, "a", buffering=1)
 
-    def log(self, record: dict) -> None:
+    def log_step(self, record: dict) -> None:
         """Append ``record`` as one line and flush it."""
         self._file.write(json.dumps(record) + "\n")
 
-    def close(self) -> None:
+    def log_summary(self, summary: RunSummary) -> None:
+        """Write ``summary.json``."""
+        summary.write(self.output_dir)
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Close metrics.jsonl."""
         self._file.close()
 
 
 class WandbRun:
     """A W&B run for rank 0, or a no-op when disabled or when W&B cannot start."""
 
-    def __init__(self, logger_cfg, run_info: dict, config: dict, output_dir: str | Path):
+    def __init__(self, logger_cfg, run_info: RunInfo, config: dict, output_dir: str | Path):
         self.run = None
-        if logger_cfg.name != "wandb" or logger_cfg.mode == "disabled":
+        if logger_cfg.mode == WandbMode.disabled:
             return
         try:
             self.run = self._start(logger_cfg, run_info, config, Path(output_dir))
@@ -140,35 +150,35 @@ class WandbRun:
                         type(err).__name__, err, output_dir)
 
     @staticmethod
-    def _start(logger_cfg, run_info: dict, config: dict, output_dir: Path):
+    def _start(logger_cfg, run_info: RunInfo, config: dict, output_dir: Path):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
-        mode = logger_cfg.mode
-        if mode == "online" and not wandb_credentials_present():
+        mode = WandbMode(logger_cfg.mode)
+        if mode is WandbMode.online and not wandb_credentials_present():
             log.warning("logger.mode=online but no W&B credentials (WANDB_API_KEY or `wandb "
                         "login`); logging offline instead. Sync later with `wandb sync %s`",
                         output_dir / "wandb")
-            mode = "offline"
+            mode = WandbMode.offline
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = wandb.init(
-                project=logger_cfg.project, entity=logger_cfg.entity, mode=mode,
-                dir=str(output_dir), group=run_info["group"], name=run_info["run_name"],
-                tags=run_info["tags"], config=config, job_type="train",
+                project=logger_cfg.project, entity=logger_cfg.entity, mode=mode.value,
+                dir=str(output_dir), group=run_info.group, name=run_info.run_name,
+                tags=list(run_info.tags), config=config, job_type="train",
                 settings=wandb.Settings(console="off", init_timeout=60, silent=True),
                 reinit="finish_previous")
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         return run
 
-    def log(self, record: dict) -> None:
+    def log_step(self, record: dict) -> None:
         """Log one step's record (``step`` is the x-axis)."""
         self._guard(lambda: self.run.log(record))
 
-    def summary(self, values: dict) -> None:
-        """Write steady-state figures into the run summary."""
-        self._guard(lambda: self.run.summary.update(values))
+    def log_summary(self, summary: RunSummary) -> None:
+        """Write the run's scalars (``wandb_summary``) into the W&B run summary."""
+        self._guard(lambda: self.run.summary.update(wandb_summary(summary)))
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the run; offline runs can be uploaded later with ``wandb sync``."""
@@ -184,6 +194,38 @@ class WandbRun:
             log.warning("W&B failed (%s: %s); it is turned off for the rest of this run",
                         type(err).__name__, err)
             self.run = None
+
+
+def wandb_summary(summary: RunSummary) -> dict:
+    """Scalars for the W&B run summary: status, final loss, skipped steps, the steady-state
+    figures, the memory estimate and peak of the fullest rank, comm totals and ratio, and the
+    measured and analytic bytes per collective kind and mesh dim (``comm_<source>/<kind>/<dim>/
+    bytes``, ...)."""
+    out = {"status": summary.status and summary.status.value, "final_loss": summary.final_loss,
+           "skipped_steps": summary.skipped_steps}
+    out |= {f"mem_estimate_gib/{k}": v for k, v in (summary.mem_estimate_gib or {}).items()}
+    if summary.mem_peak_gib_per_rank:
+        out["mem_peak_gib_max_rank"] = max(summary.mem_peak_gib_per_rank)
+    for source in ("measured", "analytic"):
+        for name, entry in (summary.get(f"comm_{source}") or {}).items():
+            for key, value in entry.items():
+                out[f"comm_{source}/{name}/{key}"] = value
+    scalars = ("steady_steps", "warmup_steps_excluded", "mem_peak_gib", "comm_bytes_measured",
+               "comm_bytes_analytic", "comm_ratio", "comm_step")
+    for key, value in summary.to_dict().items():
+        if key in scalars or key.startswith(("median_", "min_", "max_")):
+            out[key] = value
+    return out
+
+
+def open_trackers(logger_cfg, run_info: RunInfo, config: dict, output_dir: str | Path
+                  ) -> list[Tracker]:
+    """Rank 0's sinks for ``logger.name``: the job's files always, W&B with ``logger=wandb``.
+
+    ``config``: the resolved config as a plain dict (W&B's run config)."""
+    extra = {Logger.none: lambda: [],
+             Logger.wandb: lambda: [WandbRun(logger_cfg, run_info, config, output_dir)]}
+    return [MetricsFile(output_dir), *extra[Logger(logger_cfg.name)]()]
 
 
 def wandb_credentials_present() -> bool:

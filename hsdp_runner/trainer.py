@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hsdp_runner import comm, metrics, step_stats
-from hsdp_runner.comm_model import analytic_comm, comm_report
+from hsdp_runner.choices import OnNan
+from hsdp_runner.comm_model import comm_report
 from hsdp_runner.data import Prefetcher, TokenBatches
 from hsdp_runner.faults import inject_fault
 from hsdp_runner.mesh import ParallelDims, WorldMesh
-from hsdp_runner.models.base import model_spec
+from hsdp_runner.run_figures import RunFigures
+from hsdp_runner.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -76,34 +78,37 @@ def _counting(counter):
 
 
 class Trainer:
-    """Trains ``model`` for ``cfg.trainer.steps`` steps; ``fit()`` returns the step records."""
+    """Trains ``model`` for ``train.steps`` steps; ``fit()`` returns the step records.
 
-    def __init__(self, cfg, dims: ParallelDims, world: WorldMesh, model: torch.nn.Module,
-                 device: torch.device, sinks=None):
-        self.cfg, self.dims, self.world, self.model, self.device = cfg, dims, world, model, device
+    Takes the sharded model, the job's ParallelDims and world mesh, the rank's device, its
+    batches, the ``optim`` and ``trainer`` config nodes, the run's fixed figures (computed
+    once, ``run_figures``), the ``fault`` node, the step whose collectives are counted
+    (``metrics.comm_step``, None: none) and rank 0's sinks (an empty list elsewhere).
+    """
+
+    def __init__(self, model: torch.nn.Module, dims: ParallelDims, world: WorldMesh,
+                 device: torch.device, batches: TokenBatches, optim, train,
+                 figures: RunFigures, fault=None, comm_step: int | None = None,
+                 sinks: list[Tracker] = ()):
+        self.model, self.dims, self.world, self.device = model, dims, world, device
+        self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
+        self.grad_clip, self.comm_step = optim.grad_clip, comm_step
         self.rank = dist.get_rank()
-        self.sinks = sinks  # rank 0: (MetricsFile, WandbRun); None: report nothing
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.sinks = list(sinks)
+        self.optimizer = build_optimizer(model, optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.trainer.steps,
-                                      cfg.optim.min_lr_ratio))
+            self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio))
         self.dp_group = world["dp"].get_group()
         # The per-step stats all-reduce counts each dp rank's loss once: on its tp rank 0.
         self.counts_loss = world.local_rank_in("tp") == 0
-        self.batches = TokenBatches(
-            cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
-            dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
-        self.flops_per_token = model_spec(cfg.model).flops_per_token()
-        self.peak_tflops, self.peak_source = metrics.resolve_peak_tflops(
-            device, cfg.precision.param_dtype, cfg.metrics.peak_tflops)
         self.records: list[dict] = []
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
-        # Communication accounting: filled after the step ``metrics.comm_step``. The counter
-        # is built here: it looks up the mesh's groups, host work no step should do.
+        # Communication accounting: filled after the step ``comm_step``. The counter is built
+        # here: it looks up the mesh's groups, host work no step should do.
         self.comm_facts: dict = {}
-        self.comm_counter = None if cfg.metrics.comm_step is None else comm.CommCounter(world)
+        self.comm_counter = None if comm_step is None else comm.CommCounter(world)
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
@@ -116,9 +121,9 @@ class Trainer:
 
         Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
         """
-        poison = inject_fault(self.cfg.fault, self.rank, step + 1)
+        poison = self.fault is not None and inject_fault(self.fault, self.rank, step + 1)
         inputs, targets = data.get(step)
-        accum = self.cfg.trainer.grad_accum_steps
+        accum = self.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
             if hasattr(self.model, "set_requires_gradient_sync"):
@@ -131,7 +136,7 @@ class Trainer:
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = _plain(
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=True))
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True))
         stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
@@ -165,7 +170,7 @@ class Trainer:
         return loss
 
     def fit(self, start_step: int = 0, after_step=None, stop=None) -> list[dict]:
-        """Run steps ``start_step``..``trainer.steps - 1`` (0-based); reports each to the sinks.
+        """Run steps ``start_step``..``train.steps - 1`` (0-based); reports each to the sinks.
 
         Step s's results are read (one host read) once step s+1's forward and backward are
         queued, before step s+1's optimizer step; then step s is reported and
@@ -177,7 +182,7 @@ class Trainer:
         ``trainer.on_nan=stop`` NonFiniteError is raised when it is read, with ``skip`` it
         is counted. Returns the reported records.
         """
-        steps = self.cfg.trainer.steps
+        steps = self.train.steps
         bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
                    dynamic_ncols=True, disable=self.rank != 0, leave=False)
         self.model.train()
@@ -185,7 +190,7 @@ class Trainer:
         pending = None
         try:
             for step in range(start_step, steps):
-                counter = self.comm_counter if step + 1 == self.cfg.metrics.comm_step else None
+                counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
                 with _counting(counter):
                     stats, grad_norm = self._forward_backward(
@@ -217,7 +222,7 @@ class Trainer:
         values = pending.read()
         step = pending.step + 1
         if values.nonfinite:
-            if self.cfg.trainer.on_nan == "stop":
+            if OnNan(self.train.on_nan) is OnNan.stop:
                 raise NonFiniteError(
                     f"step {step}: loss {values.loss} / grad norm {values.grad_norm} is not "
                     "finite; the run stops (trainer.on_nan=stop). Lower optim.lr, check the "
@@ -226,18 +231,17 @@ class Trainer:
             log.warning("step %d: non-finite loss %s / grad norm %s; update skipped "
                         "(trainer.on_nan=skip, %d skipped so far)", step, values.loss,
                         values.grad_norm, self.skipped_steps)
-        tokens = self.cfg.trainer.global_batch_size * self.cfg.model.seq_len
+        tokens = self.batches.global_batch * self.batches.seq_len
         record = metrics.step_record(
             step, values.loss, values.grad_norm, pending.lr, pending.seconds(), tokens,
-            self.dims.world_size, self.flops_per_token, self.peak_tflops,
+            self.dims.world_size, self.figures.flops_per_token, self.figures.peak_tflops,
             metrics.peak_memory_gib(self.device))
         record["skipped"] = values.nonfinite
         self.last_step = step
         if pending.counter is not None:
             record.update(self._comm_record(pending.counter, step))
         bar.update(1)
-        if self.sinks is not None:
-            self._report(record, bar)
+        self._report(record, bar)
         if after_step is not None:
             after_step(step)
         if values.signum:
@@ -248,9 +252,7 @@ class Trainer:
 
     def _comm_record(self, counter: comm.CommCounter, step: int) -> dict:
         """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
-        c = self.cfg
-        analytic = analytic_comm(c.model, self.dims, c.parallel, c.precision, c.trainer)
-        self.comm_facts = comm_report(counter.result(), analytic, step)
+        self.comm_facts = comm_report(counter.result(), self.figures.analytic_comm, step)
         if self.rank == 0:
             log.info("step %d communication per rank: measured %s bytes, analytic %s bytes "
                      "(ratio %s)", step, f"{self.comm_facts['comm_bytes_measured']:,}",
@@ -258,13 +260,14 @@ class Trainer:
         return {k: v for k, v in self.comm_facts.items() if k != "comm_step"}
 
     def _report(self, record: dict, bar) -> None:
+        """Keep the record (every rank), hand it to the sinks, print rank 0's console line."""
         self.records.append(record)
-        metrics_file, wandb_run = self.sinks
-        metrics_file.log(record)
-        wandb_run.log(record)
-        if record["step"] % self.cfg.trainer.log_every == 0 or record["step"] == self.cfg.trainer.steps:
+        for sink in self.sinks:
+            sink.log_step(record)
+        step = record["step"]
+        if self.rank == 0 and (step % self.train.log_every == 0 or step == self.train.steps):
             mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
-            bar.write(f"step {record['step']:>4}/{self.cfg.trainer.steps}  loss {record['loss']:.4f}  "
+            bar.write(f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  "
                       f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                       f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
                       f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "

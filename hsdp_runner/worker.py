@@ -22,12 +22,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint, metrics, profiling, rank0_sidecar, tracking
+from hsdp_runner import checkpoint_start, metrics, profiling, rank0_sidecar, tracking
+from hsdp_runner.checkpoint import Checkpointer, data_facts
+from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
+from hsdp_runner.data import TokenBatches
 from hsdp_runner.devices import pick_device, set_cpu_threads
 from hsdp_runner.failures import (PEER_LOST_GRACE_S, failed_facts, mark_attempt,
                                   nccl_failure_env, peer_lost)
 from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_name, stop_signals
-from hsdp_runner.mesh import ParallelDims
+from hsdp_runner.mesh import ParallelDims, WorldMesh
+from hsdp_runner.run_figures import RunFigures, compute_run_figures
 from hsdp_runner.sharding import build_model
 from hsdp_runner.trainer import Trainer
 
@@ -67,11 +71,11 @@ def setup_logging(output_dir: Path, rank: int) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | None:
+def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSummary | None:
     """Train one rank of the job described by the resolved config ``cfg_dict``.
 
     Takes the plain resolved config, the validated ParallelDims and run facts (output dir,
-    W&B group, run name, tags). Returns rank 0's summary dict (None on other ranks).
+    W&B group, run name, tags). Returns rank 0's summary (None on other ranks).
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -80,11 +84,11 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     # peer fails first. A later signal stops at once (StopNow).
     stop = StopRequest()
     stop.install(stop_signals(cfg_dict["launcher"].get("signal")))
-    output_dir = Path(run_info["output_dir"])
+    output_dir = Path(run_info.output_dir)
     setup_logging(output_dir, rank)
     # Rank 0's stderr goes through a process that outlives it (its C++ last words reach its
     # log; under torchrun / SLURM it records a rank 0 that died without a word).
-    sidecar = rank0_sidecar.start(output_dir, None if run_info.get("local_launch")
+    sidecar = rank0_sidecar.start(output_dir, None if run_info.local_launch
                                   else dims.describe(), cfg_dict["launcher"]["timeout_s"]) \
         if rank == 0 else None
     faulthandler.enable(all_threads=True)  # a rank killed in C++ leaves its Python stack in its log
@@ -115,7 +119,7 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: dict) -> dict | Non
     dist.destroy_process_group()
     if sidecar is not None:
         sidecar.stop()
-    if summary is not None and summary["status"] == "interrupted":
+    if summary is not None and summary.status is RunStatus.interrupted:
         _requeue_if_asked(cfg.launcher, stop, summary)
     return summary
 
@@ -124,21 +128,22 @@ def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
                     err: BaseException) -> None:
     """Log why this rank ends early and, if it is the first rank of this attempt to end so,
     write summary.json: ``interrupted`` for a stop-at-once signal, else ``failed``."""
-    last_ckpt = checkpoint.newest_checkpoint(cfg, output_dir)
+    last_ckpt = checkpoint_start.newest_checkpoint(cfg.checkpoint, output_dir)
     if isinstance(err, StopNow):
         log.warning("rank %d stopped at once on a repeated %s", rank, signal_name(err.signum))
-        facts = {"status": "interrupted", "signal": signal_name(err.signum),
-                 "interrupted_at_step": tracking.last_step(output_dir), "stopped_at_once": True,
-                 "error": None}
+        summary = RunSummary.interrupted_at_once(dims.describe(), signal_name(err.signum),
+                                                 tracking.last_step(output_dir), last_ckpt)
     else:
         log.exception("rank %d failed", rank)
         facts = failed_facts(output_dir / "logs", rank, err)
         if facts["failed_rank"] != rank:
             log.error("rank %d failed first: %s", facts["failed_rank"], facts["error"])
-    tracking.record_end(output_dir, {**facts, **dims.describe(), "last_checkpoint": last_ckpt})
+        summary = RunSummary.failed(dims.describe(), facts["failed_rank"], facts["error"],
+                                    last_checkpoint=last_ckpt)
+    tracking.record_end(output_dir, summary)
 
 
-def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: dict) -> None:
+def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: RunSummary) -> None:
     """Under submitit with ``launcher.requeue`` > 0, rank 0 of a job stopped by the time-limit
     signal hands over to submitit's own handler (the one ``stop.install`` replaced), which
     records the job, requeues it and exits this process; the requeued job resumes from its
@@ -155,15 +160,15 @@ def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: dict) -> None:
     if stop.signum not in time_limit or not callable(handler):
         return
     log.warning("%s after step %d: requeueing the job through submitit; it resumes from %s",
-                summary["signal"], summary["interrupted_at_step"], summary.get("last_checkpoint"))
+                summary.signal, summary.interrupted_at_step, summary.last_checkpoint)
     try:
         handler(stop.signum, None)  # requeues and exits the process
     except Exception as err:  # e.g. submitit's "timed-out too many times"
         log.warning("not requeued: %s", err)
 
 
-def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output_dir: Path,
-           rank: int, stop: StopRequest) -> dict | None:
+def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, output_dir: Path,
+           rank: int, stop: StopRequest) -> RunSummary | None:
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
@@ -174,25 +179,17 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
                         cfg.trainer.seed, cfg.trainer.freeze)
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
     # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
-    start = checkpoint.agree_on_start(cfg, output_dir)
+    start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
+    figures = compute_run_figures(cfg, dims, model, device)
+    sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg, output_dir, start)
-    sinks = None
-    if rank == 0:
         facts = run_facts(dims, device)
-        config = {**OmegaConf.to_container(cfg, resolve=True), "derived": facts}
-        sinks = (tracking.MetricsFile(output_dir),
-                 tracking.WandbRun(cfg.logger, run_info, config, output_dir))
-    trainer = Trainer(cfg, dims, world, model, device, sinks)
-    # Memory estimate, to compare with the measured peak.
-    mem_estimate = metrics.memory_breakdown(model, cfg.precision.master_dtype)
-    if rank == 0:
-        log.info("peak %s TFLOP/s per device (%s)", _fmt(trainer.peak_tflops), trainer.peak_source)
-        log.info("memory estimate per rank: params %.3f + grads %.3f + optimizer %.3f = %.3f GiB "
-                 "(activations and gathered parameters come on top)", mem_estimate["params"],
-                 mem_estimate["grads"], mem_estimate["optimizer"], mem_estimate["total"])
-    ckpt = checkpoint.Checkpointer(cfg, dims, output_dir, trainer.model, trainer.optimizer,
-                                   trainer.scheduler, device)
+        config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "derived": facts}
+        sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
+        _log_figures(figures)
+    trainer = make_trainer(cfg, dims, world, model, device, figures, sinks)
+    ckpt = make_checkpointer(cfg, dims, output_dir, trainer, device)
     try:
         first = ckpt.restore(start)
         profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)
@@ -207,40 +204,70 @@ def _train(cfg, dims: ParallelDims, run_info: dict, device: torch.device, output
     except BaseException:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
-            sinks[1].finish(exit_code=1)
+        for sink in sinks:
+            sink.finish(exit_code=1)
         raise
     if not stopped:  # an unfinished run is not exported; its rerun exports at its end
         ckpt.export_at_end()
     eval_loss = None
     if cfg.trainer.eval_batches and not stopped:
         eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
-    memory = _memory_facts(device, mem_estimate, mem_baseline)  # a collective: every rank calls it
+    # A collective: every rank calls it.
+    memory = _memory_facts(device, figures.memory_estimate, mem_baseline)
     if rank != 0:
         return None
-    metrics_file, wandb_run = sinks
-    metrics_file.close()
-    steady = metrics.steady_state(records, cfg.metrics.warmup_steps)
-    interrupted = {"status": "interrupted", "interrupted_at_step": trainer.last_step,
+    interrupted = {"status": RunStatus.interrupted, "interrupted_at_step": trainer.last_step,
                    "signal": signal_name(stopped)} if stopped else {}
-    summary = {"status": "completed", **facts, "steps": len(records),
-               "skipped_steps": trainer.skipped_steps,
-               "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
-               "peak_tflops": trainer.peak_tflops, "peak_tflops_source": trainer.peak_source,
-               "flops_per_token": trainer.flops_per_token, **steady, **ckpt.facts,
-               **memory, **trainer.comm_facts, "error": None, **interrupted}
-    wandb_run.summary(steady | {"final_loss": summary["final_loss"], "status": summary["status"],
-                                "skipped_steps": trainer.skipped_steps}
-                      | metrics.flat_summary(memory, trainer.comm_facts))
-    wandb_run.finish()
-    tracking.write_summary(output_dir, summary)
+    summary = RunSummary(**{
+        "status": RunStatus.completed, **facts, "steps": len(records),
+        "skipped_steps": trainer.skipped_steps,
+        "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
+        "peak_tflops": figures.peak_tflops, "peak_tflops_source": figures.peak_source,
+        "flops_per_token": figures.flops_per_token,
+        **metrics.steady_state(records, cfg.metrics.warmup_steps), **ckpt.facts, **memory,
+        **trainer.comm_facts, **interrupted})
+    for sink in sinks:
+        sink.log_summary(summary)
+        sink.finish()
     return summary
 
 
-def _prepare_metrics(cfg, output_dir: Path, start: checkpoint.Start) -> None:
+def make_trainer(cfg, dims: ParallelDims, world: WorldMesh, model: torch.nn.Module,
+                 device: torch.device, figures: RunFigures, sinks: list[tracking.Tracker]
+                 ) -> Trainer:
+    """Build the Trainer from the resolved config: the config groups it uses, this rank's
+    batches and the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
+    batches = TokenBatches(
+        cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
+        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
+    return Trainer(model, dims, world, device, batches, cfg.optim, cfg.trainer, figures,
+                   fault=cfg.fault, comm_step=cfg.metrics.comm_step, sinks=sinks)
+
+
+def make_checkpointer(cfg, dims: ParallelDims, output_dir: Path, trainer: Trainer,
+                      device: torch.device) -> Checkpointer:
+    """Build the Checkpointer over the trainer's model, optimizer and LR scheduler."""
+    return Checkpointer(
+        cfg.checkpoint, cfg.model, dims, output_dir, trainer.model, trainer.optimizer,
+        trainer.scheduler, device, total_steps=cfg.trainer.steps,
+        master_dtype=cfg.precision.master_dtype, fault=cfg.fault,
+        data=data_facts(cfg.data, cfg.trainer.seed, cfg.trainer.global_batch_size,
+                        cfg.model.seq_len))
+
+
+def _log_figures(figures: RunFigures) -> None:
+    mem = figures.memory_estimate
+    log.info("peak %s TFLOP/s per device (%s)", _fmt(figures.peak_tflops), figures.peak_source)
+    log.info("memory estimate per rank: params %.3f + grads %.3f + optimizer %.3f = %.3f GiB "
+             "(activations and gathered parameters come on top)", mem["params"], mem["grads"],
+             mem["optimizer"], mem["total"])
+
+
+def _prepare_metrics(cfg, output_dir: Path, start: checkpoint_start.Start) -> None:
     """Rank 0, before the first step: a job resuming its own checkpoint keeps each step up to
     it once in metrics.jsonl; any other start sets an earlier run's files aside."""
     own = start.source == "checkpoint" and \
-        Path(start.path).parent == checkpoint.checkpoint_dir(cfg, output_dir)
+        Path(start.path).parent == checkpoint_start.checkpoint_dir(cfg.checkpoint, output_dir)
     if own:
         tracking.truncate_metrics(output_dir, start.step)
     elif (aside := tracking.set_aside_earlier_run(output_dir)) is not None:
@@ -248,7 +275,7 @@ def _prepare_metrics(cfg, output_dir: Path, start: checkpoint.Start) -> None:
                     "in this dir were moved to %s", aside)
 
 
-def _save_on_stop(cfg, ckpt, step: int) -> None:
+def _save_on_stop(cfg, ckpt: Checkpointer, step: int) -> None:
     """After a stop request, save the step just finished unless it was saved already."""
     if not cfg.checkpoint.enable:
         log.warning("stopped after step %d; checkpointing is off (checkpoint.enable=false), so "

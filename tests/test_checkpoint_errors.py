@@ -5,7 +5,8 @@ import shutil
 import pytest
 
 from conftest import TINY, run_cli
-from hsdp_runner import checkpoint, export
+from hsdp_runner import checkpoint_start as checkpoint
+from hsdp_runner import export
 from hsdp_runner.config import ConfigError
 from test_config import compose
 

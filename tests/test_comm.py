@@ -39,8 +39,9 @@ def _measure_layouts():
     import torch.distributed as dist
 
     from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.run_figures import compute_run_figures
     from hsdp_runner.sharding import build_model
-    from hsdp_runner.trainer import Trainer
+    from hsdp_runner.worker import make_trainer
 
     out = {}
     for name, overrides in LAYOUTS.items():
@@ -51,7 +52,8 @@ def _measure_layouts():
         world = dims.build_mesh("cpu")
         device = torch.device("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
-        trainer = Trainer(cfg, dims, world, model, device)
+        figures = compute_run_figures(cfg, dims, model, device)
+        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
         trainer.fit()
         out[name] = trainer.comm_facts
     return out

@@ -1,27 +1,16 @@
 """Hydra composition: every group option composes, typos and wrong types fail naming the key."""
 
-from pathlib import Path
-
 import pytest
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
 
-from hsdp_runner.config import ConfigError, register_schemas, validate_batch, validate_config
+from hsdp_runner.choices import AC, DataKind
+from hsdp_runner.compose import CONF_DIR as CONF
+from hsdp_runner.compose import compose
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import bad_choice_override, validate_batch, validate_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir() if g.is_dir()}
-
-
-def compose(overrides):
-    """Compose the app's config with ``overrides`` (no run dir, no launch)."""
-    register_schemas()
-    if not OmegaConf.has_resolver("hsdp_run_dir"):
-        OmegaConf.register_new_resolver("hsdp_run_dir", lambda: "outputs/test")
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
 
 
 def test_every_group_has_its_options():
@@ -69,12 +58,57 @@ def test_wrong_type_fails_at_composition_naming_the_key():
     assert "tp" in text and "two" in text
 
 
+@pytest.mark.parametrize("override, allowed", [
+    ("parallel.ac=sometimes", "[none, full, selective]"),
+    ("parallel.ddp_impl=ddp", "[replicate, fully_shard]"),
+    ("precision.param_dtype=float8", "[float32, bfloat16, float16]"),
+    ("data.kind=images", "[synthetic, text]"),
+    ("logger.name=tensorboard", "[wandb, none]"),
+    ("logger.mode=cloud", "[offline, online, disabled]"),
+    ("trainer.on_nan=ignore", "[stop, skip]"),
+    ("checkpoint.resume=always", "[auto, never]"),
+    ("launcher.name=pbs", "[local, slurm, slurm_local]"),
+])
+def test_a_bad_choice_fails_at_composition_listing_the_allowed_values(override, allowed):
+    key, value = override.split("=")
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([override])
+    text = f"{err.value} {err.value.__cause__}"
+    assert f"Invalid value '{value}', expected one of {allowed}" in text
+    assert f"full_key: {key}" in text
+
+
+def test_choices_dispatch_as_enums_and_read_as_strings():
+    cfg = compose(["parallel.ac=selective", "data=text"])
+    assert cfg.parallel.ac is AC.selective and cfg.data.kind is DataKind.text
+    assert cfg.parallel.ac == "selective" and f"{cfg.data.kind}" == "text"
+    assert OmegaConf.to_yaml(cfg.parallel).count("ac: selective") == 1
+
+
+def test_fault_kind_nan_composes_although_hydra_reads_it_as_a_float():
+    cfg = compose(["fault.kind=nan"])
+    assert cfg.fault.kind == "nan"
+    validate_config(cfg)
+
+
+def test_a_plain_dict_config_gets_the_same_choice_check():
+    cfg = OmegaConf.to_container(compose([]), resolve=True, enum_to_str=True)
+    cfg["fault"]["kind"] = "segfault"
+    with pytest.raises(ConfigError, match="fault.kind='segfault' is not one of exception, "
+                                          "sigkill, sigterm, nan, hang"):
+        validate_config(cfg)
+
+
+def test_a_bad_choice_on_the_command_line_reads_as_one_line():
+    assert bad_choice_override(["parallel=fsdp", "parallel.ac=full,sometimes"]) == (
+        "parallel.ac='sometimes' is not one of none, full, selective; set parallel.ac to one "
+        "of them")
+    assert bad_choice_override(["parallel.ac=full", "+logger.mode=online", "device=cpu"]) is None
+    assert bad_choice_override(["parallel.ac=${oc.env:AC}"]) is None  # left to composition
+
+
 @pytest.mark.parametrize("override, words", [
-    ("parallel.ac=sometimes", "parallel.ac='sometimes'"),
-    ("precision.param_dtype=float8", "precision.param_dtype"),
     ("trainer.steps=0", "trainer.steps=0"),
-    ("data.kind=images", "data.kind"),
-    ("logger.mode=cloud", "logger.mode"),
     ("metrics.peak_tflops=-1", "metrics.peak_tflops"),
     ("model.n_heads=5", "model.dim=256 is not divisible by model.n_heads=5"),
 ])

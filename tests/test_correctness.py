@@ -72,8 +72,10 @@ def _train_eval_frozen(cases):
     from hsdp_runner.data import TokenBatches
     from hsdp_runner.mesh import ParallelDims
     from hsdp_runner.models.llama import Llama
+    from hsdp_runner.run_figures import compute_run_figures
     from hsdp_runner.sharding import build_model
-    from hsdp_runner.trainer import EVAL_STEP_OFFSET, Trainer
+    from hsdp_runner.trainer import EVAL_STEP_OFFSET
+    from hsdp_runner.worker import make_trainer
 
     results = {}
     for layout, reshard in cases:
@@ -89,7 +91,9 @@ def _train_eval_frozen(cases):
             return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in model.named_parameters()}
         before = full_weights()
-        trainer = Trainer(cfg, dims, world, model, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        trainer = make_trainer(cfg, dims, world, model, cpu,
+                               compute_run_figures(cfg, dims, model, cpu), sinks=[])
         trainer.fit()
         eval_loss = trainer.evaluate(2)
         after = full_weights()

@@ -7,7 +7,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from hsdp_runner import hf
-from hsdp_runner.config import ConfigError, validate_config
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_config
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.models.base import build_meta_model, model_spec
 from test_config import GROUPS, compose

@@ -69,7 +69,8 @@ def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype", "master_dtype"])
 def test_float16_without_a_gradient_scaler_is_refused(key):
-    from hsdp_runner.config import ConfigError, validate_config
+    from hsdp_runner.config import ConfigError
+    from hsdp_runner.config_checks import validate_config
     from test_config import compose
 
     with pytest.raises(ConfigError, match=f"precision.{key}=float16 needs a gradient scaler"):
@@ -205,7 +206,11 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "start_local_workers", start)
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
-    launch._launch_local({"launcher": {"timeout_s": 5}}, dims, {"output_dir": str(tmp_path)})
+    from hsdp_runner.contracts import RunInfo
+
+    run_info = RunInfo(output_dir=str(tmp_path), group="g", run_name="r", tags=[],
+                       multirun=False, overrides=[])
+    launch._launch_local({"launcher": {"timeout_s": 5}}, dims, run_info)
     assert seen["threads"] == "3"
 
 

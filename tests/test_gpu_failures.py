@@ -316,10 +316,10 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from hsdp_runner.checkpoint import Checkpointer
     from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.run_figures import compute_run_figures
     from hsdp_runner.sharding import build_model
-    from hsdp_runner.trainer import Trainer
+    from hsdp_runner.worker import make_checkpointer, make_trainer
     from test_config import compose
 
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2",
@@ -331,9 +331,9 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
         world = dims.build_mesh("cpu", COLLECTIVE_TIMEOUT_S)
         device = torch.device("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
-        trainer = Trainer(cfg, dims, world, model, device)
-        ckpt = Checkpointer(cfg, dims, Path(out), trainer.model, trainer.optimizer,
-                            trainer.scheduler, device)
+        figures = compute_run_figures(cfg, dims, model, device)
+        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
+        ckpt = make_checkpointer(cfg, dims, Path(out), trainer, device)
         prune = ckpt._prune
         ckpt._prune = lambda newest: (time.sleep(SLOW_PRUNE_S), prune(newest))  # a slow NFS
         ckpt.save(1)

@@ -7,8 +7,10 @@ import pytest
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
-from hsdp_runner.app import default_run_dir, torchrun_problem
-from hsdp_runner.config import ConfigError, validate_config
+from hsdp_runner.app import torchrun_problem
+from hsdp_runner.compose import default_run_dir
+from hsdp_runner.config import ConfigError
+from hsdp_runner.config_checks import validate_config
 from hsdp_runner.launch import join_submitit_job, validate
 from hsdp_runner.mesh import ParallelDims
 from test_config import CONF, compose

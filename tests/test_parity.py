@@ -83,23 +83,14 @@ def test_fsdp_and_hsdp_are_identical_at_step_one(parity):
     assert fsdp[0]["grad_norm"] == pytest.approx(hsdp[0]["grad_norm"], rel=1e-6)
 
 
-class _Records:
-    """A metrics sink (``log(record)``) that keeps the step records."""
-
-    def __init__(self):
-        self.records = []
-
-    def log(self, record):
-        self.records.append(record)
-
-
 def _train_cases(cases):
     """Train each ``{name: overrides}`` case in turn on these ranks (tiny model, fp32 unless
     the overrides say otherwise); return {name: (step records, ParallelDims.describe())}."""
     import torch.distributed as dist
     from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.run_figures import compute_run_figures
     from hsdp_runner.sharding import build_model
-    from hsdp_runner.trainer import Trainer
+    from hsdp_runner.worker import make_trainer
 
     out = {}
     for name, overrides in cases.items():
@@ -109,9 +100,10 @@ def _train_cases(cases):
         world = dims.build_mesh("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
                             torch.device("cpu"), cfg.trainer.seed)
-        sink = _Records()
-        Trainer(cfg, dims, world, model, torch.device("cpu"), (sink, _Records())).fit()
-        out[name] = (sink.records, dims.describe())
+        cpu = torch.device("cpu")
+        trainer = make_trainer(cfg, dims, world, model, cpu,
+                               compute_run_figures(cfg, dims, model, cpu), sinks=[])
+        out[name] = (trainer.fit(), dims.describe())
     return out
 
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from hsdp_runner import plan, plan_calibrate, plan_memory, prediction
 from hsdp_runner.cluster import Cluster
 from hsdp_runner.comm_model import unit_sizes
+from hsdp_runner.compose import CONF_DIR
 from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.plan_time import step_time
 
@@ -168,7 +169,7 @@ def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
     with initialize_config_dir(config_dir=str(out), version_base="1.3"):
         for name, entry in zip(names, top):
             cfg = compose(config_name="planned", overrides=[
-                f"hydra.searchpath=[file://{plan.CONF_DIR}]", f"planned_layouts={name}"])
+                f"hydra.searchpath=[file://{CONF_DIR}]", f"planned_layouts={name}"])
             assert cfg.plan.source == str((out / "plan.json").resolve())
             assert cfg.model.name == "llama3_tiny" and cfg.launcher.nproc_per_node == 4
             for key, value in entry["overrides"].items():

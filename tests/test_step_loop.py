@@ -73,15 +73,16 @@ def _trainer(overrides, device=torch.device("cpu")):
     import torch.distributed as dist
 
     from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.run_figures import compute_run_figures
     from hsdp_runner.sharding import build_model
-    from hsdp_runner.trainer import Trainer
+    from hsdp_runner.worker import make_trainer
 
     cfg = compose(BASE + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
     world = dims.build_mesh(device.type)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
-    sinks = (NS(log=lambda record: None), NS(log=lambda record: None))  # keep the records
-    return Trainer(cfg, dims, world, model, device, sinks)
+    figures = compute_run_figures(cfg, dims, model, device)
+    return make_trainer(cfg, dims, world, model, device, figures, sinks=[])
 
 
 def _weights(trainer):

@@ -14,7 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from distributed import TEST_TIMEOUT_S, run_workers
-from hsdp_runner import checkpoint, interrupt, launch, parity, sweep, tracking
+from hsdp_runner import checkpoint, checkpoint_start, interrupt, parity, sweep, tracking
+from hsdp_runner.contracts import RunStatus, RunSummary
 from hsdp_runner.mesh import ParallelDims
 from test_compare import fake_job
 
@@ -59,13 +60,13 @@ def write_metrics(folder, steps):
 
 def test_a_fresh_start_sets_the_earlier_run_aside(tmp_path):
     write_metrics(tmp_path, [1, 2, 3])
-    tracking.write_summary(tmp_path, {"status": "interrupted"})
+    RunSummary(status=RunStatus.interrupted).write(tmp_path)
     assert tracking.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "1"
     write_metrics(tmp_path, [1])
     assert tracking.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "2"
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
     assert [r["step"] for r in tracking.read_metrics(tmp_path / "earlier_runs" / "1")] == [1, 2, 3]
-    assert tracking.read_summary(tmp_path / "earlier_runs" / "1")["status"] == "interrupted"
+    assert RunSummary.read(tmp_path / "earlier_runs" / "1").status is RunStatus.interrupted
 
 
 def test_a_resume_keeps_each_step_up_to_its_checkpoint_once(tmp_path):
@@ -79,21 +80,21 @@ def test_a_resume_keeps_each_step_up_to_its_checkpoint_once(tmp_path):
 def pruner(folder, keep_last):
     ckpt = object.__new__(checkpoint.Checkpointer)
     ckpt.folder = folder
-    ckpt.cfg = OmegaConf.create({"checkpoint": {"keep_last": keep_last}})
+    ckpt.ckpt = OmegaConf.create({"keep_last": keep_last})
     return ckpt
 
 
 def test_pruning_touches_only_what_the_runner_wrote_and_never_fails(tmp_path, caplog):
     for name in ("step-1", "step-2", "step-3", "step-4"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / checkpoint.MANIFEST).write_text("{}")
+        (tmp_path / name / checkpoint_start.MANIFEST).write_text("{}")
     for name in ("step-10.bak", "step-x.y", "step-2.partial", "step-9.deleting"):
         (tmp_path / name).mkdir()
     pruner(tmp_path, keep_last=2)._prune(4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10.bak", "step-3", "step-4",
                                                           "step-x.y"]
     (tmp_path / "step-5").mkdir()
-    (tmp_path / "step-5" / checkpoint.MANIFEST).write_text("{}")
+    (tmp_path / "step-5" / checkpoint_start.MANIFEST).write_text("{}")
     os.chmod(tmp_path / "step-3", 0o500)  # its manifest cannot be deleted
     try:
         with caplog.at_level(logging.WARNING):
@@ -107,24 +108,24 @@ def test_pruning_touches_only_what_the_runner_wrote_and_never_fails(tmp_path, ca
 
 
 def test_a_failed_summary_carries_no_figures_of_an_earlier_attempt(tmp_path):
-    tracking.write_summary(tmp_path, {"status": "interrupted", "final_loss": 3.2,
-                                      "median_tps_global": 1e4, "interrupted_at_step": 7})
+    RunSummary(status=RunStatus.interrupted, final_loss=3.2, median_tps_global=1e4,
+               interrupted_at_step=7).write(tmp_path)
     dims = ParallelDims.from_config(OmegaConf.create({"dp_replicate": 1, "dp_shard": 2, "tp": 1}),
                                     OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
                                                       "dim": 64}), 2, 2)
-    launch._write_failed_summary(str(tmp_path), dims, 1, "RuntimeError: boom")
-    summary = tracking.read_summary(tmp_path)
+    RunSummary.failed(dims.describe(), 1, "RuntimeError: boom").write(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_rank"] == 1
     assert not {"final_loss", "median_tps_global", "interrupted_at_step"} & set(summary)
 
 
 def test_only_the_first_rank_to_end_early_writes_the_summary(tmp_path):
     tracking.begin_attempt(tmp_path)
-    assert tracking.record_end(tmp_path, {"status": "failed", "failed_rank": 1})
-    assert not tracking.record_end(tmp_path, {"status": "failed", "failed_rank": 0})
-    assert tracking.read_summary(tmp_path)["failed_rank"] == 1
+    assert tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=1))
+    assert not tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
+    assert RunSummary.read(tmp_path).failed_rank == 1
     tracking.begin_attempt(tmp_path)  # a rerun
-    assert tracking.record_end(tmp_path, {"status": "failed", "failed_rank": 0})
+    assert tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
 
 
 def test_compare_shows_an_interrupted_job_and_counts_it(tmp_path):
@@ -165,9 +166,9 @@ def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypa
                                                                               "fsdp": 0}))
     for layout in ("single", "fsdp"):
         write_metrics(tmp_path / layout, [1, 2])
-        tracking.write_summary(tmp_path / layout, {"status": "completed"})
+        RunSummary(status=RunStatus.completed).write(tmp_path / layout)
     (tmp_path / "ddp").mkdir()
-    tracking.write_summary(tmp_path / "ddp", {"status": "completed"})  # stale: the job failed
+    RunSummary(status=RunStatus.completed).write(tmp_path / "ddp")  # stale: the job failed
     assert parity.run_parity(args) == 1
     table = (tmp_path / "parity.md").read_text()
     assert "| ddp | 1 |" in table and "FAIL run failed (exit code 1)" in table
@@ -202,15 +203,15 @@ def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path)
     from hsdp_runner.worker import _prepare_metrics
 
     cfg = OmegaConf.create({"checkpoint": {"dir": None}})
-    own = checkpoint.Start("checkpoint", str(tmp_path / "checkpoints" / "step-4"), 4)
+    own = checkpoint_start.Start("checkpoint", str(tmp_path / "checkpoints" / "step-4"), 4)
     write_metrics(tmp_path, [1, 2, 3, 4, 5, 6])
     _prepare_metrics(cfg, tmp_path, own)
     assert [r["step"] for r in tracking.read_metrics(tmp_path)] == [1, 2, 3, 4]
     # Another run's checkpoint, or a fresh start: the earlier run is set aside whole.
-    elsewhere = checkpoint.Start("checkpoint", "/other/job/checkpoints/step-2", 2)
+    elsewhere = checkpoint_start.Start("checkpoint", "/other/job/checkpoints/step-2", 2)
     _prepare_metrics(cfg, tmp_path, elsewhere)
     assert not (tmp_path / "metrics.jsonl").exists()
     assert len(tracking.read_metrics(tmp_path / "earlier_runs" / "1")) == 4
     write_metrics(tmp_path, [1])
-    _prepare_metrics(cfg, tmp_path, checkpoint.Start("fresh"))
+    _prepare_metrics(cfg, tmp_path, checkpoint_start.Start("fresh"))
     assert (tmp_path / "earlier_runs" / "2" / "metrics.jsonl").exists()

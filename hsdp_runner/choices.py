@@ -1,0 +1,131 @@
+"""The string choices of the config, as Enum types the typed schema (``config.py``) uses.
+
+A field typed with one of these fails at composition with the allowed values listed
+(OmegaConf's EnumNode), and code dispatches on the members instead of comparing strings.
+Each member's name is its value, so YAML and the command line keep writing ``parallel.ac=full``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Choice(str, enum.Enum):
+    """A config choice that is also a ``str``: it equals, prints and serialises (JSON, W&B
+    config) as its value. Python 3.11's ``enum.StrEnum`` does the same; the package still
+    supports 3.10, hence this base."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The allowed values, in declaration order."""
+        return [member.value for member in cls]
+
+
+class AC(Choice):
+    """``parallel.ac``: activation checkpointing of each block."""
+
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class DDPImpl(Choice):
+    """``parallel.ddp_impl``: what wraps the model under pure data parallelism."""
+
+    replicate = "replicate"
+    fully_shard = "fully_shard"
+
+
+class Dtype(Choice):
+    """``precision.*_dtype`` and ``checkpoint.export_dtype``: torch dtype names."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Optimizer(Choice):
+    """``optim.name``."""
+
+    adamw = "adamw"
+
+
+class DataKind(Choice):
+    """``data.kind``: synthetic tokens or a byte-level text file."""
+
+    synthetic = "synthetic"
+    text = "text"
+
+
+class Logger(Choice):
+    """``logger.name``: where rank 0's figures go besides metrics.jsonl."""
+
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(Choice):
+    """``logger.mode``."""
+
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Device(Choice):
+    """``device``: auto picks CUDA when a GPU is visible, else CPU."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class FaultKind(Choice):
+    """``fault.kind``: how an injected fault fails."""
+
+    exception = "exception"
+    sigkill = "sigkill"
+    sigterm = "sigterm"
+    nan = "nan"
+    hang = "hang"
+    abort = "abort"
+
+
+class FaultPhase(Choice):
+    """``fault.phase``: at a step's start or while its checkpoint is written."""
+
+    step = "step"
+    save = "save"
+
+
+class OnNan(Choice):
+    """``trainer.on_nan``: what a non-finite step does."""
+
+    stop = "stop"
+    skip = "skip"
+
+
+class LauncherName(Choice):
+    """``launcher.name``: this node's elastic launcher, or SLURM through submitit."""
+
+    local = "local"
+    slurm = "slurm"
+    slurm_local = "slurm_local"
+
+    @property
+    def submitit(self) -> bool:
+        """True for the launchers that run jobs through hydra-submitit-launcher."""
+        return self is not LauncherName.local
+
+
+class Resume(Choice):
+    """``checkpoint.resume``: continue from the job's own newest checkpoint, or never."""
+
+    auto = "auto"
+    never = "never"
