@@ -63,7 +63,7 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
 def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
     result, seconds, marker = run_marked(job_dir, *TINY, "parallel=hsdp", "fault.rank=3",
                                          "fault.step=2", "fault.kind=hang",
-                                         "launcher.timeout_s=10")
+                                         "launcher.timeout_s=6")
     assert result.returncode == 1
     assert "Timed out" in result.stderr and "launcher.timeout_s" in result.stderr
     assert seconds < 120
