@@ -138,6 +138,7 @@ def sweep_jobs(sweep_file: Path) -> int:
     return len(list(itertools.product(*(str(v).split(",") for v in params.values()))))
 
 
+@pytest.mark.multiprocess  # a CLI multirun per sweep file (no worker starts)
 @pytest.mark.parametrize("sweep_file", sorted((REPO / "sweeps").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_ready_sweep_composes_every_job_and_skips_only_misfits(sweep_file, tmp_path):
