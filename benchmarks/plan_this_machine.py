@@ -9,8 +9,8 @@
 3. ``compare --plan plan.json``: prints Spearman's rank correlation of predicted vs measured
    steady-state step time, whether the measured best is in the predicted top 2, and the median
    absolute error, against the targets (>= 0.8, yes, <= 25%); and per job the predicted memory
-   per rank against the measured peak minus the baseline before the model was built (target:
-   every job within 15%).
+   per rank against the measured peak of tensor memory added since just before the model was
+   built (``mem_tensor_peak_gib_per_rank``; target: every job within 15%).
 4. ``--calibrate`` on the sweep, a new plan with the fitted file, and the same figures again:
    those are *fitted* to this sweep, not an independent check.
 Timings on a shared, loaded machine are noisy; rerun on a quiet one for figures to quote.
@@ -52,7 +52,7 @@ def figures(sweep: Path, plan_json: Path, title: str) -> None:
                                       prediction.measured_memory_gib(summaries[label]))
                                      for label, entry, _ in pairs])
     print(f"\n## {title}\n\n| layout | predicted s | measured s | error | predicted mem GiB | "
-          "measured mem GiB (peak - baseline) | mem error |\n|---|---|---|---|---|---|---|")
+          "measured mem GiB (tensor peak) | mem error |\n|---|---|---|---|---|---|---|")
     rows = zip(pairs, fig["errors"], mem["errors"])
     for (label, entry, measured), error, mem_error in sorted(rows, key=lambda r: r[0][2]):
         measured_mem = prediction.measured_memory_gib(summaries[label])

@@ -129,6 +129,11 @@ class MetricsConfig:
     warmup_steps: int = 2
     peak_tflops: Optional[float] = None
     comm_step: Optional[int] = 1
+    # Steps over which the peak of tensor memory is measured (hsdp_runner/tensor_memory.py):
+    # the window ends when step N is reported, after step N+1's forward and backward, so 1
+    # covers the first optimizer step and a step that holds the optimizer state. On CPU it
+    # runs torch.profiler, which slows those steps (warmup_steps leaves them out); 0 = off.
+    memory_steps: int = 1
 
 
 @dataclass

@@ -104,6 +104,9 @@ def validate_config(cfg: DictConfig | dict) -> None:
     _validate_launcher(c.launcher)
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
+    if c.metrics.memory_steps < 0:
+        raise ConfigError(f"metrics.memory_steps={c.metrics.memory_steps} must be >= 0 (0 turns "
+                          "the tensor-memory measurement off)")
     if c.metrics.comm_step is not None and not 1 <= c.metrics.comm_step <= c.trainer.steps:
         raise ConfigError(f"metrics.comm_step={c.metrics.comm_step} is not a step of this run "
                           f"(1..trainer.steps={c.trainer.steps}); pick one in range or null")

@@ -111,6 +111,7 @@ class RunSummary:
     mem_reserved_gib_per_rank: Optional[list] = None
     # Each rank's memory before its model was built: the planner predicts peak minus this.
     mem_baseline_gib_per_rank: Optional[list] = None
+    mem_tensor_peak_gib_per_rank: Optional[list] = None
     mem_estimate_gib: Optional[dict] = None
     # Communication of the counted step (comm_model.comm_report).
     comm_step: Optional[int] = None

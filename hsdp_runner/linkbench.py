@@ -32,10 +32,13 @@ def cache_path(ranks: int) -> Path:
 
 
 def cached_or_measure(ranks: int) -> dict:
-    """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent."""
+    """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent
+    or taken with another thread count per rank than a job's ranks get now."""
     path = cache_path(ranks)
     if path.exists():
-        return json.loads(path.read_text())
+        cached = json.loads(path.read_text())
+        if cached.get("threads_per_rank") == _threads_per_rank(ranks):
+            return cached
     print(f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
           f"cached in {path}", flush=True)
     result = measure(ranks)
@@ -54,18 +57,31 @@ def measure(ranks: int) -> dict:
         result = json.loads(out.read_text())
     result["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     result["host"], result["ranks"] = socket.gethostname(), ranks
+    result["threads_per_rank"] = _threads_per_rank(ranks)
     return result
+
+
+def _threads_per_rank(ranks: int) -> int:
+    """The intra-op threads each of ``ranks`` local ranks of a job gets (an ``OMP_NUM_THREADS``
+    the user set, else the job's own share of the CPUs)."""
+    from hsdp_runner.devices import cpu_threads
+
+    return int(os.environ.get("OMP_NUM_THREADS") or cpu_threads(ranks))
 
 
 def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from hsdp_runner.devices import set_cpu_threads
     from hsdp_runner.metrics import measure_cpu_tflops
 
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # The thread count a job's ranks get: with torch's default (every CPU per process) the
+    # ranks oversubscribe the cores and the peak comes out several times too low.
+    set_cpu_threads(ranks)
     dist.init_process_group("gloo", rank=rank, world_size=ranks,
                             store=dist.FileStore(store_path, ranks))
     try:

@@ -32,9 +32,10 @@ holds the saved fp32 log-probabilities, and its first step adds two fp32 vocab-s
 temporaries: for long sequences that moment is the peak. Selective AC is measured as the
 runner applies it (``sharding._selective_contexts``: every other matmul output saved).
 
-What a CPU rank holds beyond its tensors, not modelled yet (README "Memory on this machine"):
-library code pages and Python objects the first step touches (~47 MiB per process on the
-2-core machine), and glibc's heap slack (freed tensors' holes stay resident).
+What is predicted is tensor memory, the figure CUDA's allocated peak measures; a job measures
+the same on CPU with ``tensor_memory.TensorMemoryMeter``. What a CPU process holds beyond its
+tensors (library code pages, Python objects, glibc's heap slack) is neither predicted nor
+compared (README "Memory on this machine").
 """
 
 from __future__ import annotations

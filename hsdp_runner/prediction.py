@@ -7,8 +7,8 @@ shape in its summary.json). ``compare`` calls ``comparison_section`` for the
 predicted-vs-measured table: per job the predicted and measured steady-state step time, the
 error, both ranks, and for the sweep Spearman's rank correlation, whether the measured best is
 in the predicted top 2, and the median absolute error; and per job the predicted memory per
-rank next to the measured one (the largest rank's peak minus its baseline before the model was
-built, ``measured_memory_gib``), with the error against the 15% target.
+rank next to the measured one (the largest rank's peak of tensor memory added since just before
+the model was built, ``measured_memory_gib``), with the error against the 15% target.
 """
 
 from __future__ import annotations
@@ -120,9 +120,14 @@ def evaluate(pairs: list[tuple[str, dict, float]]) -> dict:
 
 
 def measured_memory_gib(summary: RunSummary) -> float | None:
-    """The memory a job's training added, in GiB: the largest over ranks of the peak
-    (``mem_peak_gib_per_rank``) minus that rank's baseline before the model was built
-    (``mem_baseline_gib_per_rank``); None for a job that recorded no baseline."""
+    """The memory a job's training added, in GiB, the largest over ranks: the peak of tensor
+    memory since just before the model was built (``mem_tensor_peak_gib_per_rank``,
+    ``tensor_memory.TensorMemoryMeter``); for a job that recorded none, the peak
+    (``mem_peak_gib_per_rank``) minus the baseline (``mem_baseline_gib_per_rank``); None for a
+    job that recorded neither."""
+    tensor_peaks = [p for p in summary.mem_tensor_peak_gib_per_rank or [] if p is not None]
+    if tensor_peaks:
+        return max(tensor_peaks)
     peaks, bases = summary.mem_peak_gib_per_rank, summary.mem_baseline_gib_per_rank
     if not peaks or not bases or len(peaks) != len(bases):
         return None
@@ -144,9 +149,10 @@ def memory_figures(pairs: list[tuple[str, float, float | None]]) -> dict:
 def memory_summary(figures: dict) -> str:
     """One sentence on the memory figures against the target."""
     if not figures["jobs"]:
-        return ("Memory: no job recorded its baseline before the model was built "
-                "(mem_baseline_gib_per_rank); rerun the jobs to compare memory.")
-    return (f"Memory per rank (predicted vs measured peak minus baseline): median |error| "
+        return ("Memory: no job recorded its tensor peak (mem_tensor_peak_gib_per_rank) or its "
+                "baseline before the model was built; rerun the jobs to compare memory.")
+    return (f"Memory per rank (predicted vs measured tensor peak since the model was built): "
+            f"median |error| "
             f"{figures['median_abs_error']:.0%}, largest {figures['max_abs_error']:.0%}; "
             f"{figures['within_target']} of {figures['jobs']} jobs within "
             f"{MEMORY_TARGET:.0%} (target: all).")
@@ -172,7 +178,7 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     measured_rank = {label: i + 1 for i, (label, _, _) in
                      enumerate(sorted(pairs, key=lambda p: p[2]))}
     rows = ["| job | predicted rank | measured rank | predicted step s | measured step s "
-            "| error | predicted mem GiB | measured mem GiB (peak - baseline) | mem error "
+            "| error | predicted mem GiB | measured mem GiB (tensor peak) | mem error "
             "| dominant (predicted) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for (label, entry, measured), error, (_, _, mem), mem_error in zip(

@@ -33,6 +33,7 @@ from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_nam
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.run_figures import RunFigures, compute_run_figures
 from hsdp_runner.sharding import build_model
+from hsdp_runner.tensor_memory import TensorMemoryMeter
 from hsdp_runner.trainer import Trainer
 
 log = logging.getLogger("hsdp_runner")
@@ -175,6 +176,8 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     # What the process holds before the model exists (interpreter, torch, process groups):
     # the planner predicts the peak minus this.
     mem_baseline = metrics.current_memory_gib(device)
+    meter = TensorMemoryMeter(device, cfg.metrics.memory_steps, enabled=not cfg.profile.enable)
+    meter.start()
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
                         cfg.trainer.seed, cfg.trainer.freeze)
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
@@ -193,7 +196,9 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     try:
         first = ckpt.restore(start)
         profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)
-        records = trainer.fit(first, profiler.wrap(ckpt.after_step, first), stop)
+        records = trainer.fit(
+            first, meter.wrap(profiler.wrap(ckpt.after_step, first), first), stop)
+        meter.stop()  # a run of fewer steps than the meter covers
         # A signal during the last step stops nothing: training is complete (saved as usual).
         stopped = trainer.stopped_by if trainer.last_step < cfg.trainer.steps else None
         if stopped:
@@ -213,7 +218,7 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     if cfg.trainer.eval_batches and not stopped:
         eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
     # A collective: every rank calls it.
-    memory = _memory_facts(device, figures.memory_estimate, mem_baseline)
+    memory = _memory_facts(device, figures.memory_estimate, mem_baseline, meter.peak_gib)
     if rank != 0:
         return None
     interrupted = {"status": RunStatus.interrupted, "interrupted_at_step": trainer.last_step,
@@ -287,14 +292,18 @@ def _save_on_stop(cfg, ckpt: Checkpointer, step: int) -> None:
                 step, ckpt.facts["last_checkpoint"])
 
 
-def _memory_facts(device: torch.device, estimate: dict, baseline: float) -> dict:
+def _memory_facts(device: torch.device, estimate: dict, baseline: float,
+                  tensor_peak: float | None) -> dict:
     """Every rank's peak memory (allocated; reserved on CUDA), its memory before the model
-    was built (``baseline``, GiB) and the state estimate."""
-    mine = (metrics.peak_memory_gib(device), metrics.peak_reserved_gib(device), baseline)
+    was built (``baseline``, GiB), the peak of tensor memory added since then
+    (``tensor_peak``, GiB, None when not measured) and the state estimate."""
+    mine = (metrics.peak_memory_gib(device), metrics.peak_reserved_gib(device), baseline,
+            tensor_peak)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     facts = {"mem_peak_gib_per_rank": [m[0] for m in every],
-             "mem_baseline_gib_per_rank": [m[2] for m in every], "mem_estimate_gib": estimate}
+             "mem_baseline_gib_per_rank": [m[2] for m in every],
+             "mem_tensor_peak_gib_per_rank": [m[3] for m in every], "mem_estimate_gib": estimate}
     if device.type == "cuda":
         facts["mem_reserved_gib_per_rank"] = [m[1] for m in every]
     return facts

@@ -35,6 +35,7 @@ BAD_INPUTS = [
     (["parallel.ac=sometimes"], "parallel.ac='sometimes'", None),
     (["logger.mode=cloud"], "logger.mode='cloud'", None),
     (["optim.lr=0"], "optim.lr=0.0 must be positive", None),
+    (["metrics.memory_steps=-1"], "metrics.memory_steps=-1 must be >= 0", None),
     (["+trainer.stepz=10"], "unknown config key trainer.stepz (added with +); nothing reads it: "
                             "did you mean trainer.steps?", None),
     (["+foo.bar=1"], "unknown config key foo", None),

@@ -58,6 +58,14 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
     assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
     assert summary["skipped_steps"] == 1 and summary["status"] == "completed"
     assert records[-1]["loss"] == records[-1]["loss"] and records[-1]["loss"] < records[0]["loss"]
+    # Every rank measured the tensor memory its first steps added (the planner's measured
+    # figure): more than the training state, less than the resident set grew, quietly.
+    tensor_peaks = summary["mem_tensor_peak_gib_per_rank"]
+    grown = [p - b for p, b in zip(summary["mem_peak_gib_per_rank"],
+                                   summary["mem_baseline_gib_per_rank"])]
+    assert len(tensor_peaks) == len(grown) == 4
+    assert all(summary["mem_estimate_gib"]["total"] < t < g for t, g in zip(tensor_peaks, grown))
+    assert "USDT" not in result.stderr and "unknown size" not in result.stderr
 
 
 def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):

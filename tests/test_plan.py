@@ -177,7 +177,7 @@ def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
 
 
 def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str,
-         mem: tuple[list, list] | None = None) -> Path:
+         mem: dict | None = None) -> Path:
     job = sweep / f"{num}_job"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"planned_layouts=r{num}"]))
@@ -189,8 +189,7 @@ def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str,
     summary = {"status": "completed", "median_step_time_s": step_s, "median_tps_global": 1 / step_s,
                "min_tps_global": 0.9 / step_s, "max_tps_global": 1.1 / step_s,
                "mem_peak_gib": 1.0}
-    if mem is not None:  # (peaks, baselines) per rank
-        summary["mem_peak_gib_per_rank"], summary["mem_baseline_gib_per_rank"] = mem
+    summary.update(mem or {})  # the memory fields per rank
     (job / "summary.json").write_text(json.dumps(summary))
     return job
 
@@ -201,10 +200,14 @@ def test_compare_pairs_jobs_with_their_layouts_and_scores_the_ranking(planned, t
 
     source = str((out / "plan.json").resolve())
     top = [e for e in data["layouts"] if e["valid"] and e["fits"]][:3]
-    # Job 0's busiest rank added predicted / 1.25 over its baseline, job 1's predicted / 1.1;
-    # job 2 recorded no baseline.
-    mems = [([0.5 + top[0]["mem_gib"] / 1.25, 0.6], [0.5, 0.5]),
-            ([0.3, 0.2 + top[1]["mem_gib"] / 1.1], [0.3, 0.2]), None]
+    # Job 0 (from before the tensor meter) recorded peaks and baselines: its busiest rank
+    # added predicted / 1.25. Job 1's largest tensor peak is predicted / 1.1 (its peak RSS
+    # minus baseline, much larger, is not what the planner predicts). Job 2 recorded nothing.
+    mems = [{"mem_peak_gib_per_rank": [0.5 + top[0]["mem_gib"] / 1.25, 0.6],
+             "mem_baseline_gib_per_rank": [0.5, 0.5]},
+            {"mem_peak_gib_per_rank": [5.0, 5.0], "mem_baseline_gib_per_rank": [0.3, 0.2],
+             "mem_tensor_peak_gib_per_rank": [top[1]["mem_gib"] / 1.2,
+                                              top[1]["mem_gib"] / 1.1]}, None]
     jobs = [_job(tmp_path, i, e["overrides"], e["step_time_s"] * (1.1 + 0.1 * i), source,
                  mems[i]) for i, e in enumerate(top)]
     found = prediction.predictions_for(jobs)
@@ -291,3 +294,25 @@ def test_selective_ac_recomputes_the_flops_the_planner_counts(model):
 
     extra = train_flops("selective") - train_flops("none")
     assert extra == spec.selective_recompute_flops_per_token() * tokens.numel()
+
+
+def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_path, monkeypatch):
+    """The matmul peak per rank depends on the threads each rank runs; a table measured with
+    another count (e.g. every rank on every core, oversubscribed) is not reused."""
+    from hsdp_runner import linkbench
+
+    monkeypatch.setattr(linkbench, "cache_path", lambda ranks: tmp_path / f"links_{ranks}.json")
+    calls = []
+
+    def fake_measure(ranks):
+        calls.append(ranks)
+        return {"peak_tflops": {"float32": 1.0}, "links": {},
+                "threads_per_rank": linkbench._threads_per_rank(ranks)}
+
+    monkeypatch.setattr(linkbench, "measure", fake_measure)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "links_8.json").write_text(json.dumps({"peak_tflops": {}, "links": {}}))
+    assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]
+    assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]  # cached
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert linkbench.cached_or_measure(8)["threads_per_rank"] == 2 and calls == [8, 8]
