@@ -13,6 +13,11 @@
    built (``mem_tensor_peak_gib_per_rank``; target: every job within 15%).
 4. ``--calibrate`` on the sweep, a new plan with the fitted file, and the same figures again:
    those are *fitted* to this sweep, not an independent check.
+5. The independent check of a calibrated plan, the way it is meant to be used (calibrate once
+   on a machine, then plan other work): the same sweep of another workload
+   (``--calibration-args``, default ``model.seq_len=256``: half the compute and the TP
+   traffic, the same data-parallel traffic), ``--calibrate`` on that one, then the plan of the
+   first workload with its file, against the first sweep's measurements.
 Timings on a shared, loaded machine are noisy; rerun on a quiet one for figures to quote.
 """
 
@@ -73,6 +78,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / f"plan_{stamp}")
     parser.add_argument("--sweep-dir", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--calibration-args", default="model.seq_len=256",
+                        help="overrides of the other workload that step 5 calibrates on")
+    parser.add_argument("--calibration-sweep-dir", type=Path, default=None,
+                        help="a finished sweep of that workload (skips running it)")
     args = parser.parse_args()
     out = args.out.resolve()
     steps = [f"trainer.steps={args.steps}"]
@@ -96,6 +105,25 @@ def main() -> None:
     figures(sweep, out / "plan_calibrated" / "plan.json",
             "After --calibrate on this same sweep (fitted, not an independent check)")
     print("\ncluster file:", json.dumps(fitted.read_text()))
+
+    other = args.calibration_args.split()
+    other_plan = out / "plan_other_workload"
+    _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps, *other,
+          f"plan.out_dir={other_plan}"])
+    other_sweep = args.calibration_sweep_dir or out / "sweep_other_workload"
+    if args.calibration_sweep_dir is None:
+        _run(["-m", "hsdp_runner", "--config-dir", "sweeps", "--config-name", "degrees_8",
+              *COMMON, *steps, *other, f"hydra.sweep.dir={other_sweep}"])
+    _run(["-m", "hsdp_runner.plan", "--calibrate", str(other_sweep), "--plan",
+          str(other_plan / "plan.json")])
+    written = sorted(other_sweep.glob("cluster_calibrated*.yaml"), key=lambda p: p.stat().st_mtime)
+    if not written:
+        print("no calibration was written for the other workload (see the message above)")
+        return
+    _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps,
+          f"cluster.calibration={written[-1]}", f"plan.out_dir={out / 'plan_heldout'}"])
+    figures(sweep, out / "plan_heldout" / "plan.json",
+            f"Calibrated on another workload ({args.calibration_args}): an independent check")
 
 
 if __name__ == "__main__":

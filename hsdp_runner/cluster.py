@@ -98,7 +98,7 @@ def resolve(node, compute_dtype: str) -> Cluster:
     for key in ("gpus_per_node", "nodes"):
         if c[key] < 1:
             raise ConfigError(f"cluster.{key}={c[key]} must be >= 1")
-    if not 0.0 <= c["overlap"] <= 1.0:
+    if c["overlap"] is not None and not 0.0 <= c["overlap"] <= 1.0:
         raise ConfigError(f"cluster.overlap={c['overlap']} must lie in [0, 1]")
     measured = {}
     if c["measure"]:
@@ -110,6 +110,8 @@ def resolve(node, compute_dtype: str) -> Cluster:
         source = f"measured: {compute_dtype} matmul, {c['gpus_per_node']} ranks at once"
         if c["device_memory_gib"] is None:
             c["device_memory_gib"] = bench["memory_gib"] / c["gpus_per_node"]
+        if c["overlap"] is None:
+            c["overlap"] = bench["overlap"]
     elif c["peak_tflops"] is None:
         c["peak_tflops"] = lookup_peak_tflops(c["device"], compute_dtype)
         if c["peak_tflops"] is None:
@@ -120,6 +122,10 @@ def resolve(node, compute_dtype: str) -> Cluster:
         source = "config cluster.peak_tflops"
     if c["device_memory_gib"] is None:
         raise ConfigError("cluster.device_memory_gib is null; set the memory of one device")
+    if c["overlap"] is None:
+        raise ConfigError("cluster.overlap is null, which only a measured cluster (cluster.measure"
+                          "=true) fills in; set the fraction of compute collectives hide behind, "
+                          "e.g. cluster.overlap=1.0")
     cluster = Cluster(name=c["name"], device=c["device"], gpus_per_node=c["gpus_per_node"],
                       nodes=c["nodes"], device_memory_gib=c["device_memory_gib"],
                       peak_tflops=c["peak_tflops"], peak_source=source,

@@ -189,7 +189,7 @@ class ClusterConfig:
     inter_node_gbps: float = MISSING
     intra_node_latency_us: float = MISSING
     inter_node_latency_us: float = MISSING
-    overlap: float = 1.0
+    overlap: Optional[float] = 1.0  # null: measured (cluster.measure=true)
     memory_reserve_gib: float = 0.0
     measure: bool = False
     calibration: Optional[str] = None

@@ -6,7 +6,12 @@ the machine), then for every group size that divides the rank count the ranks sp
 groups of that size that all run the collective at once (as mesh dims do in training), at a
 small and a large message. Latency = the small message's time; bandwidth = ring factor x
 (large - small bytes) / (large - small time), bytes counted as ``comm_model`` counts them (the
-full tensor). The result is cached per host and rank count in ``~/.cache/hsdp_runner``, so
+full tensor). Last, how much of an asynchronous collective hides behind compute, as FSDP2
+issues its all-gathers ahead of the unit that needs them: every rank times matmuls alone, the
+large all-gather over all ranks alone, and both at once (the all-gather issued, the matmuls run,
+then the wait); ``overlap`` = the time saved / the compute time, the fraction of compute that
+communication can hide behind (``cluster.overlap``). On CPU gloo's threads share the cores with
+the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The result is cached per host and rank count in ``~/.cache/hsdp_runner``, so
 only the first plan on a machine pays the ~20 s.
 """
 
@@ -33,11 +38,12 @@ def cache_path(ranks: int) -> Path:
 
 def cached_or_measure(ranks: int) -> dict:
     """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent
-    or taken with another thread count per rank than a job's ranks get now."""
+    or taken with another thread count per rank than a job's ranks get now (or before the
+    overlap was measured)."""
     path = cache_path(ranks)
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("threads_per_rank") == _threads_per_rank(ranks):
+        if cached.get("threads_per_rank") == _threads_per_rank(ranks) and "overlap" in cached:
             return cached
     print(f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
           f"cached in {path}", flush=True)
@@ -102,15 +108,53 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
                 # slope is bounded by half the large message's whole time.
                 bandwidth = factor * (LARGE - SMALL) / max(large - small, 0.5 * large)
                 links[kind][str(n)] = [small, bandwidth]
+        overlap = _overlap()
+        peaks["overlap"] = overlap
+        mean = {k: sum(_gather_float(v)) / ranks for k, v in peaks.items()}
         if rank == 0:
-            mean = {k: sum(_gather_float(v)) / ranks for k, v in peaks.items()}
-            Path(out).write_text(json.dumps({"peak_tflops": mean, "links": links}))
-        else:
-            for value in peaks.values():
-                _gather_float(value)
+            overlap = mean.pop("overlap")
+            Path(out).write_text(json.dumps({"peak_tflops": mean, "links": links,
+                                             "overlap": overlap}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _overlap(rounds: int = 5) -> float:
+    """Fraction of compute an asynchronous large all-gather over every rank hides behind, in
+    [0, 1]: (compute alone + all-gather alone - both at once) / compute alone, with the compute
+    per round sized to take about as long as one all-gather."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    full, shard = torch.zeros(LARGE // 4), torch.zeros(LARGE // 4 // n)
+    a = torch.randn(256, 256)
+
+    def timed(body) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            body()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    comm = timed(lambda: dist.all_gather_into_tensor(full, shard))
+    one_matmul = timed(lambda: a @ a) / rounds
+    matmuls = max(1, round(comm / rounds / one_matmul))
+
+    def compute_only():
+        for _ in range(matmuls):
+            a @ a
+
+    def both():
+        work = dist.all_gather_into_tensor(full, shard, async_op=True)
+        compute_only()
+        work.wait()
+
+    compute = timed(compute_only)
+    together = timed(both)
+    return min(1.0, max(0.0, (compute + comm - together) / compute))
 
 
 def _gather_float(value: float) -> list[float]:

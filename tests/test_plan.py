@@ -306,13 +306,45 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
 
     def fake_measure(ranks):
         calls.append(ranks)
-        return {"peak_tflops": {"float32": 1.0}, "links": {},
+        return {"peak_tflops": {"float32": 1.0}, "links": {}, "overlap": 0.3,
                 "threads_per_rank": linkbench._threads_per_rank(ranks)}
 
     monkeypatch.setattr(linkbench, "measure", fake_measure)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    (tmp_path / "links_8.json").write_text(json.dumps({"peak_tflops": {}, "links": {}}))
+    # Taken with one thread per rank, before the overlap was measured: measured again.
+    (tmp_path / "links_8.json").write_text(json.dumps({"peak_tflops": {}, "links": {},
+                                                       "threads_per_rank": 1}))
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]  # cached
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 2 and calls == [8, 8]
+
+
+def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is_an_error(
+        monkeypatch):
+    from hsdp_runner import cluster as cluster_mod, linkbench
+    from hsdp_runner.config import ConfigError
+
+    monkeypatch.setattr(linkbench, "cached_or_measure", lambda ranks: {
+        "peak_tflops": {"float32": 0.02}, "links": {}, "overlap": 0.32, "memory_gib": 16.0})
+    node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "cluster" / "this_machine.yaml"))
+    assert node["overlap"] is None
+    resolved = cluster_mod.resolve(node, "float32")
+    assert resolved.overlap == 0.32 and resolved.device_memory_gib == 2.0
+    with pytest.raises(ConfigError, match="cluster.overlap is null"):
+        cluster_mod.resolve({**node, "measure": False, "peak_tflops": 1.0,
+                             "device_memory_gib": 80.0}, "float32")
+
+
+def _overlap_on_two_ranks():
+    from hsdp_runner import linkbench
+
+    return linkbench._overlap(rounds=2)
+
+
+@pytest.mark.multiprocess
+def test_overlap_micro_benchmark_gives_a_fraction_on_every_rank():
+    from distributed import run_workers
+
+    found = run_workers(_overlap_on_two_ranks, 2)
+    assert sorted(found) == [0, 1] and all(0.0 <= v <= 1.0 for v in found.values())
