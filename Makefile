@@ -47,8 +47,13 @@ compare: venv
 parity: venv
 	$(PY) -m hsdp_runner.parity $(PARITY_ARGS)
 
+# Two pytest workers (pytest-xdist; tests/conftest.py gives each a test file at a time, the
+# slowest first): in one process the suite leaves the CPUs idle a quarter of the time
+# (start-ups, waits for signals and timeouts). More workers oversubscribe the 4-8-rank jobs;
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: venv
-	WANDB_MODE=offline $(PY) -m pytest -q --durations=25 tests $(ARGS)
+	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests $(ARGS)
 
 # The tests that start no worker process (pyproject.toml's `multiprocess` marker).
 test-fast: venv

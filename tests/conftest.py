@@ -49,12 +49,42 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
     return records, summary
 
 
+# Under pytest-xdist (`make test`: two workers) a worker takes a whole file at a time, so a
+# module fixture runs once; files that share a session fixture go to one worker together, or
+# each worker would pay for it. The slowest files start first (seconds on the 2-core machine:
+# 210, 150, 150, 90, 85, 60, 55, 45), so the run does not end with one worker alone on a long
+# file; the others keep their collection order.
+SHARED_SESSION_FIXTURE = {"test_placements.py": "eight_ranks", "test_correctness.py": "eight_ranks",
+                          "test_checkpoint_errors.py": "trained_checkpoint",
+                          "test_hf_export.py": "trained_checkpoint"}
+SLOWEST_FIRST = ("test_faults.py", "test_parity.py", "test_checkpoint.py", "test_comm.py",
+                 "test_sweep.py", "test_options.py", "test_many_nodes.py", "test_torchrun.py")
+
+
 def pytest_collection_modifyitems(items):
-    """A test that uses ``trained_checkpoint`` starts a worker (the fixture's job): mark it
-    ``multiprocess`` so ``make test-fast`` (``-m "not multiprocess"``) leaves it out."""
+    """Start the slowest files first (a stable sort, so each file's tests stay together and in
+    order). A test that uses ``trained_checkpoint`` starts a worker (the fixture's job): mark
+    it ``multiprocess`` so ``make test-fast`` (``-m "not multiprocess"``) leaves it out."""
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
     for item in items:
         if "trained_checkpoint" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.multiprocess)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain run may lack
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file-at-a-time scheduling, with the files of ``SHARED_SESSION_FIXTURE`` as one
+    unit and the units in collection order (xdist would order them by test count)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_SESSION_FIXTURE.get(Path(path).name, path)
+
+    config.option.loadscopereorder = False
+    return FileScheduling(config, log)
 
 
 @pytest.fixture
