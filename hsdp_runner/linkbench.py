@@ -11,8 +11,9 @@ issues its all-gathers ahead of the unit that needs them: every rank times matmu
 large all-gather over all ranks alone, and both at once (the all-gather issued, the matmuls run,
 then the wait); ``overlap`` = the time saved / the compute time, the fraction of compute that
 communication can hide behind (``cluster.overlap``). On CPU gloo's threads share the cores with
-the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The result is cached per host and rank count in ``~/.cache/hsdp_runner``, so
-only the first plan on a machine pays the ~20 s.
+the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The
+result is cached per host and rank count in ``~/.cache/hsdp_runner``, so only the first plan
+on a machine pays the ~20 s.
 """
 
 from __future__ import annotations

@@ -173,8 +173,8 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
-    # What the process holds before the model exists (interpreter, torch, process groups):
-    # the planner predicts the peak minus this.
+    # What the process holds before the model exists (interpreter, torch, process groups),
+    # and from here the tensor memory the model and the first steps add: the planner's figure.
     mem_baseline = metrics.current_memory_gib(device)
     meter = TensorMemoryMeter(device, cfg.metrics.memory_steps, enabled=not cfg.profile.enable)
     meter.start()
