@@ -19,13 +19,10 @@ that window so the one-time warning is spent there.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 
 import torch
-
-log = logging.getLogger(__name__)
 
 GIB = 2**30
 MEMORY_EVENT = "[memory]"
@@ -33,8 +30,8 @@ CPU = torch.autograd.DeviceType.CPU
 
 
 class TensorMemoryMeter:
-    """Measures the peak of tensor memory added since ``start()``, over the first ``steps``
-    training steps.
+    """Measures the peak of tensor memory added since ``start()``, until step ``steps`` is
+    reported (which the step loop does after the next step's forward and backward).
 
     ``device``: the rank's device. ``steps``: how many steps after the start the meter covers
     on CPU (the profiler slows the steps it covers; ``metrics.warmup_steps`` leaves them out
