@@ -134,9 +134,9 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
 
 
 def _state(cfg, dims: ParallelDims) -> dict:
-    import torch
+    from hsdp_runner.models.params import torch_dtype
 
-    master = getattr(torch, cfg.precision.master_dtype).itemsize
+    master = torch_dtype(cfg.precision.master_dtype).itemsize
     return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
                                                  cfg.parallel.sequence_parallel),
                                    dims.dp_shard, master)

@@ -55,6 +55,7 @@ from hsdp_runner.checkpoint.start import (
 )
 from hsdp_runner.core.choices import FaultPhase
 from hsdp_runner.core.faults import inject_fault
+from hsdp_runner.models.params import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class Checkpointer:
             full_state_dict=True, cpu_offload=True))
 
         def write():
-            dtype = getattr(torch, str(c.export_dtype))
+            dtype = torch_dtype(c.export_dtype)
             hf.write_folder(hf.to_hf(full, self.model_cfg, dtype), hf.hf_config(self.model_cfg, dtype),
                             self.export_folder, int(c.export_max_shard_gib * 2**30))
             log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)

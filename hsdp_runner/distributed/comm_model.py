@@ -43,18 +43,16 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-import torch
-
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.step_stats import STATS_BYTES
 from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec
-from hsdp_runner.models.params import frozen_names
+from hsdp_runner.models.params import frozen_names, torch_dtype
 
 
 def _dtype_bytes(name: str) -> int:
-    return getattr(torch, name).itemsize
+    return torch_dtype(name).itemsize
 
 
 def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool = True

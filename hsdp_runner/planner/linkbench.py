@@ -79,10 +79,10 @@ def _threads_per_rank(ranks: int) -> int:
 def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
     import warnings
 
-    import torch
     import torch.distributed as dist
 
     from hsdp_runner.distributed.hardware import set_cpu_threads
+    from hsdp_runner.models.params import torch_dtype
     from hsdp_runner.train.metrics import measure_cpu_tflops
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -96,7 +96,7 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
         for name in ("float32", "bfloat16"):
             dist.barrier()
             # The best of three windows: a busy moment on a shared machine only lowers it.
-            peaks[name] = max(measure_cpu_tflops(getattr(torch, name)) for _ in range(3))
+            peaks[name] = max(measure_cpu_tflops(torch_dtype(name)) for _ in range(3))
         links: dict = {kind: {} for kind in KINDS}
         for n in [d for d in range(2, ranks + 1) if ranks % d == 0]:
             groups = [dist.new_group(list(range(g, g + n))) for g in range(0, ranks, n)]

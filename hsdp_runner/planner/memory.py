@@ -131,6 +131,7 @@ def _measure_one(req: dict) -> dict:
     from hsdp_runner.distributed import parallelize as sharding
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.models.base import model_spec
+    from hsdp_runner.models.params import torch_dtype
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
@@ -139,7 +140,7 @@ def _measure_one(req: dict) -> dict:
     dims = ParallelDims(r, s, t, req["world_size"], req["ranks_per_node"])
     world = dims.build_mesh("cpu")
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, precision.master_dtype))
+    torch.set_default_dtype(torch_dtype(precision.master_dtype))
     try:
         with torch.device("meta"):
             model = model_spec(model_cfg).build()
