@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.report import prediction
 from hsdp_runner.report.dashboard import page as dashboard
 from hsdp_runner.report.runs import ORDER, Job, degrees, load_jobs, table
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if not jobs:
         print(f"compare: {args.sweep_dir} holds no job dirs; pass the sweep dir a multirun "
               "printed (hydra.sweep.dir)", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     text, paths = write_comparison(args.sweep_dir, jobs)
 
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         from hsdp_runner.report import wandb_report
 
         return wandb_report.publish(*_wandb_facts(args.sweep_dir, jobs))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

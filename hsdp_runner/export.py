@@ -21,6 +21,7 @@ from hsdp_runner.checkpoint import hf
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.core.choices import Dtype
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.models.params import torch_dtype
 
 
@@ -83,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         files = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gib)
     except ConfigError as err:
         print(f"hsdp_runner.export: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(f"hsdp_runner.export: wrote {len(files)} safetensors file(s) and config.json "
           f"({args.dtype}) to {args.out_dir}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

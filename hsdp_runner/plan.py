@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner.config.checks import validate_batch, validate_config
 from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.planner import memory as plan_memory
@@ -34,7 +35,6 @@ from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import resolve
 
 AXES_PREFIX = "plan.axes."
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster, entries = predict(cfg, axes)
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CONFIG
     out_dir = Path(cfg.plan.out_dir or datetime.datetime.now().strftime(
         f"plans/%Y-%m-%d_%H-%M-%S_{cfg.model.name}"))
     paths = plan_report.write(out_dir, cfg, cluster, entries, overrides, axes)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
               " add nodes (cluster.nodes), use activation checkpointing (parallel.ac=full or "
               "plan.axes.parallel.ac=none,full), or lower trainer.global_batch_size",
               file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CONFIG
     return EXIT_OK
 
 

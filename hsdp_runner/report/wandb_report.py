@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.train import sinks as tracking
 
 EXTRA = "pip install 'hsdp_runner[report]'  (or: pip install wandb-workspaces)"
@@ -68,11 +69,11 @@ def publish(project: str, entity: str | None, group: str, runs_were_offline: boo
         print("compare: --wandb-report needs " + "; ".join(missing) + ".\n"
               "The sweep's runs must be on the server too: upload offline runs with "
               "`wandb sync <sweep dir>/*/wandb/offline-run-*`.")
-        return 2
+        return EXIT_CONFIG
     if runs_were_offline:
         print("compare: the sweep logged offline; the report shows its runs once they are "
               "uploaded with `wandb sync <sweep dir>/*/wandb/offline-run-*`")
     report = build_report(project, entity, group, title=f"hsdp_runner sweep {group}")
     report.save()
     print(f"compare: W&B report: {report.url}")
-    return 0
+    return EXIT_OK
