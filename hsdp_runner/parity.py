@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.runtime.launch import run_job, validate
 from hsdp_runner.train import sinks as tracking
 
@@ -51,9 +53,9 @@ def compose(layout: str, overrides: list[str]) -> DictConfig:
     and ``single`` could not run on a multi-GPU node).
     """
     cfg = compose_config(["logger=none", f"parallel={layout}", *overrides])
-    degrees = [cfg.parallel[name] for name in ("dp_replicate", "dp_shard", "tp")]
+    degrees = [cfg.parallel[name] for name in DIM_NAMES]
     if not any(o.startswith("launcher.nproc_per_node=") for o in overrides) and -1 not in degrees:
-        cfg.launcher.nproc_per_node = degrees[0] * degrees[1] * degrees[2] // cfg.launcher.nnodes
+        cfg.launcher.nproc_per_node = math.prod(degrees) // cfg.launcher.nnodes
     return cfg
 
 

@@ -178,8 +178,7 @@ def _plain(value):
 
 
 def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
-    rep, shard, tp = layout["shape"]
-    overrides = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard, "parallel.tp": tp,
+    overrides = {**{f"parallel.{name}": d for name, d in zip(DIM_NAMES, layout["shape"])},
                  **{k: _plain(OmegaConf.select(cfg, k)) for k in chosen}}
     dims = layout["dims"]
     if dims is None:

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+
 # Mesh dims first, then the flattened 'dp' view: a group both name is reported by its dim.
-GROUP_NAMES = ("dp_replicate", "dp_shard", "tp", "dp")
+GROUP_NAMES = (*DIM_NAMES, "dp")
 
 _c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
 # op packet -> (kind, which tensor argument gives the bytes, multiply by group size?)

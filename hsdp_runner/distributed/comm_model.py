@@ -113,8 +113,7 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
 def world_dim(dims: ParallelDims) -> str:
     """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
     flattened ``dp``) spanning every rank, else ``world``."""
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-             "dp": dims.dp}
+    sizes = {**dims.degrees, "dp": dims.dp}
     return next((name for name in GROUP_NAMES if sizes[name] == dims.world_size), "world")
 
 

@@ -71,11 +71,11 @@ class ParallelDims:
         return dims
 
     def _check_product(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = prod(self.shape)
         if product != self.world_size:
+            named = " x ".join(f"parallel.{n}={v}" for n, v in self.degrees.items())
             raise ConfigError(
-                f"parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard={self.dp_shard} x "
-                f"parallel.tp={self.tp} = {product}, but the world size is {self.world_size}; make "
+                f"{named} = {product}, but the world size is {self.world_size}; make "
                 "the product match (set one degree to -1 to infer it) or change "
                 "launcher.nproc_per_node / launcher.nnodes")
 
@@ -165,9 +165,14 @@ class ParallelDims:
         return "none"
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def degrees(self) -> dict[str, int]:
+        """{mesh dim name: degree} in ``DIM_NAMES`` order."""
+        return {name: getattr(self, name) for name in DIM_NAMES}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         """The world mesh shape in ``DIM_NAMES`` order."""
-        return (self.dp_replicate, self.dp_shard, self.tp)
+        return tuple(self.degrees.values())
 
     @property
     def layout(self) -> str:
@@ -181,8 +186,7 @@ class ParallelDims:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
                 "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode,
-                "layout": self.layout, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "tp": self.tp, "nodes": self.nodes,
+                "layout": self.layout, **self.degrees, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> "WorldMesh":
@@ -289,13 +293,13 @@ def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
         if device_count:
             nproc = device_count
         else:
-            degrees = [parallel.dp_replicate, parallel.dp_shard, parallel.tp]
+            degrees = [getattr(parallel, name) for name in DIM_NAMES]
             if -1 in degrees:
                 raise ConfigError(
                     "a parallel degree is -1 but on CPU the world size comes from the degrees; "
                     "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4) or give every "
                     "degree explicitly")
-            nproc = degrees[0] * degrees[1] * degrees[2] // launcher.nnodes
+            nproc = prod(degrees) // launcher.nnodes
             if nproc < 1:
                 raise ConfigError(f"launcher.nnodes={launcher.nnodes} exceeds the product of the "
                                   "parallel degrees; set launcher.nproc_per_node explicitly")

@@ -16,8 +16,10 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
-DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
+DEGREE_KEYS = tuple(f"parallel.{name}" for name in DIM_NAMES)
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.records import RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
-DEGREES = ("dp_replicate", "dp_shard", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
 MEMORY_TARGET = 0.15  # the planner's memory target: |predicted / measured - 1| <= 15%
 
 
@@ -73,8 +73,8 @@ def _job_values(job: Path, config: dict):
     def value(key: str):
         found = _select(config, key)
         degree = key.removeprefix("parallel.")
-        if found == -1 and shape and degree in DEGREES:
-            return shape[DEGREES.index(degree)]
+        if found == -1 and shape and degree in DIM_NAMES:
+            return shape[DIM_NAMES.index(degree)]
         return found
     return value
 

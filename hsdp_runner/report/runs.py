@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.records import RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.train import sinks as tracking
 
 ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
@@ -124,7 +125,7 @@ def degrees(job: Job) -> tuple[str, str, str]:
     if s.mesh_shape is not None:
         return s.layout, "×".join(map(str, s.mesh_shape)), str(s.world_size)
     asked = s.requested_degrees or job.config.get("parallel") or {}
-    shape = "×".join(str(asked.get(k, "?")) for k in ("dp_replicate", "dp_shard", "tp"))
+    shape = "×".join(str(asked.get(k, "?")) for k in DIM_NAMES)
     return "—", shape, "—"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.train import sinks as tracking
 
 EXTRA = "pip install 'hsdp_runner[report]'  (or: pip install wandb-workspaces)"
@@ -43,7 +44,7 @@ def build_report(project: str, entity: str | None, group: str, title: str):
     runset = wr.Runset(project=project, name=group, filters=f"Group = '{group}'",
                        **({"entity": entity} if entity else {}))
     degrees = [wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}"))
-               for name in ("dp_replicate", "dp_shard", "tp")]
+               for name in DIM_NAMES]
     figures = [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(name))
                for name in ("median_tps_global", "median_mfu", "mem_peak_gib")]
     grid = wr.PanelGrid(runsets=[runset], panels=[
