@@ -18,7 +18,8 @@ from test_compare import fake_job
 from hsdp_runner import parity
 from hsdp_runner.checkpoint import checkpointer as checkpoint
 from hsdp_runner.checkpoint import start as checkpoint_start
-from hsdp_runner.core.records import RunStatus, RunSummary
+from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.runtime import signals as interrupt
 from hsdp_runner.runtime import sweep

@@ -124,6 +124,22 @@ class LauncherName(Choice):
         return self is not LauncherName.local
 
 
+class RunStatus(Choice):
+    """How a job ended (``summary.json``'s ``status``), in the order reports list them; a job
+    dir without summary.json is ``unfinished`` (``report.runs.Job``), never written."""
+
+    completed = "completed"
+    interrupted = "interrupted"
+    failed = "failed"
+    skipped = "skipped"
+    unfinished = "unfinished"
+
+    @property
+    def rank(self) -> int:
+        """The position reports sort jobs by: completed first, unfinished last."""
+        return list(RunStatus).index(self)
+
+
 class Resume(Choice):
     """``checkpoint.resume``: continue from the job's own newest checkpoint, or never."""
 

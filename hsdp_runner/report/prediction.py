@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 
@@ -166,7 +167,7 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     """
     found = predictions_for([j.path for j in jobs], plan_file)
     pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
-             if j.path in found and j.status == "completed"
+             if j.path in found and j.status is RunStatus.completed
              and j.summary.median_step_time_s]
     if not found:
         return ""

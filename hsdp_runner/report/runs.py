@@ -12,11 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.train import sinks as tracking
-
-ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
 
 
 @dataclass
@@ -32,9 +31,9 @@ class Job:
     label: str = field(default="")
 
     @property
-    def status(self) -> str:
+    def status(self) -> RunStatus:
         """completed / interrupted / failed / skipped, or unfinished without a summary."""
-        return self.summary.status or "unfinished"
+        return self.summary.status or RunStatus.unfinished
 
     @property
     def tps_global(self) -> float | None:
@@ -60,7 +59,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
                         summary=RunSummary.read(path) or RunSummary(),
                         records=tracking.read_metrics(path)))
     _label(jobs)
-    jobs.sort(key=lambda j: (ORDER.get(j.status, len(ORDER)), -(j.tps_global or 0.0), j.num))
+    jobs.sort(key=lambda j: (j.status.rank, -(j.tps_global or 0.0), j.num))
     return jobs
 
 
@@ -92,7 +91,7 @@ def _cell(text: str, limit: int = 240) -> str:
 
 
 def _mfu(job: Job) -> str:
-    if job.status != "completed":
+    if job.status is not RunStatus.completed:
         return "—"
     mfu = job.summary.median_mfu
     return "n/a" if mfu is None else f"{100 * mfu:.2f}%"
@@ -108,13 +107,13 @@ def _comm(summary: RunSummary) -> str:
 
 def _status(job: Job) -> str:
     s = job.summary
-    if job.status == "completed":
+    if job.status is RunStatus.completed:
         return "ok"
-    if job.status == "skipped":
+    if job.status is RunStatus.skipped:
         return "skipped: " + _cell(s.reason or "")
-    if job.status == "failed":
+    if job.status is RunStatus.failed:
         return f"failed (rank {s.failed_rank}): " + _cell(s.error or "")
-    if job.status == "interrupted":
+    if job.status is RunStatus.interrupted:
         return f"interrupted at step {s.interrupted_at_step} ({s.signal})"
     return "unfinished (no summary.json)"
 
@@ -139,7 +138,7 @@ def table(jobs: list[Job]) -> str:
         s = job.summary
         layout, shape, world = degrees(job)
         name = _cell(job.label)
-        if i == 0 and job.status == "completed":
+        if i == 0 and job.status is RunStatus.completed:
             name = f"**{name} (best)**"
         rows.append(" | ".join([
             f"| {name}", layout, shape, world,

@@ -25,10 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.config.checks import validate_batch, validate_config
-from hsdp_runner.core.choices import DataKind, Device, LauncherName
+from hsdp_runner.core.choices import DataKind, Device, LauncherName, RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import (
     check_torch_apis,
     check_visible_gpus,

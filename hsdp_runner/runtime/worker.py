@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.checkpoint.checkpointer import Checkpointer, data_facts
-from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
