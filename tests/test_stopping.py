@@ -18,7 +18,7 @@ from test_compare import fake_job
 from hsdp_runner import parity
 from hsdp_runner.checkpoint import checkpointer as checkpoint
 from hsdp_runner.checkpoint import start as checkpoint_start
-from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.runtime import signals as interrupt
@@ -209,15 +209,15 @@ def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path)
     from hsdp_runner.runtime.worker import _prepare_metrics
 
     cfg = OmegaConf.create({"checkpoint": {"dir": None}})
-    own = checkpoint_start.Start("checkpoint", str(tmp_path / "checkpoints" / "step-4"), 4)
+    own = checkpoint_start.Start(StartSource.checkpoint, str(tmp_path / "checkpoints" / "step-4"), 4)
     write_metrics(tmp_path, [1, 2, 3, 4, 5, 6])
     _prepare_metrics(cfg, tmp_path, own)
     assert [r["step"] for r in tracking.read_metrics(tmp_path)] == [1, 2, 3, 4]
     # Another run's checkpoint, or a fresh start: the earlier run is set aside whole.
-    elsewhere = checkpoint_start.Start("checkpoint", "/other/job/checkpoints/step-2", 2)
+    elsewhere = checkpoint_start.Start(StartSource.checkpoint, "/other/job/checkpoints/step-2", 2)
     _prepare_metrics(cfg, tmp_path, elsewhere)
     assert not (tmp_path / "metrics.jsonl").exists()
     assert len(tracking.read_metrics(tmp_path / "earlier_runs" / "1")) == 4
     write_metrics(tmp_path, [1])
-    _prepare_metrics(cfg, tmp_path, checkpoint_start.Start("fresh"))
+    _prepare_metrics(cfg, tmp_path, checkpoint_start.Start(StartSource.fresh))
     assert (tmp_path / "earlier_runs" / "2" / "metrics.jsonl").exists()

@@ -53,7 +53,7 @@ from hsdp_runner.checkpoint.start import (
     export_dir,
     load_failure,
 )
-from hsdp_runner.core.choices import FaultPhase
+from hsdp_runner.core.choices import FaultPhase, StartSource
 from hsdp_runner.core.faults import inject_fault
 from hsdp_runner.models.params import torch_dtype
 
@@ -130,13 +130,13 @@ class Checkpointer:
 
     def restore(self, start: Start) -> int:
         """Load what ``start`` names into model/optimizer/scheduler/RNG; return the first step."""
-        if start.source == "checkpoint":
+        if start.source is StartSource.checkpoint:
             self._load(Path(start.path), start.manifest)
             unused = [f"checkpoint.{k}" for k in ("load_path", "init_from_hf") if self.ckpt[k]]
             if self.rank == 0 and unused and Path(start.path).parent == self.folder:
                 log.info("%s not used: this job continues from its own checkpoint %s",
                          " and ".join(unused), start.path)
-        elif start.source == "hf":
+        elif start.source is StartSource.hf:
             self._load_hf(Path(start.path))
         self.facts.update(start_step=start.step, loaded_from=start.path)
         return start.step

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
-from hsdp_runner.core.choices import Resume
+from hsdp_runner.core.choices import Resume, StartSource
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import build_meta_model
 
@@ -35,9 +35,10 @@ class CheckpointError(ConfigError):
 
 @dataclass(frozen=True)
 class Start:
-    """Where a job's state comes from: 'checkpoint' (full state), 'hf' (weights) or 'fresh'."""
+    """Where a job's state comes from: a checkpoint (full state), an HF folder (weights) or
+    fresh weights; ``path`` names the folder, ``step`` the first step to train."""
 
-    source: str
+    source: StartSource
     path: Optional[str] = None
     step: int = 0
     manifest: Optional[dict] = None
@@ -152,7 +153,7 @@ def plan_start(ckpt_cfg, model_cfg, output_dir: Path) -> Start:
                                        if c.load_path else None)
     if path is not None:
         manifest = inspect(path, model_cfg)
-        return Start("checkpoint", str(path), int(manifest["step"]), manifest)
+        return Start(StartSource.checkpoint, str(path), int(manifest["step"]), manifest)
     if c.init_from_hf:
         folder = Path(c.init_from_hf).expanduser()
         if not folder.is_dir() or (folder / MANIFEST).is_file():
@@ -161,8 +162,8 @@ def plan_start(ckpt_cfg, model_cfg, output_dir: Path) -> Start:
             raise CheckpointError(f"checkpoint.init_from_hf={folder} {what}; point it at a Hugging "
                                   "Face safetensors folder")
         hf.check_folder(folder, model_cfg, expected_shapes(model_cfg))
-        return Start("hf", str(folder))
-    return Start("fresh")
+        return Start(StartSource.hf, str(folder))
+    return Start(StartSource.fresh)
 
 
 def validate(cfg, output_dir: Path) -> Start:

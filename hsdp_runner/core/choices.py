@@ -124,6 +124,24 @@ class LauncherName(Choice):
         return self is not LauncherName.local
 
 
+class DPMode(Choice):
+    """Which data-parallel wrapper a job's degrees call for (``ParallelDims.dp_mode``)."""
+
+    none = "none"
+    ddp = "ddp"
+    fsdp = "fsdp"
+    hsdp = "hsdp"
+
+
+class StartSource(Choice):
+    """Where a job's state comes from (``checkpoint.start.Start``): a checkpoint (full state),
+    a Hugging Face folder (weights only) or fresh weights."""
+
+    checkpoint = "checkpoint"
+    hf = "hf"
+    fresh = "fresh"
+
+
 class RunStatus(Choice):
     """How a job ended (``summary.json``'s ``status``), in the order reports list them; a job
     dir without summary.json is ``unfinished`` (``report.runs.Job``), never written."""

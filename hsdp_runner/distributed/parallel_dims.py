@@ -20,6 +20,7 @@ from datetime import timedelta
 from math import prod
 from typing import Optional
 
+from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
@@ -154,15 +155,15 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_mode(self) -> str:
-        """'none', 'ddp', 'fsdp' or 'hsdp': which data-parallel wrapper the degrees call for."""
+    def dp_mode(self) -> DPMode:
+        """Which data-parallel wrapper the degrees call for: none, ddp, fsdp or hsdp."""
         if self.dp_replicate > 1 and self.dp_shard > 1:
-            return "hsdp"
+            return DPMode.hsdp
         if self.dp_shard > 1:
-            return "fsdp"
+            return DPMode.fsdp
         if self.dp_replicate > 1:
-            return "ddp"
-        return "none"
+            return DPMode.ddp
+        return DPMode.none
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -177,7 +178,7 @@ class ParallelDims:
     @property
     def layout(self) -> str:
         """A short human name such as 'hsdp_tp' or 'fsdp'."""
-        parts = [] if self.dp_mode == "none" else [self.dp_mode]
+        parts = [] if self.dp_mode is DPMode.none else [self.dp_mode.value]
         if self.tp > 1:
             parts.append("tp")
         return "_".join(parts) or "single"
@@ -185,7 +186,7 @@ class ParallelDims:
     def describe(self) -> dict:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
-                "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode,
+                "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode.value,
                 "layout": self.layout, **self.degrees, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 

@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hsdp_runner.core.choices import AC, DDPImpl
-from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.choices import AC, DDPImpl, DPMode
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
-from hsdp_runner.models.params import copy_full_into, freeze_parameters, torch_dtype
+from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +127,11 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
 
     mp_policy = mixed_precision_policy(precision)
     mode = dims.dp_mode
-    if mode == "none":
+    if mode is DPMode.none:
         if precision.param_dtype == precision.master_dtype:
             return
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
-    elif mode == "ddp":
+    elif mode is DPMode.ddp:
         wanted = DDPImpl(ddp_impl) is DDPImpl.replicate
         replicate = _new_replicate() if wanted else None
         if wanted and replicate is None:
@@ -142,7 +141,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
             wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
         else:
             wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
-    elif mode == "fsdp":
+    elif mode is DPMode.fsdp:
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"],
                                       "reshard_after_forward": reshard_after_forward}
     else:

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.checkpoint.checkpointer import Checkpointer, data_facts
-from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
@@ -286,7 +286,7 @@ def _log_figures(figures: RunFigures) -> None:
 def _prepare_metrics(cfg, output_dir: Path, start: checkpoint_start.Start) -> None:
     """Rank 0, before the first step: a job resuming its own checkpoint keeps each step up to
     it once in metrics.jsonl; any other start sets an earlier run's files aside."""
-    own = start.source == "checkpoint" and \
+    own = start.source is StartSource.checkpoint and \
         Path(start.path).parent == checkpoint_start.checkpoint_dir(cfg.checkpoint, output_dir)
     if own:
         tracking.truncate_metrics(output_dir, start.step)
