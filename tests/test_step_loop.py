@@ -255,6 +255,16 @@ def test_prefetched_batches_are_the_batches_of_their_step():
         data.close()
 
 
+def test_one_cache_dir_and_the_old_variable_still_works_with_a_warning(tmp_path):
+    from hsdp_runner.distributed.hardware import cache_dir
+
+    both = {"HSDP_RUNNER_CACHE_DIR": str(tmp_path / "new"), "HSDP_RUNNER_CACHE": "old"}
+    assert cache_dir(both) == tmp_path / "new"
+    with pytest.warns(FutureWarning, match="set HSDP_RUNNER_CACHE_DIR instead"):
+        assert cache_dir({"HSDP_RUNNER_CACHE": str(tmp_path / "old")}) == tmp_path / "old"
+    assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "hsdp_runner"
+
+
 def test_cpu_peak_is_measured_once_per_machine_and_thread_count(tmp_path, monkeypatch):
     from hsdp_runner.train import metrics
 

@@ -12,7 +12,7 @@ large all-gather over all ranks alone, and both at once (the all-gather issued, 
 then the wait); ``overlap`` = the time saved / the compute time, the fraction of compute that
 communication can hide behind (``cluster.overlap``). On CPU gloo's threads share the cores with
 the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The
-result is cached per host and rank count in ``~/.cache/hsdp_runner``, so only the first plan
+result is cached per host and rank count in ``hardware.cache_dir()``, so only the first plan
 on a machine pays the ~20 s.
 """
 
@@ -32,9 +32,9 @@ REPEATS = 5
 
 def cache_path(ranks: int) -> Path:
     """Where this host's measurement for ``ranks`` ranks is kept."""
-    from hsdp_runner.planner.memory import CACHE_DIR
+    from hsdp_runner.distributed.hardware import cache_dir
 
-    return CACHE_DIR / f"linkbench_{socket.gethostname()}_{ranks}.json"
+    return cache_dir() / f"linkbench_{socket.gethostname()}_{ranks}.json"
 
 
 def cached_or_measure(ranks: int) -> dict:

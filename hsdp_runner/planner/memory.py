@@ -45,10 +45,10 @@ import json
 import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from pathlib import Path
+
+from hsdp_runner.distributed.hardware import cache_dir
 
 GIB = 2**30
-CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
 CACHE_VERSION = 2  # bump when what a measurement holds changes
 
 
@@ -69,10 +69,10 @@ def _key(req: dict) -> str:
 def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
     """Return, per request, the tracker's categories at the step's peak, in bytes.
 
-    Results are cached on disk by the request's content (``~/.cache/hsdp_runner/memory``,
-    ``HSDP_RUNNER_CACHE`` moves it); the rest run in one spawned child process.
+    Results are cached on disk by the request's content (``memory/`` in
+    ``hardware.cache_dir()``); the rest run in one spawned child process.
     """
-    cache = CACHE_DIR / "memory"
+    cache = cache_dir() / "memory"
     results: dict[int, dict] = {}
     todo = []
     for i, req in enumerate(requests):

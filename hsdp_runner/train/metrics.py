@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.models.params import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,8 @@ def measure_cpu_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3
 
 
 def cpu_peak_cache_file() -> Path:
-    """Where measured CPU peaks are kept: ``$HSDP_RUNNER_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/hsdp_runner``, else ``~/.cache/hsdp_runner``; file ``cpu_peak.json``."""
-    root = os.environ.get("HSDP_RUNNER_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsdp_runner"
-    return Path(root) / "cpu_peak.json"
+    """Where measured CPU peaks are kept: ``cpu_peak.json`` in ``hardware.cache_dir()``."""
+    return cache_dir() / "cpu_peak.json"
 
 
 def _cpu_key(dtype: str) -> str:
