@@ -21,8 +21,8 @@ from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.runtime import failures, sweep
 from hsdp_runner.runtime import signals as interrupt
-from hsdp_runner.runtime import sweep
 from hsdp_runner.train import sinks as tracking
 
 
@@ -126,12 +126,12 @@ def test_a_failed_summary_carries_no_figures_of_an_earlier_attempt(tmp_path):
 
 
 def test_only_the_first_rank_to_end_early_writes_the_summary(tmp_path):
-    tracking.begin_attempt(tmp_path)
-    assert tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=1))
-    assert not tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
+    failures.begin_attempt(tmp_path)
+    assert failures.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=1))
+    assert not failures.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
     assert RunSummary.read(tmp_path).failed_rank == 1
-    tracking.begin_attempt(tmp_path)  # a rerun
-    assert tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
+    failures.begin_attempt(tmp_path)  # a rerun
+    assert failures.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
 
 
 def test_compare_shows_an_interrupted_job_and_counts_it(tmp_path):

@@ -40,8 +40,11 @@ from hsdp_runner.models.base import build_meta_model
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import forkserver
 from hsdp_runner.runtime.failures import (
+    begin_attempt,
     cause_from_log,
     first_failure,
+    record_launcher_failure,
+    record_stopped_at_once,
     signal_only,
     with_timeout_hint,
 )
@@ -152,7 +155,7 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg_dict))
-        tracking.begin_attempt(output_dir)
+        begin_attempt(output_dir)
     if under_torchrun():
         from hsdp_runner.runtime.worker import run_worker
         summary = run_worker(cfg_dict, dims, run_info)
@@ -264,8 +267,7 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
         message = _failure_message(failure, Path(run_info.output_dir) / "logs", rank)
         print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
               f"rank logs: {Path(run_info.output_dir) / 'logs'}", file=sys.stderr)
-        # Replaces summary.json: figures of an earlier attempt must not appear under 'failed'.
-        RunSummary.failed(dims.describe(), rank, message).write(run_info.output_dir)
+        record_launcher_failure(run_info.output_dir, dims.describe(), rank, message)
         return EXIT_FAILED, None
     finally:
         signals.uninstall()
@@ -282,8 +284,8 @@ def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum
     last_ckpt = checkpoint_start.newest_checkpoint(OmegaConf.create(cfg_dict["checkpoint"]),
                                                    Path(output_dir))
     step = tracking.last_step(output_dir)
-    RunSummary.interrupted_at_once(dims.describe(), signal_name(signum), step,
-                                   last_ckpt).write(output_dir)
+    record_stopped_at_once(output_dir, dims.describe(), signal_name(signum), step, last_ckpt,
+                           first_only=False)
     print(f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
           f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
           file=sys.stderr)

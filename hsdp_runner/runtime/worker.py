@@ -32,10 +32,11 @@ from hsdp_runner.distributed.parallelize import build_model
 from hsdp_runner.runtime import sidecar as rank0_sidecar
 from hsdp_runner.runtime.failures import (
     PEER_LOST_GRACE_S,
-    failed_facts,
     mark_attempt,
     nccl_failure_env,
     peer_lost,
+    record_rank_failure,
+    record_stopped_at_once,
 )
 from hsdp_runner.runtime.signals import (
     StopNow,
@@ -147,16 +148,13 @@ def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
     last_ckpt = checkpoint_start.newest_checkpoint(cfg.checkpoint, output_dir)
     if isinstance(err, StopNow):
         log.warning("rank %d stopped at once on a repeated %s", rank, signal_name(err.signum))
-        summary = RunSummary.interrupted_at_once(dims.describe(), signal_name(err.signum),
-                                                 tracking.last_step(output_dir), last_ckpt)
-    else:
-        log.exception("rank %d failed", rank)
-        facts = failed_facts(output_dir / "logs", rank, err)
-        if facts["failed_rank"] != rank:
-            log.error("rank %d failed first: %s", facts["failed_rank"], facts["error"])
-        summary = RunSummary.failed(dims.describe(), facts["failed_rank"], facts["error"],
-                                    last_checkpoint=last_ckpt)
-    tracking.record_end(output_dir, summary)
+        record_stopped_at_once(output_dir, dims.describe(), signal_name(err.signum),
+                               tracking.last_step(output_dir), last_ckpt)
+        return
+    log.exception("rank %d failed", rank)
+    summary = record_rank_failure(output_dir, dims.describe(), rank, err, last_ckpt)
+    if summary.failed_rank != rank:
+        log.error("rank %d failed first: %s", summary.failed_rank, summary.error)
 
 
 def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: RunSummary) -> None:

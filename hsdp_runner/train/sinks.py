@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 EARLIER_RUNS_DIR = "earlier_runs"
-_ENDED_TOKEN = ".end_recorded"
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
@@ -69,32 +68,6 @@ def set_aside_earlier_run(output_dir: str | Path) -> Path | None:
     for path in files:
         os.replace(path, earlier / str(n) / path.name)
     return earlier / str(n)
-
-
-def begin_attempt(output_dir: str | Path) -> None:
-    """Forget which rank recorded the end of a previous attempt in this dir (see
-    ``record_end``); called once per job by the launching process (rank 0 under torchrun)
-    before any rank starts."""
-    (Path(output_dir) / "logs" / _ENDED_TOKEN).unlink(missing_ok=True)
-
-
-def record_end(output_dir: str | Path, summary: RunSummary) -> bool:
-    """Write ``summary`` (a failed or interrupted-at-once record) unless another process of
-    this attempt already did: the first rank to fail names the failure (its peers fail after
-    it, with "connection closed"). Returns whether it wrote."""
-    logs = Path(output_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    try:
-        os.close(os.open(logs / _ENDED_TOKEN, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return False
-    summary.write(output_dir)
-    return True
-
-
-def end_recorded(output_dir: str | Path) -> bool:
-    """Whether a process of this attempt already recorded its end through ``record_end``."""
-    return (Path(output_dir) / "logs" / _ENDED_TOKEN).exists()
 
 
 def last_step(output_dir: str | Path) -> int:
