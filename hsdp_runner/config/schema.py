@@ -35,7 +35,6 @@ from hsdp_runner.core.choices import (
 # dataclass of its own (models/base.py), stored by register_schemas as model/<family>_schema;
 # a conf/model/*.yaml names its family's schema first in its defaults list, so the node is typed
 # by the family's dataclass (Hydra's pattern for a group of schemas that extend one base).
-from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig, family_schemas
 
 
@@ -107,19 +106,6 @@ class LauncherConfig:
     requeue: int = 0
     cpus_per_task: Optional[int] = None
     mem_gb: Optional[int] = None
-
-
-# launcher=slurm with launcher.mem_gb=null asks for this much memory per GPU (per task on a CPU
-# partition): rank 0 gathers the full state on the CPU for an HF export (fp32 8B: 32 GB).
-SLURM_MEM_GB_PER_GPU = 64
-
-
-def slurm_mem_gb(launcher) -> int:
-    """Memory per node in GB that a SLURM job asks for (sbatch --mem): ``launcher.mem_gb``, or
-    ``SLURM_MEM_GB_PER_GPU`` x GPUs per node (x tasks per node without GPUs)."""
-    if launcher.mem_gb is not None:
-        return launcher.mem_gb
-    return SLURM_MEM_GB_PER_GPU * (launcher.gpus_per_node or launcher.nproc_per_node or 1)
 
 
 @dataclass

@@ -6,8 +6,8 @@ process, so a bad degree or path costs seconds, not a node-hour. Then either
   API on this node, or
 - under torchrun (RANK and WORLD_SIZE set): this process is one rank; run it directly, or
 - in a SLURM task (launcher=slurm / slurm_local, one task per rank): export the
-  torch.distributed variables from SLURM's with submitit's helper, then run it like a torchrun
-  rank. Before anything is queued, ``check_before_submit`` validates every job of the sweep.
+  torch.distributed variables from SLURM's (``slurm.join_submitit_job``), then run it like a
+  torchrun rank. Before anything is queued, ``check_before_submit`` validates every job of the sweep.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from hsdp_runner.runtime.failures import (
     with_timeout_hint,
 )
 from hsdp_runner.runtime.signals import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
+from hsdp_runner.runtime.slurm import join_submitit_job
 from hsdp_runner.train import sinks as tracking
 from hsdp_runner.train.data import load_corpus
 
@@ -173,24 +174,6 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
         print(f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
               f"{summary.final_loss:.4f}); outputs in {output_dir}")
     return EXIT_OK
-
-
-def join_submitit_job(launcher_name: str) -> None:
-    """Make this SLURM (or submitit-local) task a torch.distributed rank.
-
-    Exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from
-    the job's environment with submitit's helper; raises ConfigError outside a submitit job.
-    """
-    if "SUBMITIT_EXECUTOR" not in os.environ:
-        raise ConfigError(f"launcher={launcher_name} runs jobs through hydra-submitit-launcher, "
-                          "which Hydra uses only in multirun mode; drop hydra.mode=RUN / "
-                          "hydra/launcher overrides, or use launcher=local")
-    from submitit.helpers import TorchDistributedEnvironment
-
-    # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK). overwrite: a RANK
-    # etc. inherited from the submitting shell is replaced (submitit keeps an inherited
-    # MASTER_PORT on purpose).
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, first_num: int):

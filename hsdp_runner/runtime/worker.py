@@ -38,13 +38,8 @@ from hsdp_runner.runtime.failures import (
     record_rank_failure,
     record_stopped_at_once,
 )
-from hsdp_runner.runtime.signals import (
-    StopNow,
-    StopRequest,
-    parse_signal,
-    signal_name,
-    stop_signals,
-)
+from hsdp_runner.runtime.signals import StopNow, StopRequest, signal_name, stop_signals
+from hsdp_runner.runtime.slurm import requeue_if_asked
 from hsdp_runner.train import metrics, profiling
 from hsdp_runner.train import sinks as tracking
 from hsdp_runner.train.data import TokenBatches
@@ -137,7 +132,7 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     if sidecar is not None:
         sidecar.stop()
     if summary is not None and summary.status is RunStatus.interrupted:
-        _requeue_if_asked(cfg.launcher, stop, summary)
+        requeue_if_asked(cfg.launcher, stop, summary)
     return summary
 
 
@@ -155,30 +150,6 @@ def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
     summary = record_rank_failure(output_dir, dims.describe(), rank, err, last_ckpt)
     if summary.failed_rank != rank:
         log.error("rank %d failed first: %s", summary.failed_rank, summary.error)
-
-
-def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: RunSummary) -> None:
-    """Under submitit with ``launcher.requeue`` > 0, rank 0 of a job stopped by the time-limit
-    signal hands over to submitit's own handler (the one ``stop.install`` replaced), which
-    records the job, requeues it and exits this process; the requeued job resumes from its
-    checkpoint. A job stopped by SIGTERM/SIGINT (scancel, Ctrl-C) is not requeued."""
-    if not launcher_cfg.get("requeue") or "SUBMITIT_EXECUTOR" not in os.environ \
-            or int(os.environ["RANK"]) != 0:
-        return
-    from submitit import JobEnvironment
-
-    time_limit = {signal.SIGUSR2, JobEnvironment._usr_sig()}
-    if launcher_cfg.get("signal"):
-        time_limit.add(parse_signal(launcher_cfg.signal))
-    handler = stop.previous.get(JobEnvironment._usr_sig())
-    if stop.signum not in time_limit or not callable(handler):
-        return
-    log.warning("%s after step %d: requeueing the job through submitit; it resumes from %s",
-                summary.signal, summary.interrupted_at_step, summary.last_checkpoint)
-    try:
-        handler(stop.signum, None)  # requeues and exits the process
-    except Exception as err:  # e.g. submitit's "timed-out too many times"
-        log.warning("not requeued: %s", err)
 
 
 def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, output_dir: Path,
