@@ -226,7 +226,7 @@ def test_cpu_initial_weights_are_the_same_values_as_before():
 def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator(monkeypatch):
     import torch
 
-    from hsdp_runner.models import llama
+    from hsdp_runner.models import common
 
     draws = []
 
@@ -243,14 +243,11 @@ def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator
         return torch.zeros(shape)
     monkeypatch.setattr(torch, "Generator", Generator)
     monkeypatch.setattr(torch, "randn", randn)
-    monkeypatch.setattr(torch, "ones", lambda shape, device: draws.append(device) or "ones")
     gpu = torch.device("cuda", 3)
-    llama.initial_value("layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
-    llama.initial_value("_orig_mod.layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
-    assert draws[0] == (gpu, llama._name_seed(7, "layers.0.attention.wq.weight"), gpu)
+    common.initial_value("layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    common.initial_value("_orig_mod.layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    assert draws[0] == (gpu, common.name_seed(7, "layers.0.attention.wq.weight"), gpu)
     assert draws[1] == draws[0]  # the seed is the name's, whatever wraps the module
-    llama.initial_value("layers.0.ffn_norm.weight", (4,), 7, 0.02, gpu)
-    assert draws[2] == gpu
 
 
 # --- rank-0 file work outside the collective timeout ----------------------------------------------

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
-from hsdp_runner.models.llama import ReplicatedParams, initial_value
+from hsdp_runner.models.common import ReplicatedParams, initial_value
 from hsdp_runner.models.params import copy_full_into
 
 
@@ -252,7 +252,7 @@ class GPT2(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         """Fill every parameter deterministically from ``seed``: LayerNorms 1 (weights) and 0
-        (biases), every bias 0, the rest N(0, init_std^2) drawn by ``llama.initial_value``
+        (biases), every bias 0, the rest N(0, init_std^2) drawn by ``common.initial_value``
         from (seed, name), the residual projections (``c_proj``) scaled by 1/sqrt(2 x layers)
         as GPT-2 does. See ``Llama.init_weights`` for why each value is drawn whole."""
         std = self.cfg.init_std

@@ -9,7 +9,6 @@ code runs whole or with its heads split over a TP mesh.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -30,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
+from hsdp_runner.models.common import ReplicatedParams, initial_value
 from hsdp_runner.models.params import copy_full_into
 
 
@@ -262,9 +261,9 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer deterministically from ``seed``.
 
-        Each parameter's full value is drawn on the parameter's own device (``initial_value``)
-        from a generator seeded by (seed, name), then cut to this rank's shard, so every layout
-        starts from identical weights and a GPU draws even a 70B model in seconds. (The DTensor
+        Norms start at 1; every other parameter's full value is drawn on the parameter's own
+        device (``common.initial_value``) from a generator seeded by (seed, name), then cut to
+        this rank's shard, so every layout starts from identical weights and a GPU draws even a 70B model in seconds. (The DTensor
         RNG would also be deterministic, but its stream depends on the mesh.) On CPU the
         values are those of torch's CPU generator. On CUDA they come from a CUDA generator:
         equally a function of (seed, name), the same on every rank and in every layout of a
@@ -276,31 +275,16 @@ class Llama(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
-                scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
-                copy_full_into(param, initial_value(name, tuple(param.shape), seed, scale,
-                                                    local.device))
+                if name.endswith("norm.weight"):
+                    full = torch.ones(param.shape, device=local.device)
+                else:
+                    scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
+                    full = initial_value(name, tuple(param.shape), seed, scale, local.device)
+                copy_full_into(param, full)
             cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len,
                                    self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
-
-
-def initial_value(name: str, shape: tuple, seed: int, std: float, device: torch.device
-                  ) -> torch.Tensor:
-    """The full fp32 initial value of parameter ``name``, drawn on ``device``: ones for the
-    norms, else N(0, std^2) from a ``device`` generator seeded by (seed, name)."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device)
-    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
-    return torch.randn(shape, generator=gen, device=device) * std
-
-
-def _name_seed(seed: int, name: str) -> int:
-    # Names may carry wrapper prefixes (_checkpoint_wrapped_module, _orig_mod); strip them so a
-    # parameter gets the same values whatever wraps it.
-    clean = ".".join(p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
-    digest = hashlib.sha256(f"{seed}:{clean}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def count_params(cfg) -> dict:
@@ -326,26 +310,6 @@ def flops_per_token(cfg) -> float:
     and the PaLM paper do. The embedding lookup is not a matmul and is left out.
     """
     return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
-
-
-class ReplicatedParams(ParallelStyle):
-    """Keep a module whole on every TP rank but make its parameters Replicate DTensors.
-
-    Used for the norms when sequence parallel is off, so every parameter lives on the TP mesh
-    (the optimizer's foreach kernels and grad clipping cannot mix DTensors with plain tensors).
-    torch has no built-in style for this.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def to_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-                         for x in inputs)
-
-        def to_local(mod, outputs, mesh):
-            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
 # The dim each weight is split on by ``tp_plan`` (column-parallel: 0, row-parallel: 1; the
