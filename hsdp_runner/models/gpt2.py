@@ -90,6 +90,16 @@ class GPT2Config(ModelConfig):
         backward needs comes after it, and torch's checkpoint stops recomputing there."""
         return 2.0 * self.n_layers * 2 * self.dim ** 2
 
+    def no_weight_decay(self, name: str) -> bool:
+        """The token and position embeddings, the LayerNorms and every bias get no weight
+        decay (GPT-2's matmul weights alone are decayed)."""
+        return name in ("wte.weight", "wpe.weight") or name.endswith(".bias") \
+            or ".ln_" in f".{name}"
+
+    def hf_adapter(self) -> "GPT2Config":
+        """This config is its own HF mapping (the methods below)."""
+        return self
+
     hf_model_type = "gpt2"
     hf_ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older HF files
 

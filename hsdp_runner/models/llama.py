@@ -83,6 +83,14 @@ class LlamaConfig(ModelConfig):
         kv_dim = (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
         return 2.0 * self.n_layers * self.dim * (kv_dim + self.dim + self.ffn_hidden_dim)
 
+    def no_weight_decay(self, name: str) -> bool:
+        """The token embedding and the RMSNorm weights get no weight decay."""
+        return name == "tok_embeddings.weight" or name.endswith("norm.weight")
+
+    def hf_adapter(self) -> "LlamaConfig":
+        """This config is its own HF mapping (the methods below)."""
+        return self
+
     hf_model_type = "llama"
     hf_ignored = ("rotary_emb.inv_freq",)  # a buffer some HF Llama folders carry
 
