@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.config.checks import validate_batch, validate_config
 from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.distributed.comm_model import unit_sizes
@@ -76,7 +77,7 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list[str]]) -> list[tuple[dict
         for key, value in chosen.items():
             node = OmegaConf.create({"v": value})  # YAML typing: true -> bool, 2 -> int
             OmegaConf.update(variant, key, node.v, merge=False)
-        validate_config(variant)
+        validate_config(to_run_config(variant))
         out.append((chosen, variant))
     return out
 
@@ -92,7 +93,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
             entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
             try:
                 dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
-                validate_batch(cfg, dims.dp)
+                validate_batch(cfg.trainer, dims.dp)
                 entry["dims"] = dims
             except ConfigError as err:
                 entry["reason"] = str(err)
@@ -113,7 +114,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
             dims = entry["dims"]
             if dims is None:
                 continue
-            micro = validate_batch(cfg, dims.dp)
+            micro = validate_batch(cfg.trainer, dims.dp)
             # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
             # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters).
             key = (v, dims.tp, dims.dp_shard > 1, micro)
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         overrides, axes = split_axes(args.overrides)
         cfg = compose(overrides)
-        validate_config(cfg)
+        validate_config(to_run_config(cfg))
         cluster, entries = predict(cfg, axes)
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)

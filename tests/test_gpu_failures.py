@@ -313,6 +313,7 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     import torch.distributed as dist
     from test_config import compose
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.worker import make_checkpointer, make_trainer
@@ -328,8 +329,8 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
         device = torch.device("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
         figures = compute_run_figures(cfg, dims, model, device)
-        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
-        ckpt = make_checkpointer(cfg, dims, Path(out), trainer, device)
+        trainer = make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
+        ckpt = make_checkpointer(to_run_config(cfg), Path(out), trainer)
         prune = ckpt._prune
         ckpt._prune = lambda newest: (time.sleep(SLOW_PRUNE_S), prune(newest))  # a slow NFS
         ckpt.save(1)

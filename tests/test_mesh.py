@@ -4,6 +4,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims, infer_world_size
 
@@ -11,7 +12,7 @@ MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 
 
 def parallel(r=1, s=1, t=1, sp=True):
-    return NS(dp_replicate=r, dp_shard=s, tp=t, sequence_parallel=sp)
+    return ParallelConfig(dp_replicate=r, dp_shard=s, tp=t, sequence_parallel=sp)
 
 
 @pytest.mark.parametrize("degrees, world, expected", [

@@ -71,6 +71,7 @@ class Tally:
 def _trainer(overrides, device=torch.device("cpu")):
     import torch.distributed as dist
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.worker import make_trainer
@@ -81,7 +82,7 @@ def _trainer(overrides, device=torch.device("cpu")):
     world = dims.build_mesh(device.type)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
     figures = compute_run_figures(cfg, dims, model, device)
-    return make_trainer(cfg, dims, world, model, device, figures, sinks=[])
+    return make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
 
 
 def _weights(trainer):

@@ -43,11 +43,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.step_stats import STATS_BYTES
-from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec
+from hsdp_runner.models.base import ModelConfig, block_prefix, build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names, torch_dtype
 
 
@@ -55,7 +56,7 @@ def _dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
-def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
+def unit_sizes(model_cfg: ModelConfig, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
                ) -> dict[str, tuple[int, int]]:
     """Elements per FSDP unit ('<blocks>.<i>', e.g. 'layers.0', or 'root'): (all parameters,
     trainable ones).
@@ -90,7 +91,8 @@ class _Tally:
             self.counts[key]["bytes"] += nbytes
 
 
-def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+def analytic_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: ParallelConfig,
+                  precision: PrecisionConfig, trainer: TrainerConfig
                   ) -> dict[str, dict[str, int]]:
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
@@ -117,8 +119,8 @@ def world_dim(dims: ParallelDims) -> str:
     return next((name for name in GROUP_NAMES if sizes[name] == dims.world_size), "world")
 
 
-def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
-                   accum: int) -> None:
+def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool,
+                   precision: PrecisionConfig, accum: int) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
     if dims.dp_shard > 1:
@@ -133,7 +135,7 @@ def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
 
 
-def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
+def _tensor_parallel(tally: _Tally, model_cfg: ModelConfig, tokens: int, sequence_parallel: bool,
                      compute: int, accum: int, recompute: bool = False) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
     act = tokens * dim * compute  # one residual-stream activation of the rank's tokens

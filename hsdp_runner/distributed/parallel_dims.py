@@ -20,8 +20,10 @@ from datetime import timedelta
 from math import prod
 from typing import Optional
 
+from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
 from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.models.base import ModelConfig
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 
@@ -37,16 +39,15 @@ class ParallelDims:
     ranks_per_node: Optional[int] = None  # None: the whole job is on one node
 
     @classmethod
-    def from_config(cls, parallel, model, world_size: int,
-                    ranks_per_node: Optional[int] = None) -> "ParallelDims":
+    def from_config(cls, parallel: ParallelConfig, model: Optional[ModelConfig],
+                    world_size: int, ranks_per_node: Optional[int] = None) -> "ParallelDims":
         """Infer -1 degrees from ``world_size`` and validate against the model shape and nodes.
 
-        Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass), the
+        Takes the typed ``parallel`` and ``model`` configs (model None: no shape checks), the
         job's world size and the ranks per node (local world size; None = one node). Returns
         ParallelDims or raises ConfigError naming keys and a fix.
         """
-        get = (lambda node, k: node[k]) if isinstance(parallel, dict) else getattr
-        degrees = {name: get(parallel, name) for name in DIM_NAMES}
+        degrees = {name: getattr(parallel, name) for name in DIM_NAMES}
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
                               "launcher.nproc_per_node")
@@ -67,7 +68,7 @@ class ParallelDims:
             degrees[unknown[0]] = world_size // known
         dims = cls(world_size=world_size, ranks_per_node=ranks_per_node, **degrees)
         dims._check_product()
-        dims._check_model(parallel, model, get)
+        dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
 
@@ -80,32 +81,29 @@ class ParallelDims:
                 "the product match (set one degree to -1 to infer it) or change "
                 "launcher.nproc_per_node / launcher.nnodes")
 
-    def _check_model(self, parallel, model, get) -> None:
+    def _check_model(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
         if model is None:
             return
-        n_heads = get(model, "n_heads")
+        n_heads = model.n_heads
         # Only grouped-query families (Llama) have n_kv_heads.
-        kv = model.get("n_kv_heads") if hasattr(model, "get") else getattr(model, "n_kv_heads", None)
-        n_kv_heads = kv or n_heads
+        n_kv_heads = getattr(model, "n_kv_heads", None) or n_heads
         for key, value in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
             if value % self.tp:
                 raise ConfigError(f"parallel.tp={self.tp} does not divide {key}={value}; choose a "
                                   f"tp degree that divides {value}")
-        seq_len = get(model, "seq_len")
-        if self.tp > 1 and get(parallel, "sequence_parallel") and seq_len % self.tp:
+        seq_len = model.seq_len
+        if self.tp > 1 and parallel.sequence_parallel and seq_len % self.tp:
             raise ConfigError(f"model.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
                               "with parallel.sequence_parallel=true; change the sequence length "
                               "or set parallel.sequence_parallel=false")
 
-    def _check_nodes(self, parallel) -> None:
+    def _check_nodes(self, parallel: ParallelConfig) -> None:
         node = self.node_size
         if node < 1 or self.world_size % node:
             raise ConfigError(f"world size {self.world_size} is not a multiple of the {node} ranks "
                               "per node; give every node the same launcher.nproc_per_node "
                               "(torchrun --nproc-per-node)")
-        allowed = (parallel.get("allow_tp_across_nodes", False) if isinstance(parallel, dict)
-                   else getattr(parallel, "allow_tp_across_nodes", False))
-        if "tp" in self.dims_across_nodes() and not allowed:
+        if "tp" in self.dims_across_nodes() and not parallel.allow_tp_across_nodes:
             raise ConfigError(
                 f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}): every TP layer's "
                 "all-reduce/all-gather would cross the slow inter-node link; use a parallel.tp "
@@ -280,7 +278,8 @@ def check_degree_values(degrees: dict) -> None:
                               "or -1 to fill the rest of the world size")
 
 
-def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
+def infer_world_size(launcher: LauncherConfig, parallel: ParallelConfig,
+                     device_count: Optional[int]) -> int:
     """Return the world size a launch will have, before any process starts.
 
     ``launcher.nnodes x launcher.nproc_per_node``; ``nproc_per_node`` defaults to the number of

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, DDPImpl, DPMode
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
-from hsdp_runner.models.base import ParallelModule, model_spec
+from hsdp_runner.models.base import ModelConfig, ParallelModule, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def _new_replicate():
         return None
 
 
-def mixed_precision_policy(precision):
+def mixed_precision_policy(precision: PrecisionConfig):
     """Build the MixedPrecisionPolicy for the ``precision`` config node."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -110,9 +111,9 @@ def apply_compile(model: ParallelModule, tp: int) -> None:
         block.compile()
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
-                        reshard_after_forward: bool, ddp_impl: DDPImpl = DDPImpl.replicate
-                        ) -> None:
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh,
+                        precision: PrecisionConfig, reshard_after_forward: bool,
+                        ddp_impl: DDPImpl = DDPImpl.replicate) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
     fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
@@ -174,8 +175,8 @@ def sync_buffers(model: nn.Module) -> int:
     return count
 
 
-def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
-                ) -> None:
+def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh,
+                parallel: ParallelConfig, precision: PrecisionConfig) -> None:
     """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel)
@@ -186,8 +187,9 @@ def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, par
                         parallel.ddp_impl)
 
 
-def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,
-                device: torch.device, seed: int, freeze=()) -> ParallelModule:
+def build_model(model_cfg: ModelConfig, dims: ParallelDims, world: WorldMesh,
+                parallel: ParallelConfig, precision: PrecisionConfig, device: torch.device,
+                seed: int, freeze=()) -> ParallelModule:
     """Create the model on the meta device, parallelize it, then materialise and initialise.
 
     Returns the sharded model on ``device`` with identical weights in every layout and

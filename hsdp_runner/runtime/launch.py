@@ -25,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.config.checks import validate_batch, validate_config
+from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import DataKind, Device, LauncherName, RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
@@ -63,18 +65,22 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _cuda_count(cfg) -> int:
-    if cfg.device == Device.cpu:
+def _cuda_count(device: Device) -> int:
+    """The GPUs this process will use under the ``device`` choice; ConfigError for cuda
+    without one."""
+    if device == Device.cpu:
         return 0
     count = torch.cuda.device_count()
-    if cfg.device == Device.cuda and count == 0:
+    if device == Device.cuda and count == 0:
         raise ConfigError("device=cuda but no CUDA device is visible; set device=cpu or auto")
     return count
 
 
-def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
+def validate(cfg: RunConfig | DictConfig, output_dir: Path, submitting: bool = False,
              size_degrees: dict | None = None) -> ParallelDims:
     """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
+
+    Takes the typed config, or a composed one (parity, the tests), converted here.
 
     ``submitting``: this process only submits the job to SLURM (a login node, often without
     GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
@@ -82,9 +88,11 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     ``size_degrees`` (a sweep's preset degrees, see ``app.preset_degrees``) replace the job's
     own degrees where the world size comes from degrees (CPU, no ``launcher.nproc_per_node``).
     """
+    if not isinstance(cfg, RunConfig):
+        cfg = to_run_config(cfg)
     validate_config(cfg)
     check_torch_apis()
-    gpus = 0 if submitting else _cuda_count(cfg)
+    gpus = 0 if submitting else _cuda_count(cfg.device)
     world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
     if gpus and under_torchrun():
         check_visible_gpus(ranks_per_node, gpus)
@@ -92,7 +100,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if fallback and (not under_torchrun() or int(os.environ["RANK"]) == 0):
         print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
-    validate_batch(cfg, dims.dp)
+    validate_batch(cfg.trainer, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
             and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
@@ -102,14 +110,15 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if cfg.trainer.freeze:
         frozen_names(dict(build_meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
     _check_writable(output_dir)
-    checkpoint_start.validate(cfg, output_dir)
+    checkpoint_start.validate(cfg.checkpoint, cfg.model, cfg.trainer.steps, output_dir)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)
     return dims
 
 
-def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int, int]:
+def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None
+                  ) -> tuple[int, int]:
     """Return (world size, ranks per node): from torchrun's / SLURM's environment in a rank,
     else from ``launcher.nnodes`` x ``launcher.nproc_per_node`` (on CPU without it, from the
     degrees: a sweep's ``size_degrees``, else the job's own)."""
@@ -120,7 +129,7 @@ def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int
         raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
                           "ranks on this node only; use torchrun on every node or launcher=slurm "
                           "(README, 'Many nodes'), or keep launcher.nnodes=1")
-    sizing = OmegaConf.create(size_degrees) if size_degrees else cfg.parallel
+    sizing = dataclasses.replace(cfg.parallel, **size_degrees) if size_degrees else cfg.parallel
     world_size = infer_world_size(cfg.launcher, sizing, gpus)
     nproc = world_size // cfg.launcher.nnodes
     if gpus and nproc > gpus:
@@ -141,12 +150,16 @@ def _check_writable(output_dir: Path) -> None:
 
 
 def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
-    """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config)."""
+    """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config).
+
+    Takes the composed config (Hydra's DictConfig); it is checked as the typed ``RunConfig``
+    and sent to the workers as a plain resolved dict, which each converts once on arrival."""
     output_dir = Path(run_info.output_dir)
     try:
         if LauncherName(cfg.launcher.name).submitit:
             join_submitit_job(cfg.launcher.name)
-        dims = validate(cfg, output_dir, size_degrees=run_info.size_degrees)
+        run = to_run_config(cfg)
+        dims = validate(run, output_dir, size_degrees=run_info.size_degrees)
     except ConfigError as err:
         if run_info.multirun:  # a sweep skips a combination that cannot run, goes on
             _record_skipped(cfg, run_info, str(err))
@@ -161,7 +174,7 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
         from hsdp_runner.runtime.worker import run_worker
         summary = run_worker(cfg_dict, dims, run_info)
     else:
-        code, summary = _launch_local(cfg_dict, dims, run_info)
+        code, summary = _launch_local(run, cfg_dict, dims, run_info)
         if code != EXIT_OK:
             return code
     if summary is not None and summary.status is RunStatus.interrupted:
@@ -186,7 +199,7 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
     for num, overrides in enumerate(job_overrides, start=first_num):
         cfg = config_loader.load_sweep_config(sweep_config, list(overrides))
         try:
-            validate(cfg, sweep_dir, submitting=True)
+            validate(to_run_config(cfg), sweep_dir, submitting=True)
         except ConfigError as err:
             job = " ".join(overrides) or "no overrides"
             print(f"hsdp_runner: config error in job #{num} ({job}): {err}; nothing was submitted",
@@ -215,9 +228,10 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
     return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
 
 
-def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
+def _launch_local(cfg: RunConfig, cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
                   ) -> tuple[int, RunSummary | None]:
-    """Start ``dims.world_size`` workers on this node and wait; return (exit code, summary)."""
+    """Start ``dims.world_size`` workers on this node, each given ``cfg_dict`` (the plain form
+    of ``cfg``), and wait; return (exit code, summary)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -232,11 +246,11 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
     # Stop signals are ours, not the agent's: it would pass the first on and then stop
     # collecting the workers' results (and die mid-shutdown on a second one).
     signals = LauncherSignals()
-    signals.install(stop_signals(cfg_dict["launcher"].get("signal")))
+    signals.install(stop_signals(cfg.launcher.signal))
     try:
         results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
                                       dataclasses.replace(run_info, local_launch=True),
-                                      shutdown_timeout=cfg_dict["launcher"]["timeout_s"],
+                                      shutdown_timeout=cfg.launcher.timeout_s,
                                       agent_signals="SIGHUP,SIGQUIT")
     except SignalException as err:  # a stop signal while no worker was running
         print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} while no worker was "
@@ -246,7 +260,7 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
         rank, failure = first_failure(err.failures)
         stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
         if stopped:
-            return _stopped_at_once(cfg_dict, dims, run_info.output_dir, stopped), None
+            return _stopped_at_once(cfg.checkpoint, dims, run_info.output_dir, stopped), None
         message = _failure_message(failure, Path(run_info.output_dir) / "logs", rank)
         print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
               f"rank logs: {Path(run_info.output_dir) / 'logs'}", file=sys.stderr)
@@ -262,10 +276,10 @@ def _stop_exit_signal(exitcode: int) -> int | None:
     return exitcode - 128 if exitcode - 128 in {int(s) for s in BASE_SIGNALS} else None
 
 
-def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum: int) -> int:
+def _stopped_at_once(ckpt: CheckpointConfig, dims: ParallelDims, output_dir: str,
+                     signum: int) -> int:
     """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
-    last_ckpt = checkpoint_start.newest_checkpoint(OmegaConf.create(cfg_dict["checkpoint"]),
-                                                   Path(output_dir))
+    last_ckpt = checkpoint_start.newest_checkpoint(ckpt, Path(output_dir))
     step = tracking.last_step(output_dir)
     record_stopped_at_once(output_dir, dims.describe(), signal_name(signum), step, last_ckpt,
                            first_only=False)

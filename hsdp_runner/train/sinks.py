@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Protocol
 
+from hsdp_runner.config.schema import LoggerConfig
 from hsdp_runner.core.choices import Logger, WandbMode
 from hsdp_runner.core.records import SUMMARY_FILE, RunInfo, RunSummary
 
@@ -112,7 +113,8 @@ class MetricsFile:
 class WandbRun:
     """A W&B run for rank 0, or a no-op when disabled or when W&B cannot start."""
 
-    def __init__(self, logger_cfg, run_info: RunInfo, config: dict, output_dir: str | Path):
+    def __init__(self, logger_cfg: LoggerConfig, run_info: RunInfo, config: dict,
+                 output_dir: str | Path):
         self.run = None
         if logger_cfg.mode == WandbMode.disabled:
             return
@@ -123,7 +125,7 @@ class WandbRun:
                         type(err).__name__, err, output_dir)
 
     @staticmethod
-    def _start(logger_cfg, run_info: RunInfo, config: dict, output_dir: Path):
+    def _start(logger_cfg: LoggerConfig, run_info: RunInfo, config: dict, output_dir: Path):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
@@ -191,8 +193,8 @@ def wandb_summary(summary: RunSummary) -> dict:
     return out
 
 
-def open_trackers(logger_cfg, run_info: RunInfo, config: dict, output_dir: str | Path
-                  ) -> list[Tracker]:
+def open_trackers(logger_cfg: LoggerConfig, run_info: RunInfo, config: dict,
+                  output_dir: str | Path) -> list[Tracker]:
     """Rank 0's sinks for ``logger.name``: the job's files always, W&B with ``logger=wandb``.
 
     ``config``: the resolved config as a plain dict (W&B's run config)."""
