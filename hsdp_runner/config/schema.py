@@ -26,7 +26,6 @@ from hsdp_runner.core.choices import (
     LauncherName,
     Logger,
     OnNan,
-    Optimizer,
     Resume,
     WandbMode,
 )
@@ -61,7 +60,10 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
-    name: Optimizer = Optimizer.adamw
+    """AdamW's settings and the LR schedule (conf/optim/adamw.yaml). AdamW is the one
+    optimizer: the trainer skips a non-finite step on the device through fused AdamW's
+    ``found_inf``, and the planner's memory model counts its two moments."""
+
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 2

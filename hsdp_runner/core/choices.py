@@ -50,12 +50,6 @@ class Dtype(Choice):
     float16 = "float16"
 
 
-class Optimizer(Choice):
-    """``optim.name``."""
-
-    adamw = "adamw"
-
-
 class DataKind(Choice):
     """``data.kind``: synthetic tokens or a byte-level text file."""
 
