@@ -11,6 +11,11 @@ you spend"). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` be
 fit; ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
 (``plan_calibrate``). Exit 2 on bad input: unknown cluster or key, no valid layout, a model
 that fits nowhere. Never imports the trainer.
+
+The planner varies keys of the composed config (axes, degrees), so it works on Hydra's
+DictConfig; built from the ``RunConfig`` schema, that node reads like the dataclass, which is
+what the annotations name. Each variant is checked as a real ``RunConfig``
+(``compose.to_run_config``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 from hsdp_runner.config.checks import validate_batch, validate_config
 from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
-from hsdp_runner.planner.cluster import resolve
+from hsdp_runner.planner.cluster import Cluster, resolve
 
 AXES_PREFIX = "plan.axes."
 
@@ -105,7 +111,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
+def _memory_requests(variants, cluster: Cluster, layers: list[int]) -> tuple[list, list]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
     for v, (chosen, cfg, layouts) in enumerate(variants):
@@ -134,7 +140,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     return requests, groups
 
 
-def _state(cfg, dims: ParallelDims) -> dict:
+def _state(cfg: RunConfig, dims: ParallelDims) -> dict:
     from hsdp_runner.models.params import torch_dtype
 
     master = torch_dtype(cfg.precision.master_dtype).itemsize
@@ -178,7 +184,7 @@ def _plain(value):
     return value.value if isinstance(value, Enum) else value
 
 
-def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
+def _entry(chosen, cfg: RunConfig, layout, groups, measured, cluster: Cluster, step_time) -> dict:
     overrides = {**{f"parallel.{name}": d for name, d in zip(DIM_NAMES, layout["shape"])},
                  **{k: _plain(OmegaConf.select(cfg, k)) for k in chosen}}
     dims = layout["dims"]

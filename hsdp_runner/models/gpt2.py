@@ -199,7 +199,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg.dim, cfg.n_heads)
@@ -232,7 +232,7 @@ class LearnedPositions(nn.Module):
 class GPT2(nn.Module):
     """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)

@@ -221,7 +221,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
@@ -236,7 +236,7 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -295,7 +295,7 @@ class Llama(nn.Module):
             self.rope_sin.copy_(sin)
 
 
-def count_params(cfg) -> dict:
+def count_params(cfg: LlamaConfig) -> dict:
     """Return parameter counts: total, embedding, and matmul (those in Linear layers)."""
     n_kv = cfg.n_kv_heads or cfg.n_heads
     head_dim = cfg.dim // cfg.n_heads
@@ -310,7 +310,7 @@ def count_params(cfg) -> dict:
             "embedding": embedding, "matmul": matmul}
 
 
-def flops_per_token(cfg) -> float:
+def flops_per_token(cfg: LlamaConfig) -> float:
     """Training FLOPs per token: 6 x matmul params + 12 x layers x dim x seq_len (attention).
 
     The 6 counts forward (2) and backward (4) multiply-adds of every Linear weight; the attention

@@ -24,13 +24,16 @@ The dominant term is the largest of compute and each mesh dim's exposed communic
 
 from __future__ import annotations
 
+from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, _group_spans_nodes
-from hsdp_runner.models.base import model_spec
+from hsdp_runner.models.base import ModelConfig, model_spec
+from hsdp_runner.planner.cluster import Cluster
 
 
-def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, float]:
+def step_flops(model_cfg: ModelConfig, trainer: TrainerConfig, ac: AC, world_size: int
+               ) -> tuple[float, float]:
     """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
     spec = model_spec(model_cfg)
     tokens = trainer.global_batch_size * model_cfg.seq_len
@@ -54,7 +57,7 @@ def _group(dims: ParallelDims, dim: str) -> tuple[int, bool]:
     return dims.shape[DIM_NAMES.index(dim)], dim in dims.dims_across_nodes()
 
 
-def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> dict:
+def comm_times(comm: dict, dims: ParallelDims, cluster: Cluster, split: bool = False) -> dict:
     """{'<kind>/<dim>': seconds} of every collective of one step, none hidden; with ``split``
     the values are (latency part, bandwidth part)."""
     out = {}
@@ -66,7 +69,7 @@ def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> 
     return out
 
 
-def step_time(cfg, dims: ParallelDims, cluster) -> dict:
+def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``.
 
     Returns compute, exposed communication per mesh dim, the step time, tokens/s/device, MFU
