@@ -30,10 +30,11 @@ from hsdp_runner.devices import pick_device, set_cpu_threads
 from hsdp_runner.failures import (PEER_LOST_GRACE_S, failed_facts, mark_attempt,
                                   nccl_failure_env, peer_lost)
 from hsdp_runner.interrupt import StopNow, StopRequest, parse_signal, signal_name, stop_signals
-from hsdp_runner.mesh import ParallelDims, WorldMesh
+from hsdp_runner.mesh import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.run_figures import RunFigures, compute_run_figures
 from hsdp_runner.sharding import build_model
 from hsdp_runner.tensor_memory import TensorMemoryMeter
+from hsdp_runner.topology import FLATTENED, observed_placements
 from hsdp_runner.trainer import Trainer
 
 log = logging.getLogger("hsdp_runner")
@@ -173,6 +174,9 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
+    # How the real process groups of every dim sit on the nodes: recorded so that it can be
+    # checked against the planner's arithmetic. A collective: every rank calls it.
+    placements = observed_placements(world, (*DIM_NAMES, *FLATTENED))
     # What the process holds before the model exists (interpreter, torch, process groups),
     # and from here the tensor memory the model and the first steps add: the planner's figure.
     mem_baseline = metrics.current_memory_gib(device)
@@ -187,7 +191,7 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg, output_dir, start)
-        facts = run_facts(dims, device)
+        facts = {**run_facts(dims, device), "mesh_placement": placements}
         config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "derived": facts}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)

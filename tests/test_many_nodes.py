@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, cli_env, read_job, run_cli
+from hsdp_runner.topology import placement
 
 
 def free_port() -> int:
@@ -34,6 +35,18 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     assert summary["status"] == "completed" and len(records) == 6
     assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (4, 2, 2)
     assert summary["mesh_shape"] == [2, 2, 1] and summary["dims_across_nodes"] == ["dp_replicate"]
+    # Read from the real process groups and each agent's node rank: how every dim's groups sit
+    # on the two nodes is exactly what the planner's arithmetic prices.
+    observed = summary["mesh_placement"]
+    assert set(observed) == {*summary["mesh_dim_names"], "dp"}
+    for name, facts in observed.items():
+        assert facts == placement(summary["mesh_shape"], summary["mesh_dim_names"], name,
+                                  summary["ranks_per_node"]).describe(), name
+    assert observed["dp_replicate"] == {"size": 2, "ranks_per_node": 1, "groups_per_node": 2,
+                                        "nodes": 2}
+    assert observed["dp"] == {"size": 4, "ranks_per_node": 2, "groups_per_node": 1, "nodes": 2}
+    assert observed["dp_shard"] == {"size": 2, "ranks_per_node": 2, "groups_per_node": 1,
+                                    "nodes": 1}
     assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
     assert len(list((job / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs to W&B
 
