@@ -9,7 +9,7 @@ figures only (torchtitan's Llama 3.1 8B on 8 H100s; MosaicML's MPT 1B-13B on 8 A
 multi-node figure, the ones the topology model decides, is held out; the links'
 ``nic_efficiency`` is chosen on one nccl-tests figure and checked on the others. Printed:
 1. the link table (nccl-tests bus bandwidths, predicted by ``Cluster.price``);
-2. the throughput table (tokens/s/GPU by ``plan_time.step_time`` for the published layout);
+2. the throughput table (tokens/s/GPU by ``planner.step_time.step_time`` for the published layout);
 3. the targets: median absolute error of the held-out throughput <= 20%; for a source that
    publishes two layouts of one model on one cluster, the predicted ratio within 15% and the
    faster one predicted faster; and, as a further check, the scaling of one model from one node
@@ -32,11 +32,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hsdp_runner import plan, plan_memory  # noqa: E402
-from hsdp_runner.cluster import resolve  # noqa: E402
-from hsdp_runner.mesh import ParallelDims  # noqa: E402
-from hsdp_runner.plan_time import step_time  # noqa: E402
-from hsdp_runner.topology import Placement  # noqa: E402
+from hsdp_runner import plan  # noqa: E402
+from hsdp_runner.distributed.parallel_dims import ParallelDims  # noqa: E402
+from hsdp_runner.distributed.topology import Placement  # noqa: E402
+from hsdp_runner.planner import memory as plan_memory  # noqa: E402
+from hsdp_runner.planner.cluster import resolve  # noqa: E402
+from hsdp_runner.planner.step_time import step_time  # noqa: E402
 
 DATA = Path(__file__).with_name("published_figures.yaml")
 TARGET_MEDIAN, TARGET_RATIO = 0.20, 0.15

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, cli_env, read_job, run_cli
-from hsdp_runner.topology import placement
+from hsdp_runner.distributed.topology import placement
 
 
 def free_port() -> int:

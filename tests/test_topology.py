@@ -5,12 +5,12 @@ collectives that run at once, and single-node prices unchanged by all of it."""
 import pytest
 
 from hsdp_runner import plan
-from hsdp_runner.cluster import Cluster, resolve
-from hsdp_runner.comm_model import analytic_comm
-from hsdp_runner.config import ConfigError
-from hsdp_runner.mesh import DIM_NAMES, ParallelDims
-from hsdp_runner.plan_time import comm_prices, concurrent_time, step_time
-from hsdp_runner.topology import Placement, mesh_groups, placement
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.comm_model import analytic_comm
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.distributed.topology import Placement, mesh_groups, placement
+from hsdp_runner.planner.cluster import Cluster, resolve
+from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_time
 
 
 @pytest.mark.parametrize("shape, node, name, expected", [
