@@ -8,7 +8,8 @@ from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
-from hsdp_runner.distributed.topology import Placement, mesh_groups, placement
+from hsdp_runner.distributed.topology import (Placement, group_dims, mesh_groups, placement,
+                                              placement_of)
 from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_time
 
@@ -41,6 +42,19 @@ def test_mesh_groups_are_row_major_with_the_last_dim_innermost():
                                                                       [3, 7]]
     assert mesh_groups((2, 2, 2), DIM_NAMES, ("dp_replicate", "dp_shard")) == [[0, 2, 4, 6],
                                                                                 [1, 3, 5, 7]]
+
+
+def test_placement_arithmetic_equals_counting_the_enumerated_groups():
+    """Every mesh of up to 4 x 4 x 3 ranks, every node size dividing it, every group name."""
+    import itertools
+
+    for shape in itertools.product((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3)):
+        world = shape[0] * shape[1] * shape[2]
+        for node in (n for n in range(1, world + 1) if world % n == 0):
+            for name in (*DIM_NAMES, "dp", "world"):
+                groups = mesh_groups(shape, DIM_NAMES, group_dims(name, DIM_NAMES))
+                expected = placement_of(groups, {r: r // node for r in range(world)})
+                assert placement(shape, DIM_NAMES, name, node) == expected, (shape, node, name)
 
 
 def test_unknown_group_name_is_refused():

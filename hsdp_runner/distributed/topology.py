@@ -96,8 +96,21 @@ def placement_of(groups: Sequence[Sequence[int]], node_of: dict[int, object]) ->
 @lru_cache(maxsize=4096)
 def _placement(shape: tuple[int, ...], dim_names: tuple[str, ...], name: str,
                node_size: int) -> Placement:
-    groups = mesh_groups(shape, dim_names, group_dims(name, dim_names))
-    return placement_of(groups, {r: r // node_size for r in range(prod(shape))})
+    group = group_dims(name, dim_names)
+    # A rank's group is named by its rank with the group's coordinates zeroed; counting
+    # (group, node) pairs in integer arithmetic keeps 1,024-rank plans fast.
+    inside = [(prod(shape[i + 1:]), shape[i]) for i, n in enumerate(dim_names) if n in group]
+    counts: dict[tuple[int, int], int] = {}
+    for rank in range(prod(shape)):
+        first = rank - sum((rank // stride) % size * stride for stride, size in inside)
+        counts[first, rank // node_size] = counts.get((first, rank // node_size), 0) + 1
+    per_group: dict[int, int] = {}
+    per_node: dict[int, int] = {}
+    for first, node in counts:
+        per_group[first] = per_group.get(first, 0) + 1
+        per_node[node] = per_node.get(node, 0) + 1
+    return Placement(size=prod(size for _, size in inside), ranks_per_node=min(counts.values()),
+                     groups_per_node=max(per_node.values()), nodes=max(per_group.values()))
 
 
 def placement(shape: Sequence[int], dim_names: Sequence[str], name: str,
