@@ -112,10 +112,16 @@ def test_collectives_at_once_add_on_a_shared_link_and_overlap_on_separate_ones()
         + shard_across.link_s["nic"] + 0.5 * replicate.link_s["nic"], rel=1e-12)
 
 
-def test_hsdp_on_nodes_prices_its_terms_by_where_their_groups_sit():
+@pytest.fixture(scope="module")
+def h100_4_nodes():
+    """Llama 3 8B, bf16, batch 32 on 4 nodes of the h100_sxm preset: (config, Cluster)."""
     cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=32",
                         "cluster=h100_sxm", "cluster.nodes=4"])
-    cluster = resolve(cfg.cluster, "bfloat16")
+    return cfg, resolve(cfg.cluster, "bfloat16")
+
+
+def test_hsdp_on_nodes_prices_its_terms_by_where_their_groups_sit(h100_4_nodes):
+    cfg, cluster = h100_4_nodes
     dims = ParallelDims(4, 8, 1, 32, 8)
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     prices = comm_prices(comm, dims, cluster)
@@ -127,12 +133,10 @@ def test_hsdp_on_nodes_prices_its_terms_by_where_their_groups_sit():
             facts["nodes"], facts["link"]) == (4, 1, 8, 4, "nic")
 
 
-def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one():
+def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one(h100_4_nodes):
     """FSDP over 32 GPUs of 4 nodes: the ring's 8 ranks per node use the node's 8 NICs (bus
     bandwidth NVLink-bound, 360 GB/s), not one GPU's 48 GB/s."""
-    cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=32",
-                        "cluster=h100_sxm", "cluster.nodes=4"])
-    cluster = resolve(cfg.cluster, "bfloat16")
+    cfg, cluster = h100_4_nodes
     dims = ParallelDims(1, 32, 1, 32, 8)
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     assert comm_prices(comm, dims, cluster)["all_gather/dp_shard"].bus_gbps == 360.0
@@ -163,11 +167,11 @@ def test_single_node_prices_on_this_machine_are_unchanged(overlap):
                       nic_gbit=None, nic_efficiency=None, intra_node_latency_us=100.0,
                       inter_node_latency_us=100.0, overlap=overlap, memory_reserve_gib=0.0,
                       measured_links=table, link_scale=1.3, latency_scale=2.0)
+    ac = next(iter(BEFORE[overlap])).split(":")[0]
+    cfg = plan.compose(["model=llama3_debug", "cluster=this_machine", f"parallel.ac={ac}",
+                        "trainer.global_batch_size=8"])
     for key, before in BEFORE[overlap].items():
-        ac, shape = key.split(":")
-        rep, shard, tp = map(int, shape.split("x"))
-        cfg = plan.compose(["model=llama3_debug", "cluster=this_machine", f"parallel.ac={ac}",
-                            "trainer.global_batch_size=8"])
+        rep, shard, tp = map(int, key.split(":")[1].split("x"))
         now = step_time(cfg, ParallelDims(rep, shard, tp, 8, 8), cluster)["step_time_s"]
         assert now == pytest.approx(before, rel=1e-12), key
 
