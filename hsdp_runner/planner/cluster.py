@@ -130,6 +130,10 @@ class Cluster:
             return FREE
         traffic = ring_factor(kind, where.size) * nbytes
         table = self.measured_links.get(kind)
+        if not table and self.nvlink_gbps is None:
+            raise ConfigError(f"cluster {self.name!r} is measured but its link table has no "
+                              f"{kind}; delete its cache in ~/.cache/hsdp_runner (or "
+                              "$HSDP_RUNNER_CACHE) to measure it again")
         if table:
             # Measured per group size on this machine (JSON keys are strings); the nearest
             # size stands in. "Nodes" on one machine share its memory: the same table.

@@ -89,7 +89,7 @@ def _assumptions(cfg, cluster: dict) -> str:
 
 
 def _links_line(cluster: dict) -> str:
-    if cluster["measured_links"]:
+    if cluster["measured_links"] or cluster["nvlink_gbps"] is None:
         return ("measured on this machine per collective and group size (linkbench); groups "
                 "spanning \"nodes\" of this one machine use the same table.")
     line = (f"inside a node NVLink, {cluster['nvlink_gbps']:g} GB/s per GPU and direction x "
