@@ -100,8 +100,9 @@ def _links_line(cluster: dict) -> str:
         share = (cluster["nics_per_node"] * cluster["nic_gbit"] / 8 * cluster["nic_efficiency"]
                  / cluster["gpus_per_node"] * cluster["link_scale"])
         line += (f" Across nodes: {cluster['nics_per_node']} NICs x {cluster['nic_gbit']:g} Gb/s"
-                 f" x {cluster['nic_efficiency']:g} per node = {share:.4g} GB/s per GPU; a ring "
-                 "whose group has k ranks on each node gets min(k x that, NVLink).")
+                 f" x {cluster['nic_efficiency']:g} per node / {cluster['gpus_per_node']} GPUs = "
+                 f"{share:.4g} GB/s per GPU; a ring whose group has k ranks on each node gets "
+                 "min(k x that, NVLink).")
     return line
 
 
@@ -133,7 +134,8 @@ def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: lis
           f"{_assumptions(cfg, cluster)}\n\n{table(entries, cluster)}\n")
     best = next((e for e in entries if e["valid"] and e.get("comm_links")), None)
     if best is not None:
-        md += (f"\n## Links of rank {best['rank']} ({_degrees(best)} {_axes(best)})\n\n"
+        md += (f"\n## Links of rank {best['rank']} ({f'{_degrees(best)} {_axes(best)}'.strip()})"
+               "\n\n"
                f"{links_table(best)}\n")
     (out_dir / PLAN_MD).write_text(md)
     paths = [out_dir / PLAN_MD, plan_json]
