@@ -4,7 +4,9 @@ plan.json (version 1) holds ``model``, ``world_size``, ``cluster`` and one entry
 ``overrides`` (dotted key -> value: the degrees and any axes), ``valid``, ``reason``,
 ``fits``, ``mem_gib``, ``step_time_s``, ``tps_per_device``, ``mfu``, ``dominant``, ``rank``
 (1-based; null when invalid), plus the breakdowns (``memory``, ``compute_s``,
-``exposed_comm_s``). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
+``exposed_comm_s``) and ``comm_links``: per communication term the group's placement on the
+nodes, the link, the algorithm and the bus bandwidth assumed (plan.md shows them for the best
+layout). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
 carrying ``plan.source`` = the absolute path of plan.json, so ``compare`` finds its prediction.
 """
 
