@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, cli_env, read_job, run_cli
-from hsdp_runner.distributed.topology import placement
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.planner.step_time import placement_of
 
 
 def free_port() -> int:
@@ -38,9 +39,10 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     # on the two nodes is exactly what the planner's arithmetic prices.
     observed = summary["mesh_placement"]
     assert set(observed) == {*summary["mesh_dim_names"], "dp"}
+    planned = ParallelDims(*summary["mesh_shape"], summary["world_size"],
+                           summary["ranks_per_node"])
     for name, facts in observed.items():
-        assert facts == placement(summary["mesh_shape"], summary["mesh_dim_names"], name,
-                                  summary["ranks_per_node"]).describe(), name
+        assert facts == placement_of(planned, name).describe(), name
     assert observed["dp_replicate"] == {"size": 2, "ranks_per_node": 1, "groups_per_node": 2,
                                         "nodes": 2}
     assert observed["dp"] == {"size": 4, "ranks_per_node": 2, "groups_per_node": 1, "nodes": 2}
