@@ -29,8 +29,6 @@ import multiprocessing
 import os
 import signal
 
-import torch
-
 START_METHOD = "forkserver"
 SERVER_MODULE = "hsdp_runner.forkserver_server"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -65,6 +63,8 @@ def import_worker_modules(modules=WORKER_IMPORTS) -> str | None:
     """Import ``modules`` (the imports this server exists to pay once), noting the first whose
     import initialised CUDA; return that note ("importing <module>"), None when none did."""
     global _cuda_initialised_by
+    import torch  # here, not at the top: the server ignores stop signals before heavy imports
+
     for module in modules:
         importlib.import_module(module)
         if _cuda_initialised_by is None and torch.cuda.is_initialized():
@@ -75,6 +75,8 @@ def import_worker_modules(modules=WORKER_IMPORTS) -> str | None:
 def check_cuda_untouched() -> None:
     """In a worker forked from the server, before its device setup: raise RuntimeError when
     the server had initialised CUDA (a context does not survive fork), naming what did."""
+    import torch
+
     if not (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
         return
     cause = _cuda_initialised_by or ("a CUDA call while it imported its modules, e.g. "

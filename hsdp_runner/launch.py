@@ -212,7 +212,8 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
     # a worker cannot set ours; the launcher can, for the launch only. A user's value wins.
     key, value = NCCL_ERROR_HANDLING
     inherited = os.environ.get(key)
-    os.environ[key] = inherited if inherited is not None else value
+    if inherited is None:
+        os.environ[key] = value
     try:
         return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
     finally:
