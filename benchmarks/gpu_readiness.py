@@ -32,10 +32,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hsdp_runner.contracts import RunSummary  # noqa: E402
-from hsdp_runner.devices import cuda_available, cuda_unusable_cause  # noqa: E402
-from hsdp_runner.failures import NCCL_ERROR_HANDLING  # noqa: E402
-from hsdp_runner.sharding import SDPA_FORWARD_OPS  # noqa: E402
+from hsdp_runner.core.records import RunSummary  # noqa: E402
+from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
+from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS  # noqa: E402
+from hsdp_runner.runtime.failures import NCCL_ERROR_HANDLING  # noqa: E402
 
 # (model, global batch in sequences), largest first.
 CANDIDATES = [("llama3_1b", 8), ("llama3_1b", 4), ("llama3_1b", 2), ("llama3_1b", 1),

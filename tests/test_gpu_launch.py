@@ -4,7 +4,6 @@ and the Makefile's torch stamp. docs/gpu.md says what this does not prove.
 
 import pytest
 
-
 # --- single-GPU parts and per-count commands on a multi-GPU node --------------------------------
 
 def _gpu_node(monkeypatch, gpus):
@@ -27,8 +26,9 @@ def _readiness():
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gpu_node(
         gpus, monkeypatch, tmp_path):
-    from hsdp_runner import launch
     from test_config import compose
+
+    from hsdp_runner.runtime import launch
 
     _gpu_node(monkeypatch, gpus)
     readiness = _readiness()
@@ -46,7 +46,7 @@ def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gp
 def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
     import warnings
 
-    from hsdp_runner import devices
+    from hsdp_runner.distributed import hardware as devices
     from test_gpu_devices import OLD_DRIVER
 
     def is_available():
@@ -77,7 +77,8 @@ def test_gpu_readiness_reports_the_nccl_setting_and_the_attention_kernel(monkeyp
 
 
 def test_parity_runs_each_layout_on_its_own_rank_count_on_a_gpu_node(monkeypatch, tmp_path):
-    from hsdp_runner import launch, parity
+    from hsdp_runner import parity
+    from hsdp_runner.runtime import launch
 
     _gpu_node(monkeypatch, 8)
     sizes = {layout: launch.validate(parity.compose(layout, ["model=llama3_tiny"]),
@@ -156,7 +157,7 @@ def test_a_worker_of_the_local_launcher_sees_async_error_handling_3(monkeypatch)
     torch 2.13's local_elastic_agent.py); the launcher sets ours before the workers start."""
     import os
 
-    from hsdp_runner.launch import start_local_workers
+    from hsdp_runner.runtime.launch import start_local_workers
 
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "unset")  # restored after the test
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
@@ -167,7 +168,7 @@ def test_a_worker_of_the_local_launcher_sees_async_error_handling_3(monkeypatch)
 def test_a_users_async_error_handling_reaches_the_agent_unchanged(monkeypatch):
     from torch.distributed.launcher import api
 
-    from hsdp_runner.launch import start_local_workers
+    from hsdp_runner.runtime.launch import start_local_workers
 
     seen = []
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -182,7 +183,7 @@ def test_a_users_async_error_handling_reaches_the_agent_unchanged(monkeypatch):
 def test_an_import_that_initialises_cuda_in_the_forkserver_is_named_in_the_worker(monkeypatch):
     from types import SimpleNamespace
 
-    from hsdp_runner import forkserver
+    from hsdp_runner.runtime import forkserver
 
     state = {"initialised": False}
 
@@ -203,7 +204,7 @@ def test_an_import_that_initialises_cuda_in_the_forkserver_is_named_in_the_worke
 
 def test_a_worker_forked_after_the_server_touched_the_driver_fails_before_device_setup(
         monkeypatch):
-    from hsdp_runner import forkserver
+    from hsdp_runner.runtime import forkserver
 
     # torch.cuda.is_available() in the server initialises the driver without torch's CUDA
     # state: the forked child is then in torch's "bad fork" state (read in torch/cuda/__init__.py).
