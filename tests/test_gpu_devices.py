@@ -225,14 +225,15 @@ def driver_too_old(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
     monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("torch.version.cuda", "12.8")
-    monkeypatch.setattr("hsdp_runner.distributed.hardware.gpus_present", lambda root=None: (8, "NVIDIA"))
+    monkeypatch.setattr(devices, "gpus_present", lambda root=None: (8, "NVIDIA"))
 
 
 def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(driver_too_old, tmp_path,
                                                                       capsys):
-    from hsdp_runner.runtime import launch
-    from hsdp_runner.core.errors import ConfigError
     from test_config import compose
+
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.runtime import launch
 
     base = ["model=llama3_tiny", "logger=none", "parallel=fsdp", "precision=bf16"]
     dims = launch.validate(compose(base), tmp_path)  # not "this GPU does not support bfloat16"

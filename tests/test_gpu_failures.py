@@ -178,18 +178,20 @@ def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(backend
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
-
-    from hsdp_runner.runtime import worker
-    from hsdp_runner.core.records import RunInfo
-    from hsdp_runner.runtime.failures import mark_attempt
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
     from test_config import compose
+
+    from hsdp_runner.core.records import RunInfo
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.runtime import worker
+    from hsdp_runner.runtime.failures import mark_attempt
 
     calls = []
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(worker, "setup_logging", lambda out, rank: mark_attempt(out / "logs", rank))
-    monkeypatch.setattr(worker.rank0_sidecar, "start", lambda *a: SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr(worker, "setup_logging",
+                        lambda out, rank: mark_attempt(out / "logs", rank))
+    monkeypatch.setattr(worker.rank0_sidecar, "start",
+                        lambda *a: SimpleNamespace(stop=lambda: None))
     monkeypatch.setattr(worker, "faulthandler", SimpleNamespace(enable=lambda **k: None))
     monkeypatch.setattr(worker.StopRequest, "install", lambda self, signals: None)
     monkeypatch.setattr(worker, "set_cpu_threads", lambda n: 1)

@@ -46,8 +46,9 @@ def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gp
 def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
     import warnings
 
-    from hsdp_runner.distributed import hardware as devices
     from test_gpu_devices import OLD_DRIVER
+
+    from hsdp_runner.distributed import hardware as devices
 
     def is_available():
         warnings.warn(OLD_DRIVER)
