@@ -100,7 +100,8 @@ def published() -> None:
               f"{_role(case)} | {case['bus_gbps']:g} | {predicted:.4g} | {error:+.0%} |")
     efficiency = {}
     for cluster in sorted({c["cluster"] for c in data["throughput"]}):
-        fitted = [c for c in data["throughput"] if c["cluster"] == cluster and c["role"] == "fitted"]
+        fitted = [c for c in data["throughput"]
+                  if c["cluster"] == cluster and c["role"] == "fitted"]
         efficiency[cluster] = fit_efficiency(fitted)
         preset = resolve(plan.compose([f"cluster={cluster}"]).cluster, "bfloat16")
         print(f"\n{cluster}: compute_efficiency fitted on {len(fitted)} single-node figure(s) = "
@@ -147,7 +148,8 @@ def _pairs(data: dict, results: dict) -> None:
                 continue
             pub = case["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
             pred = results[case["id"]]["tps_per_device"] / results[base["id"]]["tps_per_device"]
-            print(f"| {case['id']} / {base['id']} | {pub:.3f} | {pred:.3f} | {pred / pub - 1:+.0%} |")
+            print(f"| {case['id']} / {base['id']} | {pub:.3f} | {pred:.3f} | "
+                  f"{pred / pub - 1:+.0%} |")
 
 
 def memory() -> None:

@@ -9,7 +9,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import (Placement, group_dims, mesh_groups, placement,
-                                              placement_of)
+                                              placement_of_groups)
 from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_time
 
@@ -53,7 +53,7 @@ def test_placement_arithmetic_equals_counting_the_enumerated_groups():
         for node in (n for n in range(1, world + 1) if world % n == 0):
             for name in (*DIM_NAMES, "dp", "world"):
                 groups = mesh_groups(shape, DIM_NAMES, group_dims(name, DIM_NAMES))
-                expected = placement_of(groups, {r: r // node for r in range(world)})
+                expected = placement_of_groups(groups, {r: r // node for r in range(world)})
                 assert placement(shape, DIM_NAMES, name, node) == expected, (shape, node, name)
 
 

@@ -78,7 +78,7 @@ def mesh_groups(shape: Sequence[int], dim_names: Sequence[str], group: Sequence[
     return list(groups.values())
 
 
-def placement_of(groups: Sequence[Sequence[int]], node_of: dict[int, object]) -> Placement:
+def placement_of_groups(groups: Sequence[Sequence[int]], node_of: dict[int, object]) -> Placement:
     """The Placement of ``groups`` (lists of ranks) whose ranks run on ``node_of[rank]``."""
     per_node: dict[object, set[int]] = {}
     k, spans = None, 1
@@ -150,5 +150,5 @@ def observed_placements(world_mesh, names: Sequence[str]) -> dict[str, dict]:
     out = {}
     for name in names:
         groups = {tuple(sorted(facts["groups"][name])) for facts in every}
-        out[name] = placement_of(sorted(groups), node_of).describe()
+        out[name] = placement_of_groups(sorted(groups), node_of).describe()
     return out
