@@ -188,3 +188,17 @@ def test_a_described_cluster_of_several_nodes_needs_its_nics():
     cfg = plan.compose(["cluster=h100_sxm", "cluster.nodes=2", "cluster.nics_per_node=null"])
     with pytest.raises(ConfigError, match="cluster.nics_per_node=None must be > 0"):
         resolve(cfg.cluster, "bfloat16")
+
+
+def test_measured_machine_prices_groups_spanning_its_nodes_from_its_own_table():
+    """Two torchrun agents on one machine are two "nodes" sharing its memory: a group spanning
+    them is priced from the measured table like one inside a node."""
+    table = {"all_gather": {"2": [1e-4, 2e8], "4": [2e-4, 1e8]}}
+    c = _cluster(nvlink_gbps=None, nvlink_efficiency=None, nics_per_node=None, nic_gbit=None,
+                 nic_efficiency=None, measured_links=table)
+    across = c.price("all_gather", Placement(4, 2, 1, 2), calls=2, nbytes=4e8)
+    inside = c.price("all_gather", Placement(4, 4, 1, 1), calls=2, nbytes=4e8)
+    assert across == inside and across.link == "measured"
+    assert across.seconds == pytest.approx(2 * 2e-4 + 3 / 4 * 4e8 / 1e8, rel=1e-12)
+    with pytest.raises(ConfigError, match="has no reduce_scatter"):
+        c.price("reduce_scatter", Placement(4, 4, 1, 1), calls=1, nbytes=1.0)
