@@ -202,3 +202,23 @@ def test_measured_machine_prices_groups_spanning_its_nodes_from_its_own_table():
     assert across.seconds == pytest.approx(2 * 2e-4 + 3 / 4 * 4e8 / 1e8, rel=1e-12)
     with pytest.raises(ConfigError, match="has no reduce_scatter"):
         c.price("reduce_scatter", Placement(4, 4, 1, 1), calls=1, nbytes=1.0)
+
+
+def test_published_figures_name_their_source_and_role():
+    """Every figure benchmarks/plan_published.py compares with says where it comes from and
+    whether it chose a constant (fitted, naming which) or chose nothing (held out)."""
+    from pathlib import Path
+
+    import yaml
+
+    data = yaml.safe_load((Path(__file__).parents[1] / "benchmarks" /
+                           "published_figures.yaml").read_text())
+    assert data["date_read"]
+    cases = data["throughput"] + data["links"]
+    for case in cases:
+        assert case["source"] and case["table"] and case["setup"], case["id"]
+        assert case["role"] in ("fitted", "held_out"), case["id"]
+        assert ("fits" in case) == (case["role"] == "fitted"), case["id"]
+    held = [c for c in data["throughput"] if c["role"] == "held_out"]
+    assert held and all(c["nodes"] > 1 for c in held)  # every multi-node figure is held out
+    assert all(c["nodes"] == 1 for c in data["throughput"] if c["role"] == "fitted")
