@@ -14,7 +14,7 @@ TORCH_STAMP := $(VENV)/.torch-spec
 # `make parity` checks every layout against a single process (README "Is my layout correct?").
 PARITY_ARGS ?= model=llama3_tiny
 
-.PHONY: run test test-fast parity venv clean sweep compare plan FORCE
+.PHONY: run test test-fast lint format parity venv clean sweep compare plan FORCE
 
 venv: $(VENV)/.installed
 
@@ -58,6 +58,13 @@ test: venv
 # The tests that start no worker process (pyproject.toml's `multiprocess` marker).
 test-fast: venv
 	WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess" tests $(ARGS)
+
+# ruff (settings in pyproject.toml). `make format` rewrites files; `make lint` only checks.
+lint: venv
+	$(VENV)/bin/ruff check .
+
+format: venv
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf outputs multirun parity plans .pytest_cache

@@ -107,7 +107,7 @@ def _divisors(n: int) -> list[int]:
 def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
-    for v, (chosen, cfg, layouts) in enumerate(variants):
+    for v, (_chosen, cfg, layouts) in enumerate(variants):
         depths = sorted({min(n, cfg.model.n_layers) for n in layers})
         for entry in layouts:
             dims = entry["dims"]

@@ -68,7 +68,7 @@ class Tally:
             setattr(owner, name, original)
 
 
-def _trainer(overrides, device=torch.device("cpu")):
+def _trainer(overrides, device=None):
     import torch.distributed as dist
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -76,6 +76,7 @@ def _trainer(overrides, device=torch.device("cpu")):
     from hsdp_runner.runtime.worker import make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
+    device = device or torch.device("cpu")
     cfg = compose(BASE + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
     world = dims.build_mesh(device.type)

@@ -1,6 +1,5 @@
 """W&B: offline run with the right group, name, tags, config and history; failures never fatal."""
 
-from pathlib import Path
 
 import pytest
 from conftest import TINY, read_job, run_cli

@@ -35,7 +35,6 @@ from hsdp_runner.core.choices import (
 # dataclass of its own (models/base.py), stored by register_schemas as model/<family>_schema;
 # a conf/model/*.yaml names its family's schema first in its defaults list, so the node is typed
 # by the family's dataclass (Hydra's pattern for a group of schemas that extend one base).
-from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig, family_schemas
 
 

@@ -50,7 +50,7 @@ class GPT2Config(ModelConfig):
         if not self.norm_eps > 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be positive (LayerNorm epsilon)")
 
-    def build(self) -> "GPT2":
+    def build(self) -> GPT2:
         """The model on the current default device."""
         return GPT2(self)
 
