@@ -8,6 +8,7 @@ from the runner's own code (FSDP's and DTensor's belong to the model and are cou
 ``test_comm``).
 """
 
+import io
 import signal
 import threading
 from pathlib import Path
@@ -224,6 +225,18 @@ def test_cuda_steps_make_no_synchronizing_call():
     from hsdp_runner.runtime.launch import start_local_workers
 
     assert start_local_workers(_cuda_sync_warnings, 1)[0] == []
+
+
+def test_progress_bar_only_on_a_terminal_so_piped_step_lines_stand_alone():
+    from hsdp_runner.train.trainer import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert not progress_bar(20, 0, rank=0, console=Terminal()).disable
+    assert progress_bar(20, 0, rank=0, console=io.StringIO()).disable  # a file or a pipe
+    assert progress_bar(20, 0, rank=1, console=Terminal()).disable
 
 
 def test_vectorised_synthetic_chain_equals_the_token_by_token_loop():
