@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # alone would keep an installed 2.13.0+cpu for a CUDA 2.13.0 spec (the versions compare equal).
 TORCH_STAMP := $(VENV)/.torch-spec
 
-# `make parity` checks every layout against a single process (README "Is my layout correct?").
+# `make parity` checks every layout against a single process (docs/layouts_and_parity.md).
 PARITY_ARGS ?= model=llama3_tiny
 
 .PHONY: run test test-fast lint format parity venv clean sweep compare plan FORCE
@@ -70,6 +70,6 @@ clean:
 	rm -rf outputs multirun parity plans .pytest_cache
 
 # `make plan ARGS="model=llama3_8b precision=bf16 cluster=h100_sxm cluster.nodes=4"` predicts
-# memory and step time of every layout (README "Plan before you spend").
+# memory and step time of every layout (docs/planner.md).
 plan: venv
 	$(PY) -m hsdp_runner.plan $(ARGS)

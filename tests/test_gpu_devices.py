@@ -1,6 +1,6 @@
 """A GPU node simulated on CPU, part 1: device names and peaks, precision, which GPU a rank
 uses, why GPUs go unused, CPU threads. ``torch.cuda`` is monkeypatched; nothing touches a GPU.
-README's "On a GPU machine" says what this does and does not prove.
+docs/gpu.md says what this does and does not prove.
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """A GPU node simulated on CPU, part 2: NCCL failure records and settings, one options object
 per mesh group, rank-0 file work outside the collective timeout, initial weights drawn on the
-device. README's "On a GPU machine" says what this does and does not prove.
+device. docs/gpu.md says what this does and does not prove.
 """
 
 import pytest

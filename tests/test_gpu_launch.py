@@ -1,5 +1,5 @@
 """A GPU node simulated on CPU, part 3: the readiness benchmark and parity on a multi-GPU node,
-and the Makefile's torch stamp. README's "On a GPU machine" says what this does not prove.
+and the Makefile's torch stamp. docs/gpu.md says what this does not prove.
 """
 
 import pytest

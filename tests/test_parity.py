@@ -5,7 +5,7 @@ that each preset trained (loss down, metrics, logs) through the real launch path
 runs every preset. Tiny GPT-2 runs the presets that reach every part of its seam at a third of
 the cost: ddp (whole replicas) and hsdp_tp (its TP/SP plan, FSDP2 units on a 2-D mesh); fsdp_tp
 (strided sharding) is checked by its resharding test in test_checkpoint.py, and
-`make parity PARITY_ARGS=model=gpt2_tiny` runs all of them (README).
+`make parity PARITY_ARGS=model=gpt2_tiny` runs all of them (docs/layouts_and_parity.md).
 The DDP-implementation and bf16 comparisons, which are about the numerics and not the launch
 path, train in one set of four in-process workers.
 """

@@ -122,7 +122,7 @@ def cuda_fallback_warning(choice: str, root: Path = Path("/")) -> str | None:
     if not (torch.version.cuda or torch.version.hip):
         cause = (f"this torch {torch.__version__} is a CPU-only build; install a CUDA build, e.g. "
                  "`make TORCH_SPEC='torch==2.13.0 --index-url "
-                 "https://download.pytorch.org/whl/cu128' venv` (README 'On a GPU machine')")
+                 "https://download.pytorch.org/whl/cu128' venv` (docs/gpu.md)")
     elif hidden is not None and hidden.strip() in ("", "-1", "NoDevFiles"):
         cause = f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
     else:
