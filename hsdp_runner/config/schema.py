@@ -62,9 +62,9 @@ class PrecisionConfig:
 @dataclass
 class OptimConfig:
     name: Optimizer = Optimizer.adamw
-    lr: float = 3e-3
+    lr: float = 5e-4
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
+    warmup_steps: int = 5
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
