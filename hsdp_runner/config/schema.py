@@ -64,9 +64,9 @@ class OptimConfig:
     optimizer: the trainer skips a non-finite step on the device through fused AdamW's
     ``found_inf``, and the planner's memory model counts its two moments."""
 
-    lr: float = 3e-3
+    lr: float = 5e-4
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
+    warmup_steps: int = 5
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1

@@ -53,7 +53,7 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.dim/model.n_heads={self.dim // self.n_heads} must be even "
                               "for rotary embeddings")
 
-    def build(self) -> "Llama":
+    def build(self) -> Llama:
         """The model on the current default device."""
         return Llama(self)
 
@@ -87,7 +87,7 @@ class LlamaConfig(ModelConfig):
         """The token embedding and the RMSNorm weights get no weight decay."""
         return name == "tok_embeddings.weight" or name.endswith("norm.weight")
 
-    def hf_adapter(self) -> "LlamaConfig":
+    def hf_adapter(self) -> LlamaConfig:
         """This config is its own HF mapping (the methods below)."""
         return self
 
