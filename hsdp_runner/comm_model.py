@@ -115,9 +115,8 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
 def world_dim(dims: ParallelDims) -> str:
     """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
     flattened ``dp``) spanning every rank, else ``world``."""
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-             "dp": dims.dp}
-    return next((name for name in GROUP_NAMES if sizes[name] == dims.world_size), "world")
+    return next((name for name in GROUP_NAMES if dims.group_size(name) == dims.world_size),
+                "world")
 
 
 def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,

@@ -33,6 +33,7 @@ class ConfigError(ValueError):
 class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
@@ -40,6 +41,7 @@ class ParallelConfig:
     compile: bool = False
     ddp_impl: DDPImpl = DDPImpl.replicate
     allow_tp_across_nodes: bool = False
+    allow_cp_across_nodes: bool = False
 
 
 @dataclass

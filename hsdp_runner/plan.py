@@ -188,7 +188,8 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
     group = groups[layout["mem_key"]]
     cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
                                    cfg.model.n_layers)
-    ref = ParallelDims(*group["shape"], dims.world_size, dims.ranks_per_node)
+    ref = ParallelDims(**dict(zip(DIM_NAMES, group["shape"])), world_size=dims.world_size,
+                       ranks_per_node=dims.ranks_per_node)
     memory = plan_memory.layout_memory(cats, _state(cfg, ref), _state(cfg, dims),
                                        cluster.memory_reserve_gib)
     time = step_time(cfg, dims, cluster)

@@ -129,14 +129,16 @@ def _measure_one(req: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hsdp_runner import sharding
-    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.mesh import DIM_NAMES, ParallelDims
     from hsdp_runner.models.base import model_spec
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
-    r, s, t = req["shape"]
-    parallel.dp_replicate, parallel.dp_shard, parallel.tp = r, s, t
-    dims = ParallelDims(r, s, t, req["world_size"], req["ranks_per_node"])
+    degrees = dict(zip(DIM_NAMES, req["shape"]))
+    for name, degree in degrees.items():
+        parallel[name] = degree
+    dims = ParallelDims(**degrees, world_size=req["world_size"],
+                        ranks_per_node=req["ranks_per_node"])
     world = dims.build_mesh("cpu")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, precision.master_dtype))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from hsdp_runner.choices import AC
 from hsdp_runner.comm_model import analytic_comm, unit_sizes
-from hsdp_runner.mesh import DIM_NAMES, ParallelDims, _group_spans_nodes
+from hsdp_runner.mesh import ParallelDims
 from hsdp_runner.models.base import model_spec
 
 
@@ -44,14 +44,11 @@ def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, floa
 
 
 def _group(dims: ParallelDims, dim: str) -> tuple[int, bool]:
-    """(group size, spans nodes) of a mesh dim, of the flattened 'dp' view, or of 'world' (all
+    """(group size, spans nodes) of a mesh dim, of a flattened view, or of 'world' (all
     ranks: the trainer's step-statistics all-reduce when no one dim spans them)."""
     if dim == "world":
         return dims.world_size, dims.world_size > dims.node_size
-    if dim == "dp":
-        shape = (dims.dp, dims.tp)
-        return dims.dp, _group_spans_nodes(shape, 0, dims.node_size)
-    return dims.shape[DIM_NAMES.index(dim)], dim in dims.dims_across_nodes()
+    return dims.group_size(dim), dims.spans_nodes(dim)
 
 
 def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> dict:

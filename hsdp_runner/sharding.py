@@ -116,8 +116,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
                         ) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
-    fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
-    dp_shard) mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
+    fsdp: ``fully_shard`` on the 1-D ``dp_shard_cp`` mesh (``dp_shard`` when cp = 1: context-
+    parallel ranks hold the same parameters); hsdp: on the 2-D (dp_replicate, dp_shard_cp)
+    mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
     it shares FSDP's mixed-precision policy, or with ``ddp_impl='fully_shard'`` (and on torch
     without ``replicate``) ``fully_shard`` on the (dp_replicate, dp_shard=1) mesh: the same
     HSDP-with-shard-size-1 computation. Blocks are ``model.blocks()`` when the model has them.
@@ -142,11 +143,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
             wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
         else:
             wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
-    elif mode == "fsdp":
-        wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"],
-                                      "reshard_after_forward": reshard_after_forward}
     else:
-        wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"],
+        wrap, mesh_kw = fully_shard, {"mesh": world.fsdp_mesh(replicate=mode == "hsdp"),
                                       "reshard_after_forward": reshard_after_forward}
     blocks = model.blocks().values() if hasattr(model, "blocks") else ()
     for block in blocks:

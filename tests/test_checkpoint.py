@@ -89,7 +89,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
     weights, manifest = load_full_weights(tmp_path / "hsdp_tp" / "checkpoints" / "step-5")
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "hsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
-    assert manifest["layout"]["mesh_shape"] == [2, 2, 2]
+    assert manifest["layout"]["mesh_shape"] == [2, 2, 1, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
 
@@ -116,7 +116,7 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
     weights, manifest = load_full_weights(tmp_path / "fsdp_tp" / "checkpoints" / "step-4")
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "fsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
-    assert manifest["layout"]["mesh_shape"] == [1, 2, 2]
+    assert manifest["layout"]["mesh_shape"] == [1, 2, 1, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
 

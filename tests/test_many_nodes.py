@@ -33,7 +33,7 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     records, summary = read_job(job)
     assert summary["status"] == "completed" and len(records) == 6
     assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (4, 2, 2)
-    assert summary["mesh_shape"] == [2, 2, 1] and summary["dims_across_nodes"] == ["dp_replicate"]
+    assert summary["mesh_shape"] == [2, 2, 1, 1] and summary["dims_across_nodes"] == ["dp_replicate"]
     assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
     assert len(list((job / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs to W&B
 
