@@ -36,7 +36,7 @@ from hsdp_runner.failures import (cause_from_log, first_failure, signal_only,
                                   with_timeout_hint)
 from hsdp_runner.interrupt import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims, infer_world_size
-from hsdp_runner.models.base import build_meta_model
+from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.params import frozen_names
 
 log = logging.getLogger("hsdp_runner")
@@ -78,6 +78,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if fallback and (not under_torchrun() or int(os.environ["RANK"]) == 0):
         print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
+    model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
     validate_batch(cfg, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
             and not torch.cuda.is_bf16_supported(including_emulation=False):

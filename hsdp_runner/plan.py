@@ -31,6 +31,7 @@ from hsdp_runner.compose import compose as compose_config
 from hsdp_runner.config import ConfigError
 from hsdp_runner.config_checks import validate_batch, validate_config
 from hsdp_runner.mesh import DIM_NAMES, ParallelDims
+from hsdp_runner.models.base import model_spec
 
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
@@ -91,6 +92,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
             entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
             try:
                 dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+                model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
                 validate_batch(cfg, dims.dp)
                 entry["dims"] = dims
             except ConfigError as err:

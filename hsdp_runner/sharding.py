@@ -1,4 +1,5 @@
-"""The sharding applier: TP/SP -> activation checkpointing -> compile -> data parallel.
+"""The sharding applier: TP/SP -> context parallel -> activation checkpointing -> compile -> data
+parallel.
 
 Each step is its own function and ``parallelize`` applies them in that fixed order, the order
 FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding). What is
@@ -18,6 +19,7 @@ from torch import nn
 
 from hsdp_runner.choices import AC, DDPImpl
 from hsdp_runner.config import ConfigError
+from hsdp_runner.context_parallel import SequenceShard
 from hsdp_runner.mesh import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
 from hsdp_runner.params import copy_full_into, freeze_parameters, torch_dtype
@@ -45,6 +47,12 @@ def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -
     model.tp_plan(world["tp"], sequence_parallel)
 
 
+def apply_cp(model: ParallelModule, world: WorldMesh) -> None:
+    """Run the model on this rank's part of each sequence: positions and attention come from a
+    ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V all-gathered per layer)."""
+    model.shard_sequence(SequenceShard(world["cp"]))
+
+
 def _selective_contexts():
     """Checkpoint contexts of one block call for ``parallel.ac=selective``: torchtitan's
     op-level policy. The block's 1st, 3rd, 5th, ... matmul outputs are saved and the others
@@ -60,8 +68,9 @@ def _selective_contexts():
     save = {torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            # TP's collectives: recomputing them would repeat the block's forward
-            # communication in backward; their outputs are activations of the rank's tokens.
+            # TP's collectives and context parallel's K/V all-gather: recomputing them would
+            # repeat the block's forward communication in backward; their outputs are
+            # activations of the rank's tokens (of the whole sequence's keys under cp).
             funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
             funcol.all_reduce.default}
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
@@ -175,9 +184,12 @@ def sync_buffers(model: nn.Module) -> int:
 
 def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
                 ) -> None:
-    """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
+    """Apply TP/SP, context parallel, activation checkpointing, compile and data parallel, in
+    that order."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel)
+    if dims.cp > 1:
+        apply_cp(model, world)
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp)
