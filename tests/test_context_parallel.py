@@ -9,8 +9,9 @@ import torch
 from distributed import run_workers
 from omegaconf import OmegaConf
 
-from hsdp_runner.context_parallel import SequenceShard, head_tail_positions, shard_sequence
-from hsdp_runner.data import TokenBatches
+from hsdp_runner.distributed.context_parallel import (SequenceShard, head_tail_positions,
+                                                  shard_sequence)
+from hsdp_runner.train.data import TokenBatches
 from hsdp_runner.models.llama import causal_attention
 
 
