@@ -141,7 +141,7 @@ def _state(cfg, dims: ParallelDims) -> dict:
     master = getattr(torch, cfg.precision.master_dtype).itemsize
     return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
                                                  cfg.parallel.sequence_parallel),
-                                   dims.dp_shard, master)
+                                   dims.dp_shard_cp, master)
 
 
 def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dict]]:

@@ -199,7 +199,8 @@ def state_bytes(units: dict, dp_shard: int, master_bytes: int) -> dict:
     """Exact per-rank bytes of sharded parameters, gradients and AdamW's two moments.
 
     ``units``: ``comm_model.unit_sizes`` ((all, trainable) elements of one TP rank's part of
-    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard``.
+    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard`` (the FSDP
+    shard degree: ``ParallelDims.dp_shard_cp``).
     """
     total = sum(u[0] for u in units.values())
     trainable = sum(u[1] for u in units.values())
