@@ -56,7 +56,7 @@ def _attention_against_full() -> dict:
         (reference * grad).sum().backward()
         index = head_tail_positions(16, cp, mesh.get_local_rank())
         mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = SequenceShard(mesh).attention(*mine)
+        out = SequenceShard(mesh, 16).attention(*mine)
         (out * grad[:, :, index]).sum().backward()
         errors[cp] = [float((out - reference[:, :, index]).abs().max())] + [
             float((m.grad - f.grad[:, :, index]).abs().max()) for m, f in zip(mine, full)]

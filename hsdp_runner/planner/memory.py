@@ -148,7 +148,7 @@ def _measure_one(req: dict) -> dict:
     finally:
         torch.set_default_dtype(default_dtype)
     sharding.freeze_parameters(model, req["freeze"])
-    sharding.parallelize(model, dims, world, parallel, precision)
+    sharding.parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     b, seq, accum = req["micro_batch"], model_cfg.seq_len, req["accum"]
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
     with FakeTensorMode(allow_non_fake_inputs=True):
