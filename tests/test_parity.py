@@ -178,3 +178,11 @@ def test_bad_parity_input_is_one_clear_error_before_launch(args, words, tmp_path
     assert code == 2, err
     assert words in err
     assert not (tmp_path / "p" / "single" / "logs").exists()
+
+
+def test_a_layout_the_model_cannot_run_is_reported_as_skipped():
+    rows = [{"layout": "single", "world_size": 1, "passed": True, "note": ""},
+            {"layout": "hsdp_cp_tp", "world_size": "-", "passed": True, "skipped": True,
+             "note": "(the model cannot run it: parallel.cp=2 with parallel.tp=2 ...)"}]
+    table = parity_cli.format_table(rows, 1e-5)
+    assert "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table
