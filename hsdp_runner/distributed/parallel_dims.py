@@ -230,14 +230,6 @@ class ParallelDims:
                 return other
         return name
 
-    def spans_nodes(self, name: str) -> bool:
-        """True if a group of the mesh dim or flattened view ``name`` holds ranks of two nodes."""
-        dims = VIEWS.get(name, (name,))
-        first, last = DIM_NAMES.index(dims[0]), DIM_NAMES.index(dims[-1])
-        shape = self.shape
-        folded = (prod(shape[:first]), prod(shape[first:last + 1]), prod(shape[last + 1:]))
-        return _group_spans_nodes(folded, 1, self.node_size)
-
     def describe(self) -> dict:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
