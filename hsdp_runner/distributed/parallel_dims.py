@@ -165,8 +165,8 @@ class ParallelDims:
             warnings.append(
                 f"parallel.dp_shard={self.dp_shard} spans nodes ({self._nodes_phrase()}): FSDP's "
                 "per-layer all-gather and reduce-scatter cross the slow inter-node link; for "
-                f"HSDP make parallel.dp_shard x parallel.tp divide {node} and put the rest in "
-                "parallel.dp_replicate")
+                f"HSDP make parallel.dp_shard x parallel.cp x parallel.tp divide {node} and put "
+                "the rest in parallel.dp_replicate")
         for name, key in (("tp", "allow_tp_across_nodes"), ("cp", "allow_cp_across_nodes")):
             if name in crossing:
                 warnings.append(
