@@ -33,7 +33,7 @@ BASELINE = "single"
 ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "cp", "cp:parallel.cp=4",
          "cp:parallel.tp=2", "fsdp_cp", "hsdp_cp_tp")
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
-# steps (README). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
+# steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
 # shape, and TP and sharding change the shapes, so sums run in another order; those
 # differences grow over the steps. TF32 stays off (torch's default), which would add 1e-3.
 CPU_RTOL = 1e-5

@@ -6,8 +6,8 @@ enumerates every ``(dp_replicate, dp_shard, tp)`` whose product is the cluster's
 ``plan.axes.<dotted key>=v1,v2``, checks each with ``ParallelDims`` and the batch split
 (invalid ones are kept, with the reason), predicts memory per rank (``plan_memory``: the
 runner's model and sharding under a fake process group) and step time (``plan_time``), and
-writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format: README "Plan before
-you spend"). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
+writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format:
+docs/planner.md). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
 fit; ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
 (``plan_calibrate``). Exit 2 on bad input: unknown cluster or key, no valid layout, a model
 that fits nowhere. Never imports the trainer.
@@ -109,7 +109,7 @@ def _divisors(n: int) -> list[int]:
 def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
-    for v, (chosen, cfg, layouts) in enumerate(variants):
+    for v, (_chosen, cfg, layouts) in enumerate(variants):
         depths = sorted({min(n, cfg.model.n_layers) for n in layers})
         for entry in layouts:
             dims = entry["dims"]

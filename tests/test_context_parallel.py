@@ -9,10 +9,13 @@ import torch
 from distributed import run_workers
 from omegaconf import OmegaConf
 
-from hsdp_runner.distributed.context_parallel import (SequenceShard, head_tail_positions,
-                                                  shard_sequence)
-from hsdp_runner.train.data import TokenBatches
+from hsdp_runner.distributed.context_parallel import (
+    SequenceShard,
+    head_tail_positions,
+    shard_sequence,
+)
 from hsdp_runner.models.llama import causal_attention
+from hsdp_runner.train.data import TokenBatches
 
 
 def test_head_tail_order_gives_each_rank_a_chunk_from_each_end():

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from math import prod
-from typing import Sequence
 
 from hsdp_runner.distributed.parallel_dims import VIEWS
 
