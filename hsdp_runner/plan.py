@@ -37,6 +37,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.models.base import model_spec
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
@@ -99,6 +100,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
             entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
             try:
                 dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+                model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
                 validate_batch(cfg.trainer, dims.dp)
                 entry["dims"] = dims
             except ConfigError as err:
@@ -146,7 +148,7 @@ def _state(cfg: RunConfig, dims: ParallelDims) -> dict:
     master = torch_dtype(cfg.precision.master_dtype).itemsize
     return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
                                                  cfg.parallel.sequence_parallel),
-                                   dims.dp_shard, master)
+                                   dims.dp_shard_cp, master)
 
 
 def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dict]]:
@@ -195,7 +197,8 @@ def _entry(chosen, cfg: RunConfig, layout, groups, measured, cluster: Cluster, s
     group = groups[layout["mem_key"]]
     cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
                                    cfg.model.n_layers)
-    ref = ParallelDims(*group["shape"], dims.world_size, dims.ranks_per_node)
+    ref = ParallelDims(**dict(zip(DIM_NAMES, group["shape"])), world_size=dims.world_size,
+                       ranks_per_node=dims.ranks_per_node)
     memory = plan_memory.layout_memory(cats, _state(cfg, ref), _state(cfg, dims),
                                        cluster.memory_reserve_gib)
     time = step_time(cfg, dims, cluster)

@@ -1,5 +1,6 @@
 """What model families share: the seeded initial values, the parameter name without wrapper
-prefixes, and the TP style that keeps a module whole on the TP mesh.
+prefixes, causal attention (grouped-query heads repeated) and the TP style that keeps a module
+whole on the TP mesh.
 
 A family module (``llama.py``, ``gpt2.py``) imports these instead of another family's module,
 so each family reads on its own. Helpers the runner uses outside the models (dtype names,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -38,6 +40,15 @@ def name_seed(seed: int, name: str) -> int:
     """The generator seed of parameter ``name`` (its clean name) under the run's ``seed``."""
     digest = hashlib.sha256(f"{seed}:{clean_name(name)}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of (batch, heads, seq, head_dim) queries over keys and values with
+    ``kv_heads`` dividing ``heads`` (grouped-query heads are repeated here)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class ReplicatedParams(ParallelStyle):

@@ -136,7 +136,8 @@ def _measure_one(req: dict) -> dict:
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
     degrees = dict(zip(DIM_NAMES, req["shape"]))
-    parallel.merge_with(degrees)
+    for name, degree in degrees.items():
+        parallel[name] = degree
     dims = ParallelDims(**degrees, world_size=req["world_size"],
                         ranks_per_node=req["ranks_per_node"])
     world = dims.build_mesh("cpu")
@@ -148,7 +149,7 @@ def _measure_one(req: dict) -> dict:
     finally:
         torch.set_default_dtype(default_dtype)
     sharding.freeze_parameters(model, req["freeze"])
-    sharding.parallelize(model, dims, world, parallel, precision)
+    sharding.parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     b, seq, accum = req["micro_batch"], model_cfg.seq_len, req["accum"]
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -199,7 +200,8 @@ def state_bytes(units: dict, dp_shard: int, master_bytes: int) -> dict:
     """Exact per-rank bytes of sharded parameters, gradients and AdamW's two moments.
 
     ``units``: ``comm_model.unit_sizes`` ((all, trainable) elements of one TP rank's part of
-    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard``.
+    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard`` (the FSDP
+    shard degree: ``ParallelDims.dp_shard_cp``).
     """
     total = sum(u[0] for u in units.values())
     trainable = sum(u[1] for u in units.values())

@@ -70,6 +70,8 @@ def _job_values(job: Path, config: dict):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
     shape = (RunSummary.read(job) or RunSummary()).mesh_shape
+    if shape and len(shape) == len(DIM_NAMES) - 1:  # written before the cp dim existed
+        shape = [*shape[:2], 1, shape[2]]
 
     def value(key: str):
         found = _select(config, key)

@@ -261,7 +261,8 @@ def make_trainer(cfg: RunConfig, dims: ParallelDims, world: WorldMesh, model: to
     the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
     batches = TokenBatches(
         cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
-        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
+        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed,
+        cp_rank=world.local_rank_in("cp"), cp_size=dims.cp)
     return Trainer(model, dims, world, device, batches, figures, spec=model_spec(cfg.model),
                    optim=cfg.optim, train=cfg.trainer, metrics=cfg.metrics, fault=cfg.fault,
                    sinks=sinks)
