@@ -2,6 +2,8 @@
 schema rejects typos, its counts match the built model, its Hugging Face export computes what
 ``transformers.GPT2LMHeadModel`` computes. (Parity: test_parity.py; resharding: test_checkpoint.py.)"""
 
+import math
+
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
@@ -11,7 +13,7 @@ from hsdp_runner.checkpoint import hf
 from hsdp_runner.config.checks import validate_config
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.models.base import build_meta_model, model_spec
 
 TINY = "model=gpt2_tiny"
@@ -22,7 +24,7 @@ def test_gpt2_tiny_composes_and_validates_with_every_parallel_preset(layout):
     cfg = compose([TINY, f"parallel={layout}"])
     validate_config(to_run_config(cfg))
     p = cfg.parallel
-    dims = ParallelDims.from_config(p, cfg.model, p.dp_replicate * p.dp_shard * p.tp)
+    dims = ParallelDims.from_config(p, cfg.model, math.prod(p[name] for name in DIM_NAMES))
     assert dims.world_size >= 1 and type(model_spec(cfg.model)).__name__ == "GPT2Config"
 
 

@@ -57,7 +57,9 @@ class ParallelDims:
         job's world size and the ranks per node (local world size; None = one node). Returns
         ParallelDims or raises ConfigError naming keys and a fix.
         """
-        degrees = {name: getattr(parallel, name) for name in DIM_NAMES}
+        # cp may be absent from configs written before it existed (it defaults to 1).
+        degrees = {name: _get(parallel, name, 1) if name == "cp" else getattr(parallel, name)
+                   for name in DIM_NAMES}
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
                               "launcher.nproc_per_node")

@@ -124,7 +124,8 @@ def degrees(job: Job) -> tuple[str, str, str]:
     if s.mesh_shape is not None:
         return s.layout, "×".join(map(str, s.mesh_shape)), str(s.world_size)
     asked = s.requested_degrees or job.config.get("parallel") or {}
-    shape = "×".join(str(asked.get(k, "?")) for k in DIM_NAMES)
+    # Records written before a dim existed (cp) leave it out.
+    shape = "×".join(str(asked[k]) for k in DIM_NAMES if k in asked) or "?"
     return "—", shape, "—"
 
 
