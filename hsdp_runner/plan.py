@@ -24,13 +24,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import plan_memory, plan_report
-from hsdp_runner.cluster import resolve
-from hsdp_runner.comm_model import unit_sizes
-from hsdp_runner.compose import compose as compose_config
-from hsdp_runner.config import ConfigError
-from hsdp_runner.config_checks import validate_batch, validate_config
-from hsdp_runner.mesh import DIM_NAMES, ParallelDims
+from hsdp_runner.config.checks import validate_batch, validate_config
+from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.comm_model import unit_sizes
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.planner import memory as plan_memory
+from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.cluster import resolve
 
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
@@ -143,7 +144,7 @@ def _state(cfg, dims: ParallelDims) -> dict:
 
 def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dict]]:
     """Return (cluster description, one entry per layout and axis combination, ranked)."""
-    from hsdp_runner.plan_time import step_time
+    from hsdp_runner.planner.step_time import step_time
 
     layers = list(cfg.plan.layers_measured)
     if len(set(layers)) < 2 or min(layers) < 1:
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.calibrate is not None:
-            from hsdp_runner import plan_calibrate
+            from hsdp_runner.planner import calibrate as plan_calibrate
 
             print(plan_calibrate.calibrate(args.calibrate, args.plan_file))
             return EXIT_OK

@@ -1,0 +1,126 @@
+"""Measured communication: calls and bytes of every collective in one training step.
+
+``CommCounter`` is a ``TorchDispatchMode`` that sees the collectives as they are dispatched:
+FSDP2's c10d ops (``_allgather_base_``, ``_reduce_scatter_base_``, ``allreduce_``), the
+functional collectives DTensor/TP issue (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_reduce``), and plain ``dist.*`` calls. torch's ``CommDebugMode`` sees the same ops but only
+counts them per op; it neither sums bytes nor says which mesh dim a collective ran on, so this
+mode reads the tensors and the process group itself.
+
+Bytes are the logical size of the collective's full tensor on one rank: the gathered output of
+an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast. That is
+the convention the analytic model (``comm_model``) uses; wire traffic of a ring algorithm is
+this times (n-1)/n (x2 for an all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hsdp_runner.distributed.parallel_dims import GROUP_ORDER
+
+# Mesh dims first, then the flattened views: a group two names share is reported by the first.
+GROUP_NAMES = GROUP_ORDER
+
+_c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
+# op packet -> (kind, which tensor argument gives the bytes, multiply by group size?)
+COLLECTIVES = {
+    _c10d._allgather_base_: ("all_gather", "output_tensor", False),
+    _c10d.allgather_into_tensor_coalesced_: ("all_gather", "outputs", False),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", "input_tensor", False),
+    _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", "inputs", False),
+    _c10d.allreduce_: ("all_reduce", "tensors", False),
+    _c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
+    _c10d.broadcast_: ("broadcast", "tensors", False),
+    _funcol.all_gather_into_tensor: ("all_gather", "input", True),
+    _funcol.all_gather_into_tensor_coalesced: ("all_gather", "inputs", True),
+    _funcol.reduce_scatter_tensor: ("reduce_scatter", "input", False),
+    _funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", "inputs", False),
+    _funcol.all_reduce: ("all_reduce", "input", False),
+    _funcol.all_reduce_coalesced: ("all_reduce", "inputs", False),
+    _funcol.all_to_all_single: ("all_to_all", "input", False),
+    _funcol.broadcast: ("broadcast", "input", False),
+}
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value or ())
+
+
+def group_names(world) -> dict[tuple[int, ...], str]:
+    """Map the ranks of each mesh dim's process group (and each flattened view's) to its name.
+
+    Takes the job's WorldMesh. Groups are matched by their ranks, not their identity: DTensor
+    and ``_flatten`` may create a second group over the same ranks. Ranks shared by two names
+    (``dp`` when only one dp dim is larger than 1) go to the first of ``GROUP_NAMES``, as
+    ``ParallelDims.same_group`` says.
+    """
+    names: dict[tuple[int, ...], str] = {}
+    for name in GROUP_NAMES:
+        ranks = tuple(sorted(dist.get_process_group_ranks(world[name].get_group())))
+        names.setdefault(ranks, name)
+    return names
+
+
+def _group(group) -> dist.ProcessGroup:
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group)
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(group)
+    return group
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts calls and bytes per (collective kind, mesh dim) while active.
+
+    Collectives over one-rank groups are left out. ``totals`` maps ``'<kind>/<dim>'`` to
+    ``{'calls': n, 'bytes': b}``; a group that spans no mesh dim is reported as ``world`` (all
+    ranks) or ``ranks[...]``.
+    """
+
+    def __init__(self, world):
+        super().__init__()
+        self._names = group_names(world)
+        self._dims: dict[str, str] = {}  # group name -> reported name
+        self.totals: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+
+    def _dim_of(self, group: dist.ProcessGroup) -> str:
+        key = group.group_name
+        if key not in self._dims:
+            ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+            self._dims[key] = self._names.get(
+                ranks, "world" if len(ranks) == dist.get_world_size() else f"ranks{list(ranks)}")
+        return self._dims[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor desugar the op into local ops and collectives first; this mode then
+            # sees those (a mode runs before subclasses, and is off while its handler runs).
+            return NotImplemented
+        kwargs = kwargs or {}
+        entry = None if isinstance(func, torch._ops.HigherOrderOperator) \
+            else COLLECTIVES.get(func._overloadpacket)
+        if entry is not None:
+            kind, tensor_arg, times_group = entry
+            bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+            group = _group(bound.get("process_group", bound.get("group_name")))
+            if group.size() > 1:  # a one-rank group moves nothing
+                size = _nbytes(bound[tensor_arg]) * (group.size() if times_group else 1)
+                slot = self.totals[f"{kind}/{self._dim_of(group)}"]
+                slot["calls"] += 1
+                slot["bytes"] += size
+        return func(*args, **kwargs)
+
+    def result(self) -> dict[str, dict[str, int]]:
+        """Return the counts as a plain dict sorted by key."""
+        return {key: dict(self.totals[key]) for key in sorted(self.totals)}
+
