@@ -5,18 +5,24 @@ what it measures (the full tensor of each collective: gathered output, reduce-sc
 all-reduce tensor), keyed ``'<kind>/<mesh dim>'``. Collectives over groups of one rank move
 nothing and are in neither. The model follows what the runner builds (``sharding.py``):
 
-- FSDP (``dp_shard`` > 1): one all-gather per FSDP unit (each block, then the root: embedding,
-  final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
+- FSDP (over the ``dp_shard x cp`` ranks of the ``dp_shard_cp`` view, keyed by the name
+  ``comm.py`` gives that group, ``fsdp_dim``): one all-gather per FSDP unit (each block, then
+  the root: embedding, final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
   ``reshard_after_forward`` the blocks are gathered again in backward (the root is never
   resharded after forward, see ``sharding.apply_data_parallel``); one reduce-scatter per unit
   of the trainable gradients in ``precision.reduce_dtype``, on the last micro-batch. FSDP pads
   each parameter's dim 0 to a multiple of the shard degree; the model pads the same way.
 - HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
-  ``dp_replicate``; DDP (``dp_shard`` = 1) is that all-reduce of the whole gradients.
+  ``dp_replicate``; DDP (``dp_shard x cp`` = 1) is that all-reduce of the whole gradients.
+- Context parallel (``cp`` > 1, ``context_parallel_comm``): per block and micro-batch, one
+  all-gather of the rank's keys and values together over ``cp`` (n_kv_heads / tp heads of its
+  seq_len / cp tokens, in the compute dtype; the gathered tensor holds the whole sequence's)
+  and, in backward, the reduce-scatter of their gradients (same size). With ``parallel.ac=full``
+  backward recomputes the block's forward, its all-gather included; ``selective`` saves it.
 - TP (the model's Megatron plan, e.g. ``models/llama.py``) moves activations of the rank's
-  tokens ``n = global_batch / dp x seq_len`` in the compute dtype. With sequence parallel, per block
-  an all-gather before attention and before the FFN and a reduce-scatter after each (and
-  their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
+  tokens ``n = global_batch / dp x seq_len / cp`` in the compute dtype. With sequence parallel,
+  per block an all-gather before attention and before the FFN and a reduce-scatter after each
+  (and their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
   (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
   parameters' gradients (``ModelSpec.tp_partial_grad_numels``). Without sequence parallel
@@ -63,7 +69,7 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool
     trainable ones).
 
     Sizes are one TP rank's part of each parameter (``ModelSpec.tp_split_dim``), dim 0 padded
-    to a multiple of ``dp_shard`` as FSDP pads it.
+    to a multiple of the ranks FSDP shards over (``dp_shard x cp``) as FSDP pads it.
     """
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     params = dict(model.named_parameters())
@@ -75,7 +81,7 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool
         split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
         if split is not None:
             shape[split] //= dims.tp
-        shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
+        shape[0] = math.ceil(shape[0] / dims.dp_shard_cp) * dims.dp_shard_cp
         unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
         units[unit][0] += math.prod(shape)
         units[unit][1] += 0 if name in frozen else math.prod(shape)
@@ -104,9 +110,12 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
     units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
     _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum)
     if dims.tp > 1:
-        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
+        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp
         _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
                          _dtype_bytes(precision.param_dtype), accum, parallel.ac == AC.full)
+    for key, entry in context_parallel_comm(model_cfg, dims, parallel, precision,
+                                            trainer).items():
+        tally.add(key, entry["calls"], entry["bytes"])
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
@@ -119,19 +128,47 @@ def world_dim(dims: ParallelDims) -> str:
                 "world")
 
 
+def fsdp_dim(dims: ParallelDims) -> str:
+    """The name of the group FSDP shards over (``dp_shard_cp``) as ``comm.CommCounter`` reports
+    it: 'dp_shard' when cp = 1, 'cp' when dp_shard = 1, else 'dp_shard_cp'."""
+    return dims.same_group("dp_shard_cp")
+
+
+def context_parallel_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+                          ) -> dict[str, dict[str, int]]:
+    """Return {'all_gather/cp', 'reduce_scatter/cp': {'calls', 'bytes'}}: context parallel's
+    key/value exchange in one step on one rank (empty when cp = 1; see the module docstring).
+
+    Takes the same config nodes and ParallelDims as ``analytic_comm``, which includes these.
+    """
+    if dims.cp == 1:
+        return {}
+    accum, layers = trainer.grad_accum_steps, model_cfg.n_layers
+    kv_heads = getattr(model_cfg, "n_kv_heads", None) or model_cfg.n_heads
+    width = kv_heads // dims.tp * (model_cfg.dim // model_cfg.n_heads)
+    # Keys and values of every token of the rank's rows: one step's gathered tensors per block.
+    gathered = 2 * trainer.global_batch_size // dims.dp * model_cfg.seq_len * width \
+        * _dtype_bytes(precision.param_dtype)
+    passes = 2 if parallel.ac == AC.full else 1  # full AC gathers again in backward
+    return {"all_gather/cp": {"calls": passes * layers * accum,
+                              "bytes": passes * layers * gathered},
+            "reduce_scatter/cp": {"calls": layers * accum, "bytes": layers * gathered}}
+
+
 def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
                    accum: int) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
-    if dims.dp_shard > 1:
+    if dims.dp_shard_cp > 1:
+        fsdp = fsdp_dim(dims)
         blocks = [sizes[0] for unit, sizes in units.items() if unit != "root"]
-        tally.add("all_gather/dp_shard", len(units) * accum,
+        tally.add(f"all_gather/{fsdp}", len(units) * accum,
                   sum(sizes[0] for sizes in units.values()) * gather * accum)
         if reshard:
-            tally.add("all_gather/dp_shard", len(blocks) * accum, sum(blocks) * gather * accum)
-        tally.add("reduce_scatter/dp_shard", len(trainable), sum(trainable.values()) * reduce)
+            tally.add(f"all_gather/{fsdp}", len(blocks) * accum, sum(blocks) * gather * accum)
+        tally.add(f"reduce_scatter/{fsdp}", len(trainable), sum(trainable.values()) * reduce)
     if dims.dp_replicate > 1:
-        shard = sum(trainable.values()) // dims.dp_shard
+        shard = sum(trainable.values()) // dims.dp_shard_cp
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
 
 
