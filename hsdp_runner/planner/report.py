@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
-DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
+DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp")
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 
@@ -30,8 +30,8 @@ def rank(entries: list[dict]) -> None:
 
 
 def _degrees(entry: dict) -> str:
-    o = entry["overrides"]
-    return f"{o['parallel.dp_replicate']}×{o['parallel.dp_shard']}×{o['parallel.tp']}"
+    o = entry["overrides"]  # plan.json files written before the cp dim have no parallel.cp
+    return "×".join(str(o.get(key, 1)) for key in DEGREE_KEYS)
 
 
 def _axes(entry: dict) -> str:
@@ -49,7 +49,7 @@ def _dominant(entry: dict) -> str:
 
 def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
-    head = ("| rank | degrees (rep×shard×tp) | axes | mem GiB/rank | step s | tok/s/device | MFU "
+    head = ("| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device | MFU "
             "| compute s | exposed comm s | dominant |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in entries:
