@@ -85,6 +85,15 @@ def _assumptions(cfg, cluster: dict) -> str:
     return "\n".join(lines)
 
 
+def _cp_line(cfg, entries: list[dict]) -> str:
+    """Which context-parallel degrees were enumerated, and how they were predicted."""
+    cps = sorted({e["overrides"].get("parallel.cp", 1) for e in entries})
+    how = "the value of plan.cp_degrees" if cfg.plan.cp_degrees is not None else \
+        f"every one that splits model.seq_len={cfg.model.seq_len} into 2 x cp chunks inside a node"
+    return (f"- Context parallel: cp = {', '.join(map(str, cps))} ({how}); each cp rank measured "
+            "on seq_len / cp tokens, its key/value exchange exposed in the step time.")
+
+
 def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: list[str],
           axes: dict) -> list[Path]:
     """Write plan.md, plan.json (and the sweep with ``plan.write_sweep``); return the paths."""
@@ -98,7 +107,8 @@ def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: lis
     plan_json.write_text(json.dumps(data, indent=1, default=str))
     md = (f"# Plan: {cfg.model.name} on {cluster['world_size']} ranks ({cluster['name']})\n\n"
           f"Command-line overrides: `{' '.join(overrides) or '(none)'}`\n\n"
-          f"{_assumptions(cfg, cluster)}\n\n{table(entries, cluster)}\n")
+          f"{_assumptions(cfg, cluster)}\n{_cp_line(cfg, entries)}\n\n"
+          f"{table(entries, cluster)}\n")
     (out_dir / PLAN_MD).write_text(md)
     paths = [out_dir / PLAN_MD, plan_json]
     if cfg.plan.write_sweep:
