@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import signal
 import sys
 from pathlib import Path
@@ -22,11 +23,14 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.runtime.launch import run_job, validate
 from hsdp_runner.train import sinks as tracking
 
 BASELINE = "single"
-ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
+# A layout is a parallel preset, optionally with overrides after colons ("cp:parallel.cp=4").
+ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "cp", "cp:parallel.cp=4",
+         "fsdp_cp", "hsdp_cp_tp")
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
 # steps (README). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
 # shape, and TP and sharding change the shapes, so sums run in another order; those
@@ -38,22 +42,28 @@ GPU_RTOL_WHY = ("GPU default: cuBLAS picks different fp32 kernels for the TP/sha
 
 
 def available_layouts() -> list[str]:
-    """The parallel presets in conf/parallel, the standard ones first, then any added later."""
+    """The standard layouts whose preset is in conf/parallel, then any preset added later."""
     names = {p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")}
-    return [n for n in ORDER if n in names] + sorted(names - set(ORDER))
+    return [n for n in ORDER if _preset(n) in names] + sorted(names - set(ORDER))
+
+
+def _preset(layout: str) -> str:
+    return layout.split(":")[0]
 
 
 def compose(layout: str, overrides: list[str]) -> DictConfig:
-    """Compose the app config for one layout plus the shared overrides (Hydra compose API).
+    """Compose the app config for one layout (a preset and its own overrides, colon-separated)
+    plus the shared overrides (Hydra compose API).
 
     Unless the overrides set ``launcher.nproc_per_node``, the layout runs on as many ranks as
     its degrees multiply to, on GPU too (where the default would be every GPU of the node,
     and ``single`` could not run on a multi-GPU node).
     """
-    cfg = compose_config(["logger=none", f"parallel={layout}", *overrides])
-    degrees = [cfg.parallel[name] for name in ("dp_replicate", "dp_shard", "tp")]
+    preset, *own = layout.split(":")
+    cfg = compose_config(["logger=none", f"parallel={preset}", *own, *overrides])
+    degrees = [cfg.parallel[name] for name in DIM_NAMES]
     if not any(o.startswith("launcher.nproc_per_node=") for o in overrides) and -1 not in degrees:
-        cfg.launcher.nproc_per_node = degrees[0] * degrees[1] * degrees[2] // cfg.launcher.nnodes
+        cfg.launcher.nproc_per_node = math.prod(degrees) // cfg.launcher.nnodes
     return cfg
 
 
@@ -82,7 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--steps={args.steps} must be >= 1")
     known = available_layouts()
     args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    unknown = [name for name in args.layouts if name not in known]
+    presets = {_preset(name) for name in known}
+    unknown = [name for name in args.layouts if _preset(name) not in presets]
     if unknown:
         raise ConfigError(f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
                           f"{', '.join(known)}")
@@ -140,7 +151,7 @@ def run_parity(args: argparse.Namespace) -> int:
     jobs = {}
     for layout in args.layouts:
         cfg = compose(layout, overrides)
-        out_dir = args.out / layout
+        out_dir = args.out / layout.replace(":", "+")
         jobs[layout] = (cfg, out_dir, validate(cfg, out_dir))
     codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():

@@ -30,6 +30,7 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.models.base import model_spec
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import resolve
@@ -94,6 +95,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
         entry = {"shape": shape, "dims": None, "reason": None}
         try:
             dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+            model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
             validate_batch(cfg, dims.dp)
             entry["dims"] = dims
         except ConfigError as err:

@@ -1,4 +1,5 @@
-"""The sharding applier: TP/SP -> activation checkpointing -> compile -> data parallel.
+"""The sharding applier: TP/SP -> context parallel -> activation checkpointing -> compile -> data
+parallel.
 
 Each step is its own function and ``parallelize`` applies them in that fixed order, the order
 FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding). What is
@@ -18,6 +19,7 @@ from torch import nn
 
 from hsdp_runner.core.choices import AC, DDPImpl
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
 from hsdp_runner.models.params import copy_full_into, freeze_parameters, torch_dtype
@@ -45,25 +47,43 @@ def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -
     model.tp_plan(world["tp"], sequence_parallel)
 
 
-def _selective_contexts():
-    """Checkpoint contexts of one block call for ``parallel.ac=selective``: torchtitan's
-    op-level policy. The block's 1st, 3rd, 5th, ... matmul outputs are saved and the others
-    recomputed (in our block: wq, wv, w1, w2 saved; wk, wo, w3 recomputed), so a block keeps
-    about 60% of the matmul outputs for about a third more matmul work in backward; attention
-    and TP collective outputs are saved; the cheap element-wise ops (norms, activations, RoPE)
-    are recomputed. A fresh count per call, kept apart for forward and recomputation, so both
-    passes pick the same matmuls."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+def apply_cp(model: ParallelModule, world: WorldMesh) -> None:
+    """Run the model on this rank's part of each sequence: positions and attention come from a
+    ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V all-gathered per layer)."""
+    model.shard_sequence(SequenceShard(world["cp"]))
 
-    funcol = torch.ops._c10d_functional
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-    save = {torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            # TP's collectives: recomputing them would repeat the block's forward
-            # communication in backward; their outputs are activations of the rank's tokens.
-            funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
-            funcol.all_reduce.default}
+
+# Every fused attention kernel scaled_dot_product_attention can dispatch to in torch 2.13
+# (read in its native_functions.yaml): CUDA's flash, memory-efficient and cuDNN (torch may
+# prefer cuDNN on sm90; not seen here, no GPU), CPU's flash, and the overrideable one of other
+# accelerators (XPU, out-of-tree backends).
+# One missing here is recomputed in backward, and the planner's recompute figure is wrong.
+SDPA_FORWARD_OPS = ("_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_cudnn_attention",
+                    "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_fused_attention_overrideable")
+
+
+def selective_policy():
+    """The ``parallel.ac=selective`` policy of one block call: torchtitan's op-level policy.
+    The block's 1st, 3rd, 5th, ... matmul outputs are saved and the others recomputed (in our
+    block: wq, wv, w1, w2 saved; wk, wo, w3 recomputed), so a block keeps about 60% of the
+    matmul outputs for about a third more matmul work in backward; attention
+    (``SDPA_FORWARD_OPS``) and TP collective outputs are saved; the cheap element-wise ops
+    (norms, activations, RoPE) are recomputed. A fresh count per call, kept apart for forward
+    and recomputation, so both passes pick the same matmuls. Returns
+    ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten, funcol = torch.ops.aten, torch.ops._c10d_functional
+    matmuls = {aten.mm.default, aten.addmm.default}
+    save = {getattr(aten, name).default for name in SDPA_FORWARD_OPS if hasattr(aten, name)}
+    # TP's collectives and context parallel's K/V all-gather: recomputing them would repeat
+    # the block's forward communication in backward; their outputs are activations of the
+    # rank's tokens (of the whole sequence's keys and values under cp).
+    save |= {funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
+             funcol.all_reduce.default}
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs):
@@ -73,7 +93,15 @@ def _selective_contexts():
         else:
             keep = op in save
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def _selective_contexts():
+    """Checkpoint contexts of one block call for ``parallel.ac=selective``
+    (``selective_policy``)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy())
 
 
 # parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).
@@ -175,9 +203,12 @@ def sync_buffers(model: nn.Module) -> int:
 
 def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
                 ) -> None:
-    """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
+    """Apply TP/SP, context parallel, activation checkpointing, compile and data parallel, in
+    that order."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel)
+    if dims.cp > 1:
+        apply_cp(model, world)
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp)

@@ -30,6 +30,7 @@ from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
 from hsdp_runner.runtime import sidecar as rank0_sidecar
 from hsdp_runner.runtime.failures import (
+    NCCL_ERROR_HANDLING,
     PEER_LOST_GRACE_S,
     failed_facts,
     mark_attempt,
@@ -115,6 +116,10 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     if backend == "nccl":
         for key, value in nccl_failure_env(output_dir / "logs").items():
             os.environ.setdefault(key, value)  # the user's own TORCH_NCCL_* settings win
+        key, ours = NCCL_ERROR_HANDLING
+        if rank == 0 and os.environ[key] != ours:  # torchrun's agent default, or the user's
+            log.warning("%s=%s, not the runner's %s: under torchrun the agent sets 1 unless "
+                        "you export %s=%s (docs/gpu.md)", key, os.environ[key], ours, key, ours)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     try:
@@ -123,20 +128,41 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
         if peer_lost(err):
             time.sleep(PEER_LOST_GRACE_S)
         _record_failure(cfg, dims, output_dir, rank, err)
-        dist.destroy_process_group()
+        end_process_group(failed=True)
         if sidecar is not None:
             sidecar.stop()
         raise
-    # Without this orderly teardown a gloo worker that used DeviceMesh often aborts at
-    # interpreter exit (SIGABRT, exit code 1) although training finished.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group(failed=False)
     if sidecar is not None:
         sidecar.stop()
     if summary is not None and summary.status is RunStatus.interrupted:
         _requeue_if_asked(cfg.launcher, stop, summary)
     return summary
+
+
+def end_process_group(failed: bool) -> None:
+    """Tear down the process groups; ``failed``: this rank is leaving on an exception.
+
+    On success (and on gloo) an orderly teardown: without it a gloo worker that used
+    DeviceMesh often aborts at interpreter exit (SIGABRT, exit code 1) although training
+    finished. A failing NCCL rank aborts its communicators instead: NCCL's
+    ``destroy_process_group`` waits for the peers' communicators (read in torch 2.13's
+    ``distributed_c10d.py``), which are still in the collectives this rank left, so the rank
+    would hang until the watchdog's timeout and the launcher would report a peer's timeout
+    minutes later instead of this rank's error (a CUDA out-of-memory, often).
+    """
+    if failed and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        try:
+            _abort_process_group()
+        except Exception as err:  # the rank's own error is the one to report
+            log.warning("aborting the NCCL process groups failed: %s", err)
+        return
+    if not failed:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
@@ -258,7 +284,8 @@ def make_trainer(cfg, dims: ParallelDims, world: WorldMesh, model: torch.nn.Modu
     batches and the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
     batches = TokenBatches(
         cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
-        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
+        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed,
+        cp_rank=world.local_rank_in("cp"), cp_size=dims.cp)
     return Trainer(model, dims, world, device, batches, cfg.optim, cfg.trainer, figures,
                    fault=cfg.fault, comm_step=cfg.metrics.comm_step, sinks=sinks)
 

@@ -1,0 +1,92 @@
+"""Context parallel: each sequence split over the ``cp`` ranks, attention over all of it.
+
+Order (head-tail, for load balance): a sequence of S tokens is cut into 2 x cp chunks and cp
+rank i holds chunks i and 2cp-1-i, so under the causal mask every rank has the same attention
+work (an early chunk attends to few keys, its partner at the end to many). Everything a rank
+sees of a sequence follows this order: its input tokens and targets (``train/data.py``), its
+positions (RoPE angles or learned position vectors, through ``positions``) and its queries.
+
+Attention (``SequenceShard.attention``): the rank's keys and values are all-gathered over the
+cp group, one collective per layer holding both, before grouped-query heads are repeated (so
+the traffic is n_kv_heads wide: the approach of Llama 3's long-context training); the local
+queries attend to all S keys under a mask built from positions (key position <= query
+position), which is the causal mask of the head-tail order. The all-gather is torch's
+functional collective, whose autograd formula reduce-scatters the keys' and values'
+gradients back to the ranks that produced them in backward.
+
+Why not torch's ``context_parallel``: on CPU it has no sharding rule for the CPU attention
+kernel, and flex attention (its all-gather mode) has no CPU backward; this one runs the same
+code on CPU (the tests) and GPU. Ring attention is not offered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def head_tail_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The positions (int64, length seq_len / cp) cp rank ``rank`` holds, in its order:
+    chunk ``rank`` then chunk ``2 cp - 1 - rank`` of ``2 cp`` equal chunks."""
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's part of ``tensor`` along its sequence dim ``dim`` (head-tail order)."""
+    if cp == 1:
+        return tensor
+    index = head_tail_positions(tensor.shape[dim], cp, rank).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+class SequenceShard:
+    """What a model needs to run on one cp rank's part of each sequence (``models/base.py``
+    hands it to the model): its token positions and causal attention over the whole sequence.
+
+    Takes the 1-D ``cp`` DeviceMesh.
+    """
+
+    def __init__(self, cp_mesh):
+        self.mesh, self.cp, self.rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _device_tables(self, local_len: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, mask) for ``local_len`` tokens a rank, made once per length and device."""
+        key = (local_len, device)
+        if key not in self._tables:
+            seq_len = local_len * self.cp
+            mine = head_tail_positions(seq_len, self.cp, self.rank)
+            keys = torch.cat([head_tail_positions(seq_len, self.cp, r) for r in range(self.cp)])
+            # mask[i, j]: local query i may attend to gathered key j.
+            self._tables[key] = (mine.to(device), (keys[None, :] <= mine[:, None]).to(device))
+        return self._tables[key]
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """This rank's positions in the full sequence of its ``local_len`` tokens, in the order
+        they arrive (int64 on ``device``)."""
+        return self._device_tables(local_len, device)[0]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the local queries over the whole sequence's keys.
+
+        Takes (batch, heads, local seq, head_dim) queries and (batch, kv_heads, local seq,
+        head_dim) keys and values (kv_heads divides heads); returns the queries' outputs.
+        """
+        from torch.distributed._functional_collectives import all_gather_single
+
+        bsz, kv_heads, seq, head_dim = k.shape
+        # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
+        gathered = all_gather_single(torch.stack((k, v)).contiguous(), 0, self.mesh)
+        gathered = gathered.view(self.cp, 2, bsz, kv_heads, seq, head_dim)
+        k_all, v_all = (gathered[:, i].permute(1, 2, 0, 3, 4).reshape(
+            bsz, kv_heads, self.cp * seq, head_dim) for i in range(2))
+        repeat = q.shape[1] // kv_heads
+        if repeat > 1:
+            k_all = k_all.repeat_interleave(repeat, dim=1)
+            v_all = v_all.repeat_interleave(repeat, dim=1)
+        mask = self._device_tables(seq, q.device)[1]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
