@@ -116,3 +116,18 @@ def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, mo
     assert not by_cp[1]["fits"] and by_cp[1]["overrides"]["parallel.tp"] == 8
     assert by_cp[8]["exposed_comm_s"]["cp"] > 0
     assert "| 1 | 1×1×8×1 |" in capsys.readouterr().out
+
+
+def test_activation_collectives_move_the_same_bytes_whatever_the_micro_batches():
+    """TP's and cp's collectives move the step's tokens once per pass: grad accumulation splits
+    them into more calls, not more bytes (full AC's recomputed gathers included)."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, world_size=8)
+    per_accum = {}
+    for accum in (1, 2):
+        cfg = plan.compose(LONG + ["parallel.ac=full", "trainer.global_batch_size=4",
+                                   f"trainer.grad_accum_steps={accum}"])
+        per_accum[accum] = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision,
+                                         cfg.trainer)
+    for key in ("all_gather/tp", "reduce_scatter/tp", "all_gather/cp", "reduce_scatter/cp"):
+        one, two = per_accum[1][key], per_accum[2][key]
+        assert two["bytes"] == one["bytes"] and two["calls"] == 2 * one["calls"], key

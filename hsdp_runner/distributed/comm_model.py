@@ -175,12 +175,12 @@ def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool
 def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
                      compute: int, accum: int, recompute: bool = False) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
-    act = tokens * dim * compute  # one residual-stream activation of the rank's tokens
+    act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
         again = {"all_gather/tp": 2, "reduce_scatter/tp": 1} if sequence_parallel \
             else {"all_reduce/tp": 1}
         for kind, per_block in again.items():
-            tally.add(kind, per_block * layers * accum, per_block * layers * act * accum)
+            tally.add(kind, per_block * layers * accum, per_block * layers * act)
     tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
     if sequence_parallel:
         per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding
