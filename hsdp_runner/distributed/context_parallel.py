@@ -8,9 +8,9 @@ positions (RoPE angles or learned position vectors, through ``positions``) and i
 
 Attention (``SequenceShard.attention``): the rank's keys and values are all-gathered over the
 cp group, one collective per layer holding both, before grouped-query heads are repeated (so
-the traffic is n_kv_heads wide: the approach of Llama 3's long-context training); the local
-queries attend to all S keys under a mask built from positions (key position <= query
-position), which is the causal mask of the head-tail order. The all-gather is torch's
+the traffic is n_kv_heads wide: the approach of Llama 3's long-context training), and put in
+position order; each of the rank's two query chunks then attends to the keys up to its own
+end, causally within the chunk (a lower-right causal bias). The all-gather is torch's
 functional collective, whose autograd formula reduce-scatters the keys' and values'
 gradients back to the ranks that produced them in backward.
 
@@ -55,14 +55,15 @@ class SequenceShard:
 
     def _device_tables(self, local_len: int, device: torch.device
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions, mask) for ``local_len`` tokens a rank, made once per length and device."""
+        """(this rank's positions, the gathered tokens' order by position) for ``local_len``
+        tokens a rank, made once per length and device."""
         key = (local_len, device)
         if key not in self._tables:
             seq_len = local_len * self.cp
-            mine = head_tail_positions(seq_len, self.cp, self.rank)
-            keys = torch.cat([head_tail_positions(seq_len, self.cp, r) for r in range(self.cp)])
-            # mask[i, j]: local query i may attend to gathered key j.
-            self._tables[key] = (mine.to(device), (keys[None, :] <= mine[:, None]).to(device))
+            gathered = torch.cat([head_tail_positions(seq_len, self.cp, r)
+                                  for r in range(self.cp)])
+            self._tables[key] = (head_tail_positions(seq_len, self.cp, self.rank).to(device),
+                                 gathered.argsort().to(device))
         return self._tables[key]
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
@@ -75,18 +76,28 @@ class SequenceShard:
 
         Takes (batch, heads, local seq, head_dim) queries and (batch, kv_heads, local seq,
         head_dim) keys and values (kv_heads divides heads); returns the queries' outputs.
+        Each of the rank's two chunks attends to the keys up to its end, causally within its
+        own chunk: a lower-right-aligned causal bias, which torch runs with its flash or
+        memory-efficient kernel on CUDA (no mask is materialised there) and as a mask on CPU.
         """
         from torch.distributed._functional_collectives import all_gather_single
+        from torch.nn.attention.bias import causal_lower_right
 
         bsz, kv_heads, seq, head_dim = k.shape
         # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
         gathered = all_gather_single(torch.stack((k, v)).contiguous(), 0, self.mesh)
         gathered = gathered.view(self.cp, 2, bsz, kv_heads, seq, head_dim)
+        order = self._device_tables(seq, q.device)[1]
         k_all, v_all = (gathered[:, i].permute(1, 2, 0, 3, 4).reshape(
-            bsz, kv_heads, self.cp * seq, head_dim) for i in range(2))
+            bsz, kv_heads, self.cp * seq, head_dim).index_select(2, order) for i in range(2))
         repeat = q.shape[1] // kv_heads
         if repeat > 1:
             k_all = k_all.repeat_interleave(repeat, dim=1)
             v_all = v_all.repeat_interleave(repeat, dim=1)
-        mask = self._device_tables(seq, q.device)[1]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        chunk, outputs = seq // 2, []
+        for part, index in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
+            end = (index + 1) * chunk  # keys 0 .. end-1 in position order
+            outputs.append(F.scaled_dot_product_attention(
+                q[:, :, part * chunk:(part + 1) * chunk], k_all[:, :, :end], v_all[:, :, :end],
+                attn_mask=causal_lower_right(chunk, end)))
+        return torch.cat(outputs, dim=2)

@@ -113,6 +113,10 @@ class ModelSpec(Protocol):
         """Forward FLOPs per token of the matmuls selective activation checkpointing recomputes
         (``sharding._selective_contexts``: a block's 2nd, 4th, ... matmul in call order)."""
 
+    def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values) in a block: what context parallel
+        all-gathers per token and layer."""
+
     def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
         """Raise ConfigError naming the ``parallel.*`` key for degrees the family cannot run."""
 

@@ -84,6 +84,10 @@ class GPT2Config(ModelConfig):
         """2 x the blocks' matmul weights + the forward attention term."""
         return 2.0 * 12 * self.n_layers * self.dim ** 2 + 4.0 * self.n_layers * self.dim * self.seq_len
 
+    def kv_dim(self) -> int:
+        """The width: multi-head attention has as many key/value heads as query heads."""
+        return self.dim
+
     def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
         """Refuse context parallel with sequence-parallel TP: the position table is split by
         position over the tp ranks (``PositionParallel``) in natural order, while a cp rank's

@@ -84,6 +84,10 @@ class LlamaConfig(ModelConfig):
         kv_dim = (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
         return 2.0 * self.n_layers * self.dim * (kv_dim + self.dim + self.ffn_hidden_dim)
 
+    def kv_dim(self) -> int:
+        """n_kv_heads x head_dim (grouped-query attention: narrower than the width)."""
+        return (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
+
     def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
         """Every degree the mesh accepts runs (RoPE angles are looked up per position)."""
 

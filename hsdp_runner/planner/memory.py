@@ -55,7 +55,7 @@ from pathlib import Path
 
 GIB = 2**30
 CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
-CACHE_VERSION = 3  # bump when what a measurement holds changes (3: cp attention)
+CACHE_VERSION = 4  # bump when what a measurement holds changes (4: cp attention, two calls)
 
 
 def request(model: dict, parallel: dict, precision: dict, freeze: list, shape: tuple,

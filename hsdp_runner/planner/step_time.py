@@ -28,8 +28,7 @@ The dominant term is the largest of compute and each mesh dim's exposed communic
 from __future__ import annotations
 
 from hsdp_runner.core.choices import AC
-from hsdp_runner.distributed.comm_model import (analytic_comm, context_parallel_comm, fsdp_dim,
-                                                unit_sizes)
+from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm, unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import model_spec
 
@@ -91,7 +90,7 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     parts = comm_times(_without(comm, kv), dims, cluster, split=True)
     times = {key: sum(pair) for key, pair in parts.items()}
     kv_parts = comm_times(kv, dims, cluster, split=True)
-    fsdp = fsdp_dim(dims)
+    fsdp = dims.same_group("dp_shard_cp")  # the name comm_model gives FSDP's group
     units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     total = sum(u[0] for u in units.values()) or 1
     root = units.get("root", (0, 0))[0] / total
