@@ -265,7 +265,8 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
     (["plan.axes.parallel.acc=none,full"], "parallel.acc is not a key"),
     (["plan.layers_measured=[2]"], "plan.layers_measured=[2] needs two"),
     (["trainer.global_batch_size=3", "cluster.gpus_per_node=2", "model=llama3_tiny",
-      "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48"], "no layout of 2 ranks"),
+      "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48", "model.seq_len=30"],
+     "no layout of 2 ranks"),  # 30 tokens: no cp splits them into 2 x cp chunks either
 ])
 def test_bad_input_exits_2_with_a_message(args, message, capsys):
     assert plan.main(args) == 2

@@ -81,7 +81,6 @@ class SequenceShard:
         memory-efficient kernel on CUDA (no mask is materialised there) and as a mask on CPU.
         """
         from torch.distributed._functional_collectives import all_gather_single
-        from torch.nn.attention.bias import causal_lower_right
 
         bsz, kv_heads, seq, head_dim = k.shape
         # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
@@ -99,5 +98,20 @@ class SequenceShard:
             end = (index + 1) * chunk  # keys 0 .. end-1 in position order
             outputs.append(F.scaled_dot_product_attention(
                 q[:, :, part * chunk:(part + 1) * chunk], k_all[:, :, :end], v_all[:, :, :end],
-                attn_mask=causal_lower_right(chunk, end)))
+                attn_mask=_causal_lower_right(chunk, end)))
         return torch.cat(outputs, dim=2)
+
+
+def _causal_lower_right(q_len: int, kv_len: int):
+    """torch's lower-right-aligned causal bias for ``q_len`` queries over ``kv_len`` keys.
+
+    Made with the dispatch modes set aside: the bias holds only the two lengths, and torch
+    cannot create its Tensor subclass from a tensor a mode has already wrapped, as the
+    planner's memory measurement (``planner/memory.py``: FakeTensorMode and torch's memory
+    tracker) would. The private helper is torch's own way to step out of the modes.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return causal_lower_right(q_len, kv_len)
