@@ -114,4 +114,9 @@ def _causal_lower_right(q_len: int, kv_len: int):
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        return causal_lower_right(q_len, kv_len)
+        bias = causal_lower_right(1, 1)
+    # torch 2.13's CausalBias hands its arguments to Tensor.__new__, which allocates a
+    # (2, q_len, kv_len) float32 tensor the bias never reads (8 GiB for 8k queries over 128k
+    # keys): build it at 1 x 1, then set the two lengths, the only state it reads.
+    bias.seq_len_q, bias.seq_len_kv = q_len, kv_len
+    return bias
