@@ -49,8 +49,8 @@ def _dominant(entry: dict) -> str:
 
 def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
-    head = ("| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device | MFU "
-            "| compute s | exposed comm s | dominant |")
+    head = ("| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device "
+            "| MFU | compute s | exposed comm s | dominant |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in entries:
         if not e["valid"]:

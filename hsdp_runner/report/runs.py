@@ -137,8 +137,8 @@ def degrees(job: Job) -> tuple[str, str, str]:
 
 def table(jobs: list[Job]) -> str:
     """Return the markdown table: one row per job, in ``jobs`` order, the first ok job marked."""
-    head = ("| job | layout | degrees (rep×shard×cp×tp) | world | precision | comm MiB/step/rank "
-            "(measured ÷ model) | tok/s/device "
+    head = ("| job | layout | degrees (rep×shard×cp×tp) | world | precision "
+            "| comm MiB/step/rank (measured ÷ model) | tok/s/device "
             "(min–max) | tok/s global (min–max) | MFU | peak mem GiB | step s | status |")
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for i, job in enumerate(jobs):
