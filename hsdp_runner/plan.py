@@ -7,8 +7,8 @@ context-parallel degree the sequence length and the node allow) times every valu
 given as ``plan.axes.<dotted key>=v1,v2``, checks each with ``ParallelDims`` and the batch
 split (invalid ones are kept, with the reason), predicts memory per rank (``plan_memory``: the
 runner's model and sharding under a fake process group) and step time (``plan_time``), and
-writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format: README "Plan before
-you spend"). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
+writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format:
+docs/planner.md). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
 fit; ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
 (``plan_calibrate``). Exit 2 on bad input: unknown cluster or key, no valid layout, a model
 that fits nowhere. Never imports the trainer.
@@ -107,7 +107,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
 def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
-    for v, (chosen, cfg, layouts) in enumerate(variants):
+    for v, (_chosen, cfg, layouts) in enumerate(variants):
         depths = sorted({min(n, cfg.model.n_layers) for n in layers})
         for entry in layouts:
             dims = entry["dims"]
@@ -201,7 +201,7 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
             "dominant": time["dominant"], "rank": None, "layout": dims.layout,
             "memory": memory, "compute_s": time["compute_s"],
             "exposed_comm_s": time["exposed_comm_s"], "comm_total_s": time["comm_total_s"],
-            "comm_latency_s": time["comm_latency_s"],
+            "comm_latency_s": time["comm_latency_s"], "comm_links": time["comm_links"],
             "dims_across_nodes": dims.dims_across_nodes()}
 
 

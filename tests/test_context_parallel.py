@@ -9,10 +9,13 @@ import torch
 from distributed import run_workers
 from omegaconf import OmegaConf
 
-from hsdp_runner.distributed.context_parallel import (SequenceShard, head_tail_positions,
-                                                  shard_sequence)
-from hsdp_runner.train.data import TokenBatches
+from hsdp_runner.distributed.context_parallel import (
+    SequenceShard,
+    head_tail_positions,
+    shard_sequence,
+)
 from hsdp_runner.models.llama import causal_attention
+from hsdp_runner.train.data import TokenBatches
 
 
 def test_head_tail_order_gives_each_rank_a_chunk_from_each_end():
@@ -56,7 +59,7 @@ def _attention_against_full() -> dict:
         (reference * grad).sum().backward()
         index = head_tail_positions(16, cp, mesh.get_local_rank())
         mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        out = SequenceShard(mesh).attention(*mine)
+        out = SequenceShard(mesh, 16).attention(*mine)
         (out * grad[:, :, index]).sum().backward()
         errors[cp] = [float((out - reference[:, :, index]).abs().max())] + [
             float((m.grad - f.grad[:, :, index]).abs().max()) for m, f in zip(mine, full)]

@@ -5,7 +5,8 @@ from types import SimpleNamespace as NS
 import pytest
 
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.parallel_dims import ParallelDims, infer_world_size
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
+from hsdp_runner.distributed.topology import placement
 
 MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 
@@ -139,7 +140,9 @@ def test_cp_across_nodes_is_refused_unless_allowed():
     # Within a node: dp_shard x cp x tp = 8 per node, only the replicate dim crosses.
     inside = cp_dims(2, 2, 2, 2, node=8)
     assert inside.dims_across_nodes() == ["dp_replicate"]
-    assert (inside.spans_nodes("dp_shard_cp"), inside.spans_nodes("dp_cp")) == (False, True)
+    spans = {name: placement(inside.shape, DIM_NAMES, name, 8).spans_nodes
+             for name in ("dp_shard_cp", "dp_cp")}
+    assert spans == {"dp_shard_cp": False, "dp_cp": True}
 
 
 def test_cp_defaults_to_one_when_a_config_predates_it():

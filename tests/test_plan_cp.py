@@ -54,8 +54,9 @@ def test_enumeration_includes_cp_layouts_and_cp_degrees_1_keeps_the_old_list():
 def _cluster(**kw) -> Cluster:
     base = dict(name="t", device="H100", gpus_per_node=8, nodes=1, device_memory_gib=80.0,
                 peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
-                intra_node_gbps=100.0, inter_node_gbps=10.0, intra_node_latency_us=10.0,
-                inter_node_latency_us=20.0, overlap=1.0, memory_reserve_gib=0.0)
+                nvlink_gbps=100.0, nvlink_efficiency=1.0, nics_per_node=8, nic_gbit=80.0,
+                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=20.0,
+                overlap=1.0, memory_reserve_gib=0.0)
     return Cluster(**{**base, **kw})
 
 

@@ -46,30 +46,40 @@ class SequenceShard:
     """What a model needs to run on one cp rank's part of each sequence (``models/base.py``
     hands it to the model): its token positions and causal attention over the whole sequence.
 
-    Takes the 1-D ``cp`` DeviceMesh.
+    Takes the 1-D ``cp`` DeviceMesh and the sequence length (``model.seq_len``: the data's).
     """
 
-    def __init__(self, cp_mesh):
+    def __init__(self, cp_mesh, seq_len: int):
         self.mesh, self.cp, self.rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.local_len = seq_len // self.cp
+        self._positions = head_tail_positions(seq_len, self.cp, self.rank)
+        self._order = torch.cat([head_tail_positions(seq_len, self.cp, r)
+                                 for r in range(self.cp)]).argsort()
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Each of the rank's two chunks attends to the keys up to its end: (query chunk start,
+        # key count, bias). The biases are made here: torch's CausalBias, a tensor subclass,
+        # cannot be created while a TorchDispatchMode is active (the communication counter).
+        chunk = self.local_len // 2
+        self._chunks = [(part * chunk, (index + 1) * chunk,
+                         _causal_lower_right(chunk, (index + 1) * chunk))
+                        for part, index in enumerate((self.rank, 2 * self.cp - 1 - self.rank))]
 
-    def _device_tables(self, local_len: int, device: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's positions, the gathered tokens' order by position) for ``local_len``
-        tokens a rank, made once per length and device."""
-        key = (local_len, device)
-        if key not in self._tables:
-            seq_len = local_len * self.cp
-            gathered = torch.cat([head_tail_positions(seq_len, self.cp, r)
-                                  for r in range(self.cp)])
-            self._tables[key] = (head_tail_positions(seq_len, self.cp, self.rank).to(device),
-                                 gathered.argsort().to(device))
-        return self._tables[key]
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's positions, the gathered tokens' order by position) on ``device``."""
+        if device not in self._on:  # copied once per device, not every step
+            self._on[device] = (self._positions.to(device), self._order.to(device))
+        return self._on[device]
+
+    def _check_length(self, local_len: int) -> None:
+        if local_len != self.local_len:
+            raise ValueError(f"context parallel was set up for {self.local_len} tokens per cp "
+                             f"rank (model.seq_len / parallel.cp), got {local_len}")
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """This rank's positions in the full sequence of its ``local_len`` tokens, in the order
         they arrive (int64 on ``device``)."""
-        return self._device_tables(local_len, device)[0]
+        self._check_length(local_len)
+        return self._tables(device)[0]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence's keys.
@@ -83,40 +93,33 @@ class SequenceShard:
         from torch.distributed._functional_collectives import all_gather_single
 
         bsz, kv_heads, seq, head_dim = k.shape
+        self._check_length(seq)
         # One collective for both: (2, b, h, s, d) gathered on dim 0 -> (cp * 2, b, h, s, d).
         gathered = all_gather_single(torch.stack((k, v)).contiguous(), 0, self.mesh)
         gathered = gathered.view(self.cp, 2, bsz, kv_heads, seq, head_dim)
-        order = self._device_tables(seq, q.device)[1]
+        order = self._tables(q.device)[1]
         k_all, v_all = (gathered[:, i].permute(1, 2, 0, 3, 4).reshape(
             bsz, kv_heads, self.cp * seq, head_dim).index_select(2, order) for i in range(2))
         repeat = q.shape[1] // kv_heads
         if repeat > 1:
             k_all = k_all.repeat_interleave(repeat, dim=1)
             v_all = v_all.repeat_interleave(repeat, dim=1)
-        chunk, outputs = seq // 2, []
-        for part, index in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
-            end = (index + 1) * chunk  # keys 0 .. end-1 in position order
-            outputs.append(F.scaled_dot_product_attention(
-                q[:, :, part * chunk:(part + 1) * chunk], k_all[:, :, :end], v_all[:, :, :end],
-                attn_mask=_causal_lower_right(chunk, end)))
-        return torch.cat(outputs, dim=2)
+        chunk = seq // 2
+        return torch.cat([F.scaled_dot_product_attention(
+            q[:, :, start:start + chunk], k_all[:, :, :end], v_all[:, :, :end], attn_mask=bias)
+            for start, end, bias in self._chunks], dim=2)
 
 
 def _causal_lower_right(q_len: int, kv_len: int):
     """torch's lower-right-aligned causal bias for ``q_len`` queries over ``kv_len`` keys.
 
-    Made with the dispatch modes set aside: the bias holds only the two lengths, and torch
-    cannot create its Tensor subclass from a tensor a mode has already wrapped, as the
-    planner's memory measurement (``planner/memory.py``: FakeTensorMode and torch's memory
-    tracker) would. The private helper is torch's own way to step out of the modes.
+    torch 2.13's CausalBias hands its arguments to Tensor.__new__, which allocates a
+    (2, q_len, kv_len) float32 tensor the bias never reads (8 GiB for 8k queries over 128k
+    keys, held as long as the bias): build it at 1 x 1, then set the two lengths, the only
+    state it reads.
     """
     from torch.nn.attention.bias import causal_lower_right
-    from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():
-        bias = causal_lower_right(1, 1)
-    # torch 2.13's CausalBias hands its arguments to Tensor.__new__, which allocates a
-    # (2, q_len, kv_len) float32 tensor the bias never reads (8 GiB for 8k queries over 128k
-    # keys): build it at 1 x 1, then set the two lengths, the only state it reads.
+    bias = causal_lower_right(1, 1)
     bias.seq_len_q, bias.seq_len_kv = q_len, kv_len
     return bias

@@ -47,7 +47,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel, model, world_size: int,
-                    ranks_per_node: Optional[int] = None) -> "ParallelDims":
+                    ranks_per_node: Optional[int] = None) -> ParallelDims:
         """Infer -1 degrees from ``world_size`` and validate against the model shape and nodes.
 
         Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass), the
@@ -165,8 +165,8 @@ class ParallelDims:
             warnings.append(
                 f"parallel.dp_shard={self.dp_shard} spans nodes ({self._nodes_phrase()}): FSDP's "
                 "per-layer all-gather and reduce-scatter cross the slow inter-node link; for "
-                f"HSDP make parallel.dp_shard x parallel.tp divide {node} and put the rest in "
-                "parallel.dp_replicate")
+                f"HSDP make parallel.dp_shard x parallel.cp x parallel.tp divide {node} and put "
+                "the rest in parallel.dp_replicate")
         for name, key in (("tp", "allow_tp_across_nodes"), ("cp", "allow_cp_across_nodes")):
             if name in crossing:
                 warnings.append(
@@ -230,14 +230,6 @@ class ParallelDims:
                 return other
         return name
 
-    def spans_nodes(self, name: str) -> bool:
-        """True if a group of the mesh dim or flattened view ``name`` holds ranks of two nodes."""
-        dims = VIEWS.get(name, (name,))
-        first, last = DIM_NAMES.index(dims[0]), DIM_NAMES.index(dims[-1])
-        shape = self.shape
-        folded = (prod(shape[:first]), prod(shape[first:last + 1]), prod(shape[last + 1:]))
-        return _group_spans_nodes(folded, 1, self.node_size)
-
     def describe(self) -> dict:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
@@ -246,7 +238,7 @@ class ParallelDims:
                 "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
-    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> "WorldMesh":
+    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
         """Build the world mesh once (all ranks must call this together); return a WorldMesh.
 
         ``timeout_s`` bounds every collective on the mesh's groups: DeviceMesh creates its

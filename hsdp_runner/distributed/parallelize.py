@@ -18,11 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hsdp_runner.core.choices import AC, DDPImpl
-from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
-from hsdp_runner.models.params import copy_full_into, freeze_parameters, torch_dtype
+from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +46,11 @@ def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -
     model.tp_plan(world["tp"], sequence_parallel)
 
 
-def apply_cp(model: ParallelModule, world: WorldMesh) -> None:
-    """Run the model on this rank's part of each sequence: positions and attention come from a
-    ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V all-gathered per layer)."""
-    model.shard_sequence(SequenceShard(world["cp"]))
+def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
+    """Run the model on this rank's part of each ``seq_len``-token sequence: positions and
+    attention come from a ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V
+    all-gathered per layer)."""
+    model.shard_sequence(SequenceShard(world["cp"], seq_len))
 
 
 # Every fused attention kernel scaled_dot_product_attention can dispatch to in torch 2.13
@@ -201,14 +201,14 @@ def sync_buffers(model: nn.Module) -> int:
     return count
 
 
-def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
-                ) -> None:
-    """Apply TP/SP, context parallel, activation checkpointing, compile and data parallel, in
-    that order."""
+def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision,
+                seq_len: int) -> None:
+    """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
+    checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel)
     if dims.cp > 1:
-        apply_cp(model, world)
+        apply_cp(model, world, seq_len)
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp)
@@ -233,7 +233,7 @@ def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, preci
     finally:
         torch.set_default_dtype(default_dtype)
     freeze_parameters(model, freeze)
-    parallelize(model, dims, world, parallel, precision)
+    parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     model.to_empty(device=device)
     model.init_weights(seed)
     sync_buffers(model)

@@ -41,7 +41,7 @@ runner applies it (``sharding._selective_contexts``: every other matmul output s
 What is predicted is tensor memory, the figure CUDA's allocated peak measures; a job measures
 the same on CPU with ``tensor_memory.TensorMemoryMeter``. What a CPU process holds beyond its
 tensors (library code pages, Python objects, glibc's heap slack) is neither predicted nor
-compared (README "Memory on this machine").
+compared (docs/planner.md, "Memory on this machine").
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _measure_one(req: dict) -> dict:
     finally:
         torch.set_default_dtype(default_dtype)
     sharding.freeze_parameters(model, req["freeze"])
-    sharding.parallelize(model, dims, world, parallel, precision)
+    sharding.parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     # Under context parallel a rank holds seq_len / cp tokens of each sequence (data.py).
     b, seq, accum = req["micro_batch"], model_cfg.seq_len // dims.cp, req["accum"]
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.

@@ -26,8 +26,9 @@ from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.checkpoint.checkpointer import Checkpointer, data_facts
 from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
-from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
+from hsdp_runner.distributed.topology import FLATTENED, observed_placements
 from hsdp_runner.runtime import sidecar as rank0_sidecar
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
@@ -213,6 +214,9 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
+    # How the real process groups of every dim sit on the nodes: recorded so that it can be
+    # checked against the planner's arithmetic. A collective: every rank calls it.
+    placements = observed_placements(world, (*DIM_NAMES, *FLATTENED))
     # What the process holds before the model exists (interpreter, torch, process groups),
     # and from here the tensor memory the model and the first steps add: the planner's figure.
     mem_baseline = metrics.current_memory_gib(device)
@@ -227,7 +231,7 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg, output_dir, start)
-        facts = run_facts(dims, device)
+        facts = {**run_facts(dims, device), "mesh_placement": placements}
         config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "derived": facts}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
