@@ -1,10 +1,11 @@
 """``python -m hsdp_runner.plan [overrides]``: predict memory and step time of every layout.
 
 Composes the same config as a job (``conf/plan.yaml`` = ``conf/config.yaml`` + a ``cluster``),
-enumerates every ``(dp_replicate, dp_shard, tp)`` whose product is the cluster's world size
-(``cluster.nodes x cluster.gpus_per_node``) times every value of the axes given as
-``plan.axes.<dotted key>=v1,v2``, checks each with ``ParallelDims`` and the batch split
-(invalid ones are kept, with the reason), predicts memory per rank (``plan_memory``: the
+enumerates every ``(dp_replicate, dp_shard, cp, tp)`` whose product is the cluster's world
+size (``cluster.nodes x cluster.gpus_per_node``; cp over ``plan.cp_degrees``, by default every
+context-parallel degree the sequence length and the node allow) times every value of the axes
+given as ``plan.axes.<dotted key>=v1,v2``, checks each with ``ParallelDims`` and the batch
+split (invalid ones are kept, with the reason), predicts memory per rank (``plan_memory``: the
 runner's model and sharding under a fake process group) and step time (``plan_time``), and
 writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format:
 docs/planner.md). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
@@ -41,6 +42,7 @@ from hsdp_runner.models.base import model_spec
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
+from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
 
 AXES_PREFIX = "plan.axes."
 
@@ -90,27 +92,23 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list[str]]) -> list[tuple[dict
 
 
 def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
-    """Every (dp_replicate, dp_shard, tp) with product ``world``: dims or the reason it is invalid."""
+    """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` (cp over
+    ``planner.degrees.cp_degrees``): dims or the reason it is invalid."""
+    cps = cp_degrees(cfg.plan.cp_degrees, cfg.model.seq_len, world, ranks_per_node,
+                     cfg.parallel.allow_cp_across_nodes)
     out = []
-    for tp in _divisors(world):
-        for shard in _divisors(world // tp):
-            rep = world // tp // shard
-            parallel = OmegaConf.merge(cfg.parallel, {"dp_replicate": rep, "dp_shard": shard,
-                                                      "tp": tp})
-            entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
-            try:
-                dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
-                model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
-                validate_batch(cfg.trainer, dims.dp)
-                entry["dims"] = dims
-            except ConfigError as err:
-                entry["reason"] = str(err)
-            out.append(entry)
+    for shape in degree_shapes(world, cps):
+        parallel = OmegaConf.merge(cfg.parallel, dict(zip(DIM_NAMES, shape)))
+        entry = {"shape": shape, "dims": None, "reason": None}
+        try:
+            dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+            model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
+            validate_batch(cfg.trainer, dims.dp)
+            entry["dims"] = dims
+        except ConfigError as err:
+            entry["reason"] = str(err)
+        out.append(entry)
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _memory_requests(variants, cluster: Cluster, layers: list[int]) -> tuple[list, list]:
@@ -124,8 +122,9 @@ def _memory_requests(variants, cluster: Cluster, layers: list[int]) -> tuple[lis
                 continue
             micro = validate_batch(cfg.trainer, dims.dp)
             # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
-            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters).
-            key = (v, dims.tp, dims.dp_shard > 1, micro)
+            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters);
+            # cp changes the tokens each rank holds, so it is measured per degree.
+            key = (v, dims.tp, dims.cp, dims.dp_shard_cp > 1, micro)
             if key not in groups:
                 groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
             entry["mem_key"] = key
@@ -137,7 +136,7 @@ def _memory_requests(variants, cluster: Cluster, layers: list[int]) -> tuple[lis
             group.setdefault("index", {})[depth] = len(requests)
             requests.append(plan_memory.request(
                 plain["model"], plain["parallel"], plain["precision"], plain["trainer"]["freeze"],
-                group["shape"], key[3], cfg.trainer.grad_accum_steps, cluster.world_size,
+                group["shape"], key[-1], cfg.trainer.grad_accum_steps, cluster.world_size,
                 cluster.gpus_per_node, depth))
     return requests, groups
 
@@ -187,8 +186,8 @@ def _plain(value):
 
 
 def _entry(chosen, cfg: RunConfig, layout, groups, measured, cluster: Cluster, step_time) -> dict:
-    overrides = {**{f"parallel.{name}": d for name, d in zip(DIM_NAMES, layout["shape"])},
-                 **{k: _plain(OmegaConf.select(cfg, k)) for k in chosen}}
+    overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
+    overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
         return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,

@@ -78,6 +78,8 @@ def _job_values(job: Path, config: dict):
         degree = key.removeprefix("parallel.")
         if found == -1 and shape and degree in DIM_NAMES:
             return shape[DIM_NAMES.index(degree)]
+        if found is None and degree == "cp":  # a job config from before the cp dim
+            return 1
         return found
     return value
 

@@ -119,13 +119,18 @@ def _status(job: Job) -> str:
 
 
 def degrees(job: Job) -> tuple[str, str, str]:
-    """(layout, 'r x s x t', world size) from the run's mesh, or the asked-for degrees."""
+    """(layout, 'r x s x c x t', world size) from the run's mesh, or the asked-for degrees.
+
+    A run from before the context-parallel dim (a 3-dim mesh, no ``parallel.cp``) had cp = 1.
+    """
     s = job.summary
     if s.mesh_shape is not None:
-        return s.layout, "×".join(map(str, s.mesh_shape)), str(s.world_size)
+        shape = list(s.mesh_shape)
+        if len(shape) == len(DIM_NAMES) - 1:
+            shape.insert(DIM_NAMES.index("cp"), 1)
+        return s.layout, "×".join(map(str, shape)), str(s.world_size)
     asked = s.requested_degrees or job.config.get("parallel") or {}
-    # Records written before a dim existed (cp) leave it out.
-    shape = "×".join(str(asked[k]) for k in DIM_NAMES if k in asked) or "?"
+    shape = "×".join(str(asked.get(k, 1 if k == "cp" else "?")) for k in DIM_NAMES)
     return "—", shape, "—"
 
 
@@ -140,7 +145,7 @@ Column = tuple[str, Callable[[Job], str], Callable[[Job], float | str | None]]
 COLUMNS: tuple[Column, ...] = (
     ("job", lambda j: _first_line(j.label), lambda j: j.num),
     ("layout", lambda j: degrees(j)[0], lambda j: degrees(j)[0]),
-    ("degrees (rep×shard×tp)", lambda j: degrees(j)[1], lambda j: degrees(j)[1]),
+    ("degrees (rep×shard×cp×tp)", lambda j: degrees(j)[1], lambda j: degrees(j)[1]),
     ("world", lambda j: degrees(j)[2], lambda j: j.summary.world_size),
     ("precision", _precision, _precision),
     ("comm MiB/step/rank (measured ÷ model)", lambda j: _comm(j.summary),

@@ -112,9 +112,9 @@ def parallel_coordinates(jobs: list[Job]):
     done = measured(jobs)
     if not done:
         return None, "no job has steady-state figures yet"
-    # A dim no job recorded (cp in runs written before it existed) gets no axis.
-    dims = [_axis(name, [j.summary.get(name, "?") for j in done]) for name in DEGREES
-            if any(j.summary.get(name) is not None for j in done)]
+    # A run from before the context-parallel dim has no cp in its summary: it ran cp = 1.
+    dims = [_axis(name, [j.summary.get(name, 1 if name == "cp" else "?") for j in done])
+            for name in DEGREES]
     dims += [_axis(key, values) for key, values in _option_values(done).items()]
     metrics = {"tokens/s global": [j.summary.median_tps_global for j in done],
                "MFU %": [None if j.summary.median_mfu is None
