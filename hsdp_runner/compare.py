@@ -17,15 +17,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.report import prediction
 from hsdp_runner.report.dashboard import page as dashboard
-from hsdp_runner.report.runs import ORDER, Job, degrees, load_jobs, table
+from hsdp_runner.report.runs import Job, degrees, load_jobs, table
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
 def plot_bars(jobs: list[Job], path: Path) -> Path:
     """Horizontal bars of global tokens/s (median, min-max whiskers) and peak memory per job."""
     plt = _pyplot()
-    done = [j for j in jobs if j.status == "completed"]
+    done = [j for j in jobs if j.status is RunStatus.completed]
     fig, (ax_tps, ax_mem) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.55 * max(1, len(done))),
                                          sharey=True, layout="constrained")
     names = [f"{j.label}\n{degrees(j)[0]} {degrees(j)[1]}" for j in done]
@@ -54,7 +56,7 @@ def plot_loss(jobs: list[Job], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
     for job in sorted(jobs, key=lambda j: j.num):
         if job.records:
-            failed = job.status != "completed"
+            failed = job.status is not RunStatus.completed
             ax.plot([r["step"] for r in job.records], [r["loss"] for r in job.records],
                     linestyle="--" if failed else "-", marker="." if failed else None,
                     label=job.label + (f" ({job.status})" if failed else ""))
@@ -82,7 +84,7 @@ def _pyplot():
 
 def write_comparison(sweep_dir: Path, jobs: list[Job]) -> tuple[str, list[Path]]:
     """Write compare.md and both plots of ``jobs`` into ``sweep_dir``; return (table, paths)."""
-    counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in ORDER
+    counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in RunStatus
                        if any(j.status == s for j in jobs))
     text = table(jobs)
     md = (f"# Sweep {sweep_dir.name}\n\n{len(jobs)} jobs: {counts}. Medians over the steps "
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if not jobs:
         print(f"compare: {args.sweep_dir} holds no job dirs; pass the sweep dir a multirun "
               "printed (hydra.sweep.dir)", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     text, paths = write_comparison(args.sweep_dir, jobs)
 
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         from hsdp_runner.report import wandb_report
 
         return wandb_report.publish(*_wandb_facts(args.sweep_dir, jobs))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

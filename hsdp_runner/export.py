@@ -21,6 +21,8 @@ from hsdp_runner.checkpoint import hf
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.core.choices import Dtype
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.models.params import torch_dtype
 
 
 def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -62,9 +64,9 @@ def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: 
     path = checkpoint_start.resolve(source, "checkpoint")
     weights, manifest = load_full_weights(path)
     model_cfg = OmegaConf.create(manifest["model"])
-    torch_dtype = getattr(torch, dtype)
-    return hf.write_folder(hf.to_hf(weights, model_cfg, torch_dtype),
-                           hf.hf_config(model_cfg, torch_dtype), out_dir,
+    out_dtype = torch_dtype(dtype)
+    return hf.write_folder(hf.to_hf(weights, model_cfg, out_dtype),
+                           hf.hf_config(model_cfg, out_dtype), out_dir,
                            int(max_shard_gib * 2**30))
 
 
@@ -82,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         files = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gib)
     except ConfigError as err:
         print(f"hsdp_runner.export: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(f"hsdp_runner.export: wrote {len(files)} safetensors file(s) and config.json "
           f"({args.dtype}) to {args.out_dir}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 
 from hsdp_runner.config.compose import CONF_DIR
 from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.runtime.launch import run_job, validate

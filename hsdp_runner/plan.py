@@ -12,6 +12,11 @@ docs/planner.md). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k
 fit; ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
 (``plan_calibrate``). Exit 2 on bad input: unknown cluster or key, no valid layout, a model
 that fits nowhere. Never imports the trainer.
+
+The planner varies keys of the composed config (axes, degrees), so it works on Hydra's
+DictConfig; built from the ``RunConfig`` schema, that node reads like the dataclass, which is
+what the annotations name. Each variant is checked as a real ``RunConfig``
+(``compose.to_run_config``).
 """
 
 from __future__ import annotations
@@ -27,17 +32,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.config.checks import validate_batch, validate_config
 from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
-from hsdp_runner.planner.cluster import resolve
+from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
 
 AXES_PREFIX = "plan.axes."
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -79,7 +86,7 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list[str]]) -> list[tuple[dict
         for key, value in chosen.items():
             node = OmegaConf.create({"v": value})  # YAML typing: true -> bool, 2 -> int
             OmegaConf.update(variant, key, node.v, merge=False)
-        validate_config(variant)
+        validate_config(to_run_config(variant))
         out.append((chosen, variant))
     return out
 
@@ -96,7 +103,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
         try:
             dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
             model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
-            validate_batch(cfg, dims.dp)
+            validate_batch(cfg.trainer, dims.dp)
             entry["dims"] = dims
         except ConfigError as err:
             entry["reason"] = str(err)
@@ -104,7 +111,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
     return out
 
 
-def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
+def _memory_requests(variants, cluster: Cluster, layers: list[int]) -> tuple[list, list]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
     for v, (_chosen, cfg, layouts) in enumerate(variants):
@@ -113,7 +120,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
             dims = entry["dims"]
             if dims is None:
                 continue
-            micro = validate_batch(cfg, dims.dp)
+            micro = validate_batch(cfg.trainer, dims.dp)
             # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
             # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters);
             # cp changes the tokens each rank holds, so it is measured per degree.
@@ -134,10 +141,10 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
     return requests, groups
 
 
-def _state(cfg, dims: ParallelDims) -> dict:
-    import torch
+def _state(cfg: RunConfig, dims: ParallelDims) -> dict:
+    from hsdp_runner.models.params import torch_dtype
 
-    master = getattr(torch, cfg.precision.master_dtype).itemsize
+    master = torch_dtype(cfg.precision.master_dtype).itemsize
     return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
                                                  cfg.parallel.sequence_parallel),
                                    dims.dp_shard_cp, master)
@@ -178,7 +185,7 @@ def _plain(value):
     return value.value if isinstance(value, Enum) else value
 
 
-def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
+def _entry(chosen, cfg: RunConfig, layout, groups, measured, cluster: Cluster, step_time) -> dict:
     overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
     overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
     dims = layout["dims"]
@@ -224,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         overrides, axes = split_axes(args.overrides)
         cfg = compose(overrides)
-        validate_config(cfg)
+        validate_config(to_run_config(cfg))
         cluster, entries = predict(cfg, axes)
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CONFIG
     out_dir = Path(cfg.plan.out_dir or datetime.datetime.now().strftime(
         f"plans/%Y-%m-%d_%H-%M-%S_{cfg.model.name}"))
     paths = plan_report.write(out_dir, cfg, cluster, entries, overrides, axes)
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
               " add nodes (cluster.nodes), use activation checkpointing (parallel.ac=full or "
               "plan.axes.parallel.ac=none,full), or lower trainer.global_batch_size",
               file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CONFIG
     return EXIT_OK
 
 

@@ -13,11 +13,13 @@ from test_config import compose
 from hsdp_runner import export
 from hsdp_runner.checkpoint import checkpointer
 from hsdp_runner.checkpoint import start as checkpoint
+from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 
 
 def _validate(tmp_path, *overrides):
-    return checkpoint.validate(compose([*TINY, *overrides]), tmp_path / "job")
+    cfg = to_run_config(compose([*TINY, *overrides]))
+    return checkpoint.validate(cfg.checkpoint, cfg.model, cfg.trainer.steps, tmp_path / "job")
 
 
 @pytest.fixture

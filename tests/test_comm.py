@@ -45,6 +45,7 @@ LAYOUTS = {
 def _measure_layouts():
     import torch.distributed as dist
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.worker import make_trainer
@@ -60,7 +61,7 @@ def _measure_layouts():
         device = torch.device("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
         figures = compute_run_figures(cfg, dims, model, device)
-        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
+        trainer = make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
         trainer.fit()
         out[name] = trainer.comm_facts
     return out

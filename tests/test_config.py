@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from hsdp_runner.config.checks import bad_choice_override, validate_batch, validate_config
 from hsdp_runner.config.compose import CONF_DIR as CONF
-from hsdp_runner.config.compose import compose
+from hsdp_runner.config.compose import compose, to_run_config
 from hsdp_runner.core.choices import AC, DataKind
 from hsdp_runner.core.errors import ConfigError
 
@@ -26,7 +26,7 @@ def test_every_group_has_its_options():
 def test_each_group_option_composes_and_validates(group, option):
     # A job has no cluster by default (only the planner's conf/plan.yaml picks one): append it.
     cfg = compose([f"{'+' if group == 'cluster' else ''}{group}={option}"])
-    validate_config(cfg)
+    validate_config(to_run_config(cfg))
     if group == "model":
         assert cfg.model.name == option
 
@@ -90,7 +90,7 @@ def test_choices_dispatch_as_enums_and_read_as_strings():
 def test_fault_kind_nan_composes_although_hydra_reads_it_as_a_float():
     cfg = compose(["fault.kind=nan"])
     assert cfg.fault.kind == "nan"
-    validate_config(cfg)
+    validate_config(to_run_config(cfg))
 
 
 def test_a_plain_dict_config_gets_the_same_choice_check():
@@ -98,7 +98,7 @@ def test_a_plain_dict_config_gets_the_same_choice_check():
     cfg["fault"]["kind"] = "segfault"
     with pytest.raises(ConfigError, match="fault.kind='segfault' is not one of exception, "
                                           "sigkill, sigterm, nan, hang"):
-        validate_config(cfg)
+        validate_config(to_run_config(cfg))
 
 
 def test_a_bad_choice_on_the_command_line_reads_as_one_line():
@@ -116,11 +116,12 @@ def test_a_bad_choice_on_the_command_line_reads_as_one_line():
 ])
 def test_validation_errors_name_key_and_value(override, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
-        validate_config(compose([override]))
+        validate_config(to_run_config(compose([override])))
 
 
 def test_batch_must_split_over_dp_and_accumulation():
     cfg = compose(["trainer.global_batch_size=6", "trainer.grad_accum_steps=1"])
     with pytest.raises(ConfigError, match=r"trainer.global_batch_size=6 is not divisible .* 4"):
-        validate_batch(cfg, dp_size=4)
-    assert validate_batch(compose(["trainer.global_batch_size=16", "trainer.grad_accum_steps=2"]), 4) == 2
+        validate_batch(cfg.trainer, dp_size=4)
+    cfg = compose(["trainer.global_batch_size=16", "trainer.grad_accum_steps=2"])
+    assert validate_batch(cfg.trainer, 4) == 2

@@ -14,7 +14,7 @@ from hsdp_runner.distributed.context_parallel import (
     head_tail_positions,
     shard_sequence,
 )
-from hsdp_runner.models.llama import causal_attention
+from hsdp_runner.models.common import causal_attention
 from hsdp_runner.train.data import TokenBatches
 
 

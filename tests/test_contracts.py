@@ -6,7 +6,8 @@ import pickle
 
 from omegaconf import OmegaConf
 
-from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.report.runs import load_jobs, table
 from hsdp_runner.train import sinks as tracking
 

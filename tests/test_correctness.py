@@ -23,6 +23,7 @@ class GradientProbe(nn.Module):
 def _reduced_gradients():
     import torch.distributed as dist
 
+    from hsdp_runner.config.schema import ParallelConfig
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import apply_data_parallel
 
@@ -30,8 +31,8 @@ def _reduced_gradients():
     out = {}
     for name, degrees in {"ddp": (4, 1), "ddp_fully_shard": (4, 1), "fsdp": (1, 4),
                           "hsdp": (2, 2)}.items():
-        parallel = {"dp_replicate": degrees[0], "dp_shard": degrees[1], "tp": 1,
-                    "sequence_parallel": False}
+        parallel = ParallelConfig(dp_replicate=degrees[0], dp_shard=degrees[1],
+                                  sequence_parallel=False)
         dims = ParallelDims.from_config(parallel, None, dist.get_world_size())
         world = dims.build_mesh("cpu")
         model = GradientProbe()
@@ -70,6 +71,7 @@ def _train_eval_frozen(cases):
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.models.llama import Llama
@@ -93,7 +95,7 @@ def _train_eval_frozen(cases):
                     for n, p in model.named_parameters()}
         before = full_weights()
         cpu = torch.device("cpu")
-        trainer = make_trainer(cfg, dims, world, model, cpu,
+        trainer = make_trainer(to_run_config(cfg), dims, world, model, cpu,
                                compute_run_figures(cfg, dims, model, cpu), sinks=[])
         trainer.fit()
         eval_loss = trainer.evaluate(2)

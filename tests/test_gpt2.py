@@ -2,6 +2,8 @@
 schema rejects typos, its counts match the built model, its Hugging Face export computes what
 ``transformers.GPT2LMHeadModel`` computes. (Parity: test_parity.py; resharding: test_checkpoint.py.)"""
 
+import math
+
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
@@ -9,8 +11,9 @@ from test_config import GROUPS, compose
 
 from hsdp_runner.checkpoint import hf
 from hsdp_runner.config.checks import validate_config
+from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.models.base import build_meta_model, model_spec
 
 TINY = "model=gpt2_tiny"
@@ -19,9 +22,9 @@ TINY = "model=gpt2_tiny"
 @pytest.mark.parametrize("layout", GROUPS["parallel"])
 def test_gpt2_tiny_composes_and_validates_with_every_parallel_preset(layout):
     cfg = compose([TINY, f"parallel={layout}"])
-    validate_config(cfg)
+    validate_config(to_run_config(cfg))
     p = cfg.parallel
-    dims = ParallelDims.from_config(p, cfg.model, p.dp_replicate * p.dp_shard * p.cp * p.tp)
+    dims = ParallelDims.from_config(p, cfg.model, math.prod(p[name] for name in DIM_NAMES))
     assert dims.world_size >= 1 and type(model_spec(cfg.model)).__name__ == "GPT2Config"
 
 
@@ -110,3 +113,26 @@ def test_initial_weights_are_a_function_of_seed_and_name():
     assert torch.equal(params["h.0.attn.q_proj.bias"], torch.zeros(64))
     # The residual projections are scaled down by depth, as GPT-2 does.
     assert params["h.0.mlp.c_proj.weight"].std() < 0.7 * params["h.0.mlp.c_fc.weight"].std()
+
+
+@pytest.mark.parametrize("model, no_decay", [
+    ("llama3_tiny", {"tok_embeddings.weight", "norm.weight", "layers.0.attention_norm.weight",
+                     "layers.0.ffn_norm.weight"}),
+    (TINY.removeprefix("model="), {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
+                                   "h.0.ln_1.weight", "h.0.attn.q_proj.bias", "h.0.mlp.c_proj.bias"}),
+])
+def test_the_model_spec_keeps_embeddings_norms_and_biases_out_of_weight_decay(model, no_decay):
+    from hsdp_runner.train.trainer import build_optimizer
+
+    cfg = to_run_config(compose([f"model={model}"]))
+    spec = model_spec(cfg.model)
+    with torch.device("cpu"):
+        built = spec.build()
+    names = {id(p): n for n, p in built.named_parameters()}
+    decay, zero = build_optimizer(built, cfg.optim, spec.no_weight_decay).param_groups
+    assert decay["weight_decay"] == cfg.optim.weight_decay > 0 and zero["weight_decay"] == 0
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert no_decay <= {names[id(p)] for p in zero["params"]} and not no_decay & decayed
+    # Only matmul weights are decayed: 2-D, and no embedding table.
+    assert decayed and all(built.get_parameter(n).ndim == 2 for n in decayed)
+    assert not any(n.startswith(("tok_embeddings", "wte", "wpe")) for n in decayed)

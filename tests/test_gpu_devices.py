@@ -74,10 +74,11 @@ def test_float16_without_a_gradient_scaler_is_refused(key):
     from test_config import compose
 
     from hsdp_runner.config.checks import validate_config
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"precision.{key}=float16 needs a gradient scaler"):
-        validate_config(compose(["model=llama3_tiny", f"precision.{key}=float16"]))
+        validate_config(to_run_config(compose(["model=llama3_tiny", f"precision.{key}=float16"])))
 
 
 # --- device choice: what is visible, and why GPUs go unused ------------------------------------

@@ -294,7 +294,7 @@ def test_cpu_initial_weights_are_the_same_values_as_before():
 def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator(monkeypatch):
     import torch
 
-    from hsdp_runner.models import llama
+    from hsdp_runner.models import common
 
     draws = []
 
@@ -311,14 +311,11 @@ def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator
         return torch.zeros(shape)
     monkeypatch.setattr(torch, "Generator", Generator)
     monkeypatch.setattr(torch, "randn", randn)
-    monkeypatch.setattr(torch, "ones", lambda shape, device: draws.append(device) or "ones")
     gpu = torch.device("cuda", 3)
-    llama.initial_value("layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
-    llama.initial_value("_orig_mod.layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
-    assert draws[0] == (gpu, llama._name_seed(7, "layers.0.attention.wq.weight"), gpu)
+    common.initial_value("layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    common.initial_value("_orig_mod.layers.0.attention.wq.weight", (4, 4), 7, 0.02, gpu)
+    assert draws[0] == (gpu, common.name_seed(7, "layers.0.attention.wq.weight"), gpu)
     assert draws[1] == draws[0]  # the seed is the name's, whatever wraps the module
-    llama.initial_value("layers.0.ffn_norm.weight", (4,), 7, 0.02, gpu)
-    assert draws[2] == gpu
 
 
 # --- rank-0 file work outside the collective timeout ----------------------------------------------
@@ -384,6 +381,7 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     import torch.distributed as dist
     from test_config import compose
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.worker import make_checkpointer, make_trainer
@@ -399,8 +397,8 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
         device = torch.device("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
         figures = compute_run_figures(cfg, dims, model, device)
-        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
-        ckpt = make_checkpointer(cfg, dims, Path(out), trainer, device)
+        trainer = make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
+        ckpt = make_checkpointer(to_run_config(cfg), Path(out), trainer)
         prune = ckpt._prune
         ckpt._prune = lambda newest: (time.sleep(SLOW_PRUNE_S), prune(newest))  # a slow NFS
         ckpt.save(1)

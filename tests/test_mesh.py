@@ -4,6 +4,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.distributed.topology import placement
@@ -12,7 +13,7 @@ MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 
 
 def parallel(r=1, s=1, t=1, sp=True, cp=1, **allow):
-    return NS(dp_replicate=r, dp_shard=s, cp=cp, tp=t, sequence_parallel=sp, **allow)
+    return ParallelConfig(dp_replicate=r, dp_shard=s, cp=cp, tp=t, sequence_parallel=sp, **allow)
 
 
 @pytest.mark.parametrize("degrees, world, expected", [

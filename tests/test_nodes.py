@@ -9,18 +9,20 @@ from hydra import initialize_config_dir
 from test_config import CONF, compose
 
 from hsdp_runner.config.checks import validate_config
-from hsdp_runner.config.compose import default_run_dir
+from hsdp_runner.config.compose import default_run_dir, to_run_config
+from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.runtime.app import torchrun_problem
-from hsdp_runner.runtime.launch import join_submitit_job, validate
+from hsdp_runner.runtime.launch import validate
+from hsdp_runner.runtime.slurm import join_submitit_job
 
 MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 
 
 def dims(shape, ranks_per_node, allow_tp=False):
-    parallel = NS(dp_replicate=shape[0], dp_shard=shape[1], tp=shape[2], sequence_parallel=True,
-                  allow_tp_across_nodes=allow_tp)
+    parallel = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], tp=shape[2],
+                              allow_tp_across_nodes=allow_tp)
     world = shape[0] * shape[1] * shape[2]
     return ParallelDims.from_config(parallel, MODEL, world, ranks_per_node)
 
@@ -66,7 +68,7 @@ def test_world_size_must_be_whole_nodes():
 
 
 def test_one_node_job_records_one_node():
-    facts = ParallelDims.from_config(NS(dp_replicate=2, dp_shard=2, tp=1), None, 4).describe()
+    facts = ParallelDims.from_config(ParallelConfig(dp_replicate=2, dp_shard=2), None, 4).describe()
     assert (facts["nodes"], facts["ranks_per_node"], facts["dims_across_nodes"]) == (1, 4, [])
 
 
@@ -88,7 +90,7 @@ def test_slurm_preset_feeds_our_keys_to_the_submitit_launcher():
         cfg = hydra_compose(config_name="config", return_hydra_config=True, overrides=[
             "launcher=slurm", "launcher.nnodes=4", "launcher.nproc_per_node=8",
             "launcher.partition=gpu", "launcher.account=proj", "launcher.timeout_min=30"])
-    validate_config(cfg)
+    validate_config(to_run_config(cfg))
     hl = cfg.hydra.launcher
     assert hl._target_.endswith("CheckedSlurmLauncher") and cfg.hydra.mode.name == "MULTIRUN"
     assert (hl.nodes, hl.tasks_per_node, hl.gpus_per_node) == (4, 8, 8)

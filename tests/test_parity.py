@@ -101,6 +101,7 @@ def _train_cases(cases):
     the overrides say otherwise); return {name: (step records, ParallelDims.describe())}."""
     import torch.distributed as dist
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.worker import make_trainer
@@ -115,7 +116,7 @@ def _train_cases(cases):
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
                             torch.device("cpu"), cfg.trainer.seed)
         cpu = torch.device("cpu")
-        trainer = make_trainer(cfg, dims, world, model, cpu,
+        trainer = make_trainer(to_run_config(cfg), dims, world, model, cpu,
                                compute_run_figures(cfg, dims, model, cpu), sinks=[])
         out[name] = (trainer.fit(), dims.describe())
     return out

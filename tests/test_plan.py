@@ -37,7 +37,7 @@ def planned(tmp_path_factory, monkeypatch_module):
 @pytest.fixture(scope="module")
 def monkeypatch_module(tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.setattr(plan_memory, "CACHE_DIR", tmp_path_factory.mktemp("cache"))
+    mp.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     yield mp
     mp.undo()
 

@@ -9,7 +9,6 @@ from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner.cluster import Cluster
 from hsdp_runner.planner.degrees import auto_cp_degrees, cp_degrees, degree_shapes
 from hsdp_runner.planner.step_time import comm_times, step_time
@@ -105,7 +104,7 @@ def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, mo
     """Llama 3 8B, one 64k-token sequence per step on 8 H100s: with one sequence no rank can
     take a batch row of its own, so either TP or cp splits the sequence. TP leaves every rank
     the whole sequence's fp32 loss temporaries and does not fit; cp = 8 does."""
-    monkeypatch.setattr(plan_memory, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     code = plan.main(["model=llama3_8b", "model.seq_len=65536", "precision=bf16",
                       "trainer.global_batch_size=1", "parallel.ac=full", "plan.cp_degrees=[1,8]",
                       f"plan.out_dir={tmp_path / 'plan'}"])

@@ -72,6 +72,7 @@ class Tally:
 def _trainer(overrides, device=None):
     import torch.distributed as dist
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.worker import make_trainer
@@ -83,7 +84,7 @@ def _trainer(overrides, device=None):
     world = dims.build_mesh(device.type)
     model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
     figures = compute_run_figures(cfg, dims, model, device)
-    return make_trainer(cfg, dims, world, model, device, figures, sinks=[])
+    return make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
 
 
 def _weights(trainer):
@@ -267,6 +268,16 @@ def test_prefetched_batches_are_the_batches_of_their_step():
             assert torch.equal(x, want_x) and torch.equal(y, want_y)
     finally:
         data.close()
+
+
+def test_one_cache_dir_and_the_old_variable_still_works_with_a_warning(tmp_path):
+    from hsdp_runner.distributed.hardware import cache_dir
+
+    both = {"HSDP_RUNNER_CACHE_DIR": str(tmp_path / "new"), "HSDP_RUNNER_CACHE": "old"}
+    assert cache_dir(both) == tmp_path / "new"
+    with pytest.warns(FutureWarning, match="set HSDP_RUNNER_CACHE_DIR instead"):
+        assert cache_dir({"HSDP_RUNNER_CACHE": str(tmp_path / "old")}) == tmp_path / "old"
+    assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "hsdp_runner"
 
 
 def test_cpu_peak_is_measured_once_per_machine_and_thread_count(tmp_path, monkeypatch):

@@ -18,10 +18,12 @@ from test_compare import fake_job
 from hsdp_runner import parity
 from hsdp_runner.checkpoint import checkpointer as checkpoint
 from hsdp_runner.checkpoint import start as checkpoint_start
-from hsdp_runner.core.records import RunStatus, RunSummary
+from hsdp_runner.config.schema import CheckpointConfig, ParallelConfig
+from hsdp_runner.core.choices import RunStatus, StartSource
+from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.runtime import failures, sweep
 from hsdp_runner.runtime import signals as interrupt
-from hsdp_runner.runtime import sweep
 from hsdp_runner.train import sinks as tracking
 
 
@@ -115,7 +117,7 @@ def test_pruning_touches_only_what_the_runner_wrote_and_never_fails(tmp_path, ca
 def test_a_failed_summary_carries_no_figures_of_an_earlier_attempt(tmp_path):
     RunSummary(status=RunStatus.interrupted, final_loss=3.2, median_tps_global=1e4,
                interrupted_at_step=7).write(tmp_path)
-    dims = ParallelDims.from_config(OmegaConf.create({"dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+    dims = ParallelDims.from_config(ParallelConfig(dp_shard=2),
                                     OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
                                                       "dim": 64}), 2, 2)
     RunSummary.failed(dims.describe(), 1, "RuntimeError: boom").write(tmp_path)
@@ -125,12 +127,12 @@ def test_a_failed_summary_carries_no_figures_of_an_earlier_attempt(tmp_path):
 
 
 def test_only_the_first_rank_to_end_early_writes_the_summary(tmp_path):
-    tracking.begin_attempt(tmp_path)
-    assert tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=1))
-    assert not tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
+    failures.begin_attempt(tmp_path)
+    assert failures.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=1))
+    assert not failures.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
     assert RunSummary.read(tmp_path).failed_rank == 1
-    tracking.begin_attempt(tmp_path)  # a rerun
-    assert tracking.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
+    failures.begin_attempt(tmp_path)  # a rerun
+    assert failures.record_end(tmp_path, RunSummary(status=RunStatus.failed, failed_rank=0))
 
 
 def test_compare_shows_an_interrupted_job_and_counts_it(tmp_path):
@@ -189,7 +191,7 @@ def test_a_sweep_with_an_interrupted_job_exits_with_its_signal_code():
 def _group_timeouts() -> dict:
     import torch
 
-    dims = ParallelDims.from_config(OmegaConf.create({"dp_replicate": 1, "dp_shard": 2, "tp": 1}),
+    dims = ParallelDims.from_config(ParallelConfig(dp_shard=2),
                                     OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
                                                       "dim": 64}), 2)
     world = dims.build_mesh("cpu")  # as in-process tests build it: no timeout given
@@ -208,16 +210,16 @@ def test_every_test_mesh_group_gets_the_short_collective_timeout():
 def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path):
     from hsdp_runner.runtime.worker import _prepare_metrics
 
-    cfg = OmegaConf.create({"checkpoint": {"dir": None}})
-    own = checkpoint_start.Start("checkpoint", str(tmp_path / "checkpoints" / "step-4"), 4)
+    cfg = CheckpointConfig()
+    own = checkpoint_start.Start(StartSource.checkpoint, str(tmp_path / "checkpoints" / "step-4"), 4)
     write_metrics(tmp_path, [1, 2, 3, 4, 5, 6])
     _prepare_metrics(cfg, tmp_path, own)
     assert [r["step"] for r in tracking.read_metrics(tmp_path)] == [1, 2, 3, 4]
     # Another run's checkpoint, or a fresh start: the earlier run is set aside whole.
-    elsewhere = checkpoint_start.Start("checkpoint", "/other/job/checkpoints/step-2", 2)
+    elsewhere = checkpoint_start.Start(StartSource.checkpoint, "/other/job/checkpoints/step-2", 2)
     _prepare_metrics(cfg, tmp_path, elsewhere)
     assert not (tmp_path / "metrics.jsonl").exists()
     assert len(tracking.read_metrics(tmp_path / "earlier_runs" / "1")) == 4
     write_metrics(tmp_path, [1])
-    _prepare_metrics(cfg, tmp_path, checkpoint_start.Start("fresh"))
+    _prepare_metrics(cfg, tmp_path, checkpoint_start.Start(StartSource.fresh))
     assert (tmp_path / "earlier_runs" / "2" / "metrics.jsonl").exists()

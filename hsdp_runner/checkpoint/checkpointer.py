@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
 from hsdp_runner.checkpoint.rank0_io import run_on_rank0
@@ -54,8 +53,12 @@ from hsdp_runner.checkpoint.start import (
     export_dir,
     load_failure,
 )
-from hsdp_runner.core.choices import FaultPhase
+from hsdp_runner.config.schema import CheckpointConfig, DataConfig, PrecisionConfig, TrainerConfig
+from hsdp_runner.core.choices import FaultPhase, StartSource
 from hsdp_runner.core.faults import inject_fault
+from hsdp_runner.models.base import ModelConfig, model_fields
+from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +95,12 @@ def set_rng_state(blob: bytes, device: torch.device) -> bool:
     return True
 
 
-def data_facts(data_cfg, seed: int, global_batch_size: int, seq_len: int) -> dict:
-    """What decides the batches of a step, as a checkpoint manifest records it (``data``)."""
-    return {"kind": str(data_cfg.kind), "path": data_cfg.path, "seed": seed,
-            "global_batch_size": global_batch_size, "seq_len": seq_len}
+def data_facts(data_cfg: DataConfig, train: TrainerConfig, seq_len: int) -> dict:
+    """What decides the batches of a step, as a checkpoint manifest records it (``data``):
+    the ``data`` config, ``trainer.seed`` and ``trainer.global_batch_size``, the sequence
+    length."""
+    return {"kind": str(data_cfg.kind), "path": data_cfg.path, "seed": train.seed,
+            "global_batch_size": train.global_batch_size, "seq_len": seq_len}
 
 
 def _remove(path: Path) -> bool:
@@ -118,19 +123,20 @@ def _fsync_dir(path: Path) -> None:
 class Checkpointer:
     """Saves and restores one job's training state; every rank holds one and calls it together.
 
-    Takes the ``checkpoint`` and ``model`` config nodes, ParallelDims, the job's output dir,
-    the trainer's model, optimizer and LR scheduler (already sharded; the optimizer built over
-    them), the rank's device, the run's step count, the stored (master) dtype, the data facts
-    a manifest records (``data_facts``) and the ``fault`` node (None: no faults).
+    Takes the ``checkpoint`` config, the Trainer whose state it saves (its sharded model,
+    optimizer and LR scheduler, ParallelDims, device, ``trainer`` and ``fault`` configs) and
+    the job's output dir; then the ``model``, ``precision`` (the stored master dtype) and
+    ``data`` configs a manifest records.
     """
 
-    def __init__(self, ckpt_cfg, model_cfg, dims, output_dir: Path, model, optimizer, scheduler,
-                 device: torch.device, *, total_steps: int, master_dtype: str, data: dict,
-                 fault=None):
-        self.ckpt, self.model_cfg, self.dims, self.device = ckpt_cfg, model_cfg, dims, device
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.total_steps, self.master_dtype, self.data, self.fault = \
-            total_steps, master_dtype, data, fault
+    def __init__(self, ckpt_cfg: CheckpointConfig, trainer: Trainer, output_dir: Path, *,
+                 model: ModelConfig, precision: PrecisionConfig, data: DataConfig):
+        self.ckpt, self.model_cfg = ckpt_cfg, model
+        self.dims, self.device = trainer.dims, trainer.device
+        self.model, self.optimizer, self.scheduler = \
+            trainer.model, trainer.optimizer, trainer.scheduler
+        self.total_steps, self.master_dtype = trainer.train.steps, precision.master_dtype
+        self.data, self.fault = data_facts(data, trainer.train, model.seq_len), trainer.fault
         self.folder = checkpoint_dir(ckpt_cfg, output_dir)
         self.export_folder = export_dir(ckpt_cfg, output_dir)
         self.rank = dist.get_rank()
@@ -145,13 +151,14 @@ class Checkpointer:
 
     def restore(self, start: Start) -> int:
         """Load what ``start`` names into model/optimizer/scheduler/RNG; return the first step."""
-        if start.source == "checkpoint":
+        if start.source is StartSource.checkpoint:
             self._load(Path(start.path), start.manifest)
-            unused = [f"checkpoint.{k}" for k in ("load_path", "init_from_hf") if self.ckpt[k]]
+            unused = [f"checkpoint.{k}" for k in ("load_path", "init_from_hf")
+                      if getattr(self.ckpt, k)]
             if self.rank == 0 and unused and Path(start.path).parent == self.folder:
                 log.info("%s not used: this job continues from its own checkpoint %s",
                          " and ".join(unused), start.path)
-        elif start.source == "hf":
+        elif start.source is StartSource.hf:
             self._load_hf(Path(start.path))
         self.facts.update(start_step=start.step, loaded_from=start.path)
         return start.step
@@ -237,8 +244,7 @@ class Checkpointer:
         dist.all_gather_object(rng, rng_state(self.device))
         dist.barrier()
         dcp.save({**self._state(), "rng": rng}, checkpoint_id=str(partial))
-        if self.fault is not None:
-            inject_fault(self.fault, self.rank, step, phase=FaultPhase.save)
+        inject_fault(self.fault, self.rank, step, phase=FaultPhase.save)
         dist.barrier()
 
         def commit_and_prune():
@@ -254,7 +260,7 @@ class Checkpointer:
         return {"format": FORMAT, "step": step,
                 "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
                 "torch_version": torch.__version__, "layout": self.dims.describe(),
-                "model": OmegaConf.to_container(self.model_cfg, resolve=True),
+                "model": model_fields(self.model_cfg),
                 "master_dtype": str(self.master_dtype),
                 "data": {"next_step": step, **self.data,
                          "loader": "stateless: batch(step) = f(seed, step), sliced by dp rank"}}
@@ -300,7 +306,7 @@ class Checkpointer:
             full_state_dict=True, cpu_offload=True))
 
         def write():
-            dtype = getattr(torch, str(c.export_dtype))
+            dtype = torch_dtype(c.export_dtype)
             hf.write_folder(hf.to_hf(full, self.model_cfg, dtype), hf.hf_config(self.model_cfg, dtype),
                             self.export_folder, int(c.export_max_shard_gib * 2**30))
             log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)

@@ -1,8 +1,8 @@
 """Hugging Face folders: config.json and safetensors files, read, checked and written.
 
 The names, tensor layout and ``config.json`` of a family's Hugging Face model are the
-family's own (its ``ModelSpec``: ``to_hf``, ``from_hf``, ``hf_config``, see
-``models/base.py``); this module does the file work for any family that has them.
+family's own (the ``HFAdapter`` its ``ModelSpec.hf_adapter`` returns, see ``models/base.py``);
+this module does the file work for any family that has one.
 
 A folder is ``config.json`` plus ``model.safetensors``, or above the size limit
 ``model-0000i-of-0000N.safetensors`` files and ``model.safetensors.index.json``. We write the
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import model_spec
+from hsdp_runner.models.base import HFAdapter, ModelConfig, model_spec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,15 +33,18 @@ class HFFormatError(ConfigError):
     """A Hugging Face folder that cannot be read or written; the message names the path."""
 
 
-def _hf_spec(model_cfg):
+def _hf_spec(model_cfg: ModelConfig | dict) -> HFAdapter:
+    """The HF mapping of the model ``model_cfg`` describes; HFFormatError if it has none."""
     spec = model_spec(model_cfg)
-    if not hasattr(spec, "to_hf"):
+    adapter = spec.hf_adapter()
+    if adapter is None:
         raise HFFormatError(f"model {spec.name} ({type(spec).__name__}) has no Hugging Face "
                             "mapping; Hugging Face export and import need one (models/base.py)")
-    return spec
+    return adapter
 
 
-def to_hf(state: dict[str, torch.Tensor], model_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def to_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict, dtype: torch.dtype
+          ) -> dict[str, torch.Tensor]:
     """Map our full (unsharded) state dict to the family's HF names, layout and ``dtype``."""
     spec = _hf_spec(model_cfg)
     unnamed = [name for name in state if spec.hf_names().to_hf(name) is None]
@@ -52,12 +55,13 @@ def to_hf(state: dict[str, torch.Tensor], model_cfg, dtype: torch.dtype) -> dict
             for name, tensor in spec.to_hf(state).items()}
 
 
-def from_hf(state: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+def from_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict
+            ) -> dict[str, torch.Tensor]:
     """Map an HF state dict (HF names) back to our names and layout."""
     return _hf_spec(model_cfg).from_hf(state)
 
 
-def hf_config(model_cfg, dtype: torch.dtype) -> dict:
+def hf_config(model_cfg: ModelConfig | dict, dtype: torch.dtype) -> dict:
     """The family's ``config.json`` for our model's shape, weights in ``dtype``."""
     return _hf_spec(model_cfg).hf_config(dtype)
 
@@ -116,7 +120,7 @@ def write_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path,
     return [out_dir / name for name in names]
 
 
-def read_config(folder: Path, model_cfg) -> dict:
+def read_config(folder: Path, model_cfg: ModelConfig | dict) -> dict:
     """Return the folder's config.json; HFFormatError if it is missing or of another family
     (or asks for what the model cannot compute)."""
     spec = _hf_spec(model_cfg)
@@ -128,7 +132,8 @@ def read_config(folder: Path, model_cfg) -> dict:
                             "config.json beside its safetensors files") from None
     if config.get("model_type") != spec.hf_model_type:
         raise HFFormatError(f"{path} has model_type={config.get('model_type')!r}; model "
-                            f"{spec.name} loads only model_type {spec.hf_model_type!r} folders")
+                            f"{model_spec(model_cfg).name} loads only model_type "
+                            f"{spec.hf_model_type!r} folders")
     try:
         spec.check_hf_config(config, path)
     except ConfigError as err:
@@ -157,7 +162,8 @@ def weight_files(folder: Path) -> dict[str, Path]:
         raise HFFormatError(f"{single} is not a readable safetensors file ({err})") from None
 
 
-def check_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> dict[str, Path]:
+def check_folder(folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
+                 ) -> dict[str, Path]:
     """Check an HF folder against the model without reading the weights.
 
     ``expected_shapes`` maps our parameter names to shapes. Checks config.json (shape and
@@ -167,7 +173,7 @@ def check_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> 
     from safetensors import safe_open
 
     spec = _hf_spec(model_cfg)
-    implied = spec.model_keys_from_hf_config(read_config(folder, spec))
+    implied = spec.model_keys_from_hf_config(read_config(folder, model_cfg))
     # Our values as our own config.json would state them (e.g. n_kv_heads=null -> n_heads).
     ours = spec.model_keys_from_hf_config(spec.hf_config(torch.float32))
     differ = [f"model.{k}={ours[k]} but config.json implies {implied[k]}"
@@ -179,7 +185,7 @@ def check_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> 
     # The HF names and shapes: our mapping applied to shape-only (meta) tensors.
     wanted = {name: tuple(t.shape) for name, t in spec.to_hf(
         {k: torch.empty(shape, device="meta") for k, shape in expected_shapes.items()}).items()}
-    ignored = getattr(spec, "hf_ignored", ())
+    ignored = spec.hf_ignored
     missing = sorted(set(wanted) - set(files))
     extra = sorted(n for n in set(files) - set(wanted) if not n.endswith(ignored))
     if missing or extra:
@@ -197,7 +203,8 @@ def check_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> 
     return {hf_name: files[hf_name] for hf_name in wanted}
 
 
-def read_folder(folder: Path, model_cfg, expected_shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+def read_folder(folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
+                ) -> dict[str, torch.Tensor]:
     """Check (``check_folder``) and read an HF folder into our names and layout."""
     from safetensors import safe_open
 

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
-from hsdp_runner.core.choices import Resume
+from hsdp_runner.config.schema import CheckpointConfig
+from hsdp_runner.core.choices import Resume, StartSource
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import build_meta_model
+from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields
 
 MANIFEST = "checkpoint.json"
 FORMAT = "hsdp_runner.dcp/1"
@@ -35,21 +35,22 @@ class CheckpointError(ConfigError):
 
 @dataclass(frozen=True)
 class Start:
-    """Where a job's state comes from: 'checkpoint' (full state), 'hf' (weights) or 'fresh'."""
+    """Where a job's state comes from: a checkpoint (full state), an HF folder (weights) or
+    fresh weights; ``path`` names the folder, ``step`` the first step to train."""
 
-    source: str
+    source: StartSource
     path: Optional[str] = None
     step: int = 0
     manifest: Optional[dict] = None
 
 
-def checkpoint_dir(ckpt_cfg, output_dir: Path) -> Path:
+def checkpoint_dir(ckpt_cfg: CheckpointConfig, output_dir: Path) -> Path:
     """The folder checkpoints are saved to and resumed from (``ckpt_cfg``: the ``checkpoint``
     config node)."""
     return Path(ckpt_cfg.dir).expanduser() if ckpt_cfg.dir else Path(output_dir) / "checkpoints"
 
 
-def export_dir(ckpt_cfg, output_dir: Path) -> Path:
+def export_dir(ckpt_cfg: CheckpointConfig, output_dir: Path) -> Path:
     """The folder ``checkpoint.export_at_end`` writes to."""
     return Path(ckpt_cfg.export_dir).expanduser() if ckpt_cfg.export_dir else Path(output_dir) / "hf"
 
@@ -63,7 +64,7 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def newest_checkpoint(ckpt_cfg, output_dir: Path) -> str | None:
+def newest_checkpoint(ckpt_cfg: CheckpointConfig, output_dir: Path) -> str | None:
     """The path of the newest complete checkpoint in the job's checkpoint dir, or None."""
     found = complete_checkpoints(checkpoint_dir(ckpt_cfg, output_dir))
     return str(found[-1][1]) if found else None
@@ -85,12 +86,12 @@ def resolve(path: Path, key: str) -> Path:
     return found[-1][1]
 
 
-def expected_shapes(model_cfg) -> dict[str, tuple]:
+def expected_shapes(model_cfg: ModelConfig | dict) -> dict[str, tuple]:
     """Parameter name -> shape of the model ``model_cfg`` describes (its shared meta model)."""
     return {k: tuple(v.shape) for k, v in build_meta_model(model_cfg).state_dict().items()}
 
 
-def inspect(path: Path, model_cfg) -> dict:
+def inspect(path: Path, model_cfg: ModelConfig | None) -> dict:
     """Check that ``path`` is a complete, intact checkpoint of this model; return its manifest.
 
     Reads only the manifest and DCP's ``.metadata``: every shard file must exist and be as long
@@ -119,27 +120,26 @@ def inspect(path: Path, model_cfg) -> dict:
             state = "is missing" if have is None else f"holds {have} bytes"
             raise CheckpointError(f"checkpoint {path} is truncated: {name} {state}, its .metadata "
                                   f"expects {size}; use an earlier checkpoint")
-    _check_shapes(path, metadata, manifest,
-                  OmegaConf.create(manifest["model"]) if model_cfg is None else model_cfg)
+    _check_shapes(path, metadata, manifest, manifest["model"] if model_cfg is None else model_cfg)
     return manifest
 
 
-def _check_shapes(path: Path, metadata, manifest: dict, model_cfg) -> None:
+def _check_shapes(path: Path, metadata, manifest: dict, model_cfg: ModelConfig | dict) -> None:
     saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
              if k.startswith("model.") and hasattr(v, "size")}
     wanted = expected_shapes(model_cfg)
     bad = [f"{k} is {saved.get(k)} there, {shape} here" for k, shape in wanted.items()
            if saved.get(k) != shape] + [f"{k} is not in this model" for k in saved if k not in wanted]
     if bad:
-        theirs = manifest.get("model", {})
-        keys = [f"model.{k}={theirs.get(k)} there, {getattr(model_cfg, k, None)} here"
-                for k in theirs if k != "name" and theirs[k] != getattr(model_cfg, k, None)]
+        theirs, ours = manifest.get("model", {}), model_fields(model_cfg)
+        keys = [f"model.{k}={theirs.get(k)} there, {ours.get(k)} here"
+                for k in theirs if k not in ("name", "_target_") and theirs[k] != ours.get(k)]
         raise CheckpointError(f"checkpoint {path} holds another model shape: {'; '.join(bad[:3])}"
                               f" ({'; '.join(keys) or 'see its ' + MANIFEST}); load it with the "
                               "model config it was saved with")
 
 
-def plan_start(ckpt_cfg, model_cfg, output_dir: Path) -> Start:
+def plan_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: Path) -> Start:
     """Decide where the job's state comes from; check that source. Raises CheckpointError.
 
     Takes the ``checkpoint`` and ``model`` config nodes and the job's output dir. Order: the
@@ -152,7 +152,7 @@ def plan_start(ckpt_cfg, model_cfg, output_dir: Path) -> Start:
                                        if c.load_path else None)
     if path is not None:
         manifest = inspect(path, model_cfg)
-        return Start("checkpoint", str(path), int(manifest["step"]), manifest)
+        return Start(StartSource.checkpoint, str(path), int(manifest["step"]), manifest)
     if c.init_from_hf:
         folder = Path(c.init_from_hf).expanduser()
         if not folder.is_dir() or (folder / MANIFEST).is_file():
@@ -161,19 +161,22 @@ def plan_start(ckpt_cfg, model_cfg, output_dir: Path) -> Start:
             raise CheckpointError(f"checkpoint.init_from_hf={folder} {what}; point it at a Hugging "
                                   "Face safetensors folder")
         hf.check_folder(folder, model_cfg, expected_shapes(model_cfg))
-        return Start("hf", str(folder))
-    return Start("fresh")
+        return Start(StartSource.hf, str(folder))
+    return Start(StartSource.fresh)
 
 
-def validate(cfg, output_dir: Path) -> Start:
+def validate(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, steps: int,
+             output_dir: Path) -> Start:
     """Check the ``checkpoint`` keys and paths before any worker starts; return the Start.
 
-    Takes the whole resolved config (the pre-flight check of ``launch``) and the output dir.
+    Takes the ``checkpoint`` and ``model`` configs, the run's ``trainer.steps`` and the output
+    dir (the pre-flight check of ``launch``).
     """
-    c = cfg.checkpoint
+    c = ckpt_cfg
     for key in ("interval", "keep_last"):
-        if c[key] is not None and c[key] < 1:
-            raise ConfigError(f"checkpoint.{key}={c[key]} must be >= 1, or null")
+        value = getattr(c, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"checkpoint.{key}={value} must be >= 1, or null")
     if c.rank0_wait_s <= 0:
         raise ConfigError(f"checkpoint.rank0_wait_s={c.rank0_wait_s} must be positive (seconds)")
     if c.export_max_shard_gib <= 0:
@@ -183,17 +186,18 @@ def validate(cfg, output_dir: Path) -> Start:
         raise CheckpointError(f"checkpoint.dir={folder} already holds checkpoints and "
                               "checkpoint.resume=never would write beside them; continue with "
                               "checkpoint.resume=auto or choose an empty checkpoint.dir")
-    start = plan_start(c, cfg.model, output_dir)
-    if start.step >= cfg.trainer.steps:
+    start = plan_start(c, model_cfg, output_dir)
+    if start.step >= steps:
         raise CheckpointError(f"checkpoint {start.path} is at step {start.step}, nothing is left "
-                              f"to train with trainer.steps={cfg.trainer.steps}; raise "
+                              f"to train with trainer.steps={steps}; raise "
                               "trainer.steps or start elsewhere")
     if c.export_at_end:
         hf.require_empty_destination(export_dir(c, output_dir), "checkpoint.export_dir")
     return start
 
 
-def agree_on_start(ckpt_cfg, model_cfg, output_dir: Path) -> Start:
+def agree_on_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: Path
+                   ) -> Start:
     """Rank 0 plans the start (``plan_start``) and every rank receives the same Start."""
     box = [plan_start(ckpt_cfg, model_cfg, output_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -1,10 +1,12 @@
 """Checks on a composed config that need no world size, and the choice checks on the command line.
 
-The typed schema (``config.py``) rejects a wrong type and, for a choice field, a value outside
-its Enum at composition. What is left here: cross-field rules, ranges, keys added with ``+``,
-the same choice check for a plain dict (which never met the schema) and, before Hydra
-composes, for choice overrides on the command line, so a typo there costs one clear line.
-Checks on degrees live in ``mesh.ParallelDims``.
+The typed schema (``schema.py``) rejects a wrong type and, for a choice field, a value outside
+its Enum at composition. What is left here: on the plain config, before it becomes the typed
+``RunConfig`` (``compose.to_run_config``), keys added with ``+`` and the choice check (a plain
+dict never met the schema); on the typed config, cross-field rules and ranges
+(``validate_config``); and, before Hydra composes, the choice check for overrides on the
+command line, so a typo there costs one clear line. Checks on degrees live in
+``distributed.parallel_dims.ParallelDims``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ import dataclasses
 import difflib
 import typing
 
-from omegaconf import DictConfig, OmegaConf
-
-from hsdp_runner.config.schema import RunConfig
+from hsdp_runner.config.schema import LauncherConfig, RunConfig, TrainerConfig
 from hsdp_runner.core.choices import Choice, DataKind, Dtype, FaultKind, LauncherName
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.signal_names import parse_signal
@@ -75,19 +75,33 @@ def _require_positive(key: str, value) -> None:
         raise ConfigError(f"{key}={value} must be a positive integer; set {key}>=1")
 
 
-def validate_config(cfg: DictConfig | dict) -> None:
-    """Check the fields that need no world size; raise ConfigError naming key, value and fix.
+def _select(plain: dict, key: str):
+    """The value at dotted ``key`` of a plain config, None where a section is absent or null."""
+    for part in key.split("."):
+        if not isinstance(plain, dict):
+            return None
+        plain = plain.get(part)
+    return plain
 
-    Takes the composed config (DictConfig or plain dict). Degree checks are ParallelDims'.
-    """
-    c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-    _reject_unknown_keys(c)
+
+def check_plain_config(plain: dict) -> None:
+    """Check a plain config (a resolved container) before it becomes typed: every choice field
+    holds one of its Enum's values, and no key is unknown to the schema. Raises ConfigError."""
     for key in CHOICE_FIELDS:
-        value = OmegaConf.select(c, key)
+        value = _select(plain, key)
         if value is not None:  # a choice inside a null section (e.g. cluster in a job)
             check_choice(key, value)
+    _reject_unknown_keys(plain)
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Check the fields that need no world size; raise ConfigError naming key, value and fix.
+
+    Takes the typed config (``compose.to_run_config``). Degree checks are ParallelDims'.
+    """
+    c = cfg
     for key in ("param_dtype", "reduce_dtype", "master_dtype"):
-        if c.precision[key] == Dtype.float16:
+        if getattr(c.precision, key) == Dtype.float16:
             # fp16 gradients underflow without loss scaling, and the trainer has no scaler.
             raise ConfigError(f"precision.{key}=float16 needs a gradient scaler, which the "
                               "runner does not have; use bfloat16 (precision=bf16 or bf16_pure)")
@@ -95,7 +109,8 @@ def validate_config(cfg: DictConfig | dict) -> None:
                 "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
                 "model.vocab_size", "model.seq_len",
                 "launcher.nnodes", "launcher.timeout_s"):
-        _require_positive(key, OmegaConf.select(c, key))
+        section, field = key.split(".")
+        _require_positive(key, getattr(getattr(c, section), field))
     if c.launcher.requeue and not c.checkpoint.enable:
         raise ConfigError(f"launcher.requeue={c.launcher.requeue} needs checkpoint.enable=true: a "
                           "requeued job resumes from its checkpoint (without one it starts over)")
@@ -136,7 +151,7 @@ def validate_config(cfg: DictConfig | dict) -> None:
         raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
 
 
-def _validate_launcher(launcher) -> None:
+def _validate_launcher(launcher: LauncherConfig) -> None:
     if launcher.signal is not None:
         try:
             parse_signal(launcher.signal)
@@ -154,8 +169,8 @@ def _validate_launcher(launcher) -> None:
                           "set it, e.g. launcher.nproc_per_node=8")
     _require_positive("launcher.timeout_min", launcher.timeout_min)
     for key in ("cpus_per_task", "mem_gb"):
-        if launcher.get(key) is not None:
-            _require_positive(f"launcher.{key}", launcher[key])
+        if getattr(launcher, key) is not None:
+            _require_positive(f"launcher.{key}", getattr(launcher, key))
     if launcher.gpus_per_node is not None and launcher.gpus_per_node < launcher.nproc_per_node:
         raise ConfigError(
             f"launcher.gpus_per_node={launcher.gpus_per_node} is less than launcher.nproc_per_node="
@@ -167,23 +182,22 @@ def _validate_launcher(launcher) -> None:
                           "use launcher=slurm")
 
 
-def _schema_keys(node, prefix: str = "") -> list[str]:
+def _schema_keys(node: dict, prefix: str = "") -> list[str]:
     keys = []
-    for key in node:
+    for key, value in node.items():
         if not prefix and key == "hydra":  # Hydra's own node (present in a sweep's job config)
             continue
-        value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
         keys.append(prefix + str(key))
-        if OmegaConf.is_dict(value):
+        if isinstance(value, dict):
             keys += _schema_keys(value, f"{prefix}{key}.")
     return keys
 
 
-def _reject_unknown_keys(cfg: DictConfig) -> None:
+def _reject_unknown_keys(cfg: dict) -> None:
     """Refuse keys the schema does not know (added with ``+``, which the typed schema cannot
     stop): nothing reads them, so ``+trainer.stepz=10`` would run a full job silently.
     The message names the nearest valid key. ``hydra.*`` is not part of the job's config."""
-    known = set(SCHEMA_TYPES) | set(_field_types(family_schema(cfg.model), "model."))
+    known = set(SCHEMA_TYPES) | set(_field_types(family_schema(cfg["model"]), "model."))
     for key in _schema_keys(cfg):
         if key in known:
             continue
@@ -197,14 +211,13 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
                           "every key)")
 
 
-def validate_batch(cfg: DictConfig | dict, dp_size: int) -> int:
+def validate_batch(trainer: TrainerConfig, dp_size: int) -> int:
     """Check that the global batch splits evenly over dp ranks and micro-batches.
 
-    Takes the config and the data-parallel size (from ParallelDims); returns the micro-batch
-    size (sequences per rank per forward pass).
+    Takes the ``trainer`` config and the data-parallel size (from ParallelDims); returns the
+    micro-batch size (sequences per rank per forward pass).
     """
-    c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
-    gbs, accum = c.trainer.global_batch_size, c.trainer.grad_accum_steps
+    gbs, accum = trainer.global_batch_size, trainer.grad_accum_steps
     if gbs % (dp_size * accum):
         raise ConfigError(
             f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size "

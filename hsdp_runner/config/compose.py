@@ -7,13 +7,16 @@ resolver or schema is added once.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner.config.schema import register_schemas
+from hsdp_runner.config.checks import check_plain_config
+from hsdp_runner.config.schema import RunConfig, register_schemas
+from hsdp_runner.models.base import family_schema, model_fields
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -55,3 +58,30 @@ def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
     bootstrap()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+
+def to_run_config(cfg: DictConfig | dict) -> RunConfig:
+    """The typed config: the schema dataclasses (``RunConfig``, the model as its family's
+    dataclass), built once where a config arrives (a worker, the launcher, a pre-submit check).
+
+    Takes a composed DictConfig or its plain resolved container (the form sent to workers);
+    ``hydra`` (present in a sweep job's config) is dropped. Raises ConfigError naming the key
+    for a choice outside its Enum or a key the schema does not know (added with ``+``).
+    """
+    # Section by section: a sweep job's ``hydra`` node holds interpolations that resolve only
+    # inside Hydra's own job context.
+    plain = {key: OmegaConf.to_container(cfg[key], resolve=True)
+             if OmegaConf.is_config(cfg[key]) else copy.deepcopy(cfg[key])
+             for key in cfg if key != "hydra"}
+    check_plain_config(plain)
+    model = model_fields(plain.pop("model"))
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
+    node.model = OmegaConf.merge(OmegaConf.structured(family_schema(model)), model)
+    return OmegaConf.to_object(node)
+
+
+def plain_config(cfg: RunConfig) -> dict:
+    """The typed config as plain data (choices as their strings): what W&B's run config and
+    JSON files hold."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)

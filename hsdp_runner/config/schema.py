@@ -26,7 +26,6 @@ from hsdp_runner.core.choices import (
     LauncherName,
     Logger,
     OnNan,
-    Optimizer,
     Resume,
     WandbMode,
 )
@@ -63,7 +62,10 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
-    name: Optimizer = Optimizer.adamw
+    """AdamW's settings and the LR schedule (conf/optim/adamw.yaml). AdamW is the one
+    optimizer: the trainer skips a non-finite step on the device through fused AdamW's
+    ``found_inf``, and the planner's memory model counts its two moments."""
+
     lr: float = 5e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
@@ -108,19 +110,6 @@ class LauncherConfig:
     requeue: int = 0
     cpus_per_task: Optional[int] = None
     mem_gb: Optional[int] = None
-
-
-# launcher=slurm with launcher.mem_gb=null asks for this much memory per GPU (per task on a CPU
-# partition): rank 0 gathers the full state on the CPU for an HF export (fp32 8B: 32 GB).
-SLURM_MEM_GB_PER_GPU = 64
-
-
-def slurm_mem_gb(launcher) -> int:
-    """Memory per node in GB that a SLURM job asks for (sbatch --mem): ``launcher.mem_gb``, or
-    ``SLURM_MEM_GB_PER_GPU`` x GPUs per node (x tasks per node without GPUs)."""
-    if launcher.mem_gb is not None:
-        return launcher.mem_gb
-    return SLURM_MEM_GB_PER_GPU * (launcher.gpus_per_node or launcher.nproc_per_node or 1)
 
 
 @dataclass

@@ -50,12 +50,6 @@ class Dtype(Choice):
     float16 = "float16"
 
 
-class Optimizer(Choice):
-    """``optim.name``."""
-
-    adamw = "adamw"
-
-
 class DataKind(Choice):
     """``data.kind``: synthetic tokens or a byte-level text file."""
 
@@ -122,6 +116,40 @@ class LauncherName(Choice):
     def submitit(self) -> bool:
         """True for the launchers that run jobs through hydra-submitit-launcher."""
         return self is not LauncherName.local
+
+
+class DPMode(Choice):
+    """Which data-parallel wrapper a job's degrees call for (``ParallelDims.dp_mode``)."""
+
+    none = "none"
+    ddp = "ddp"
+    fsdp = "fsdp"
+    hsdp = "hsdp"
+
+
+class StartSource(Choice):
+    """Where a job's state comes from (``checkpoint.start.Start``): a checkpoint (full state),
+    a Hugging Face folder (weights only) or fresh weights."""
+
+    checkpoint = "checkpoint"
+    hf = "hf"
+    fresh = "fresh"
+
+
+class RunStatus(Choice):
+    """How a job ended (``summary.json``'s ``status``), in the order reports list them; a job
+    dir without summary.json is ``unfinished`` (``report.runs.Job``), never written."""
+
+    completed = "completed"
+    interrupted = "interrupted"
+    failed = "failed"
+    skipped = "skipped"
+    unfinished = "unfinished"
+
+    @property
+    def rank(self) -> int:
+        """The position reports sort jobs by: completed first, unfinished last."""
+        return list(RunStatus).index(self)
 
 
 class Resume(Choice):

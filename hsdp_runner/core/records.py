@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hsdp_runner.core.choices import Choice
+from hsdp_runner.core.choices import RunStatus
 
 SUMMARY_FILE = "summary.json"
 
@@ -38,15 +38,6 @@ class RunInfo:
     # True when this node's launcher of ours started the workers (it records a failed rank
     # itself); False under torchrun / SLURM, where rank 0's sidecar records one.
     local_launch: bool = False
-
-
-class RunStatus(Choice):
-    """How a job ended; a job dir without summary.json is 'unfinished' (``runs.Job``)."""
-
-    completed = "completed"
-    interrupted = "interrupted"
-    failed = "failed"
-    skipped = "skipped"
 
 
 def _trained(default: Any = None):

@@ -50,21 +50,20 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-import torch
-
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.step_stats import STATS_BYTES
-from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec
-from hsdp_runner.models.params import frozen_names
+from hsdp_runner.models.base import ModelConfig, block_prefix, build_meta_model, model_spec
+from hsdp_runner.models.params import frozen_names, torch_dtype
 
 
 def _dtype_bytes(name: str) -> int:
-    return getattr(torch, name).itemsize
+    return torch_dtype(name).itemsize
 
 
-def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
+def unit_sizes(model_cfg: ModelConfig, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
                ) -> dict[str, tuple[int, int]]:
     """Elements per FSDP unit ('<blocks>.<i>', e.g. 'layers.0', or 'root'): (all parameters,
     trainable ones).
@@ -99,7 +98,8 @@ class _Tally:
             self.counts[key]["bytes"] += nbytes
 
 
-def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+def analytic_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: ParallelConfig,
+                  precision: PrecisionConfig, trainer: TrainerConfig
                   ) -> dict[str, dict[str, int]]:
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
@@ -130,7 +130,8 @@ def world_dim(dims: ParallelDims) -> str:
                 "world")
 
 
-def context_parallel_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+def context_parallel_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: ParallelConfig,
+                          precision: PrecisionConfig, trainer: TrainerConfig
                           ) -> dict[str, dict[str, int]]:
     """Return the part of ``analytic_comm`` that is context parallel's key/value exchange
     ({'all_gather/cp', 'reduce_scatter/cp': {'calls', 'bytes'}}; empty when cp = 1). Same
@@ -144,8 +145,8 @@ def context_parallel_comm(model_cfg, dims: ParallelDims, parallel, precision, tr
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
 
 
-def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
-                   accum: int) -> None:
+def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool,
+                   precision: PrecisionConfig, accum: int) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
     if dims.dp_shard_cp > 1:
@@ -163,7 +164,7 @@ def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
 
 
-def _context_parallel(tally: _Tally, model_cfg, dims: ParallelDims, rows: int, compute: int,
+def _context_parallel(tally: _Tally, model_cfg: ModelConfig, dims: ParallelDims, rows: int, compute: int,
                       accum: int, recompute: bool) -> None:
     """The K/V all-gather of every block (again under full AC) and its gradients'
     reduce-scatter, for ``rows`` sequences a step (over the micro-batches)."""
@@ -176,7 +177,7 @@ def _context_parallel(tally: _Tally, model_cfg, dims: ParallelDims, rows: int, c
     tally.add(f"reduce_scatter/{dims.same_group('cp')}", layers * accum, layers * gathered)
 
 
-def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
+def _tensor_parallel(tally: _Tally, model_cfg: ModelConfig, tokens: int, sequence_parallel: bool,
                      compute: int, accum: int, recompute: bool = False) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank

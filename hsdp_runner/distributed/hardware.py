@@ -15,6 +15,8 @@
 - ``check_torch_apis``: the torch build has the distributed APIs the runner uses.
 - ``cpu_threads``: intra-op threads per rank from the affinity mask (what SLURM, cgroups or
   ``taskset`` allow this process), not ``os.cpu_count()`` (every core of the node).
+- ``cache_dir``: the one folder where measurements of this machine are kept (the CPU peak, the
+  planner's memory measurements and link benchmark).
 """
 
 from __future__ import annotations
@@ -39,6 +41,28 @@ REQUIRED_APIS = (
     ("torch.distributed.launcher.api", "elastic_launch", "the elastic launcher"),
 )
 MIN_TORCH = "2.6"
+
+
+CACHE_ENV = "HSDP_RUNNER_CACHE_DIR"
+# The planner's earlier name for the same folder, still read (with a warning) when CACHE_ENV
+# is unset.
+DEPRECATED_CACHE_ENV = "HSDP_RUNNER_CACHE"
+
+
+def cache_dir(env=None) -> Path:
+    """The folder for per-machine measurements: ``$HSDP_RUNNER_CACHE_DIR``, else the
+    deprecated ``$HSDP_RUNNER_CACHE`` (with a FutureWarning), else
+    ``$XDG_CACHE_HOME/hsdp_runner``, else ``~/.cache/hsdp_runner``. ``env``: the environment
+    to read (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV]).expanduser()
+    if env.get(DEPRECATED_CACHE_ENV):
+        warnings.warn(f"{DEPRECATED_CACHE_ENV} is deprecated; set {CACHE_ENV} instead (same "
+                      "meaning: the folder of hsdp_runner's per-machine measurements)",
+                      FutureWarning, stacklevel=2)
+        return Path(env[DEPRECATED_CACHE_ENV]).expanduser()
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsdp_runner"
 
 
 def check_torch_apis() -> None:

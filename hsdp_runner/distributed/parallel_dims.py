@@ -23,7 +23,10 @@ from datetime import timedelta
 from math import prod
 from typing import Optional
 
+from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
+from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.models.base import ModelConfig
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 # Flattened views of adjacent mesh dims: name -> the dims it joins (see the module docstring).
@@ -46,17 +49,16 @@ class ParallelDims:
     ranks_per_node: Optional[int] = None  # None: the whole job is on one node
 
     @classmethod
-    def from_config(cls, parallel, model, world_size: int,
-                    ranks_per_node: Optional[int] = None) -> ParallelDims:
+    def from_config(cls, parallel: ParallelConfig, model: Optional[ModelConfig],
+                    world_size: int, ranks_per_node: Optional[int] = None) -> ParallelDims:
         """Infer -1 degrees from ``world_size`` and validate against the model shape and nodes.
 
-        Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass), the
+        Takes the typed ``parallel`` and ``model`` configs (model None: no shape checks), the
         job's world size and the ranks per node (local world size; None = one node). Returns
         ParallelDims or raises ConfigError naming keys and a fix.
         """
-        get = (lambda node, k: node[k]) if isinstance(parallel, dict) else getattr
         # cp may be absent from configs written before it existed (it defaults to 1).
-        degrees = {name: _get(parallel, name, 1) if name == "cp" else get(parallel, name)
+        degrees = {name: _get(parallel, name, 1) if name == "cp" else getattr(parallel, name)
                    for name in DIM_NAMES}
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
@@ -78,38 +80,37 @@ class ParallelDims:
             degrees[unknown[0]] = world_size // known
         dims = cls(world_size=world_size, ranks_per_node=ranks_per_node, **degrees)
         dims._check_product()
-        dims._check_model(parallel, model, get)
+        dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
 
     def _check_product(self) -> None:
         product = prod(self.shape)
         if product != self.world_size:
-            terms = " x ".join(f"parallel.{name}={getattr(self, name)}" for name in DIM_NAMES)
+            named = " x ".join(f"parallel.{n}={v}" for n, v in self.degrees.items())
             raise ConfigError(
-                f"{terms} = {product}, but the world size is {self.world_size}; make "
+                f"{named} = {product}, but the world size is {self.world_size}; make "
                 "the product match (set one degree to -1 to infer it) or change "
                 "launcher.nproc_per_node / launcher.nnodes")
 
-    def _check_model(self, parallel, model, get) -> None:
+    def _check_model(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
         if model is None:
             return
-        n_heads = get(model, "n_heads")
+        n_heads = model.n_heads
         # Only grouped-query families (Llama) have n_kv_heads.
-        kv = model.get("n_kv_heads") if hasattr(model, "get") else getattr(model, "n_kv_heads", None)
-        n_kv_heads = kv or n_heads
+        n_kv_heads = getattr(model, "n_kv_heads", None) or n_heads
         for key, value in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
             if value % self.tp:
                 raise ConfigError(f"parallel.tp={self.tp} does not divide {key}={value}; choose a "
                                   f"tp degree that divides {value}")
-        seq_len = get(model, "seq_len")
+        seq_len = model.seq_len
         if self.cp > 1 and seq_len % (2 * self.cp):
             raise ConfigError(
                 f"model.seq_len={seq_len} is not divisible by 2 x parallel.cp={self.cp}: context "
                 f"parallel cuts each sequence into {2 * self.cp} chunks and gives every cp rank "
                 "one from each end (load balancing under the causal mask); use a multiple of "
                 f"{2 * self.cp} or another parallel.cp")
-        if self.tp > 1 and get(parallel, "sequence_parallel") and seq_len % (self.cp * self.tp):
+        if self.tp > 1 and parallel.sequence_parallel and seq_len % (self.cp * self.tp):
             what = f"parallel.tp={self.tp}" if self.cp == 1 else \
                 f"parallel.cp x parallel.tp = {self.cp} x {self.tp} (each cp rank's tokens are " \
                 "split again over the tp ranks)"
@@ -117,14 +118,14 @@ class ParallelDims:
                               "with parallel.sequence_parallel=true; change the sequence length "
                               "or set parallel.sequence_parallel=false")
 
-    def _check_nodes(self, parallel) -> None:
+    def _check_nodes(self, parallel: ParallelConfig) -> None:
         node = self.node_size
         if node < 1 or self.world_size % node:
             raise ConfigError(f"world size {self.world_size} is not a multiple of the {node} ranks "
                               "per node; give every node the same launcher.nproc_per_node "
                               "(torchrun --nproc-per-node)")
         crossing = self.dims_across_nodes()
-        if "tp" in crossing and not _get(parallel, "allow_tp_across_nodes", False):
+        if "tp" in crossing and not parallel.allow_tp_across_nodes:
             raise ConfigError(
                 f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}): every TP layer's "
                 "all-reduce/all-gather would cross the slow inter-node link; use a parallel.tp "
@@ -191,29 +192,34 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
-    def dp_mode(self) -> str:
-        """'none', 'ddp', 'fsdp' or 'hsdp': which data-parallel wrapper the degrees call for.
+    def dp_mode(self) -> DPMode:
+        """Which data-parallel wrapper the degrees call for: none, ddp, fsdp or hsdp.
 
         FSDP shards over ``dp_shard x cp``: context-parallel ranks hold the same parameters and
         their gradients are reduced together, so cp > 1 alone is FSDP over the cp ranks.
         """
         if self.dp_replicate > 1 and self.dp_shard_cp > 1:
-            return "hsdp"
+            return DPMode.hsdp
         if self.dp_shard_cp > 1:
-            return "fsdp"
+            return DPMode.fsdp
         if self.dp_replicate > 1:
-            return "ddp"
-        return "none"
+            return DPMode.ddp
+        return DPMode.none
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
+    def degrees(self) -> dict[str, int]:
+        """{mesh dim name: degree} in ``DIM_NAMES`` order."""
+        return {name: getattr(self, name) for name in DIM_NAMES}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         """The world mesh shape in ``DIM_NAMES`` order."""
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        return tuple(self.degrees.values())
 
     @property
     def layout(self) -> str:
         """A short human name such as 'hsdp_tp', 'fsdp' or 'fsdp_cp'."""
-        parts = [] if self.dp_mode == "none" else [self.dp_mode]
+        parts = [] if self.dp_mode is DPMode.none else [self.dp_mode.value]
         parts += [name for name in ("cp", "tp") if getattr(self, name) > 1]
         return "_".join(parts) or "single"
 
@@ -233,9 +239,8 @@ class ParallelDims:
     def describe(self) -> dict:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
-                "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode,
-                "layout": self.layout, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp, "nodes": self.nodes,
+                "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode.value,
+                "layout": self.layout, **self.degrees, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
@@ -353,7 +358,8 @@ def check_degree_values(degrees: dict) -> None:
                               "or -1 to fill the rest of the world size")
 
 
-def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
+def infer_world_size(launcher: LauncherConfig, parallel: ParallelConfig,
+                     device_count: Optional[int]) -> int:
     """Return the world size a launch will have, before any process starts.
 
     ``launcher.nnodes x launcher.nproc_per_node``; ``nproc_per_node`` defaults to the number of

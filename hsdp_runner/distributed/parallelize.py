@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hsdp_runner.core.choices import AC, DDPImpl
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
+from hsdp_runner.core.choices import AC, DDPImpl, DPMode
 from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
-from hsdp_runner.models.base import ParallelModule, model_spec
+from hsdp_runner.models.base import ModelConfig, ParallelModule, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def _new_replicate():
         return None
 
 
-def mixed_precision_policy(precision):
+def mixed_precision_policy(precision: PrecisionConfig):
     """Build the MixedPrecisionPolicy for the ``precision`` config node."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -139,9 +140,9 @@ def apply_compile(model: ParallelModule, tp: int) -> None:
         block.compile()
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
-                        reshard_after_forward: bool, ddp_impl: DDPImpl = DDPImpl.replicate
-                        ) -> None:
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh,
+                        precision: PrecisionConfig, reshard_after_forward: bool,
+                        ddp_impl: DDPImpl = DDPImpl.replicate) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
     fsdp: ``fully_shard`` on the 1-D ``dp_shard_cp`` mesh (``dp_shard`` when cp = 1: context-
@@ -157,11 +158,11 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
 
     mp_policy = mixed_precision_policy(precision)
     mode = dims.dp_mode
-    if mode == "none":
+    if mode is DPMode.none:
         if precision.param_dtype == precision.master_dtype:
             return
         wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
-    elif mode == "ddp":
+    elif mode is DPMode.ddp:
         wanted = DDPImpl(ddp_impl) is DDPImpl.replicate
         replicate = _new_replicate() if wanted else None
         if wanted and replicate is None:
@@ -172,7 +173,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
         else:
             wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
     else:
-        wrap, mesh_kw = fully_shard, {"mesh": world.fsdp_mesh(replicate=mode == "hsdp"),
+        wrap, mesh_kw = fully_shard, {"mesh": world.fsdp_mesh(replicate=mode is DPMode.hsdp),
                                       "reshard_after_forward": reshard_after_forward}
     blocks = model.blocks().values() if hasattr(model, "blocks") else ()
     for block in blocks:
@@ -201,8 +202,8 @@ def sync_buffers(model: nn.Module) -> int:
     return count
 
 
-def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision,
-                seq_len: int) -> None:
+def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh,
+                parallel: ParallelConfig, precision: PrecisionConfig, seq_len: int) -> None:
     """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
     checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
@@ -216,8 +217,9 @@ def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, par
                         parallel.ddp_impl)
 
 
-def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,
-                device: torch.device, seed: int, freeze=()) -> ParallelModule:
+def build_model(model_cfg: ModelConfig, dims: ParallelDims, world: WorldMesh,
+                parallel: ParallelConfig, precision: PrecisionConfig, device: torch.device,
+                seed: int, freeze=()) -> ParallelModule:
     """Create the model on the meta device, parallelize it, then materialise and initialise.
 
     Returns the sharded model on ``device`` with identical weights in every layout and

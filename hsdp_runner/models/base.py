@@ -22,7 +22,7 @@ import pkgutil
 import re
 from typing import TYPE_CHECKING, Optional, Protocol
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 if TYPE_CHECKING:  # torch is imported where a model is built: config.py imports this module
     import torch
@@ -120,59 +120,82 @@ class ModelSpec(Protocol):
     def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
         """Raise ConfigError naming the ``parallel.*`` key for degrees the family cannot run."""
 
-    # Optional: families that export to / import from Hugging Face also define
-    #   hf_model_type: str
-    #   hf_names() -> HFNames; to_hf(state) / from_hf(state) -> dict (full tensors);
-    #   hf_config(dtype) -> dict; model_keys_from_hf_config(config) -> dict;
-    #   check_hf_config(config, path) -> None (raise for what the model cannot compute).
+    def no_weight_decay(self, name: str) -> bool:
+        """True when parameter ``name`` (its clean name, ``common.clean_name``) is kept out of
+        weight decay: the family's norms, biases and embeddings."""
+
+    def hf_adapter(self) -> Optional[HFAdapter]:
+        """The family's Hugging Face mapping (export, import), or None when it has none."""
 
 
-def _fields(model_cfg) -> dict:
-    """The fields of a model config in any form, ``_target_`` included (legacy: Llama)."""
-    if isinstance(model_cfg, dict):
-        fields = dict(model_cfg)
-    elif OmegaConf.is_config(model_cfg):
-        fields = OmegaConf.to_container(model_cfg, resolve=True)
-    elif dataclasses.is_dataclass(model_cfg):  # a built spec: its class is its target
+class HFAdapter(Protocol):
+    """A family's mapping to and from a Hugging Face ``transformers`` model: names, tensor
+    layout and ``config.json``. ``checkpoint/hf.py`` does the file work for any family."""
+
+    hf_model_type: str  # config.json's model_type
+    hf_ignored: tuple[str, ...]  # suffixes of HF tensors with no counterpart (buffers)
+
+    def hf_names(self) -> HFNames:
+        """The rename rules between our parameter names and HF's."""
+
+    def to_hf(self, state: dict) -> dict:
+        """Our full (unsharded) state dict in HF names and layout."""
+
+    def from_hf(self, state: dict) -> dict:
+        """An HF state dict in our names and layout."""
+
+    def hf_config(self, dtype) -> dict:
+        """The ``config.json`` of the HF model with this shape, weights in ``dtype``."""
+
+    def model_keys_from_hf_config(self, config: dict) -> dict:
+        """Our ``model.*`` values (shape and numerics) an HF ``config.json`` implies."""
+
+    def check_hf_config(self, config: dict, path) -> None:
+        """Raise ConfigError (naming ``path``) for what the model cannot compute."""
+
+
+def model_fields(model_cfg: ModelConfig | dict) -> dict:
+    """The fields of a model config as a plain dict, ``_target_`` included (a manifest saved
+    before ``_target_`` existed: Llama). Takes the typed config (a family's dataclass) or a
+    plain dict (a checkpoint manifest's or a planner request's copy)."""
+    if isinstance(model_cfg, ModelConfig):  # a built spec: its class is its target
         cls = type(model_cfg)
         fields = {**dataclasses.asdict(model_cfg), "_target_": f"{cls.__module__}.{cls.__qualname__}"}
     else:
-        fields = dict(vars(model_cfg))
+        fields = dict(model_cfg)
     if not fields.get("_target_") or fields["_target_"] == MISSING:
         fields["_target_"] = LEGACY_TARGET
     return fields
 
 
-def model_spec(model_cfg) -> ModelSpec:
-    """Build the family config ``model_cfg`` names by its ``_target_`` (Hydra ``instantiate``).
-
-    Takes a ``model`` config node, a plain dict (a worker's or a checkpoint manifest's copy)
-    or an already built spec (returned as is); returns the ``ModelSpec``.
-    """
+def model_spec(model_cfg: ModelConfig | dict) -> ModelSpec:
+    """The family config ``model_cfg`` describes, built by its ``_target_`` (Hydra
+    ``instantiate``) from a plain dict (a checkpoint manifest's copy); a typed config is
+    already the ``ModelSpec`` and is returned as is."""
     from hydra.utils import instantiate
 
     if isinstance(model_cfg, ModelConfig):
         return model_cfg
-    fields = _fields(model_cfg)
+    fields = model_fields(model_cfg)
     spec = instantiate(fields)
     spec._target_ = fields["_target_"]  # instantiate consumes it; keep it for copies of the spec
     return spec
 
 
-def family_schema(model_cfg) -> type:
+def family_schema(model_cfg: ModelConfig | dict) -> type:
     """The config dataclass (schema) of the family ``model_cfg``'s ``_target_`` names."""
     from hydra.utils import get_class
 
-    return get_class(_fields(model_cfg)["_target_"])
+    return get_class(model_fields(model_cfg)["_target_"])
 
 
-def build_meta_model(model_cfg) -> ParallelModule:
+def build_meta_model(model_cfg: ModelConfig | dict) -> ParallelModule:
     """The model ``model_cfg`` describes, on the meta device, built once per shape in a process.
 
     For code that reads names and shapes (pre-flight checks, checkpoint shapes, the analytic
     communication model): the instance is shared, so read it, never change it.
     """
-    return _meta_model(json.dumps(_fields(model_cfg), sort_keys=True, default=str))
+    return _meta_model(json.dumps(model_fields(model_cfg), sort_keys=True, default=str))
 
 
 @functools.lru_cache(maxsize=4)

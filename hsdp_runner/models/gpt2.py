@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
-from hsdp_runner.models.llama import ReplicatedParams, causal_attention, initial_value
+from hsdp_runner.models.common import ReplicatedParams, causal_attention, initial_value
 from hsdp_runner.models.params import copy_full_into
 
 
@@ -103,6 +103,16 @@ class GPT2Config(ModelConfig):
         each), 2 FLOPs per weight. The 6th, the MLP's c_proj, is not recomputed: nothing
         backward needs comes after it, and torch's checkpoint stops recomputing there."""
         return 2.0 * self.n_layers * 2 * self.dim ** 2
+
+    def no_weight_decay(self, name: str) -> bool:
+        """The token and position embeddings, the LayerNorms and every bias get no weight
+        decay (GPT-2's matmul weights alone are decayed)."""
+        return name in ("wte.weight", "wpe.weight") or name.endswith(".bias") \
+            or ".ln_" in f".{name}"
+
+    def hf_adapter(self) -> GPT2Config:
+        """This config is its own HF mapping (the methods below)."""
+        return self
 
     hf_model_type = "gpt2"
     hf_ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older HF files
@@ -209,7 +219,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg.dim, cfg.n_heads)
@@ -242,7 +252,7 @@ class LearnedPositions(nn.Module):
 class GPT2(nn.Module):
     """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -281,7 +291,7 @@ class GPT2(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         """Fill every parameter deterministically from ``seed``: LayerNorms 1 (weights) and 0
-        (biases), every bias 0, the rest N(0, init_std^2) drawn by ``llama.initial_value``
+        (biases), every bias 0, the rest N(0, init_std^2) drawn by ``common.initial_value``
         from (seed, name), the residual projections (``c_proj``) scaled by 1/sqrt(2 x layers)
         as GPT-2 does. See ``Llama.init_weights`` for why each value is drawn whole."""
         std = self.cfg.init_std

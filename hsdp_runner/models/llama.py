@@ -9,7 +9,6 @@ code runs whole or with its heads split over a TP mesh.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -30,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
+from hsdp_runner.models.common import ReplicatedParams, causal_attention, initial_value
 from hsdp_runner.models.params import copy_full_into
 
 
@@ -90,6 +89,14 @@ class LlamaConfig(ModelConfig):
 
     def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
         """Every degree the mesh accepts runs (RoPE angles are looked up per position)."""
+
+    def no_weight_decay(self, name: str) -> bool:
+        """The token embedding and the RMSNorm weights get no weight decay."""
+        return name == "tok_embeddings.weight" or name.endswith("norm.weight")
+
+    def hf_adapter(self) -> LlamaConfig:
+        """This config is its own HF mapping (the methods below)."""
+        return self
 
     hf_model_type = "llama"
     hf_ignored = ("rotary_emb.inv_freq",)  # a buffer some HF Llama folders carry
@@ -176,15 +183,6 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of (batch, heads, seq, head_dim) queries over keys and values with
-    ``kv_heads`` dividing ``heads`` (grouped-query heads are repeated here)."""
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
@@ -227,7 +225,7 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
@@ -242,7 +240,7 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -286,9 +284,9 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer deterministically from ``seed``.
 
-        Each parameter's full value is drawn on the parameter's own device (``initial_value``)
-        from a generator seeded by (seed, name), then cut to this rank's shard, so every layout
-        starts from identical weights and a GPU draws even a 70B model in seconds. (The DTensor
+        Norms start at 1; every other parameter's full value is drawn on the parameter's own
+        device (``common.initial_value``) from a generator seeded by (seed, name), then cut to
+        this rank's shard, so every layout starts from identical weights and a GPU draws even a 70B model in seconds. (The DTensor
         RNG would also be deterministic, but its stream depends on the mesh.) On CPU the
         values are those of torch's CPU generator. On CUDA they come from a CUDA generator:
         equally a function of (seed, name), the same on every rank and in every layout of a
@@ -300,34 +298,19 @@ class Llama(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
-                scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
-                copy_full_into(param, initial_value(name, tuple(param.shape), seed, scale,
-                                                    local.device))
+                if name.endswith("norm.weight"):
+                    full = torch.ones(param.shape, device=local.device)
+                else:
+                    scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
+                    full = initial_value(name, tuple(param.shape), seed, scale, local.device)
+                copy_full_into(param, full)
             cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len,
                                    self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
 
-def initial_value(name: str, shape: tuple, seed: int, std: float, device: torch.device
-                  ) -> torch.Tensor:
-    """The full fp32 initial value of parameter ``name``, drawn on ``device``: ones for the
-    norms, else N(0, std^2) from a ``device`` generator seeded by (seed, name)."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device)
-    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
-    return torch.randn(shape, generator=gen, device=device) * std
-
-
-def _name_seed(seed: int, name: str) -> int:
-    # Names may carry wrapper prefixes (_checkpoint_wrapped_module, _orig_mod); strip them so a
-    # parameter gets the same values whatever wraps it.
-    clean = ".".join(p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
-    digest = hashlib.sha256(f"{seed}:{clean}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def count_params(cfg) -> dict:
+def count_params(cfg: LlamaConfig) -> dict:
     """Return parameter counts: total, embedding, and matmul (those in Linear layers)."""
     n_kv = cfg.n_kv_heads or cfg.n_heads
     head_dim = cfg.dim // cfg.n_heads
@@ -342,7 +325,7 @@ def count_params(cfg) -> dict:
             "embedding": embedding, "matmul": matmul}
 
 
-def flops_per_token(cfg) -> float:
+def flops_per_token(cfg: LlamaConfig) -> float:
     """Training FLOPs per token: 6 x matmul params + 12 x layers x dim x seq_len (attention).
 
     The 6 counts forward (2) and backward (4) multiply-adds of every Linear weight; the attention
@@ -350,26 +333,6 @@ def flops_per_token(cfg) -> float:
     and the PaLM paper do. The embedding lookup is not a matmul and is left out.
     """
     return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
-
-
-class ReplicatedParams(ParallelStyle):
-    """Keep a module whole on every TP rank but make its parameters Replicate DTensors.
-
-    Used for the norms when sequence parallel is off, so every parameter lives on the TP mesh
-    (the optimizer's foreach kernels and grad clipping cannot mix DTensors with plain tensors).
-    torch has no built-in style for this.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def to_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-                         for x in inputs)
-
-        def to_local(mod, outputs, mesh):
-            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
 # The dim each weight is split on by ``tp_plan`` (column-parallel: 0, row-parallel: 1; the

@@ -16,8 +16,12 @@ from hsdp_runner.core.errors import ConfigError
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """Map a precision config name ('float32', 'bfloat16', 'float16') to a torch dtype."""
-    return getattr(torch, name)
+    """Map a dtype name ('float32', 'bfloat16', 'float16', or a ``Dtype`` member) to a torch
+    dtype: the one place a config's dtype name becomes a ``torch.dtype``."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"{name!r} is not a torch dtype; use float32, bfloat16 or float16")
+    return dtype
 
 
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

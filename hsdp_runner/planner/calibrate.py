@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.report.prediction import predictions_for
 
@@ -78,7 +79,7 @@ def calibrate(sweep_dir: Path, plan_file: Path | None = None) -> str:
     """
     from hsdp_runner.report.runs import load_jobs
 
-    jobs = [j for j in load_jobs(sweep_dir) if j.status == "completed"
+    jobs = [j for j in load_jobs(sweep_dir) if j.status is RunStatus.completed
             and j.summary.median_step_time_s] if sweep_dir.is_dir() else []
     found = predictions_for([j.path for j in jobs], plan_file)
     pairs = [(found[j.path], j.summary.median_step_time_s) for j in jobs if j.path in found]

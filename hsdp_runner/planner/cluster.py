@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.distributed.topology import Placement
 from hsdp_runner.train.metrics import lookup_peak_tflops
 
@@ -132,8 +133,8 @@ class Cluster:
         table = self.measured_links.get(kind)
         if not table and self.nvlink_gbps is None:
             raise ConfigError(f"cluster {self.name!r} is measured but its link table has no "
-                              f"{kind}; delete its cache in ~/.cache/hsdp_runner (or "
-                              "$HSDP_RUNNER_CACHE) to measure it again")
+                              f"{kind}; delete its cache in {cache_dir()} to measure it "
+                              "again")
         if table:
             # Measured per group size on this machine (JSON keys are strings); the nearest
             # size stands in. "Nodes" on one machine share its memory: the same table.

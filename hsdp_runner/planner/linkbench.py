@@ -12,7 +12,7 @@ large all-gather over all ranks alone, and both at once (the all-gather issued, 
 then the wait); ``overlap`` = the time saved / the compute time, the fraction of compute that
 communication can hide behind (``cluster.overlap``). On CPU gloo's threads share the cores with
 the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The
-result is cached per host and rank count in ``~/.cache/hsdp_runner``, so only the first plan
+result is cached per host and rank count in ``hardware.cache_dir()``, so only the first plan
 on a machine pays the ~20 s.
 """
 
@@ -32,9 +32,9 @@ REPEATS = 5
 
 def cache_path(ranks: int) -> Path:
     """Where this host's measurement for ``ranks`` ranks is kept."""
-    from hsdp_runner.planner.memory import CACHE_DIR
+    from hsdp_runner.distributed.hardware import cache_dir
 
-    return CACHE_DIR / f"linkbench_{socket.gethostname()}_{ranks}.json"
+    return cache_dir() / f"linkbench_{socket.gethostname()}_{ranks}.json"
 
 
 def cached_or_measure(ranks: int) -> dict:
@@ -79,10 +79,10 @@ def _threads_per_rank(ranks: int) -> int:
 def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
     import warnings
 
-    import torch
     import torch.distributed as dist
 
     from hsdp_runner.distributed.hardware import set_cpu_threads
+    from hsdp_runner.models.params import torch_dtype
     from hsdp_runner.train.metrics import measure_cpu_tflops
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -96,7 +96,7 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
         for name in ("float32", "bfloat16"):
             dist.barrier()
             # The best of three windows: a busy moment on a shared machine only lowers it.
-            peaks[name] = max(measure_cpu_tflops(getattr(torch, name)) for _ in range(3))
+            peaks[name] = max(measure_cpu_tflops(torch_dtype(name)) for _ in range(3))
         links: dict = {kind: {} for kind in KINDS}
         for n in [d for d in range(2, ranks + 1) if ranks % d == 0]:
             groups = [dist.new_group(list(range(g, g + n))) for g in range(0, ranks, n)]

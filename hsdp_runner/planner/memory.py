@@ -51,10 +51,10 @@ import json
 import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from pathlib import Path
+
+from hsdp_runner.distributed.hardware import cache_dir
 
 GIB = 2**30
-CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
 CACHE_VERSION = 4  # bump when what a measurement holds changes (4: cp attention, two calls)
 
 
@@ -75,10 +75,10 @@ def _key(req: dict) -> str:
 def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
     """Return, per request, the tracker's categories at the step's peak, in bytes.
 
-    Results are cached on disk by the request's content (``~/.cache/hsdp_runner/memory``,
-    ``HSDP_RUNNER_CACHE`` moves it); the rest run in one spawned child process.
+    Results are cached on disk by the request's content (``memory/`` in
+    ``hardware.cache_dir()``); the rest run in one spawned child process.
     """
-    cache = CACHE_DIR / "memory"
+    cache = cache_dir() / "memory"
     results: dict[int, dict] = {}
     todo = []
     for i, req in enumerate(requests):
@@ -137,6 +137,7 @@ def _measure_one(req: dict) -> dict:
     from hsdp_runner.distributed import parallelize as sharding
     from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
     from hsdp_runner.models.base import model_spec
+    from hsdp_runner.models.params import torch_dtype
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
@@ -147,7 +148,7 @@ def _measure_one(req: dict) -> dict:
                         ranks_per_node=req["ranks_per_node"])
     world = dims.build_mesh("cpu")
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, precision.master_dtype))
+    torch.set_default_dtype(torch_dtype(precision.master_dtype))
     try:
         with torch.device("meta"):
             model = model_spec(model_cfg).build()

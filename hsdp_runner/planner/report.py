@@ -18,8 +18,11 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from hsdp_runner.config.schema import RunConfig
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
-DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp")
+DEGREE_KEYS = tuple(f"parallel.{name}" for name in DIM_NAMES)
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 
@@ -68,7 +71,7 @@ def table(entries: list[dict], cluster: dict) -> str:
     return "\n".join(rows)
 
 
-def _assumptions(cfg, cluster: dict) -> str:
+def _assumptions(cfg: RunConfig, cluster: dict) -> str:
     layers = list(cfg.plan.layers_measured)
     lines = [
         f"- Cluster `{cluster['name']}`: {cluster['nodes']} node(s) x {cluster['gpus_per_node']}"
@@ -129,8 +132,8 @@ def links_table(entry: dict) -> str:
     return "\n".join(rows)
 
 
-def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: list[str],
-          axes: dict) -> list[Path]:
+def write(out_dir: Path, cfg: RunConfig, cluster: dict, entries: list[dict],
+          overrides: list[str], axes: dict) -> list[Path]:
     """Write plan.md, plan.json (and the sweep with ``plan.write_sweep``); return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_json = (out_dir / PLAN_JSON).resolve()
@@ -157,8 +160,8 @@ def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: lis
     return paths
 
 
-def write_sweep(path: Path, cfg, cluster: dict, entries: list[dict], overrides: list[str],
-                plan_json: Path) -> list[Path]:
+def write_sweep(path: Path, cfg: RunConfig, cluster: dict, entries: list[dict],
+                overrides: list[str], plan_json: Path) -> list[Path]:
     """Write a Hydra sweep of the top-k fitting layouts: ``path`` plus ``<stem>_layouts/``."""
     top = [e for e in entries if e["valid"] and e["fits"]][:cfg.plan.top_k]
     group = f"{path.stem}_layouts"

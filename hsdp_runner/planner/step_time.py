@@ -34,15 +34,17 @@ The dominant term is the largest of compute and each mesh dim's exposed communic
 
 from __future__ import annotations
 
+from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm, unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
-from hsdp_runner.models.base import model_spec
-from hsdp_runner.planner.cluster import Price
+from hsdp_runner.models.base import ModelConfig, model_spec
+from hsdp_runner.planner.cluster import Cluster, Price
 
 
-def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, float]:
+def step_flops(model_cfg: ModelConfig, trainer: TrainerConfig, ac: AC, world_size: int
+               ) -> tuple[float, float]:
     """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
     spec = model_spec(model_cfg)
     tokens = trainer.global_batch_size * model_cfg.seq_len
@@ -61,7 +63,7 @@ def placement_of(dims: ParallelDims, dim: str) -> Placement:
     return placement(dims.shape, DIM_NAMES, dim, dims.node_size)
 
 
-def comm_prices(comm: dict, dims: ParallelDims, cluster) -> dict[str, Price]:
+def comm_prices(comm: dict, dims: ParallelDims, cluster: Cluster) -> dict[str, Price]:
     """{'<kind>/<dim>': Price} of every collective of one step (``comm_model.analytic_comm``)."""
     out = {}
     for key, entry in comm.items():
@@ -70,7 +72,7 @@ def comm_prices(comm: dict, dims: ParallelDims, cluster) -> dict[str, Price]:
     return out
 
 
-def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> dict:
+def comm_times(comm: dict, dims: ParallelDims, cluster: Cluster, split: bool = False) -> dict:
     """{'<kind>/<dim>': seconds} of every collective of one step, none hidden; with ``split``
     the values are (latency part, bandwidth part)."""
     return {key: (p.latency_s, p.bandwidth_s) if split else p.seconds
@@ -109,7 +111,7 @@ def _without(comm: dict, part: dict) -> dict:
     return out
 
 
-def step_time(cfg, dims: ParallelDims, cluster) -> dict:
+def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``.
 
     Returns compute, exposed communication per mesh dim, the step time, tokens/s/device, MFU

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
-DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
 MEMORY_TARGET = 0.15  # the planner's memory target: |predicted / measured - 1| <= 15%
 
 
@@ -69,14 +70,14 @@ def _job_values(job: Path, config: dict):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
     shape = (RunSummary.read(job) or RunSummary()).mesh_shape
-    if shape and len(shape) == len(DEGREES) - 1:  # written before the cp dim existed
+    if shape and len(shape) == len(DIM_NAMES) - 1:  # written before the cp dim existed
         shape = [*shape[:2], 1, shape[2]]
 
     def value(key: str):
         found = _select(config, key)
         degree = key.removeprefix("parallel.")
-        if found == -1 and shape and degree in DEGREES:
-            return shape[DEGREES.index(degree)]
+        if found == -1 and shape and degree in DIM_NAMES:
+            return shape[DIM_NAMES.index(degree)]
         if found is None and degree == "cp":  # a job config from before the cp dim
             return 1
         return found
@@ -170,7 +171,7 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     """
     found = predictions_for([j.path for j in jobs], plan_file)
     pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
-             if j.path in found and j.status == "completed"
+             if j.path in found and j.status is RunStatus.completed
              and j.summary.median_step_time_s]
     if not found:
         return ""

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES as DEGREES
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.train import sinks as tracking
-
-ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
 
 
 @dataclass
@@ -33,9 +32,9 @@ class Job:
     label: str = field(default="")
 
     @property
-    def status(self) -> str:
+    def status(self) -> RunStatus:
         """completed / interrupted / failed / skipped, or unfinished without a summary."""
-        return self.summary.status or "unfinished"
+        return self.summary.status or RunStatus.unfinished
 
     @property
     def tps_global(self) -> float | None:
@@ -61,7 +60,7 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
                         summary=RunSummary.read(path) or RunSummary(),
                         records=tracking.read_metrics(path)))
     _label(jobs)
-    jobs.sort(key=lambda j: (ORDER.get(j.status, len(ORDER)), -(j.tps_global or 0.0), j.num))
+    jobs.sort(key=lambda j: (j.status.rank, -(j.tps_global or 0.0), j.num))
     return jobs
 
 
@@ -92,7 +91,7 @@ def _first_line(text: str, limit: int = 240) -> str:
 
 
 def _mfu(job: Job) -> str:
-    if job.status != "completed":
+    if job.status is not RunStatus.completed:
         return "—"
     mfu = job.summary.median_mfu
     return "n/a" if mfu is None else f"{100 * mfu:.2f}%"
@@ -108,13 +107,13 @@ def _comm(summary: RunSummary) -> str:
 
 def _status(job: Job) -> str:
     s = job.summary
-    if job.status == "completed":
+    if job.status is RunStatus.completed:
         return "ok"
-    if job.status == "skipped":
+    if job.status is RunStatus.skipped:
         return "skipped: " + _first_line(s.reason or "")
-    if job.status == "failed":
+    if job.status is RunStatus.failed:
         return f"failed (rank {s.failed_rank}): " + _first_line(s.error or "")
-    if job.status == "interrupted":
+    if job.status is RunStatus.interrupted:
         return f"interrupted at step {s.interrupted_at_step} ({s.signal})"
     return "unfinished (no summary.json)"
 
@@ -127,11 +126,11 @@ def degrees(job: Job) -> tuple[str, str, str]:
     s = job.summary
     if s.mesh_shape is not None:
         shape = list(s.mesh_shape)
-        if len(shape) == len(DEGREES) - 1:
-            shape.insert(DEGREES.index("cp"), 1)
+        if len(shape) == len(DIM_NAMES) - 1:
+            shape.insert(DIM_NAMES.index("cp"), 1)
         return s.layout, "×".join(map(str, shape)), str(s.world_size)
     asked = s.requested_degrees or job.config.get("parallel") or {}
-    shape = "×".join(str(asked.get(k, 1 if k == "cp" else "?")) for k in DEGREES)
+    shape = "×".join(str(asked.get(k, 1 if k == "cp" else "?")) for k in DIM_NAMES)
     return "—", shape, "—"
 
 
@@ -155,18 +154,18 @@ COLUMNS: tuple[Column, ...] = (
      lambda j: j.summary.median_tps_per_device),
     ("tok/s global (min–max)", lambda j: _spread(j.summary, "tps_global"),
      lambda j: j.summary.median_tps_global),
-    ("MFU", _mfu, lambda j: j.summary.median_mfu if j.status == "completed" else None),
+    ("MFU", _mfu, lambda j: j.summary.median_mfu if j.status is RunStatus.completed else None),
     ("peak mem GiB", lambda j: _num(j.summary.mem_peak_gib, ".2f"),
      lambda j: j.summary.mem_peak_gib),
     ("step s", lambda j: _num(j.summary.median_step_time_s, ".3g"),
      lambda j: j.summary.median_step_time_s),
-    ("status", _status, lambda j: ORDER.get(j.status, len(ORDER))),
+    ("status", _status, lambda j: j.status.rank),
 )
 
 
 def best(jobs: list[Job]) -> Job | None:
     """The job marked best: the first of ``jobs`` (``load_jobs``' order) when it completed."""
-    return jobs[0] if jobs and jobs[0].status == "completed" else None
+    return jobs[0] if jobs and jobs[0].status is RunStatus.completed else None
 
 
 def cells(job: Job) -> list[tuple[str, float | str | None]]:

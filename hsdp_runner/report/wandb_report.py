@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.train import sinks as tracking
 
 EXTRA = "pip install 'hsdp_runner[report]'  (or: pip install wandb-workspaces)"
@@ -42,7 +44,7 @@ def build_report(project: str, entity: str | None, group: str, title: str):
     runset = wr.Runset(project=project, name=group, filters=f"Group = '{group}'",
                        **({"entity": entity} if entity else {}))
     degrees = [wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}"))
-               for name in ("dp_replicate", "dp_shard", "cp", "tp")]
+               for name in DIM_NAMES]
     figures = [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(name))
                for name in ("median_tps_global", "median_mfu", "mem_peak_gib")]
     grid = wr.PanelGrid(runsets=[runset], panels=[
@@ -68,11 +70,11 @@ def publish(project: str, entity: str | None, group: str, runs_were_offline: boo
         print("compare: --wandb-report needs " + "; ".join(missing) + ".\n"
               "The sweep's runs must be on the server too: upload offline runs with "
               "`wandb sync <sweep dir>/*/wandb/offline-run-*`.")
-        return 2
+        return EXIT_CONFIG
     if runs_were_offline:
         print("compare: the sweep logged offline; the report shows its runs once they are "
               "uploaded with `wandb sync <sweep dir>/*/wandb/offline-run-*`")
     report = build_report(project, entity, group, title=f"hsdp_runner sweep {group}")
     report.save()
     print(f"compare: W&B report: {report.url}")
-    return 0
+    return EXIT_OK

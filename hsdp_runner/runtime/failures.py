@@ -23,19 +23,26 @@ through its sidecar, ``rank0_sidecar.py``, to the console and ``logs/rank0.log``
 ``cause_from_log`` finds it there for the failure record. Each rank opens its part of the log
 with ``mark_attempt``, so a cause left by an earlier attempt in the same dir is never read.
 
-Who writes the failure record of a rank that died in C++: the local launcher
-(``launch._failure_message``); under torchrun / SLURM the first rank to fail in Python, which
-names a peer that died before it (``failed_facts``), or rank 0's sidecar when rank 0 itself
-ends without a record.
+This module is the one writer of failure records (a ``failed`` or stopped-at-once
+``summary.json``). Who calls it: for a rank that died in C++, the local launcher
+(``record_launcher_failure``); under torchrun / SLURM the first rank to fail in Python, which
+names a peer that died before it (``record_rank_failure``), or rank 0's sidecar when rank 0
+itself ends without a record (``record_if_missing``). ``record_end`` lets only the first
+process of an attempt write.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import time
 from pathlib import Path
 
+from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.records import SUMMARY_FILE, RunSummary
+
+_ENDED_TOKEN = ".end_recorded"  # in logs/: this attempt's end is on record
 TRACE_BUFFER_ENTRIES = 2000
 # (variable, value): set by the local launcher before workers start, since torch's elastic
 # agent overrides a worker's own; under torchrun the user exports it (docs/gpu.md).
@@ -197,8 +204,93 @@ def failed_facts(log_dir: Path, rank: int, err: BaseException) -> dict:
     is then only the dead peer's echo ("Connection closed by peer", a timeout)."""
     found = died_in_cpp(log_dir, exclude=rank)
     if found is None:
-        return {"status": "failed", "failed_rank": rank,
+        return {"status": RunStatus.failed, "failed_rank": rank,
                 "error": f"{type(err).__name__}: {err}".strip()}
     dead, cause = found
     error = with_timeout_hint(f"rank {dead} died in C++: {cause or 'no cause in its log'}")
-    return {"status": "failed", "failed_rank": dead, "error": error}
+    return {"status": RunStatus.failed, "failed_rank": dead, "error": error}
+
+
+def begin_attempt(output_dir: str | Path) -> None:
+    """Forget which rank recorded the end of a previous attempt in this dir (see
+    ``record_end``); called once per job by the launching process (rank 0 under torchrun)
+    before any rank starts."""
+    (Path(output_dir) / "logs" / _ENDED_TOKEN).unlink(missing_ok=True)
+
+
+def record_end(output_dir: str | Path, summary: RunSummary) -> bool:
+    """Write ``summary`` (a failed or interrupted-at-once record) unless another process of
+    this attempt already did: the first rank to fail names the failure (its peers fail after
+    it, with "connection closed"). Returns whether it wrote."""
+    logs = Path(output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(logs / _ENDED_TOKEN, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    summary.write(output_dir)
+    return True
+
+
+def end_recorded(output_dir: str | Path, since: float | None = None) -> bool:
+    """Whether this attempt's end is on record: a failure through ``record_end`` or, with
+    ``since`` (a ``time.time()``), a summary.json written since then (rank 0's completed or
+    interrupted one)."""
+    if (Path(output_dir) / "logs" / _ENDED_TOKEN).exists():
+        return True
+    try:
+        return since is not None and (Path(output_dir) / SUMMARY_FILE).stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def record_rank_failure(output_dir: str | Path, layout: dict, rank: int, err: BaseException,
+                        last_checkpoint: str | None) -> RunSummary:
+    """A rank whose Python code raised ``err``: record the job as failed (naming a peer that
+    died in C++ first, see ``failed_facts``) unless a peer of this attempt recorded its end
+    already. Takes the job dir, ``ParallelDims.describe()``, the rank, its error and the
+    newest checkpoint; returns the summary this rank would write."""
+    facts = failed_facts(Path(output_dir) / "logs", rank, err)
+    summary = RunSummary.failed(layout, facts["failed_rank"], facts["error"],
+                                last_checkpoint=last_checkpoint)
+    record_end(output_dir, summary)
+    return summary
+
+
+def record_stopped_at_once(output_dir: str | Path, layout: dict, signal: str, step: int,
+                           last_checkpoint: str | None, first_only: bool = True) -> RunSummary:
+    """A repeated stop signal ended the job mid-step: record it as interrupted after ``step``
+    (the last step in metrics.jsonl). ``first_only``: only if no process of this attempt
+    recorded its end (a rank); False: replace summary.json (the launcher, after its ranks)."""
+    summary = RunSummary.interrupted_at_once(layout, signal, step, last_checkpoint)
+    if first_only:
+        record_end(output_dir, summary)
+    else:
+        summary.write(output_dir)
+    return summary
+
+
+def record_launcher_failure(output_dir: str | Path, layout: dict, rank: int,
+                            message: str) -> RunSummary:
+    """The local launcher saw rank ``rank`` fail with ``message``: replace summary.json (figures
+    of an earlier attempt must not appear under 'failed'); return the record."""
+    summary = RunSummary.failed(layout, rank, message)
+    summary.write(output_dir)
+    return summary
+
+
+def record_if_missing(output_dir: Path, layout: dict, started: float) -> RunSummary | None:
+    """Rank 0 has died (rank 0's sidecar calls this): unless this attempt's end is on record
+    since ``started``, write a failed summary naming the rank whose log holds a cause (rank 0
+    first) and return it; else None."""
+    if end_recorded(output_dir, since=started):
+        return None
+    logs = output_dir / "logs"
+    rank, cause = 0, cause_from_log(logs, 0, wait_s=0)
+    if cause is None and (found := died_in_cpp(logs, exclude=0, wait_s=0)) is not None:
+        rank, cause = found
+    error = with_timeout_hint(f"rank {rank} died in C++: {cause}") if cause else \
+        ("rank 0 ended without recording why (killed by a signal it could not handle, e.g. "
+         "its launcher's SIGKILL after a shutdown timeout); no cause in logs/rank*.log")
+    summary = RunSummary.failed(layout, rank, error)
+    return summary if record_end(output_dir, summary) else None

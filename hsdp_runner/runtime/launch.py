@@ -6,8 +6,8 @@ process, so a bad degree or path costs seconds, not a node-hour. Then either
   API on this node, or
 - under torchrun (RANK and WORLD_SIZE set): this process is one rank; run it directly, or
 - in a SLURM task (launcher=slurm / slurm_local, one task per rank): export the
-  torch.distributed variables from SLURM's with submitit's helper, then run it like a torchrun
-  rank. Before anything is queued, ``check_before_submit`` validates every job of the sweep.
+  torch.distributed variables from SLURM's (``slurm.join_submitit_job``), then run it like a
+  torchrun rank. Before anything is queued, ``check_before_submit`` validates every job of the sweep.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.config.checks import validate_batch, validate_config
-from hsdp_runner.core.choices import DataKind, LauncherName
+from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.config.schema import CheckpointConfig, RunConfig
+from hsdp_runner.core.choices import DataKind, LauncherName, RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import (
     check_torch_apis,
     check_visible_gpus,
@@ -42,12 +44,16 @@ from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import forkserver
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
+    begin_attempt,
     cause_from_log,
     first_failure,
+    record_launcher_failure,
+    record_stopped_at_once,
     signal_only,
     with_timeout_hint,
 )
 from hsdp_runner.runtime.signals import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
+from hsdp_runner.runtime.slurm import join_submitit_job
 from hsdp_runner.train import sinks as tracking
 from hsdp_runner.train.data import load_corpus
 
@@ -61,9 +67,11 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
+def validate(cfg: RunConfig | DictConfig, output_dir: Path, submitting: bool = False,
              size_degrees: dict | None = None) -> ParallelDims:
     """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
+
+    Takes the typed config, or a composed one (parity, the tests), converted here.
 
     ``submitting``: this process only submits the job to SLURM (a login node, often without
     GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
@@ -71,6 +79,8 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     ``size_degrees`` (a sweep's preset degrees, see ``app.preset_degrees``) replace the job's
     own degrees where the world size comes from degrees (CPU, no ``launcher.nproc_per_node``).
     """
+    if not isinstance(cfg, RunConfig):
+        cfg = to_run_config(cfg)
     validate_config(cfg)
     check_torch_apis()
     gpus = 0 if submitting else usable_gpus(cfg.device)
@@ -82,7 +92,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
         print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
     model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
-    validate_batch(cfg, dims.dp)
+    validate_batch(cfg.trainer, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
             and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
@@ -92,14 +102,15 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if cfg.trainer.freeze:
         frozen_names(dict(build_meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
     _check_writable(output_dir)
-    checkpoint_start.validate(cfg, output_dir)
+    checkpoint_start.validate(cfg.checkpoint, cfg.model, cfg.trainer.steps, output_dir)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)
     return dims
 
 
-def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int, int]:
+def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None
+                  ) -> tuple[int, int]:
     """Return (world size, ranks per node): from torchrun's / SLURM's environment in a rank,
     else from ``launcher.nnodes`` x ``launcher.nproc_per_node`` (on CPU without it, from the
     degrees: a sweep's ``size_degrees``, else the job's own)."""
@@ -110,7 +121,7 @@ def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int
         raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
                           "ranks on this node only; use torchrun on every node or launcher=slurm "
                           "(docs/many_nodes.md), or keep launcher.nnodes=1")
-    sizing = OmegaConf.create(size_degrees) if size_degrees else cfg.parallel
+    sizing = dataclasses.replace(cfg.parallel, **size_degrees) if size_degrees else cfg.parallel
     world_size = infer_world_size(cfg.launcher, sizing, gpus)
     nproc = world_size // cfg.launcher.nnodes
     if gpus and nproc > gpus:
@@ -131,12 +142,16 @@ def _check_writable(output_dir: Path) -> None:
 
 
 def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
-    """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config)."""
+    """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config).
+
+    Takes the composed config (Hydra's DictConfig); it is checked as the typed ``RunConfig``
+    and sent to the workers as a plain resolved dict, which each converts once on arrival."""
     output_dir = Path(run_info.output_dir)
     try:
         if LauncherName(cfg.launcher.name).submitit:
             join_submitit_job(cfg.launcher.name)
-        dims = validate(cfg, output_dir, size_degrees=run_info.size_degrees)
+        run = to_run_config(cfg)
+        dims = validate(run, output_dir, size_degrees=run_info.size_degrees)
     except ConfigError as err:
         if run_info.multirun:  # a sweep skips a combination that cannot run, goes on
             _record_skipped(cfg, run_info, str(err))
@@ -146,12 +161,12 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg_dict))
-        tracking.begin_attempt(output_dir)
+        begin_attempt(output_dir)
     if under_torchrun():
         from hsdp_runner.runtime.worker import run_worker
         summary = run_worker(cfg_dict, dims, run_info)
     else:
-        code, summary = _launch_local(cfg_dict, dims, run_info)
+        code, summary = _launch_local(run, cfg_dict, dims, run_info)
         if code != EXIT_OK:
             return code
     if summary is not None and summary.status is RunStatus.interrupted:
@@ -166,24 +181,6 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
     return EXIT_OK
 
 
-def join_submitit_job(launcher_name: str) -> None:
-    """Make this SLURM (or submitit-local) task a torch.distributed rank.
-
-    Exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from
-    the job's environment with submitit's helper; raises ConfigError outside a submitit job.
-    """
-    if "SUBMITIT_EXECUTOR" not in os.environ:
-        raise ConfigError(f"launcher={launcher_name} runs jobs through hydra-submitit-launcher, "
-                          "which Hydra uses only in multirun mode; drop hydra.mode=RUN / "
-                          "hydra/launcher overrides, or use launcher=local")
-    from submitit.helpers import TorchDistributedEnvironment
-
-    # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK). overwrite: a RANK
-    # etc. inherited from the submitting shell is replaced (submitit keeps an inherited
-    # MASTER_PORT on purpose).
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-
-
 def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, first_num: int):
     """Validate each job of a SLURM sweep on the submitting node; exit 2 if any is bad.
 
@@ -194,7 +191,7 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
     for num, overrides in enumerate(job_overrides, start=first_num):
         cfg = config_loader.load_sweep_config(sweep_config, list(overrides))
         try:
-            validate(cfg, sweep_dir, submitting=True)
+            validate(to_run_config(cfg), sweep_dir, submitting=True)
         except ConfigError as err:
             job = " ".join(overrides) or "no overrides"
             print(f"hsdp_runner: config error in job #{num} ({job}): {err}; nothing was submitted",
@@ -234,9 +231,10 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
             os.environ.pop(key, None)
 
 
-def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
+def _launch_local(cfg: RunConfig, cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
                   ) -> tuple[int, RunSummary | None]:
-    """Start ``dims.world_size`` workers on this node and wait; return (exit code, summary)."""
+    """Start ``dims.world_size`` workers on this node, each given ``cfg_dict`` (the plain form
+    of ``cfg``), and wait; return (exit code, summary)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -251,11 +249,11 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
     # Stop signals are ours, not the agent's: it would pass the first on and then stop
     # collecting the workers' results (and die mid-shutdown on a second one).
     signals = LauncherSignals()
-    signals.install(stop_signals(cfg_dict["launcher"].get("signal")))
+    signals.install(stop_signals(cfg.launcher.signal))
     try:
         results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
                                       dataclasses.replace(run_info, local_launch=True),
-                                      shutdown_timeout=cfg_dict["launcher"]["timeout_s"],
+                                      shutdown_timeout=cfg.launcher.timeout_s,
                                       agent_signals="SIGHUP,SIGQUIT")
     except SignalException as err:  # a stop signal while no worker was running
         print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} while no worker was "
@@ -265,12 +263,11 @@ def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
         rank, failure = first_failure(err.failures)
         stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
         if stopped:
-            return _stopped_at_once(cfg_dict, dims, run_info.output_dir, stopped), None
+            return _stopped_at_once(cfg.checkpoint, dims, run_info.output_dir, stopped), None
         message = _failure_message(failure, Path(run_info.output_dir) / "logs", rank)
         print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
               f"rank logs: {Path(run_info.output_dir) / 'logs'}", file=sys.stderr)
-        # Replaces summary.json: figures of an earlier attempt must not appear under 'failed'.
-        RunSummary.failed(dims.describe(), rank, message).write(run_info.output_dir)
+        record_launcher_failure(run_info.output_dir, dims.describe(), rank, message)
         return EXIT_FAILED, None
     finally:
         signals.uninstall()
@@ -282,13 +279,13 @@ def _stop_exit_signal(exitcode: int) -> int | None:
     return exitcode - 128 if exitcode - 128 in {int(s) for s in BASE_SIGNALS} else None
 
 
-def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum: int) -> int:
+def _stopped_at_once(ckpt: CheckpointConfig, dims: ParallelDims, output_dir: str,
+                     signum: int) -> int:
     """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
-    last_ckpt = checkpoint_start.newest_checkpoint(OmegaConf.create(cfg_dict["checkpoint"]),
-                                                   Path(output_dir))
+    last_ckpt = checkpoint_start.newest_checkpoint(ckpt, Path(output_dir))
     step = tracking.last_step(output_dir)
-    RunSummary.interrupted_at_once(dims.describe(), signal_name(signum), step,
-                                   last_ckpt).write(output_dir)
+    record_stopped_at_once(output_dir, dims.describe(), signal_name(signum), step, last_ckpt,
+                           first_only=False)
     print(f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
           f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
           file=sys.stderr)

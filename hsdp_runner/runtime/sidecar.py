@@ -10,7 +10,8 @@ Under torchrun and SLURM no launcher of ours waits for the ranks, so the sidecar
 the failure record rank 0 could not: when rank 0 has ended and no end of this attempt was
 recorded (neither a failure, nor rank 0's completed / interrupted summary), it writes
 ``status: failed`` with the cause found in the rank logs. Under the local launcher that record
-is the launcher's (``launch._failure_message``), so the sidecar only copies.
+is the launcher's (``launch._failure_message``), so the sidecar only copies. The record is
+written by ``failures.record_if_missing``.
 
 The sidecar imports no torch (it starts in a few tens of milliseconds), runs in its own
 session and ignores stop signals (torchrun's agent kills each rank's process group; a
@@ -33,9 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from hsdp_runner.core.records import RunSummary
-from hsdp_runner.runtime.failures import cause_from_log, died_in_cpp, with_timeout_hint
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.runtime.failures import record_if_missing
 
 _STOP_WAIT_S = 5.0  # how long rank 0 waits for the sidecar to copy what it wrote
 _CLEAN = b"clean"  # rank 0 -> sidecar on the control socket: it ends on its own
@@ -142,33 +141,6 @@ def _copy_rest(log_fd: int, timeout_s: float) -> None:
     while (left := deadline - time.monotonic()) > 0:
         if select.select([0], [], [], left)[0] and not _copy_chunk(log_fd):
             return
-
-
-def _end_recorded(output_dir: Path, started: float) -> bool:
-    """Whether this attempt's end is on record: a failure (``tracking.record_end``'s token) or
-    a summary written after the sidecar started (rank 0's completed / interrupted one)."""
-    if tracking.end_recorded(output_dir):
-        return True
-    try:
-        return (output_dir / tracking.SUMMARY_FILE).stat().st_mtime >= started
-    except OSError:
-        return False
-
-
-def record_if_missing(output_dir: Path, layout: dict, started: float) -> RunSummary | None:
-    """Rank 0 has died: unless this attempt's end is on record, write a failed summary naming
-    the rank whose log holds a cause (rank 0 first) and return it; else None."""
-    if _end_recorded(output_dir, started):
-        return None
-    logs = output_dir / "logs"
-    rank, cause = 0, cause_from_log(logs, 0, wait_s=0)
-    if cause is None and (found := died_in_cpp(logs, exclude=0, wait_s=0)) is not None:
-        rank, cause = found
-    error = with_timeout_hint(f"rank {rank} died in C++: {cause}") if cause else \
-        ("rank 0 ended without recording why (killed by a signal it could not handle, e.g. "
-         "its launcher's SIGKILL after a shutdown timeout); no cause in logs/rank*.log")
-    summary = RunSummary.failed(layout, rank, error)
-    return summary if tracking.record_end(output_dir, summary) else None
 
 
 def main(argv: list[str]) -> int:

@@ -14,9 +14,11 @@ A job stopped by a signal (128 + signal) makes that the multirun's code.
 
 from __future__ import annotations
 
+from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 
-STATUS = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_CONFIG: "skipped"}
+STATUS = {EXIT_OK: RunStatus.completed, EXIT_FAILED: RunStatus.failed,
+          EXIT_CONFIG: RunStatus.skipped}
 
 _tally: dict = {"sweep_dir": None, "codes": []}
 
@@ -47,7 +49,7 @@ def finish() -> int:
     codes, sweep_dir = _tally["codes"], _tally["sweep_dir"]
     counts = ", ".join(f"{codes.count(code)} {name}" for code, name in STATUS.items())
     if any(code > 128 for code in codes):
-        counts += f", {sum(code > 128 for code in codes)} interrupted"
+        counts += f", {sum(code > 128 for code in codes)} {RunStatus.interrupted}"
     print(f"hsdp_runner: sweep done ({len(codes)} jobs: {counts}); results in {sweep_dir}\n"
           f"compare them: python -m hsdp_runner.compare {sweep_dir}")
     return exit_code(codes)

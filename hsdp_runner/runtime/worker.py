@@ -20,31 +20,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
-from hsdp_runner.checkpoint.checkpointer import Checkpointer, data_facts
-from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.checkpoint.checkpointer import Checkpointer
+from hsdp_runner.config.compose import plain_config, to_run_config
+from hsdp_runner.config.schema import CheckpointConfig, RunConfig
+from hsdp_runner.core.choices import RunStatus, StartSource
+from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
+from hsdp_runner.models.base import model_spec
 from hsdp_runner.runtime import sidecar as rank0_sidecar
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
     PEER_LOST_GRACE_S,
-    failed_facts,
     mark_attempt,
     nccl_failure_env,
     peer_lost,
+    record_rank_failure,
+    record_stopped_at_once,
 )
-from hsdp_runner.runtime.signals import (
-    StopNow,
-    StopRequest,
-    parse_signal,
-    signal_name,
-    stop_signals,
-)
+from hsdp_runner.runtime.signals import StopNow, StopRequest, signal_name, stop_signals
+from hsdp_runner.runtime.slurm import requeue_if_asked
 from hsdp_runner.train import metrics, profiling
 from hsdp_runner.train import sinks as tracking
 from hsdp_runner.train.data import TokenBatches
@@ -91,25 +90,26 @@ def setup_logging(output_dir: Path, rank: int) -> None:
 def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSummary | None:
     """Train one rank of the job described by the resolved config ``cfg_dict``.
 
-    Takes the plain resolved config, the validated ParallelDims and run facts (output dir,
-    W&B group, run name, tags). Returns rank 0's summary (None on other ranks).
+    Takes the plain resolved config (converted here, once, into the typed ``RunConfig``), the
+    validated ParallelDims and run facts (output dir, W&B group, run name, tags). Returns rank
+    0's summary (None on other ranks).
     """
+    cfg = to_run_config(cfg_dict)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # A stop signal (interrupt.py) only sets a flag: the ranks agree to stop at the next step
     # boundary, save a checkpoint and write an 'interrupted' summary; a collective with a dead
     # peer fails first. A later signal stops at once (StopNow).
     stop = StopRequest()
-    stop.install(stop_signals(cfg_dict["launcher"].get("signal")))
+    stop.install(stop_signals(cfg.launcher.signal))
     output_dir = Path(run_info.output_dir)
     setup_logging(output_dir, rank)
     # Rank 0's stderr goes through a process that outlives it (its C++ last words reach its
     # log; under torchrun / SLURM it records a rank 0 that died without a word).
     sidecar = rank0_sidecar.start(output_dir, None if run_info.local_launch
-                                  else dims.describe(), cfg_dict["launcher"]["timeout_s"]) \
+                                  else dims.describe(), cfg.launcher.timeout_s) \
         if rank == 0 else None
     faulthandler.enable(all_threads=True)  # a rank killed in C++ leaves its Python stack in its log
-    cfg = OmegaConf.create(cfg_dict)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     set_cpu_threads(local_world_size)
     device = pick_device(cfg.device, local_rank, local_world_size)
@@ -128,7 +128,7 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     except BaseException as err:
         if peer_lost(err):
             time.sleep(PEER_LOST_GRACE_S)
-        _record_failure(cfg, dims, output_dir, rank, err)
+        _record_failure(cfg.checkpoint, dims, output_dir, rank, err)
         end_process_group(failed=True)
         if sidecar is not None:
             sidecar.stop()
@@ -137,7 +137,7 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     if sidecar is not None:
         sidecar.stop()
     if summary is not None and summary.status is RunStatus.interrupted:
-        _requeue_if_asked(cfg.launcher, stop, summary)
+        requeue_if_asked(cfg.launcher, stop, summary)
     return summary
 
 
@@ -166,51 +166,24 @@ def end_process_group(failed: bool) -> None:
     dist.destroy_process_group()
 
 
-def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
-                    err: BaseException) -> None:
+def _record_failure(ckpt_cfg: CheckpointConfig, dims: ParallelDims, output_dir: Path,
+                    rank: int, err: BaseException) -> None:
     """Log why this rank ends early and, if it is the first rank of this attempt to end so,
     write summary.json: ``interrupted`` for a stop-at-once signal, else ``failed``."""
-    last_ckpt = checkpoint_start.newest_checkpoint(cfg.checkpoint, output_dir)
+    last_ckpt = checkpoint_start.newest_checkpoint(ckpt_cfg, output_dir)
     if isinstance(err, StopNow):
         log.warning("rank %d stopped at once on a repeated %s", rank, signal_name(err.signum))
-        summary = RunSummary.interrupted_at_once(dims.describe(), signal_name(err.signum),
-                                                 tracking.last_step(output_dir), last_ckpt)
-    else:
-        log.exception("rank %d failed", rank)
-        facts = failed_facts(output_dir / "logs", rank, err)
-        if facts["failed_rank"] != rank:
-            log.error("rank %d failed first: %s", facts["failed_rank"], facts["error"])
-        summary = RunSummary.failed(dims.describe(), facts["failed_rank"], facts["error"],
-                                    last_checkpoint=last_ckpt)
-    tracking.record_end(output_dir, summary)
-
-
-def _requeue_if_asked(launcher_cfg, stop: StopRequest, summary: RunSummary) -> None:
-    """Under submitit with ``launcher.requeue`` > 0, rank 0 of a job stopped by the time-limit
-    signal hands over to submitit's own handler (the one ``stop.install`` replaced), which
-    records the job, requeues it and exits this process; the requeued job resumes from its
-    checkpoint. A job stopped by SIGTERM/SIGINT (scancel, Ctrl-C) is not requeued."""
-    if not launcher_cfg.get("requeue") or "SUBMITIT_EXECUTOR" not in os.environ \
-            or int(os.environ["RANK"]) != 0:
+        record_stopped_at_once(output_dir, dims.describe(), signal_name(err.signum),
+                               tracking.last_step(output_dir), last_ckpt)
         return
-    from submitit import JobEnvironment
-
-    time_limit = {signal.SIGUSR2, JobEnvironment._usr_sig()}
-    if launcher_cfg.get("signal"):
-        time_limit.add(parse_signal(launcher_cfg.signal))
-    handler = stop.previous.get(JobEnvironment._usr_sig())
-    if stop.signum not in time_limit or not callable(handler):
-        return
-    log.warning("%s after step %d: requeueing the job through submitit; it resumes from %s",
-                summary.signal, summary.interrupted_at_step, summary.last_checkpoint)
-    try:
-        handler(stop.signum, None)  # requeues and exits the process
-    except Exception as err:  # e.g. submitit's "timed-out too many times"
-        log.warning("not requeued: %s", err)
+    log.exception("rank %d failed", rank)
+    summary = record_rank_failure(output_dir, dims.describe(), rank, err, last_ckpt)
+    if summary.failed_rank != rank:
+        log.error("rank %d failed first: %s", summary.failed_rank, summary.error)
 
 
-def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, output_dir: Path,
-           rank: int, stop: StopRequest) -> RunSummary | None:
+def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.device,
+           output_dir: Path, rank: int, stop: StopRequest) -> RunSummary | None:
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
@@ -230,13 +203,13 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     figures = compute_run_figures(cfg, dims, model, device)
     sinks: list[tracking.Tracker] = []
     if rank == 0:
-        _prepare_metrics(cfg, output_dir, start)
+        _prepare_metrics(cfg.checkpoint, output_dir, start)
         facts = {**run_facts(dims, device), "mesh_placement": placements}
-        config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "derived": facts}
+        config = {**plain_config(cfg), "derived": facts}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
     trainer = make_trainer(cfg, dims, world, model, device, figures, sinks)
-    ckpt = make_checkpointer(cfg, dims, output_dir, trainer, device)
+    ckpt = make_checkpointer(cfg, output_dir, trainer)
     try:
         first = ckpt.restore(start)
         profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)
@@ -246,7 +219,7 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
         # A signal during the last step stops nothing: training is complete (saved as usual).
         stopped = trainer.stopped_by if trainer.last_step < cfg.trainer.steps else None
         if stopped:
-            _save_on_stop(cfg, ckpt, trainer.last_step)
+            _save_on_stop(cfg.checkpoint, ckpt, trainer.last_step)
         elif trainer.stopped_by and rank == 0:
             log.warning("%s arrived during the last step: training is complete, finishing the "
                         "job", signal_name(trainer.stopped_by))
@@ -281,28 +254,24 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     return summary
 
 
-def make_trainer(cfg, dims: ParallelDims, world: WorldMesh, model: torch.nn.Module,
+def make_trainer(cfg: RunConfig, dims: ParallelDims, world: WorldMesh, model: torch.nn.Module,
                  device: torch.device, figures: RunFigures, sinks: list[tracking.Tracker]
                  ) -> Trainer:
-    """Build the Trainer from the resolved config: the config groups it uses, this rank's
-    batches and the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
+    """Build the Trainer from the typed config: the sections it uses, this rank's batches and
+    the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
     batches = TokenBatches(
         cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
         dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed,
         cp_rank=world.local_rank_in("cp"), cp_size=dims.cp)
-    return Trainer(model, dims, world, device, batches, cfg.optim, cfg.trainer, figures,
-                   fault=cfg.fault, comm_step=cfg.metrics.comm_step, sinks=sinks)
+    return Trainer(model, dims, world, device, batches, figures, spec=model_spec(cfg.model),
+                   optim=cfg.optim, train=cfg.trainer, metrics=cfg.metrics, fault=cfg.fault,
+                   sinks=sinks)
 
 
-def make_checkpointer(cfg, dims: ParallelDims, output_dir: Path, trainer: Trainer,
-                      device: torch.device) -> Checkpointer:
+def make_checkpointer(cfg: RunConfig, output_dir: Path, trainer: Trainer) -> Checkpointer:
     """Build the Checkpointer over the trainer's model, optimizer and LR scheduler."""
-    return Checkpointer(
-        cfg.checkpoint, cfg.model, dims, output_dir, trainer.model, trainer.optimizer,
-        trainer.scheduler, device, total_steps=cfg.trainer.steps,
-        master_dtype=cfg.precision.master_dtype, fault=cfg.fault,
-        data=data_facts(cfg.data, cfg.trainer.seed, cfg.trainer.global_batch_size,
-                        cfg.model.seq_len))
+    return Checkpointer(cfg.checkpoint, trainer, output_dir, model=cfg.model,
+                        precision=cfg.precision, data=cfg.data)
 
 
 def _log_figures(figures: RunFigures) -> None:
@@ -313,11 +282,12 @@ def _log_figures(figures: RunFigures) -> None:
              mem["optimizer"], mem["total"])
 
 
-def _prepare_metrics(cfg, output_dir: Path, start: checkpoint_start.Start) -> None:
+def _prepare_metrics(ckpt_cfg: CheckpointConfig, output_dir: Path,
+                     start: checkpoint_start.Start) -> None:
     """Rank 0, before the first step: a job resuming its own checkpoint keeps each step up to
     it once in metrics.jsonl; any other start sets an earlier run's files aside."""
-    own = start.source == "checkpoint" and \
-        Path(start.path).parent == checkpoint_start.checkpoint_dir(cfg.checkpoint, output_dir)
+    own = start.source is StartSource.checkpoint and \
+        Path(start.path).parent == checkpoint_start.checkpoint_dir(ckpt_cfg, output_dir)
     if own:
         tracking.truncate_metrics(output_dir, start.step)
     elif (aside := tracking.set_aside_earlier_run(output_dir)) is not None:
@@ -325,9 +295,10 @@ def _prepare_metrics(cfg, output_dir: Path, start: checkpoint_start.Start) -> No
                     "in this dir were moved to %s", aside)
 
 
-def _save_on_stop(cfg, ckpt: Checkpointer, step: int) -> None:
-    """After a stop request, save the step just finished unless it was saved already."""
-    if not cfg.checkpoint.enable:
+def _save_on_stop(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, step: int) -> None:
+    """After a stop request, save the step just finished unless it was saved already
+    (``ckpt_cfg``: the ``checkpoint`` config)."""
+    if not ckpt_cfg.enable:
         log.warning("stopped after step %d; checkpointing is off (checkpoint.enable=false), so "
                     "a rerun starts over", step)
         return

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from hsdp_runner.config.schema import DataConfig
 from hsdp_runner.core.choices import DataKind
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.context_parallel import shard_sequence
@@ -91,7 +92,7 @@ def follow_successors(draws: torch.Tensor, follow: torch.Tensor, successor: torc
 class TokenBatches:
     """Yields this rank's (inputs, targets) for a step; see the module docstring."""
 
-    def __init__(self, data_cfg, vocab_size: int, seq_len: int, global_batch: int,
+    def __init__(self, data_cfg: DataConfig, vocab_size: int, seq_len: int, global_batch: int,
                  dp_rank: int, dp_size: int, seed: int, cp_rank: int = 0, cp_size: int = 1):
         self.kind = DataKind(data_cfg.kind)
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed

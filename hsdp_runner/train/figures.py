@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.distributed.comm_model import analytic_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import model_spec
@@ -30,8 +31,8 @@ class RunFigures:
     memory_estimate: dict  # GiB: params, grads, optimizer, total (metrics.memory_breakdown)
 
 
-def compute_run_figures(cfg, dims: ParallelDims, model: torch.nn.Module, device: torch.device
-                        ) -> RunFigures:
+def compute_run_figures(cfg: RunConfig, dims: ParallelDims, model: torch.nn.Module,
+                        device: torch.device) -> RunFigures:
     """Compute the fixed figures of a run from its resolved config, ParallelDims, the sharded
     model (for the memory estimate) and the rank's device; every rank calls it."""
     peak, source = metrics.resolve_peak_tflops(device, cfg.precision.param_dtype,

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from hsdp_runner.distributed.hardware import cache_dir
+from hsdp_runner.models.params import torch_dtype
+
 log = logging.getLogger(__name__)
 
 # Dense peak TFLOP/s per device (no sparsity), from the vendors' datasheets; NVIDIA's list
@@ -88,11 +91,8 @@ def measure_cpu_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3
 
 
 def cpu_peak_cache_file() -> Path:
-    """Where measured CPU peaks are kept: ``$HSDP_RUNNER_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/hsdp_runner``, else ``~/.cache/hsdp_runner``; file ``cpu_peak.json``."""
-    root = os.environ.get("HSDP_RUNNER_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsdp_runner"
-    return Path(root) / "cpu_peak.json"
+    """Where measured CPU peaks are kept: ``cpu_peak.json`` in ``hardware.cache_dir()``."""
+    return cache_dir() / "cpu_peak.json"
 
 
 def _cpu_key(dtype: str) -> str:
@@ -124,7 +124,7 @@ def cached_cpu_tflops(dtype: str) -> tuple[float, str]:
         cached = {}
     if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)):
         return float(cached[key]), f"cached in {path}"
-    peak = measure_cpu_tflops(getattr(torch, dtype))
+    peak = measure_cpu_tflops(torch_dtype(dtype))
     try:  # ranks of one job write at once: each writes a whole file and renames it into place
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -189,7 +189,7 @@ def memory_breakdown(model: torch.nn.Module, master_dtype: str) -> dict:
     master dtype. Activations, gathered (unsharded) parameters, communication buffers and the
     allocator's slack come on top: compare ``total`` with the measured peak.
     """
-    size = getattr(torch, master_dtype).itemsize
+    size = torch_dtype(master_dtype).itemsize
     local = trainable = 0
     for param in model.parameters():
         n = (param.to_local() if hasattr(param, "to_local") else param).numel()

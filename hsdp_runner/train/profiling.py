@@ -15,13 +15,16 @@ from pathlib import Path
 
 import torch
 
+from hsdp_runner.config.schema import ProfileConfig
+
 log = logging.getLogger(__name__)
 
 
 class StepProfiler:
     """Starts torch.profiler before the window's first step and stops it after its last."""
 
-    def __init__(self, profile_cfg, rank: int, output_dir: Path, device: torch.device):
+    def __init__(self, profile_cfg: ProfileConfig, rank: int, output_dir: Path,
+                 device: torch.device):
         self.cfg = profile_cfg
         self.active = profile_cfg.enable and (profile_cfg.all_ranks or rank == 0)
         self.first = profile_cfg.start_step

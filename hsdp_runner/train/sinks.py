@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Protocol
 
+from hsdp_runner.config.schema import LoggerConfig
 from hsdp_runner.core.choices import Logger, WandbMode
 from hsdp_runner.core.records import SUMMARY_FILE, RunInfo, RunSummary
 
@@ -25,7 +26,6 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 EARLIER_RUNS_DIR = "earlier_runs"
-_ENDED_TOKEN = ".end_recorded"
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
@@ -71,32 +71,6 @@ def set_aside_earlier_run(output_dir: str | Path) -> Path | None:
     return earlier / str(n)
 
 
-def begin_attempt(output_dir: str | Path) -> None:
-    """Forget which rank recorded the end of a previous attempt in this dir (see
-    ``record_end``); called once per job by the launching process (rank 0 under torchrun)
-    before any rank starts."""
-    (Path(output_dir) / "logs" / _ENDED_TOKEN).unlink(missing_ok=True)
-
-
-def record_end(output_dir: str | Path, summary: RunSummary) -> bool:
-    """Write ``summary`` (a failed or interrupted-at-once record) unless another process of
-    this attempt already did: the first rank to fail names the failure (its peers fail after
-    it, with "connection closed"). Returns whether it wrote."""
-    logs = Path(output_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    try:
-        os.close(os.open(logs / _ENDED_TOKEN, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        return False
-    summary.write(output_dir)
-    return True
-
-
-def end_recorded(output_dir: str | Path) -> bool:
-    """Whether a process of this attempt already recorded its end through ``record_end``."""
-    return (Path(output_dir) / "logs" / _ENDED_TOKEN).exists()
-
-
 def last_step(output_dir: str | Path) -> int:
     """The last step recorded in metrics.jsonl (0 when none)."""
     return max((r["step"] for r in read_metrics(output_dir)), default=0)
@@ -139,7 +113,8 @@ class MetricsFile:
 class WandbRun:
     """A W&B run for rank 0, or a no-op when disabled or when W&B cannot start."""
 
-    def __init__(self, logger_cfg, run_info: RunInfo, config: dict, output_dir: str | Path):
+    def __init__(self, logger_cfg: LoggerConfig, run_info: RunInfo, config: dict,
+                 output_dir: str | Path):
         self.run = None
         if logger_cfg.mode == WandbMode.disabled:
             return
@@ -150,7 +125,7 @@ class WandbRun:
                         type(err).__name__, err, output_dir)
 
     @staticmethod
-    def _start(logger_cfg, run_info: RunInfo, config: dict, output_dir: Path):
+    def _start(logger_cfg: LoggerConfig, run_info: RunInfo, config: dict, output_dir: Path):
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
@@ -223,8 +198,8 @@ def wandb_summary(summary: RunSummary) -> dict:
     return out
 
 
-def open_trackers(logger_cfg, run_info: RunInfo, config: dict, output_dir: str | Path
-                  ) -> list[Tracker]:
+def open_trackers(logger_cfg: LoggerConfig, run_info: RunInfo, config: dict,
+                  output_dir: str | Path) -> list[Tracker]:
     """Rank 0's sinks for ``logger.name``: the job's files always, W&B with ``logger=wandb``.
 
     ``config``: the resolved config as a plain dict (W&B's run config)."""

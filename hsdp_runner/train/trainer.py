@@ -13,18 +13,22 @@ import logging
 import math
 import signal
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hsdp_runner.config.schema import FaultConfig, MetricsConfig, OptimConfig, TrainerConfig
 from hsdp_runner.core.choices import OnNan
 from hsdp_runner.core.faults import inject_fault
 from hsdp_runner.distributed import comm_counting as comm
 from hsdp_runner.distributed import step_stats
 from hsdp_runner.distributed.comm_model import comm_report
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.models.base import ModelSpec
+from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
@@ -36,13 +40,16 @@ log = logging.getLogger(__name__)
 EVAL_STEP_OFFSET = 1 << 40
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; norms and embeddings get no weight decay."""
+def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig,
+                    no_weight_decay: Callable[[str], bool]) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters of ``model`` with ``optim_cfg``'s settings; the
+    parameters ``no_weight_decay`` names (the model spec's rule, called with clean names) get
+    no weight decay."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
+        (no_decay if no_weight_decay(clean_name(name)) else decay).append(param)
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     # fused: one kernel per device and dtype, and it takes ``found_inf``, which lets the trainer
@@ -96,21 +103,22 @@ class Trainer:
     """Trains ``model`` for ``train.steps`` steps; ``fit()`` returns the step records.
 
     Takes the sharded model, the job's ParallelDims and world mesh, the rank's device, its
-    batches, the ``optim`` and ``trainer`` config nodes, the run's fixed figures (computed
-    once, ``run_figures``), the ``fault`` node, the step whose collectives are counted
-    (``metrics.comm_step``, None: none) and rank 0's sinks (an empty list elsewhere).
+    batches and the run's fixed figures (computed once, ``figures``); then the config it
+    reads: the model's spec (which parameters get no weight decay) and the ``optim``,
+    ``trainer``, ``metrics`` (``comm_step``: the step whose collectives are counted) and
+    ``fault`` sections; and rank 0's sinks (an empty list elsewhere).
     """
 
     def __init__(self, model: torch.nn.Module, dims: ParallelDims, world: WorldMesh,
-                 device: torch.device, batches: TokenBatches, optim, train,
-                 figures: RunFigures, fault=None, comm_step: int | None = None,
-                 sinks: list[Tracker] = ()):
+                 device: torch.device, batches: TokenBatches, figures: RunFigures, *,
+                 spec: ModelSpec, optim: OptimConfig, train: TrainerConfig,
+                 metrics: MetricsConfig, fault: FaultConfig, sinks: list[Tracker] = ()):
         self.model, self.dims, self.world, self.device = model, dims, world, device
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
-        self.grad_clip, self.comm_step = optim.grad_clip, comm_step
+        self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
-        self.optimizer = build_optimizer(model, optim)
+        self.optimizer = build_optimizer(model, optim, spec.no_weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio))
         # Ranks holding distinct tokens: dp ranks read different rows, cp ranks different
@@ -125,7 +133,7 @@ class Trainer:
         # Communication accounting: filled after the step ``comm_step``. The counter is built
         # here: it looks up the mesh's groups, host work no step should do.
         self.comm_facts: dict = {}
-        self.comm_counter = None if comm_step is None else comm.CommCounter(world)
+        self.comm_counter = None if self.comm_step is None else comm.CommCounter(world)
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
@@ -138,7 +146,7 @@ class Trainer:
 
         Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
         """
-        poison = self.fault is not None and inject_fault(self.fault, self.rank, step + 1)
+        poison = inject_fault(self.fault, self.rank, step + 1)
         inputs, targets = data.get(step)
         accum = self.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
@@ -238,7 +246,7 @@ class Trainer:
         values = pending.read()
         step = pending.step + 1
         if values.nonfinite:
-            if OnNan(self.train.on_nan) is OnNan.stop:
+            if self.train.on_nan is OnNan.stop:
                 raise NonFiniteError(
                     f"step {step}: loss {values.loss} / grad norm {values.grad_norm} is not "
                     "finite; the run stops (trainer.on_nan=stop). Lower optim.lr, check the "

@@ -44,7 +44,7 @@ class CheckedSlurmLauncher(_CheckBeforeSubmit, SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
         """Fill in the memory per node (``launcher.mem_gb=null``), then check and submit."""
-        from hsdp_runner.config.schema import slurm_mem_gb
+        from hsdp_runner.runtime.slurm import slurm_mem_gb
 
         if self.params.get("mem_gb") is None:
             self.params["mem_gb"] = slurm_mem_gb(self.config.launcher)

@@ -7,10 +7,11 @@ here only, so importing the dashboard (e.g. as a Hydra callback) stays cheap.
 
 from __future__ import annotations
 
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.report import prediction
 from hsdp_runner.report.runs import Job, degrees
 
-DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")
+DEGREES = DIM_NAMES
 BEST, OTHER = "#e8710a", "#1f77b4"
 MIB = 2**20
 

@@ -24,7 +24,8 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from hsdp_runner.core.records import RunStatus, RunSummary
+from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.records import RunSummary
 from hsdp_runner.report import prediction, runs
 from hsdp_runner.report.dashboard import charts as dashboard_charts
 
@@ -141,7 +142,7 @@ def render(title: str, jobs: list[runs.Job], predictions: dict, live: bool,
     ``live``: reload every ``reload_s`` seconds)."""
     import plotly.offline
 
-    statuses = sorted({j.status for j in jobs}, key=lambda s: runs.ORDER.get(s, 9))
+    statuses = sorted({j.status for j in jobs}, key=lambda s: s.rank)
     counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in statuses)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     state = (f'<label class="live"><input type="checkbox" id="auto-reload" checked '

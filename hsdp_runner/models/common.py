@@ -1,0 +1,71 @@
+"""What model families share: the seeded initial values, the parameter name without wrapper
+prefixes, causal attention (grouped-query heads repeated) and the TP style that keeps a module
+whole on the TP mesh.
+
+A family module (``llama.py``, ``gpt2.py``) imports these instead of another family's module,
+so each family reads on its own. Helpers the runner uses outside the models (dtype names,
+freezing, copying a full value into a shard) are ``params``'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
+
+# Modules torch inserts into parameter names when it wraps a block: activation checkpointing
+# (checkpoint_wrapper) and torch.compile.
+WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the unwrapped model names it (wrapper prefixes removed), so a rule
+    keyed by name (initial values, weight decay) holds whatever wraps the module."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
+
+
+def initial_value(name: str, shape: tuple, seed: int, std: float, device: torch.device
+                  ) -> torch.Tensor:
+    """The full fp32 value N(0, std^2) of parameter ``name``, drawn on ``device`` from a
+    ``device`` generator seeded by (seed, clean name): every layout starts from equal weights."""
+    gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
+    return torch.randn(shape, generator=gen, device=device) * std
+
+
+def name_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter ``name`` (its clean name) under the run's ``seed``."""
+    digest = hashlib.sha256(f"{seed}:{clean_name(name)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of (batch, heads, seq, head_dim) queries over keys and values with
+    ``kv_heads`` dividing ``heads`` (grouped-query heads are repeated here)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class ReplicatedParams(ParallelStyle):
+    """Keep a module whole on every TP rank but make its parameters Replicate DTensors.
+
+    Used for the norms when sequence parallel is off, so every parameter lives on the TP mesh
+    (the optimizer's foreach kernels and grad clipping cannot mix DTensors with plain tensors).
+    torch has no built-in style for this.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                         for x in inputs)
+
+        def to_local(mod, outputs, mesh):
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
