@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import sys
-from enum import Enum
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import plan_memory, plan_report
+from hsdp_runner import plan_report
 from hsdp_runner.cluster import resolve
-from hsdp_runner.comm_model import unit_sizes
 from hsdp_runner.compose import compose as compose_config
 from hsdp_runner.config import ConfigError
-from hsdp_runner.config_checks import validate_batch, validate_config
-from hsdp_runner.mesh import DIM_NAMES, ParallelDims
+from hsdp_runner.config_checks import bad_choice_override, validate_config
+from hsdp_runner.plan_layouts import check_axis_keys, check_plan_options, plan_layouts
 
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
@@ -44,7 +41,11 @@ def compose(overrides: list[str]) -> DictConfig:
     try:
         return compose_config(overrides, config_name="plan")
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(str(err).split("\nConfig search path")[0]) from None
+        # Hydra's first line names the override; the schema's error (the cause) says why.
+        message = str(err).split("\nConfig search path")[0].strip()
+        if err.__cause__ is not None and str(err.__cause__).strip():
+            message += ": " + str(err.__cause__).strip().splitlines()[0]
+        raise ConfigError(message) from None
 
 
 def split_axes(args: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -59,148 +60,43 @@ def split_axes(args: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     return overrides, axes
 
 
-def axis_configs(cfg: DictConfig, axes: dict[str, list[str]]) -> list[tuple[dict, DictConfig]]:
-    """One (axis values, config) per combination of the axes; each config validated."""
-    for key in axes:
-        if key.split(".")[0] in ("cluster", "plan") or OmegaConf.select(cfg, key,
-                                                                      default="<absent>") == "<absent>":
-            raise ConfigError(f"plan.axes.{key}: {key} is not a key of the job config; "
-                              "axes take dotted keys such as plan.axes.parallel.ac=none,selective")
-        if key.split(".")[-1] in DIM_NAMES:
-            raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
-    out = []
-    for values in itertools.product(*axes.values()) if axes else [()]:
-        variant = cfg.copy()
-        chosen = dict(zip(axes, values))
-        for key, value in chosen.items():
-            node = OmegaConf.create({"v": value})  # YAML typing: true -> bool, 2 -> int
-            OmegaConf.update(variant, key, node.v, merge=False)
-        validate_config(variant)
-        out.append((chosen, variant))
-    return out
+def check_axes(cfg: DictConfig, overrides: list[str], axes: dict[str, list[str]]
+               ) -> dict[str, list]:
+    """Check every ``plan.axes.<key>`` value as the same override on the command line would be
+    checked, and return the values typed as composition types them.
 
-
-def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
-    """Every (dp_replicate, dp_shard, tp) with product ``world``: dims or the reason it is invalid."""
-    out = []
-    for tp in _divisors(world):
-        for shard in _divisors(world // tp):
-            rep = world // tp // shard
-            parallel = OmegaConf.merge(cfg.parallel, {"dp_replicate": rep, "dp_shard": shard,
-                                                      "tp": tp})
-            entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
+    A choice field's value goes through ``config_checks.bad_choice_override`` (one line with
+    the allowed values), then each value is composed as ``<key>=<value>`` on top of
+    ``overrides`` (Hydra's own parsing and the typed schema) and validated
+    (``validate_config``); ConfigError names ``plan.axes.<key>``, the value and the fix.
+    ``cfg``: the config composed from ``overrides`` (the keys are checked against it).
+    """
+    check_axis_keys(cfg, axes)
+    typed: dict[str, list] = {}
+    for key, values in axes.items():
+        if not values:
+            raise ConfigError(f"plan.axes.{key} has no value; give one or more, e.g. "
+                              f"plan.axes.{key}=a,b")
+        base = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
+        problem = bad_choice_override([f"{key}={v}" for v in values])
+        if problem:
+            raise ConfigError(f"plan.axes.{key}: {problem}")
+        typed[key] = []
+        for value in values:
             try:
-                dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
-                validate_batch(cfg, dims.dp)
-                entry["dims"] = dims
+                cfg = compose(base + [f"{key}={value}"])
+                validate_config(cfg)
             except ConfigError as err:
-                entry["reason"] = str(err)
-            out.append(entry)
-    return out
+                raise ConfigError(f"plan.axes.{key}={value}: {err}") from None
+            typed[key].append(OmegaConf.select(cfg, key))
+    return typed
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, list]:
-    """Group valid layouts by what their measurement depends on; return (requests, groups)."""
-    groups: dict[tuple, dict] = {}
-    for v, (chosen, cfg, layouts) in enumerate(variants):
-        depths = sorted({min(n, cfg.model.n_layers) for n in layers})
-        for entry in layouts:
-            dims = entry["dims"]
-            if dims is None:
-                continue
-            micro = validate_batch(cfg, dims.dp)
-            # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
-            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters).
-            key = (v, dims.tp, dims.dp_shard > 1, micro)
-            if key not in groups:
-                groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
-            entry["mem_key"] = key
-    requests = []
-    for key, group in groups.items():
-        cfg = group["cfg"]
-        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        for depth in group["depths"]:
-            group.setdefault("index", {})[depth] = len(requests)
-            requests.append(plan_memory.request(
-                plain["model"], plain["parallel"], plain["precision"], plain["trainer"]["freeze"],
-                group["shape"], key[3], cfg.trainer.grad_accum_steps, cluster.world_size,
-                cluster.gpus_per_node, depth))
-    return requests, groups
-
-
-def _state(cfg, dims: ParallelDims) -> dict:
-    import torch
-
-    master = getattr(torch, cfg.precision.master_dtype).itemsize
-    return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
-                                                 cfg.parallel.sequence_parallel),
-                                   dims.dp_shard, master)
-
-
-def predict(cfg: DictConfig, axes: dict[str, list[str]]) -> tuple[dict, list[dict]]:
+def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     """Return (cluster description, one entry per layout and axis combination, ranked)."""
-    from hsdp_runner.plan_time import step_time
-
-    layers = list(cfg.plan.layers_measured)
-    if len(set(layers)) < 2 or min(layers) < 1:
-        raise ConfigError(f"plan.layers_measured={layers} needs two different block counts >= 1 "
-                          "to extrapolate per block, e.g. plan.layers_measured=[1,2]")
-    if cfg.plan.top_k < 1:
-        raise ConfigError(f"plan.top_k={cfg.plan.top_k} must be >= 1")
+    check_plan_options(cfg)
     cluster = resolve(cfg.cluster, cfg.precision.param_dtype)
-    variants = [(chosen, variant, enumerate_layouts(variant, cluster.world_size,
-                                                    cluster.gpus_per_node))
-                for chosen, variant in axis_configs(cfg, axes)]
-    if not any(e["dims"] for _, _, layouts in variants for e in layouts):
-        reasons = sorted({e["reason"] for _, _, layouts in variants for e in layouts})
-        raise ConfigError(f"no layout of {cluster.world_size} ranks (cluster.nodes="
-                          f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
-                          f"valid for this config: {'; '.join(reasons[:3])}; change the world "
-                          "size or the batch/model")
-    requests, groups = _memory_requests(variants, cluster, layers)
-    measured = plan_memory.measure(requests)
-    entries = []
-    for chosen, variant, layouts in variants:
-        for entry in layouts:
-            entries.append(_entry(chosen, variant, entry, groups, measured, cluster, step_time))
-    plan_report.rank(entries)
-    return cluster.describe(), entries
-
-
-def _plain(value):
-    """A config value as YAML and JSON write it: a choice (an Enum) as its string."""
-    return value.value if isinstance(value, Enum) else value
-
-
-def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
-    rep, shard, tp = layout["shape"]
-    overrides = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard, "parallel.tp": tp,
-                 **{k: _plain(OmegaConf.select(cfg, k)) for k in chosen}}
-    dims = layout["dims"]
-    if dims is None:
-        return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,
-                "mem_gib": None, "step_time_s": None, "tps_per_device": None, "mfu": None,
-                "dominant": None, "rank": None}
-    group = groups[layout["mem_key"]]
-    cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
-                                   cfg.model.n_layers)
-    ref = ParallelDims(*group["shape"], dims.world_size, dims.ranks_per_node)
-    memory = plan_memory.layout_memory(cats, _state(cfg, ref), _state(cfg, dims),
-                                       cluster.memory_reserve_gib)
-    time = step_time(cfg, dims, cluster)
-    return {"overrides": overrides, "valid": True, "reason": None,
-            "fits": memory["peak_gib"] <= cluster.device_memory_gib,
-            "mem_gib": memory["peak_gib"], "step_time_s": time["step_time_s"],
-            "tps_per_device": time["tps_per_device"], "mfu": time["mfu"],
-            "dominant": time["dominant"], "rank": None, "layout": dims.layout,
-            "memory": memory, "compute_s": time["compute_s"],
-            "exposed_comm_s": time["exposed_comm_s"], "comm_total_s": time["comm_total_s"],
-            "comm_latency_s": time["comm_latency_s"],
-            "dims_across_nodes": dims.dims_across_nodes()}
+    return cluster.describe(), plan_layouts(cfg, cluster, axes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             print(plan_calibrate.calibrate(args.calibrate, args.plan_file))
             return EXIT_OK
         overrides, axes = split_axes(args.overrides)
+        problem = bad_choice_override(overrides)
+        if problem:
+            raise ConfigError(problem)
         cfg = compose(overrides)
         validate_config(cfg)
-        cluster, entries = predict(cfg, axes)
+        cluster, entries = predict(cfg, check_axes(cfg, overrides, axes))
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
