@@ -40,6 +40,8 @@ class ParallelConfig:
     compile: bool = False
     ddp_impl: DDPImpl = DDPImpl.replicate
     allow_tp_across_nodes: bool = False
+    # parallel=auto: the launching process plans the degrees left at -1 (plan_auto.py).
+    auto: bool = False
 
 
 @dataclass

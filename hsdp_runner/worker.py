@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint_start, metrics, profiling, rank0_sidecar, tracking
+from hsdp_runner import (checkpoint_start, metrics, prediction, profiling, rank0_sidecar,
+                         tracking)
 from hsdp_runner.checkpoint import Checkpointer, data_facts
 from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
 from hsdp_runner.data import TokenBatches
@@ -231,6 +232,7 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
         "flops_per_token": figures.flops_per_token,
         **metrics.steady_state(records, cfg.metrics.warmup_steps), **ckpt.facts, **memory,
         **trainer.comm_facts, **interrupted})
+    summary.prediction = prediction.job_prediction(config, summary)
     for sink in sinks:
         sink.log_summary(summary)
         sink.finish()
