@@ -26,7 +26,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hsdp_runner.contracts import RunSummary  # noqa: E402
+from hsdp_runner.core.records import RunSummary  # noqa: E402
+
 # (model, global batch in sequences), largest first.
 CANDIDATES = [("llama3_1b", 8), ("llama3_1b", 4), ("llama3_1b", 2), ("llama3_1b", 1),
               ("llama3_debug", 16)]

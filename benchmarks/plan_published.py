@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hsdp_runner import plan, plan_memory  # noqa: E402
+from hsdp_runner import plan
+from hsdp_runner.planner import memory as plan_memory  # noqa: E402
 
 CASES = [
     {"name": "Llama 3 8B, 8x H100, FSDP 8, selective AC",

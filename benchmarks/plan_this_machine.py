@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hsdp_runner import compare, prediction  # noqa: E402
+from hsdp_runner import compare
+from hsdp_runner.report import prediction  # noqa: E402
 
 COMMON = ["model=llama3_debug", "logger=none"]
 

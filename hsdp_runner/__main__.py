@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from hsdp_runner.app import main
+from hsdp_runner.runtime.app import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,7 @@ trainer, so it works offline and on a laptop. Writes into the sweep dir:
 - ``compare.md``: one row per job, sorted by global throughput, the best marked;
 - ``throughput_memory.png``: throughput and peak memory per job (bars);
 - ``loss.png``: the loss curves of every job that trained;
-- ``compare.html``: all of it and more, interactive, in one file (``hsdp_runner/dashboard.py``).
+- ``compare.html``: all of it and more, interactive, in one file (``hsdp_runner/report/dashboard/page.py``).
 Steady-state figures are the medians the run wrote into ``summary.json`` (steps after
 ``metrics.warmup_steps``); the spread shown is their min-max over the same steps.
 """
@@ -17,9 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-
-from hsdp_runner import dashboard, prediction
-from hsdp_runner.runs import ORDER, Job, degrees, load_jobs, table
+from hsdp_runner.report import prediction
+from hsdp_runner.report.dashboard import page as dashboard
+from hsdp_runner.report.runs import ORDER, Job, degrees, load_jobs, table
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
 def plot_bars(jobs: list[Job], path: Path) -> Path:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + predicted)
     print("compare: wrote " + ", ".join(str(p) for p in paths))
     if args.wandb_report:
-        from hsdp_runner import wandb_report
+        from hsdp_runner.report import wandb_report
 
         return wandb_report.publish(*_wandb_facts(args.sweep_dir, jobs))
     return 0

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from hsdp_runner import checkpoint_start, hf
-from hsdp_runner.choices import Dtype
-from hsdp_runner.config import ConfigError
+from hsdp_runner.checkpoint import hf
+from hsdp_runner.checkpoint import start as checkpoint_start
+from hsdp_runner.core.choices import Dtype
+from hsdp_runner.core.errors import ConfigError
 
 
 def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

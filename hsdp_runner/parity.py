@@ -17,13 +17,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from hsdp_runner import tracking
-from hsdp_runner.compose import CONF_DIR
-from hsdp_runner.compose import compose as compose_config
-from hsdp_runner.config import ConfigError
-from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
-from hsdp_runner.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
-from hsdp_runner.launch import run_job, validate
+from hsdp_runner.config.compose import CONF_DIR
+from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.runtime.launch import run_job, validate
+from hsdp_runner.train import sinks as tracking
 
 BASELINE = "single"
 ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")

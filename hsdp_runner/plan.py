@@ -22,12 +22,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner import plan_report
-from hsdp_runner.cluster import resolve
-from hsdp_runner.compose import compose as compose_config
-from hsdp_runner.config import ConfigError
-from hsdp_runner.config_checks import bad_choice_override, validate_config
-from hsdp_runner.plan_layouts import check_axis_keys, check_plan_options, plan_layouts
+from hsdp_runner.config.checks import bad_choice_override, validate_config
+from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.cluster import resolve
+from hsdp_runner.planner.layouts import check_axis_keys, check_plan_options, plan_layouts
 
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.calibrate is not None:
-            from hsdp_runner import plan_calibrate
+            from hsdp_runner.planner import calibrate as plan_calibrate
 
             print(plan_calibrate.calibrate(args.calibrate, args.plan_file))
             return EXIT_OK

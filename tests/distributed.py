@@ -7,8 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hsdp_runner.launch import start_local_workers
-
+from hsdp_runner.runtime.launch import start_local_workers
 
 # Short collective timeout: a test that deadlocks fails in minutes instead of hanging. Meshes
 # built without a timeout (ParallelDims.build_mesh) give every group the default group's.

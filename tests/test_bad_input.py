@@ -2,10 +2,10 @@
 before any worker starts. Adding a case is one line in BAD_INPUTS."""
 
 import pytest
+from conftest import TINY, run_cli
 from hydra.core.global_hydra import GlobalHydra
 
-from conftest import TINY, run_cli
-from hsdp_runner import app, launch
+from hsdp_runner.runtime import app, launch
 
 # (overrides, words the message must contain, GPUs the machine pretends to have or None)
 BAD_INPUTS = [

@@ -3,11 +3,11 @@ for Llama and for GPT-2 (the family added through the model seam)."""
 
 import pytest
 import torch
+from conftest import TINY, read_job, run_cli
 from omegaconf import OmegaConf
 
-from conftest import TINY, read_job, run_cli
-from hsdp_runner import hf
-from hsdp_runner.checkpoint import expected_shapes
+from hsdp_runner.checkpoint import hf
+from hsdp_runner.checkpoint.checkpointer import expected_shapes
 from hsdp_runner.export import load_full_weights
 from hsdp_runner.models.base import model_spec
 

@@ -3,12 +3,12 @@
 import shutil
 
 import pytest
-
 from conftest import TINY, run_cli
-from hsdp_runner import checkpoint_start as checkpoint
-from hsdp_runner import export
-from hsdp_runner.config import ConfigError
 from test_config import compose
+
+from hsdp_runner import export
+from hsdp_runner.checkpoint import start as checkpoint
+from hsdp_runner.core.errors import ConfigError
 
 
 def _validate(tmp_path, *overrides):

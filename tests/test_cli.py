@@ -2,7 +2,6 @@
 other faults: test_faults.py."""
 
 import pytest
-
 from conftest import TINY, read_job, run_cli
 
 

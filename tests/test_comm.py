@@ -6,7 +6,6 @@ One 8-rank gloo run trains one step of the tiny model in each layout, counting c
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_config import compose
 
@@ -38,10 +37,10 @@ LAYOUTS = {
 def _measure_layouts():
     import torch.distributed as dist
 
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.run_figures import compute_run_figures
-    from hsdp_runner.sharding import build_model
-    from hsdp_runner.worker import make_trainer
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.runtime.worker import make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
 
     out = {}
     for name, overrides in LAYOUTS.items():
@@ -85,9 +84,9 @@ def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
 
 
 def test_analytic_fsdp_bytes_match_a_hand_count():
-    from hsdp_runner.comm_model import analytic_comm
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.step_stats import STATS_BYTES
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.step_stats import STATS_BYTES
 
     # llama3_tiny: a block holds wq 64x64, wk and wv 32x64, wo 64x64, w1/w3 192x64, w2 64x192
     # and two norms of 64 = 49,280 parameters; the root 2 x 256x64 + 64 = 32,832.

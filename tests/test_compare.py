@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hsdp_runner import compare, wandb_report
+from hsdp_runner import compare
+from hsdp_runner.report import wandb_report
 
 
 def fake_job(sweep: Path, num: int, overrides: list[str], summary: dict, losses=()) -> None:

@@ -6,7 +6,6 @@ embedding gradient under TP+FSDP (see sharding.apply_compile).
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_config import compose
 
@@ -16,8 +15,9 @@ pytestmark = pytest.mark.multiprocess
 def _loss_and_embedding_grad(overrides):
     import torch.distributed as dist
     import torch.nn.functional as F
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.sharding import build_model
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
 
     out = {}
     for compiled in (False, True):

@@ -4,11 +4,11 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from hsdp_runner.choices import AC, DataKind
-from hsdp_runner.compose import CONF_DIR as CONF
-from hsdp_runner.compose import compose
-from hsdp_runner.config import ConfigError
-from hsdp_runner.config_checks import bad_choice_override, validate_batch, validate_config
+from hsdp_runner.config.checks import bad_choice_override, validate_batch, validate_config
+from hsdp_runner.config.compose import CONF_DIR as CONF
+from hsdp_runner.config.compose import compose
+from hsdp_runner.core.choices import AC, DataKind
+from hsdp_runner.core.errors import ConfigError
 
 GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir() if g.is_dir()}
 

@@ -6,9 +6,9 @@ import pickle
 
 from omegaconf import OmegaConf
 
-from hsdp_runner import tracking
-from hsdp_runner.contracts import RunInfo, RunStatus, RunSummary
-from hsdp_runner.runs import load_jobs, table
+from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.report.runs import load_jobs, table
+from hsdp_runner.train import sinks as tracking
 
 
 def test_a_summary_round_trips_through_its_file(tmp_path):

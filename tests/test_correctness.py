@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_workers
 from test_config import compose
+from torch import nn
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,8 +22,9 @@ class GradientProbe(nn.Module):
 
 def _reduced_gradients():
     import torch.distributed as dist
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.sharding import apply_data_parallel
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import apply_data_parallel
 
     precision = compose([]).precision
     out = {}
@@ -69,13 +69,14 @@ FROZEN = "tok_embeddings.weight"
 def _train_eval_frozen(cases):
     import torch.distributed as dist
     import torch.nn.functional as F
-    from hsdp_runner.data import TokenBatches
-    from hsdp_runner.mesh import ParallelDims
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.models.llama import Llama
-    from hsdp_runner.run_figures import compute_run_figures
-    from hsdp_runner.sharding import build_model
-    from hsdp_runner.trainer import EVAL_STEP_OFFSET
-    from hsdp_runner.worker import make_trainer
+    from hsdp_runner.runtime.worker import make_trainer
+    from hsdp_runner.train.data import TokenBatches
+    from hsdp_runner.train.figures import compute_run_figures
+    from hsdp_runner.train.trainer import EVAL_STEP_OFFSET
 
     results = {}
     for layout, reshard in cases:
@@ -133,9 +134,13 @@ def test_eval_after_training_and_frozen_params_on_two_ranks():
 def _two_models_state_dicts(specs):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, set_model_state_dict)
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.sharding import build_model
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
 
     models = {}
     for name, overrides in specs.items():

@@ -12,8 +12,11 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from hsdp_runner import compare, dashboard, dashboard_charts, prediction, runs
-from hsdp_runner.dashboard_callback import DashboardCallback
+from hsdp_runner import compare
+from hsdp_runner.report import prediction, runs
+from hsdp_runner.report.dashboard import charts as dashboard_charts
+from hsdp_runner.report.dashboard import page as dashboard
+from hsdp_runner.report.dashboard.callback import DashboardCallback
 
 COMM = {"all_gather/dp_shard": {"calls": 3, "bytes": 3 * 2**20},
         "reduce_scatter/dp_shard": {"calls": 2, "bytes": 2**20}}

@@ -17,9 +17,10 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
-from hsdp_runner import compare, runs
+
+from hsdp_runner import compare
+from hsdp_runner.report import runs
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Two layouts of the same 2 ranks: FSDP (1 x 2) and DDP (2 x 1); tiny and short.

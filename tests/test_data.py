@@ -5,8 +5,14 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from hsdp_runner.config import ConfigError
-from hsdp_runner.data import TokenBatches, decode_bytes, default_corpus, encode_bytes, load_corpus
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.train.data import (
+    TokenBatches,
+    decode_bytes,
+    default_corpus,
+    encode_bytes,
+    load_corpus,
+)
 
 
 def batches(kind="synthetic", dp_rank=0, dp_size=1, path=None, seed=0):

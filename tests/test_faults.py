@@ -9,10 +9,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY, cli_env, read_job, run_cli
 
-from hsdp_runner.interrupt import worker_pids
+from hsdp_runner.runtime.signals import worker_pids
 
 pytestmark = pytest.mark.multiprocess
 

@@ -4,10 +4,10 @@ estimate and per-rank peaks, and a profiler trace of the chosen step window."""
 import json
 
 import pytest
+from conftest import TINY, read_job, run_cli
 from hydra.core.global_hydra import GlobalHydra
 
-from conftest import TINY, read_job, run_cli
-from hsdp_runner import app
+from hsdp_runner.runtime import app
 
 
 @pytest.mark.multiprocess

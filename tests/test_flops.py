@@ -1,10 +1,10 @@
 """FLOPs per token from the model shape, against a count done by hand for the debug model."""
 
 from omegaconf import OmegaConf
-
-from hsdp_runner.config import ModelConfig
-from hsdp_runner.models.llama import Llama, count_params, flops_per_token
 from test_config import compose
+
+from hsdp_runner.config.schema import ModelConfig
+from hsdp_runner.models.llama import Llama, count_params, flops_per_token
 
 
 def test_flops_per_token_matches_hand_count_for_debug_model():

@@ -7,7 +7,6 @@ import os
 import signal
 
 import pytest
-
 from distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess

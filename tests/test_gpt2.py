@@ -5,13 +5,13 @@ schema rejects typos, its counts match the built model, its Hugging Face export 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-
-from hsdp_runner import hf
-from hsdp_runner.config import ConfigError
-from hsdp_runner.config_checks import validate_config
-from hsdp_runner.mesh import ParallelDims
-from hsdp_runner.models.base import build_meta_model, model_spec
 from test_config import GROUPS, compose
+
+from hsdp_runner.checkpoint import hf
+from hsdp_runner.config.checks import validate_config
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.models.base import build_meta_model, model_spec
 
 TINY = "model=gpt2_tiny"
 

@@ -5,7 +5,7 @@ README's "On a GPU machine" says what this does and does not prove.
 
 import pytest
 
-from hsdp_runner.metrics import lookup_peak_tflops
+from hsdp_runner.train.metrics import lookup_peak_tflops
 
 # Real torch.cuda.get_device_name() strings -> dense bf16 peak TFLOP/s (datasheets, no sparsity).
 DEVICE_NAMES = {
@@ -48,8 +48,9 @@ def test_fp32_peak_is_the_non_tensor_core_figure():
 # --- precision checks a GPU makes matter -----------------------------------------------------
 
 def _validate(overrides, tmp_path, gpus=1):
-    from hsdp_runner import launch
     from test_config import compose
+
+    from hsdp_runner.runtime import launch
 
     cfg = compose(["model=llama3_tiny", "logger=none", "trainer.global_batch_size=8",
                    "device=cuda", f"launcher.nproc_per_node={gpus}", *overrides])
@@ -57,7 +58,7 @@ def _validate(overrides, tmp_path, gpus=1):
 
 
 def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
-    from hsdp_runner.config import ConfigError
+    from hsdp_runner.core.errors import ConfigError
 
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     # A V100 or T4: torch emulates bf16, is_bf16_supported() alone says True.
@@ -69,9 +70,10 @@ def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype", "master_dtype"])
 def test_float16_without_a_gradient_scaler_is_refused(key):
-    from hsdp_runner.config import ConfigError
-    from hsdp_runner.config_checks import validate_config
     from test_config import compose
+
+    from hsdp_runner.config.checks import validate_config
+    from hsdp_runner.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"precision.{key}=float16 needs a gradient scaler"):
         validate_config(compose(["model=llama3_tiny", f"precision.{key}=float16"]))
@@ -91,21 +93,21 @@ def cuda(monkeypatch):
 
 
 def test_one_visible_gpu_per_task_is_used_whatever_the_local_rank(cuda):
-    from hsdp_runner.devices import pick_device
+    from hsdp_runner.distributed.hardware import pick_device
 
     cuda.visible = 1  # SLURM --gpus-per-task=1 / --gpu-bind: each task sees only its own GPU
     assert str(pick_device("auto", 5, 8)) == "cuda:0" and cuda.current == [0]
 
 
 def test_local_rank_indexes_the_node_gpus(cuda):
-    from hsdp_runner.devices import pick_device
+    from hsdp_runner.distributed.hardware import pick_device
 
     assert str(pick_device("cuda", 3, 8)) == "cuda:3" and cuda.current == [3]
 
 
 def test_more_local_ranks_than_visible_gpus_is_a_clear_error(cuda, monkeypatch):
-    from hsdp_runner.config import ConfigError
-    from hsdp_runner.devices import pick_device
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.distributed.hardware import pick_device
 
     cuda.visible = 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
@@ -117,7 +119,7 @@ def test_more_local_ranks_than_visible_gpus_is_a_clear_error(cuda, monkeypatch):
 
 def test_torchrun_ranks_outnumbering_visible_gpus_exit_2_before_training(cuda, tmp_path,
                                                                          monkeypatch):
-    from hsdp_runner.config import ConfigError
+    from hsdp_runner.core.errors import ConfigError
 
     cuda.visible = 2
     monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
@@ -141,7 +143,7 @@ def gpu_node_without_cuda(monkeypatch, tmp_path):
 
 def test_auto_device_on_a_gpu_node_with_a_cpu_torch_warns_naming_the_cause(
         gpu_node_without_cuda):
-    from hsdp_runner.devices import cuda_fallback_warning
+    from hsdp_runner.distributed.hardware import cuda_fallback_warning
 
     warning = cuda_fallback_warning("auto", gpu_node_without_cuda)
     assert "8 NVIDIA GPU(s) present" in warning and "CPU-only build" in warning
@@ -151,7 +153,7 @@ def test_auto_device_on_a_gpu_node_with_a_cpu_torch_warns_naming_the_cause(
 
 
 def test_hidden_gpus_are_named_as_the_cause(gpu_node_without_cuda, monkeypatch):
-    from hsdp_runner.devices import cuda_fallback_warning
+    from hsdp_runner.distributed.hardware import cuda_fallback_warning
 
     monkeypatch.setattr("torch.version.cuda", "12.8")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -160,10 +162,11 @@ def test_hidden_gpus_are_named_as_the_cause(gpu_node_without_cuda, monkeypatch):
 
 
 def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, tmp_path, capsys):
-    from hsdp_runner import launch
     from test_config import compose
 
-    monkeypatch.setattr("hsdp_runner.devices.gpus_present", lambda root=None: (8, "NVIDIA"))
+    from hsdp_runner.runtime import launch
+
+    monkeypatch.setattr("hsdp_runner.distributed.hardware.gpus_present", lambda root=None: (8, "NVIDIA"))
     monkeypatch.setattr("torch.version.cuda", None)
     monkeypatch.setattr("torch.version.hip", None)
     base = ["model=llama3_tiny", "logger=none", "parallel=fsdp"]
@@ -176,7 +179,7 @@ def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, t
 # --- CPU threads from the affinity mask -------------------------------------------------------
 
 def test_threads_come_from_the_affinity_mask_not_the_node_cpu_count(monkeypatch):
-    from hsdp_runner.devices import cpu_threads
+    from hsdp_runner.distributed.hardware import cpu_threads
 
     monkeypatch.setattr("os.cpu_count", lambda: 224)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
@@ -191,9 +194,10 @@ def test_threads_come_from_the_affinity_mask_not_the_node_cpu_count(monkeypatch)
 def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     import os
 
-    from hsdp_runner import launch
-    from hsdp_runner.mesh import ParallelDims
     from test_config import compose
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.runtime import launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 224)
@@ -206,7 +210,7 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "start_local_workers", start)
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
-    from hsdp_runner.contracts import RunInfo
+    from hsdp_runner.core.records import RunInfo
 
     run_info = RunInfo(output_dir=str(tmp_path), group="g", run_name="r", tags=[],
                        multirun=False, overrides=[])
@@ -219,7 +223,7 @@ def test_a_slurm_rank_sets_its_threads_from_the_mask(monkeypatch):
 
     import torch
 
-    from hsdp_runner.devices import set_cpu_threads
+    from hsdp_runner.distributed.hardware import set_cpu_threads
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

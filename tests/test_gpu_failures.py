@@ -5,7 +5,6 @@ device. README's "On a GPU machine" says what this does and does not prove.
 
 import pytest
 
-
 # --- NCCL failure semantics ---------------------------------------------------------------------
 
 WATCHDOG_LOG = """\
@@ -22,7 +21,7 @@ Fatal Python error: Aborted
 def test_rank_killed_by_nccl_watchdog_is_reported_with_its_cause_not_signal_6(tmp_path):
     from types import SimpleNamespace
 
-    from hsdp_runner.launch import _failure_message
+    from hsdp_runner.runtime.launch import _failure_message
 
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -39,7 +38,7 @@ def test_rank_killed_by_nccl_watchdog_is_reported_with_its_cause_not_signal_6(tm
 def test_a_python_error_record_is_kept_as_it_is(tmp_path):
     from types import SimpleNamespace
 
-    from hsdp_runner.launch import _failure_message
+    from hsdp_runner.runtime.launch import _failure_message
 
     (tmp_path / "rank0.log").write_text(WATCHDOG_LOG)
     failure = SimpleNamespace(message={"message": "RuntimeError: boom"}, exitcode=1)
@@ -47,7 +46,7 @@ def test_a_python_error_record_is_kept_as_it_is(tmp_path):
 
 
 def test_nccl_settings_dump_the_flight_recorder_into_the_job_logs(tmp_path):
-    from hsdp_runner.failures import nccl_failure_env
+    from hsdp_runner.runtime.failures import nccl_failure_env
 
     env = nccl_failure_env(tmp_path / "logs")
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # a timed-out rank ends, never hangs
@@ -56,7 +55,7 @@ def test_nccl_settings_dump_the_flight_recorder_into_the_job_logs(tmp_path):
 
 
 def test_a_cause_left_by_an_earlier_attempt_is_not_read(tmp_path):
-    from hsdp_runner.failures import cause_from_log, mark_attempt
+    from hsdp_runner.runtime.failures import cause_from_log, mark_attempt
 
     (tmp_path / "rank1.log").write_text(WATCHDOG_LOG)
     assert cause_from_log(tmp_path, 1).startswith("Watchdog caught")
@@ -65,7 +64,7 @@ def test_a_cause_left_by_an_earlier_attempt_is_not_read(tmp_path):
 
 
 def test_a_rank_failing_after_a_peer_died_in_cpp_names_the_peer(tmp_path):
-    from hsdp_runner.failures import failed_facts, mark_attempt
+    from hsdp_runner.runtime.failures import failed_facts, mark_attempt
 
     for rank in (0, 1):
         mark_attempt(tmp_path, rank)
@@ -87,7 +86,7 @@ def test_a_rank_failing_after_a_peer_died_in_cpp_names_the_peer(tmp_path):
 def test_a_rank_killed_by_a_signal_comes_before_its_peers_echoes_in_the_same_second():
     from types import SimpleNamespace as Failure
 
-    from hsdp_runner.failures import first_failure
+    from hsdp_runner.runtime.failures import first_failure
 
     # Rank 0 aborted at 10.9 s, noticed at 11.0 s; rank 1's "Connection closed" at 10.95 s.
     echo, aborted = Failure(exitcode=1, timestamp=10), Failure(exitcode=-6, timestamp=11)
@@ -101,8 +100,8 @@ def test_a_rank_killed_by_a_signal_comes_before_its_peers_echoes_in_the_same_sec
 ABORTING_RANK0 = """
 import faulthandler, sys
 from pathlib import Path
-from hsdp_runner import rank0_sidecar
-from hsdp_runner.faults import _abort_like_nccl_watchdog
+from hsdp_runner.runtime import sidecar as rank0_sidecar
+from hsdp_runner.core.faults import _abort_like_nccl_watchdog
 sidecar = rank0_sidecar.start(Path(sys.argv[1]), {"world_size": 2, "layout": "ddp"}, 30)
 faulthandler.enable()
 if sys.argv[2] == "abort":
@@ -171,7 +170,7 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
     import torch.distributed as dist
     import torch.distributed.device_mesh as device_mesh
 
-    from hsdp_runner.mesh import ParallelDims
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
 
     class Options:
         _timeout = None
@@ -203,9 +202,9 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
 
 def test_cpu_initial_weights_are_the_same_values_as_before():
     import torch
+    from test_config import compose
 
     from hsdp_runner.models.llama import Llama
-    from test_config import compose
 
     model = Llama(compose(["model=llama3_tiny"]).model)
     model.init_weights(7)
@@ -280,7 +279,7 @@ def test_other_ranks_learn_rank0s_file_error_at_once():
 
     import torch.distributed as dist
 
-    from hsdp_runner.rank0_io import run_on_rank0
+    from hsdp_runner.checkpoint.rank0_io import run_on_rank0
 
     store = dist.HashStore()
 
@@ -297,7 +296,7 @@ def test_other_ranks_learn_rank0s_file_error_at_once():
 def test_rank0_file_work_is_bounded_by_rank0_wait_s():
     import torch.distributed as dist
 
-    from hsdp_runner.rank0_io import run_on_rank0
+    from hsdp_runner.checkpoint.rank0_io import run_on_rank0
 
     with pytest.raises(RuntimeError, match=r"rank 0 did not finish exporting within "
                                             r"checkpoint.rank0_wait_s=0.2 s"):
@@ -315,12 +314,12 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
 
     import torch
     import torch.distributed as dist
-
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.run_figures import compute_run_figures
-    from hsdp_runner.sharding import build_model
-    from hsdp_runner.worker import make_checkpointer, make_trainer
     from test_config import compose
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.runtime.worker import make_checkpointer, make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
 
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2",
                    "metrics.peak_tflops=1", "checkpoint.enable=true", "checkpoint.keep_last=1",
@@ -346,7 +345,7 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_slow_rank0_prune_longer_than_the_collective_timeout_does_not_fail_the_job(tmp_path):
-    from hsdp_runner.launch import start_local_workers
+    from hsdp_runner.runtime.launch import start_local_workers
 
     results = start_local_workers(_save_while_rank0_prunes_slowly, 2, str(tmp_path))
     assert results == {0: ["step-1"], 1: ["step-1"]}

@@ -4,7 +4,6 @@ and the Makefile's torch stamp. README's "On a GPU machine" says what this does 
 
 import pytest
 
-
 # --- single-GPU parts and per-count commands on a multi-GPU node --------------------------------
 
 def _gpu_node(monkeypatch, gpus):
@@ -27,8 +26,9 @@ def _readiness():
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gpu_node(
         gpus, monkeypatch, tmp_path):
-    from hsdp_runner import launch
     from test_config import compose
+
+    from hsdp_runner.runtime import launch
 
     _gpu_node(monkeypatch, gpus)
     readiness = _readiness()
@@ -44,7 +44,8 @@ def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gp
 
 
 def test_parity_runs_each_layout_on_its_own_rank_count_on_a_gpu_node(monkeypatch, tmp_path):
-    from hsdp_runner import launch, parity
+    from hsdp_runner import parity
+    from hsdp_runner.runtime import launch
 
     _gpu_node(monkeypatch, 8)
     sizes = {layout: launch.validate(parity.compose(layout, ["model=llama3_tiny"]),

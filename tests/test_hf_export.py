@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO, TINY, cli_env, read_job, run_cli
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY, cli_env, read_job, run_cli
-from hsdp_runner import hf
+from hsdp_runner.checkpoint import hf
 from hsdp_runner.export import load_full_weights
 from hsdp_runner.models.llama import Llama
 
@@ -79,7 +79,7 @@ def test_export_cli_splits_into_shards_with_an_index_above_the_size_limit(traine
 
 def test_training_starts_from_a_safetensors_folder_under_tp(trained_checkpoint, job_dir):
     """init_from_hf under TP: the first loss is the exported weights' loss on batch 0."""
-    from hsdp_runner.data import TokenBatches
+    from hsdp_runner.train.data import TokenBatches
 
     result = run_cli(job_dir, *TINY, "parallel=tp", "trainer.steps=1",
                      f"checkpoint.init_from_hf={trained_checkpoint / 'hf'}")

@@ -1,5 +1,5 @@
-"""The package's own imports form no cycle, and the modules that read finished runs or plan
-runs never import the training side: each concept has one owner and arrows point one way."""
+"""The package's own imports form no cycle and point one way, from the entry points down to
+core: each subpackage owns one concept and never imports a layer above it."""
 
 from __future__ import annotations
 
@@ -28,12 +28,29 @@ def _imports(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+# Bottom to top. A module may import its own layer and the layers below it, never one above.
+LAYERS = ("core", "models", "config", "distributed", "train", "checkpoint", "report", "planner",
+          "runtime")
+ENTRY_POINTS = {"__main__", "plan", "compare", "export", "parity"}
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module name -> the package modules it imports (itself excluded)."""
+    """Module name -> the package modules it imports (itself and packages' __init__ excluded)."""
     paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    packages = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
     known = set(paths)
-    return {name: _imports(path, known) - {name, "hsdp_runner", "hsdp_runner.models"}
-            for name, path in paths.items()}
+    return {name: _imports(path, known) - {name} - packages
+            for name, path in paths.items() if name not in packages}
+
+
+def layer_of(module: str) -> int:
+    """The index of ``module``'s layer in LAYERS; entry points sit above every layer."""
+    part = module.split(".")[1]
+    if part in ENTRY_POINTS:
+        return len(LAYERS)
+    if part not in LAYERS:
+        raise ValueError(f"{module} is in no layer: add its package to LAYERS or ENTRY_POINTS")
+    return LAYERS.index(part)
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,13 +90,22 @@ def test_package_imports_form_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_every_module_sits_in_a_layer_and_imports_only_its_own_or_lower_layers():
+    graph = import_graph()
+    upward = [f"{module} imports {dep}" for module, deps in sorted(graph.items())
+              for dep in sorted(deps) if layer_of(dep) > layer_of(module)]
+    assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+
+
 def test_readers_of_finished_runs_never_import_the_training_side():
     graph = import_graph()
-    training = {"hsdp_runner.trainer", "hsdp_runner.worker", "hsdp_runner.sharding"}
-    # run_figures computes the fixed figures the trainer is handed: it must not need it.
-    for reader in ("hsdp_runner.compare", "hsdp_runner.tracking", "hsdp_runner.models.llama",
-                   "hsdp_runner.models.gpt2", "hsdp_runner.comm_model", "hsdp_runner.run_figures",
-                   "hsdp_runner.contracts", "hsdp_runner.runs"):
+    training = {"hsdp_runner.train.trainer", "hsdp_runner.runtime.worker",
+                "hsdp_runner.distributed.parallelize"}
+    # train.figures computes the fixed figures the trainer is handed: it must not need it.
+    for reader in ("hsdp_runner.compare", "hsdp_runner.train.sinks", "hsdp_runner.models.llama",
+                   "hsdp_runner.models.gpt2", "hsdp_runner.distributed.comm_model",
+                   "hsdp_runner.train.figures", "hsdp_runner.core.records",
+                   "hsdp_runner.report.runs"):
         assert not (_reachable(graph, reader) & training), reader
 
 
@@ -87,7 +113,8 @@ def test_the_runner_reaches_models_only_through_the_seam():
     """Outside ``hsdp_runner/models/`` no module imports a model family (mesh, sharding,
     trainer, checkpoint, planner...): they use ``models.base`` (model_spec, build_meta_model)."""
     graph = import_graph()
-    families = {m for m in graph if m.startswith("hsdp_runner.models.")} - {"hsdp_runner.models.base"}
+    shared = {"hsdp_runner.models.base", "hsdp_runner.models.params"}
+    families = {m for m in graph if m.startswith("hsdp_runner.models.")} - shared
     assert {"hsdp_runner.models.llama", "hsdp_runner.models.gpt2"} <= families
     for module, deps in sorted(graph.items()):
         if not module.startswith("hsdp_runner.models."):

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, cli_env, read_job, run_cli
 
 

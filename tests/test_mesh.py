@@ -4,8 +4,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from hsdp_runner.config import ConfigError
-from hsdp_runner.mesh import ParallelDims, infer_world_size
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import ParallelDims, infer_world_size
 
 MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 

@@ -6,14 +6,14 @@ from types import SimpleNamespace as NS
 import pytest
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
-
-from hsdp_runner.app import torchrun_problem
-from hsdp_runner.compose import default_run_dir
-from hsdp_runner.config import ConfigError
-from hsdp_runner.config_checks import validate_config
-from hsdp_runner.launch import join_submitit_job, validate
-from hsdp_runner.mesh import ParallelDims
 from test_config import CONF, compose
+
+from hsdp_runner.config.checks import validate_config
+from hsdp_runner.config.compose import default_run_dir
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.runtime.app import torchrun_problem
+from hsdp_runner.runtime.launch import join_submitit_job, validate
 
 MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 

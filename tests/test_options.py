@@ -4,7 +4,6 @@ The presets themselves are trained by the parity run (tests/test_parity.py). Opt
 apply to the same layout share one job: each must train for the job to train."""
 
 import pytest
-
 from conftest import TINY, read_job, run_cli
 
 pytestmark = pytest.mark.multiprocess

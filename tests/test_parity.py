@@ -15,11 +15,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, cli_env, read_job
 from distributed import run_workers
-from hsdp_runner import parity as parity_cli
 from test_config import compose
+
+from hsdp_runner import parity as parity_cli
 
 WORLD = {"single": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 2, "fsdp_tp": 4, "hsdp_tp": 8}
 METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tps_per_device", "tps_global",
@@ -93,10 +93,11 @@ def _train_cases(cases):
     """Train each ``{name: overrides}`` case in turn on these ranks (tiny model, fp32 unless
     the overrides say otherwise); return {name: (step records, ParallelDims.describe())}."""
     import torch.distributed as dist
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.run_figures import compute_run_figures
-    from hsdp_runner.sharding import build_model
-    from hsdp_runner.worker import make_trainer
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.runtime.worker import make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
 
     out = {}
     for name, overrides in cases.items():

@@ -4,7 +4,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_config import compose
 
@@ -13,8 +12,9 @@ pytestmark = pytest.mark.multiprocess
 
 def _build(overrides):
     import torch.distributed as dist
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.sharding import build_model
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
 
     cfg = compose(overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
@@ -101,7 +101,7 @@ def _buffers_after_build(overrides):
 
     # A buffer that differs per rank at creation must agree after the model is built.
     torch.manual_seed(dist.get_rank())
-    from hsdp_runner.sharding import sync_buffers
+    from hsdp_runner.distributed.parallelize import sync_buffers
     dims, world, model = _build(overrides)
     model.register_buffer("noise", torch.randn(4))
     before = model.noise.clone()

@@ -8,12 +8,15 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from hsdp_runner import plan, plan_calibrate, plan_memory, prediction
-from hsdp_runner.cluster import Cluster
-from hsdp_runner.comm_model import unit_sizes
-from hsdp_runner.compose import CONF_DIR
-from hsdp_runner.mesh import ParallelDims
-from hsdp_runner.plan_time import step_time
+from hsdp_runner import plan
+from hsdp_runner.config.compose import CONF_DIR
+from hsdp_runner.distributed.comm_model import unit_sizes
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.planner import calibrate as plan_calibrate
+from hsdp_runner.planner import memory as plan_memory
+from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.planner.step_time import step_time
+from hsdp_runner.report import prediction
 
 # One block: the fake measurement then needs one depth per layout group (fast); the per-block
 # extrapolation has its own test.
@@ -150,8 +153,8 @@ def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
 
 
 def _times(cfg, dims, cluster):
-    from hsdp_runner.comm_model import analytic_comm
-    from hsdp_runner.plan_time import comm_times
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.planner.step_time import comm_times
 
     return comm_times(analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer),
                       dims, cluster)
@@ -275,11 +278,11 @@ def test_selective_ac_recomputes_the_flops_the_planner_counts(model):
     """Forward + backward of a real model, counted by torch's FlopCounterMode: selective AC
     adds exactly the model's ``selective_recompute_flops_per_token`` (the planner's term)."""
     import torch
+    from test_config import compose
     from torch.utils.flop_counter import FlopCounterMode
 
+    from hsdp_runner.distributed.parallelize import apply_ac
     from hsdp_runner.models.base import model_spec
-    from hsdp_runner.sharding import apply_ac
-    from test_config import compose
 
     spec = model_spec(compose([f"model={model}"]).model)
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
@@ -299,7 +302,7 @@ def test_selective_ac_recomputes_the_flops_the_planner_counts(model):
 def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_path, monkeypatch):
     """The matmul peak per rank depends on the threads each rank runs; a table measured with
     another count (e.g. every rank on every core, oversubscribed) is not reused."""
-    from hsdp_runner import linkbench
+    from hsdp_runner.planner import linkbench
 
     monkeypatch.setattr(linkbench, "cache_path", lambda ranks: tmp_path / f"links_{ranks}.json")
     calls = []
@@ -322,8 +325,9 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
 
 def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is_an_error(
         monkeypatch):
-    from hsdp_runner import cluster as cluster_mod, linkbench
-    from hsdp_runner.config import ConfigError
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.planner import cluster as cluster_mod
+    from hsdp_runner.planner import linkbench
 
     monkeypatch.setattr(linkbench, "cached_or_measure", lambda ranks: {
         "peak_tflops": {"float32": 0.02}, "links": {}, "overlap": 0.32, "memory_gib": 16.0})
@@ -337,7 +341,7 @@ def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is
 
 
 def _overlap_on_two_ranks():
-    from hsdp_runner import linkbench
+    from hsdp_runner.planner import linkbench
 
     return linkbench._overlap(rounds=2)
 

@@ -15,7 +15,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_config import compose
 
@@ -72,10 +71,10 @@ class Tally:
 def _trainer(overrides, device=torch.device("cpu")):
     import torch.distributed as dist
 
-    from hsdp_runner.mesh import ParallelDims
-    from hsdp_runner.run_figures import compute_run_figures
-    from hsdp_runner.sharding import build_model
-    from hsdp_runner.worker import make_trainer
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.runtime.worker import make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
 
     cfg = compose(BASE + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
@@ -112,7 +111,7 @@ def _nan_skip():
 
 
 def _nan_stop():
-    from hsdp_runner.trainer import NonFiniteError
+    from hsdp_runner.train.trainer import NonFiniteError
 
     trainer = _trainer(FSDP + ["trainer.steps=4", "fault.kind=nan", "fault.rank=1", "fault.step=2"])
     hooked = []
@@ -221,13 +220,13 @@ def _cuda_sync_warnings():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_steps_make_no_synchronizing_call():
-    from hsdp_runner.launch import start_local_workers
+    from hsdp_runner.runtime.launch import start_local_workers
 
     assert start_local_workers(_cuda_sync_warnings, 1)[0] == []
 
 
 def test_vectorised_synthetic_chain_equals_the_token_by_token_loop():
-    from hsdp_runner.data import follow_successors
+    from hsdp_runner.train.data import follow_successors
 
     gen = torch.Generator().manual_seed(0)
     for n, length, vocab in ((8, 513, 256), (3, 2, 50), (16, 64, 1000)):
@@ -242,7 +241,7 @@ def test_vectorised_synthetic_chain_equals_the_token_by_token_loop():
 
 
 def test_prefetched_batches_are_the_batches_of_their_step():
-    from hsdp_runner.data import Prefetcher, TokenBatches
+    from hsdp_runner.train.data import Prefetcher, TokenBatches
 
     batches = TokenBatches(NS(kind="synthetic", path=None), vocab_size=256, seq_len=16,
                            global_batch=8, dp_rank=1, dp_size=2, seed=3)
@@ -257,7 +256,7 @@ def test_prefetched_batches_are_the_batches_of_their_step():
 
 
 def test_cpu_peak_is_measured_once_per_machine_and_thread_count(tmp_path, monkeypatch):
-    from hsdp_runner import metrics
+    from hsdp_runner.train import metrics
 
     monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
     measured = []

@@ -11,13 +11,18 @@ from argparse import Namespace
 from datetime import timedelta
 
 import pytest
-from omegaconf import OmegaConf
-
 from distributed import TEST_TIMEOUT_S, run_workers
-from hsdp_runner import checkpoint, checkpoint_start, interrupt, parity, sweep, tracking
-from hsdp_runner.contracts import RunStatus, RunSummary
-from hsdp_runner.mesh import ParallelDims
+from omegaconf import OmegaConf
 from test_compare import fake_job
+
+from hsdp_runner import parity
+from hsdp_runner.checkpoint import checkpointer as checkpoint
+from hsdp_runner.checkpoint import start as checkpoint_start
+from hsdp_runner.core.records import RunStatus, RunSummary
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.runtime import signals as interrupt
+from hsdp_runner.runtime import sweep
+from hsdp_runner.train import sinks as tracking
 
 
 @pytest.fixture
@@ -200,7 +205,7 @@ def test_every_test_mesh_group_gets_the_short_collective_timeout():
 
 
 def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path):
-    from hsdp_runner.worker import _prepare_metrics
+    from hsdp_runner.runtime.worker import _prepare_metrics
 
     cfg = OmegaConf.create({"checkpoint": {"dir": None}})
     own = checkpoint_start.Start("checkpoint", str(tmp_path / "checkpoints" / "step-4"), 4)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, cli_env, read_job, run_cli
-from hsdp_runner import sweep
 from wandb_records import iter_records, read_run
+
+from hsdp_runner.runtime import sweep
 
 # tests/sweep_conf/four_jobs.yaml: one job per `case`, 2 CPU ranks each (the ddp preset's).
 FOUR_JOBS = ["--config-dir", "tests/sweep_conf", "--config-name", "four_jobs",

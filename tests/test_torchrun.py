@@ -3,7 +3,6 @@
 import sys
 
 import pytest
-
 from conftest import TINY, read_job, run_cli
 
 pytestmark = pytest.mark.multiprocess

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, read_job, run_cli
 from wandb_records import read_run
 

@@ -25,13 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-    parallelize_module)
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from hsdp_runner.config import ConfigError
+from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
 from hsdp_runner.models.llama import ReplicatedParams, initial_value
-from hsdp_runner.params import copy_full_into
+from hsdp_runner.models.params import copy_full_into
 
 
 @dataclass

@@ -20,12 +20,17 @@ from omegaconf import MISSING
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-    parallelize_module)
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from hsdp_runner.config import ConfigError
+from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
-from hsdp_runner.params import copy_full_into
+from hsdp_runner.models.params import copy_full_into
 
 
 @dataclass
@@ -345,7 +350,7 @@ class ReplicatedParams(ParallelStyle):
 
 # The dim each weight is split on by ``tp_plan`` (column-parallel: 0, row-parallel: 1; the
 # embedding is row-parallel over the vocab, i.e. dim 0). Weights not listed (the norms) stay
-# whole on every TP rank. The communication model (hsdp_runner/comm_model.py) reads it.
+# whole on every TP rank. The communication model (hsdp_runner/distributed/comm_model.py) reads it.
 TP_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
                 "w1": 0, "w3": 0, "w2": 1}
 

@@ -20,8 +20,8 @@ class _CheckBeforeSubmit:
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
         """Validate every job (exit 2 naming the bad one), then submit them as the plugin does."""
-        from hsdp_runner.app import mark_jobs_submitted
-        from hsdp_runner.launch import check_before_submit
+        from hsdp_runner.runtime.app import mark_jobs_submitted
+        from hsdp_runner.runtime.launch import check_before_submit
 
         check_before_submit(self.hydra_context.config_loader, self.config, job_overrides,
                             initial_job_idx)
@@ -30,7 +30,7 @@ class _CheckBeforeSubmit:
         # Each job ran in its own processes; its exit code came back as the return value.
         from hydra.core.utils import JobStatus
 
-        from hsdp_runner import sweep
+        from hsdp_runner.runtime import sweep
 
         for job in returns:
             if job.status == JobStatus.COMPLETED and isinstance(job.return_value, int):
@@ -44,7 +44,7 @@ class CheckedSlurmLauncher(_CheckBeforeSubmit, SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
         """Fill in the memory per node (``launcher.mem_gb=null``), then check and submit."""
-        from hsdp_runner.config import slurm_mem_gb
+        from hsdp_runner.config.schema import slurm_mem_gb
 
         if self.params.get("mem_gb") is None:
             self.params["mem_gb"] = slurm_mem_gb(self.config.launcher)

@@ -1,0 +1,288 @@
+"""Distributed checkpoints: save, resume (under any layout), HF import and export.
+
+Finding and checking checkpoints and planning where a job starts is ``checkpoint_start``'s.
+
+A checkpoint folder (``checkpoint.dir``, default ``checkpoints/`` in the job's output dir):
+```
+step-10/            complete: DCP shards (__<rank>_0.distcp) + .metadata + checkpoint.json
+step-20.partial/    a save in progress, or one that was interrupted: never loaded
+```
+What is saved: the model and optimizer through DCP's ``get_state_dict`` (keys are clean
+parameter names and values DTensors, so ``dcp.load`` reshards them into any other layout,
+FSDP-on-TP strided shards included), the LR scheduler, and every rank's RNG states. The
+manifest ``checkpoint.json`` holds the step, the data position, the model shape and the
+layout it was saved under.
+
+The data loader needs no state of its own: ``data.TokenBatches`` makes the global batch of a
+step a pure function of (trainer.seed, step) and each dp rank takes its slice, so the loader
+position is the step, and it is valid under any dp degree.
+
+Crash safety: every rank writes into ``step-N.partial``; after a barrier rank 0 writes the
+manifest and renames the folder to ``step-N`` (atomic on POSIX), so a checkpoint is visible
+only once complete. Older checkpoints are pruned (``keep_last``) only after that, by renaming
+them away before deleting. Nothing is ever overwritten: an existing ``step-N`` or a non-empty
+export folder is an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from hsdp_runner.checkpoint import hf
+from hsdp_runner.checkpoint.rank0_io import run_on_rank0
+from hsdp_runner.checkpoint.start import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    Start,
+    checkpoint_dir,
+    complete_checkpoints,
+    expected_shapes,
+    export_dir,
+    load_failure,
+)
+from hsdp_runner.core.choices import FaultPhase
+from hsdp_runner.core.faults import inject_fault
+
+log = logging.getLogger(__name__)
+
+_LEFTOVER = re.compile(r"^step-(\d+)(\.partial|\.deleting)$")  # an unfinished save / deletion
+
+
+def _rng_state(device: torch.device) -> bytes:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return pickle.dumps(state)
+
+
+def _set_rng_state(blob: bytes, device: torch.device) -> None:
+    state = pickle.loads(blob)  # our own checkpoint; DCP unpickles its non-tensor data too
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def data_facts(data_cfg, seed: int, global_batch_size: int, seq_len: int) -> dict:
+    """What decides the batches of a step, as a checkpoint manifest records it (``data``)."""
+    return {"kind": str(data_cfg.kind), "path": data_cfg.path, "seed": seed,
+            "global_batch_size": global_batch_size, "seq_len": seq_len}
+
+
+def _remove(path: Path) -> bool:
+    """Delete a folder the runner wrote; log a failure instead of raising. True if gone."""
+    errors = []
+    shutil.rmtree(path, onerror=lambda func, name, exc: errors.append(f"{name}: {exc[1]}"))
+    if errors:
+        log.warning("could not delete %s (%s); delete it by hand", path, "; ".join(errors[:3]))
+    return not errors
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Saves and restores one job's training state; every rank holds one and calls it together.
+
+    Takes the ``checkpoint`` and ``model`` config nodes, ParallelDims, the job's output dir,
+    the trainer's model, optimizer and LR scheduler (already sharded; the optimizer built over
+    them), the rank's device, the run's step count, the stored (master) dtype, the data facts
+    a manifest records (``data_facts``) and the ``fault`` node (None: no faults).
+    """
+
+    def __init__(self, ckpt_cfg, model_cfg, dims, output_dir: Path, model, optimizer, scheduler,
+                 device: torch.device, *, total_steps: int, master_dtype: str, data: dict,
+                 fault=None):
+        self.ckpt, self.model_cfg, self.dims, self.device = ckpt_cfg, model_cfg, dims, device
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.total_steps, self.master_dtype, self.data, self.fault = \
+            total_steps, master_dtype, data, fault
+        self.folder = checkpoint_dir(ckpt_cfg, output_dir)
+        self.export_folder = export_dir(ckpt_cfg, output_dir)
+        self.rank = dist.get_rank()
+        self._wait_s = ckpt_cfg.rank0_wait_s
+        self.facts = {"start_step": 0, "loaded_from": None, "last_checkpoint": None, "export": None}
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def restore(self, start: Start) -> int:
+        """Load what ``start`` names into model/optimizer/scheduler/RNG; return the first step."""
+        if start.source == "checkpoint":
+            self._load(Path(start.path), start.manifest)
+            unused = [f"checkpoint.{k}" for k in ("load_path", "init_from_hf") if self.ckpt[k]]
+            if self.rank == 0 and unused and Path(start.path).parent == self.folder:
+                log.info("%s not used: this job continues from its own checkpoint %s",
+                         " and ".join(unused), start.path)
+        elif start.source == "hf":
+            self._load_hf(Path(start.path))
+        self.facts.update(start_step=start.step, loaded_from=start.path)
+        return start.step
+
+    def _load(self, path: Path, manifest: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = {**self._state(), "rng": None}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, dcp.CheckpointException) as err:
+            raise CheckpointError(f"checkpoint {path} could not be loaded ({load_failure(err)}); "
+                                  "it may be damaged, use an earlier one") from err
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if len(state["rng"]) == self.dims.world_size:
+            _set_rng_state(state["rng"][self.rank], self.device)
+        if self.rank == 0:
+            self._report_carry_over(path, manifest, len(state["rng"]))
+
+    def _report_carry_over(self, path: Path, manifest: dict, rng_ranks: int) -> None:
+        saved = manifest["layout"]
+        log.info("resumed from %s at step %d (saved under %s on %d ranks, now %s on %d)", path,
+                 manifest["step"], saved["layout"], saved["world_size"], self.dims.layout,
+                 self.dims.world_size)
+        log.info("data position carries over: the batch of step s is a function of "
+                 "(trainer.seed, s) split over the dp ranks, so step %d is the same batch at "
+                 "dp=%d as it was at dp=%d", manifest["step"] + 1, self.dims.dp, saved["dp"])
+        changed = [f"{k} {manifest['data'].get(k)!r} -> {v!r}" for k, v in self.data.items()
+                   if manifest["data"].get(k) != v]
+        if changed:
+            log.warning("the data differ from the saved run's (%s): the batches from step %d on "
+                        "are not the ones it would have seen", ", ".join(changed), manifest["step"] + 1)
+        if rng_ranks != self.dims.world_size:
+            log.warning("RNG states not restored: saved for %d ranks, this job has %d (training "
+                        "draws no random numbers, so the losses are unaffected)", rng_ranks,
+                        self.dims.world_size)
+
+    def _load_hf(self, folder: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Rank 0 reads the whole folder; set_model_state_dict broadcasts each tensor and keeps
+        # every rank's shard. A row permutation (RoPE order) cannot be applied to sharded
+        # DTensors locally, which is why DCP's HuggingFaceStorageReader is not used here.
+        full = run_on_rank0(f"reading the Hugging Face folder {folder}", lambda: hf.read_folder(
+            folder, self.model_cfg, expected_shapes(self.model_cfg)), self._wait_s) or {}
+        set_model_state_dict(self.model, full, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        if self.rank == 0:
+            log.info("weights from Hugging Face folder %s (fine-tuning start; optimizer, LR "
+                     "schedule and step start fresh)", folder)
+
+    def after_step(self, step: int) -> None:
+        """Save when ``step`` (1-based, just finished) is on the interval or the last one."""
+        c = self.ckpt
+        if c.enable and (step == self.total_steps or (c.interval and step % c.interval == 0)):
+            self.save(step)
+
+    def save(self, step: int) -> Path:
+        """Write ``step-<step>`` crash-safely (see the module docstring); return its path."""
+        import torch.distributed.checkpoint as dcp
+
+
+        final, partial = self.folder / f"step-{step}", self.folder / f"step-{step}.partial"
+
+        def prepare():
+            if final.exists():
+                raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+            shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save of this step
+            partial.mkdir(parents=True)
+
+        # Rank-0 file work is waited for outside collectives (rank0_io): a slow filesystem
+        # must not run into launcher.timeout_s.
+        run_on_rank0(f"preparing {partial}", prepare, self._wait_s)
+        rng = [None] * self.dims.world_size
+        dist.all_gather_object(rng, _rng_state(self.device))
+        dist.barrier()
+        dcp.save({**self._state(), "rng": rng}, checkpoint_id=str(partial))
+        if self.fault is not None:
+            inject_fault(self.fault, self.rank, step, phase=FaultPhase.save)
+        dist.barrier()
+
+        def commit_and_prune():
+            self._commit(partial, final, step)
+            self._prune(step)
+
+        run_on_rank0(f"committing {final} and pruning older checkpoints", commit_and_prune,
+                     self._wait_s)
+        self.facts["last_checkpoint"] = str(final)
+        return final
+
+    def _manifest(self, step: int) -> dict:
+        return {"format": FORMAT, "step": step,
+                "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
+                "torch_version": torch.__version__, "layout": self.dims.describe(),
+                "model": OmegaConf.to_container(self.model_cfg, resolve=True),
+                "master_dtype": str(self.master_dtype),
+                "data": {"next_step": step, **self.data,
+                         "loader": "stateless: batch(step) = f(seed, step), sliced by dp rank"}}
+
+    def _commit(self, partial: Path, final: Path, step: int) -> None:
+        with open(partial / MANIFEST, "w") as f:
+            json.dump(self._manifest(step), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(partial, final)
+        _fsync_dir(self.folder)
+        log.info("checkpoint saved: %s", final)
+
+    def _prune(self, newest: int) -> None:
+        """Delete what earlier saves left: interrupted saves and deletions, and (``keep_last``)
+        complete checkpoints older than the newest K. Only names this class writes are
+        touched (a user's ``step-10.bak`` stays); a failed deletion is logged, never fatal."""
+        for stale in self.folder.iterdir():
+            m = _LEFTOVER.match(stale.name)
+            if m and (m.group(2) == ".deleting" or int(m.group(1)) < newest):
+                _remove(stale)
+        keep = self.ckpt.keep_last
+        for _, old in (complete_checkpoints(self.folder)[:-keep] if keep else []):
+            # Renamed first so a crash mid-delete cannot leave a half-deleted "complete" one.
+            doomed = old.with_name(old.name + ".deleting")
+            try:
+                os.rename(old, doomed)
+            except OSError as err:
+                log.warning("could not prune checkpoint %s (%s); it stays", old, err)
+                continue
+            if _remove(doomed):
+                log.info("checkpoint pruned (checkpoint.keep_last=%d): %s", keep, old)
+
+    def export_at_end(self) -> None:
+        """With ``checkpoint.export_at_end``, write the weights as an HF folder (rank 0)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        c = self.ckpt
+        if not c.export_at_end:
+            return
+        # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
+        full = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+
+        def write():
+            dtype = getattr(torch, str(c.export_dtype))
+            hf.write_folder(hf.to_hf(full, self.model_cfg, dtype), hf.hf_config(self.model_cfg, dtype),
+                            self.export_folder, int(c.export_max_shard_gib * 2**30))
+            log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)
+
+        run_on_rank0(f"exporting to {self.export_folder}", write, self._wait_s)
+        self.facts["export"] = str(self.export_folder)

@@ -1,0 +1,2 @@
+"""The typed config: schema dataclasses (Hydra structured configs), composition and the
+checks that run before any worker starts."""

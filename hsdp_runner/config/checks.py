@@ -1,0 +1,212 @@
+"""Checks on a composed config that need no world size, and the choice checks on the command line.
+
+The typed schema (``config.py``) rejects a wrong type and, for a choice field, a value outside
+its Enum at composition. What is left here: cross-field rules, ranges, keys added with ``+``,
+the same choice check for a plain dict (which never met the schema) and, before Hydra
+composes, for choice overrides on the command line, so a typo there costs one clear line.
+Checks on degrees live in ``mesh.ParallelDims``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+from omegaconf import DictConfig, OmegaConf
+
+from hsdp_runner.config.schema import RunConfig
+from hsdp_runner.core.choices import Choice, DataKind, Dtype, FaultKind, LauncherName
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.signal_names import parse_signal
+from hsdp_runner.models.base import family_schema, model_spec
+
+
+def _field_types(schema, prefix: str = "") -> dict[str, type]:
+    """Every dotted key of a schema dataclass -> its type (Optional unwrapped); nested
+    sections, optional ones (e.g. ``cluster``, null in a job) included."""
+    found = {}
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        kind = hints[spec.name]
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(inner) == 1:
+            kind = inner[0]
+        found[prefix + spec.name] = kind
+        if dataclasses.is_dataclass(kind):
+            found.update(_field_types(kind, f"{prefix}{spec.name}."))
+    return found
+
+
+SCHEMA_TYPES = _field_types(RunConfig)
+# The schema's Enum fields, and fault.kind: a str in the schema (see FaultConfig), same check.
+CHOICE_FIELDS: dict[str, type[Choice]] = {
+    key: kind for key, kind in SCHEMA_TYPES.items()
+    if isinstance(kind, type) and issubclass(kind, Choice)} | {"fault.kind": FaultKind}
+
+
+def check_choice(key: str, value) -> None:
+    """Raise ConfigError unless ``value`` is one of the choice field ``key``'s values."""
+    choices = CHOICE_FIELDS[key]
+    if isinstance(value, choices) or value in choices.names():
+        return
+    raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices.names())}; set {key} "
+                      "to one of them")
+
+
+def bad_choice_override(argv: list[str]) -> str | None:
+    """The error of the first command-line override that sets a choice field to a value
+    outside its Enum (``parallel.ac=sometimes``, or one value of a sweep list ``a,b``), else
+    None. Values Hydra computes (interpolations, sweep functions) are left to composition."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in CHOICE_FIELDS or any(c in value for c in "${}()[]'\""):
+            continue
+        for one in value.split(","):
+            try:
+                check_choice(key, one.strip())
+            except ConfigError as err:
+                return str(err)
+    return None
+
+
+def _require_positive(key: str, value) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be a positive integer; set {key}>=1")
+
+
+def validate_config(cfg: DictConfig | dict) -> None:
+    """Check the fields that need no world size; raise ConfigError naming key, value and fix.
+
+    Takes the composed config (DictConfig or plain dict). Degree checks are ParallelDims'.
+    """
+    c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    _reject_unknown_keys(c)
+    for key in CHOICE_FIELDS:
+        value = OmegaConf.select(c, key)
+        if value is not None:  # a choice inside a null section (e.g. cluster in a job)
+            check_choice(key, value)
+    for key in ("param_dtype", "reduce_dtype", "master_dtype"):
+        if c.precision[key] == Dtype.float16:
+            # fp16 gradients underflow without loss scaling, and the trainer has no scaler.
+            raise ConfigError(f"precision.{key}=float16 needs a gradient scaler, which the "
+                              "runner does not have; use bfloat16 (precision=bf16 or bf16_pure)")
+    for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
+                "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
+                "model.vocab_size", "model.seq_len",
+                "launcher.nnodes", "launcher.timeout_s"):
+        _require_positive(key, OmegaConf.select(c, key))
+    if c.launcher.requeue and not c.checkpoint.enable:
+        raise ConfigError(f"launcher.requeue={c.launcher.requeue} needs checkpoint.enable=true: a "
+                          "requeued job resumes from its checkpoint (without one it starts over)")
+    if c.launcher.nproc_per_node is not None:
+        _require_positive("launcher.nproc_per_node", c.launcher.nproc_per_node)
+    if c.trainer.eval_batches < 0:
+        raise ConfigError(f"trainer.eval_batches={c.trainer.eval_batches} must be >= 0 (0 = no eval)")
+    _validate_launcher(c.launcher)
+    if c.metrics.warmup_steps < 0:
+        raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
+    if c.metrics.memory_steps < 0:
+        raise ConfigError(f"metrics.memory_steps={c.metrics.memory_steps} must be >= 0 (0 turns "
+                          "the tensor-memory measurement off)")
+    if c.metrics.comm_step is not None and not 1 <= c.metrics.comm_step <= c.trainer.steps:
+        raise ConfigError(f"metrics.comm_step={c.metrics.comm_step} is not a step of this run "
+                          f"(1..trainer.steps={c.trainer.steps}); pick one in range or null")
+    if c.profile.enable:
+        _require_positive("profile.start_step", c.profile.start_step)
+        _require_positive("profile.steps", c.profile.steps)
+        last = c.profile.start_step + c.profile.steps - 1
+        if last > c.trainer.steps:
+            raise ConfigError(f"profile.start_step={c.profile.start_step} + profile.steps="
+                              f"{c.profile.steps} ends at step {last}, after trainer.steps="
+                              f"{c.trainer.steps}; start earlier or profile fewer steps")
+    if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:
+        raise ConfigError(f"metrics.peak_tflops={c.metrics.peak_tflops} must be a positive number "
+                          "(TFLOP/s of one device) or null to look it up")
+    if c.model.dim % c.model.n_heads:
+        raise ConfigError(f"model.dim={c.model.dim} is not divisible by model.n_heads="
+                          f"{c.model.n_heads}; pick a head count that divides the width")
+    model_spec(c.model).validate()  # the family's own checks
+    if c.data.kind == DataKind.text and c.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "
+                          "tokenizer of data.kind=text; it needs at least 256")
+    if not 0.0 <= c.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
+    if c.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
+
+
+def _validate_launcher(launcher) -> None:
+    if launcher.signal is not None:
+        try:
+            parse_signal(launcher.signal)
+        except ValueError as err:
+            raise ConfigError(f"launcher.signal={launcher.signal!r}: {err}; use a signal name "
+                              "such as USR2 (submitit's default) or USR1") from None
+    if launcher.requeue < 0 or launcher.signal_delay_s < 1:
+        raise ConfigError(f"launcher.requeue={launcher.requeue} must be >= 0 and "
+                          f"launcher.signal_delay_s={launcher.signal_delay_s} >= 1")
+    if not LauncherName(launcher.name).submitit:
+        return
+    choice = f"launcher={launcher.name}"
+    if launcher.nproc_per_node is None:
+        raise ConfigError(f"{choice} needs launcher.nproc_per_node (SLURM tasks = ranks per node); "
+                          "set it, e.g. launcher.nproc_per_node=8")
+    _require_positive("launcher.timeout_min", launcher.timeout_min)
+    for key in ("cpus_per_task", "mem_gb"):
+        if launcher.get(key) is not None:
+            _require_positive(f"launcher.{key}", launcher[key])
+    if launcher.gpus_per_node is not None and launcher.gpus_per_node < launcher.nproc_per_node:
+        raise ConfigError(
+            f"launcher.gpus_per_node={launcher.gpus_per_node} is less than launcher.nproc_per_node="
+            f"{launcher.nproc_per_node}; each rank needs its own GPU: raise gpus_per_node, lower "
+            "nproc_per_node, or set launcher.gpus_per_node=null on a CPU partition")
+    if launcher.name == LauncherName.slurm_local and launcher.nnodes != 1:
+        raise ConfigError(f"launcher.nnodes={launcher.nnodes} with launcher=slurm_local: "
+                          "submitit's local executor runs one node; set launcher.nnodes=1 or "
+                          "use launcher=slurm")
+
+
+def _schema_keys(node, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node:
+        if not prefix and key == "hydra":  # Hydra's own node (present in a sweep's job config)
+            continue
+        value = OmegaConf.select(node, key, throw_on_resolution_failure=False)
+        keys.append(prefix + str(key))
+        if OmegaConf.is_dict(value):
+            keys += _schema_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not know (added with ``+``, which the typed schema cannot
+    stop): nothing reads them, so ``+trainer.stepz=10`` would run a full job silently.
+    The message names the nearest valid key. ``hydra.*`` is not part of the job's config."""
+    known = set(SCHEMA_TYPES) | set(_field_types(family_schema(cfg.model), "model."))
+    for key in _schema_keys(cfg):
+        if key in known:
+            continue
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        if parent and parent not in known:
+            continue  # reported at its first unknown level
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise ConfigError(f"unknown config key {key} (added with +); nothing reads it: {hint}"
+                          "fix or drop the override (python -m hsdp_runner --cfg job lists "
+                          "every key)")
+
+
+def validate_batch(cfg: DictConfig | dict, dp_size: int) -> int:
+    """Check that the global batch splits evenly over dp ranks and micro-batches.
+
+    Takes the config and the data-parallel size (from ParallelDims); returns the micro-batch
+    size (sequences per rank per forward pass).
+    """
+    c = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+    gbs, accum = c.trainer.global_batch_size, c.trainer.grad_accum_steps
+    if gbs % (dp_size * accum):
+        raise ConfigError(
+            f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size "
+            f"{dp_size} x trainer.grad_accum_steps={accum}; use a multiple of {dp_size * accum}")
+    return gbs // (dp_size * accum)

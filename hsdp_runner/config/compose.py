@@ -1,0 +1,57 @@
+"""The one bootstrap for composing the config: where ``conf/`` is, the schema registration, the
+resolvers, and ``compose`` for callers outside ``@hydra.main`` (parity, the planner, tests).
+
+``app`` (the Hydra application), ``parity``, ``plan`` and the tests all start here, so a new
+resolver or schema is added once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from hsdp_runner.config.schema import register_schemas
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def default_run_dir() -> str:
+    """Output dir of a single run: time-stamped, or one name shared by all torchrun ranks.
+
+    Every torchrun rank composes the config itself, so a clock-based name could differ between
+    ranks; they share the rendezvous id (or, without one, their agent's pid and start time).
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None or "RANK" not in os.environ:
+        return datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    if run_id in ("", "none"):
+        run_id = f"{os.uname().nodename}-{os.getppid()}-{_process_start(os.getppid())}"
+    return f"outputs/torchrun/{run_id}"
+
+
+def _process_start(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "0"
+
+
+def bootstrap() -> None:
+    """Register the typed schemas and the ``hsdp_run_dir`` resolver (idempotent)."""
+    register_schemas()
+    if not OmegaConf.has_resolver("hsdp_run_dir"):
+        OmegaConf.register_new_resolver("hsdp_run_dir", default_run_dir)
+
+
+def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with ``overrides`` (Hydra's compose API) and return
+    the typed config; raises Hydra's ConfigCompositionException on a bad override."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    bootstrap()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides)

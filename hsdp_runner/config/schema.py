@@ -1,0 +1,247 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+The root schema ``RunConfig`` is the first entry of ``conf/config.yaml``'s defaults list, so
+every YAML choice is merged into a typed node: a wrong type or an unknown key fails at
+composition with the key's name, and a choice field (an Enum of ``choices.py``) fails with
+the allowed values listed. Cross-field checks that need no world size live in
+``config_checks.validate_config``; checks on degrees live in ``mesh.ParallelDims``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from hsdp_runner.core.choices import (
+    AC,
+    DataKind,
+    DDPImpl,
+    Device,
+    Dtype,
+    FaultKind,
+    FaultPhase,
+    LauncherName,
+    Logger,
+    OnNan,
+    Optimizer,
+    Resume,
+    WandbMode,
+)
+
+# The model group's base schema: the fields every family shares. Each family extends it with a
+# dataclass of its own (models/base.py), stored by register_schemas as model/<family>_schema;
+# a conf/model/*.yaml names its family's schema first in its defaults list, so the node is typed
+# by the family's dataclass (Hydra's pattern for a group of schemas that extend one base).
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.models.base import ModelConfig, family_schemas
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sequence_parallel: bool = True
+    reshard_after_forward: bool = True
+    ac: AC = AC.none
+    compile: bool = False
+    ddp_impl: DDPImpl = DDPImpl.replicate
+    allow_tp_across_nodes: bool = False
+    # parallel=auto: the launching process plans the degrees left at -1 (planner/auto.py).
+    auto: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+    param_dtype: Dtype = Dtype.float32
+    reduce_dtype: Dtype = Dtype.float32
+    master_dtype: Dtype = Dtype.float32
+
+
+@dataclass
+class OptimConfig:
+    name: Optimizer = Optimizer.adamw
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.synthetic
+    path: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    name: Logger = Logger.none
+    project: str = "hsdp_runner"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.offline
+    group: Optional[str] = None
+
+
+@dataclass
+class LauncherConfig:
+    name: LauncherName = LauncherName.local
+    nnodes: int = 1
+    nproc_per_node: Optional[int] = None
+    timeout_s: int = 300
+    # SLURM only (launcher=slurm / slurm_local); conf/launcher/slurm.yaml feeds them to
+    # hydra-submitit-launcher.
+    gpus_per_node: Optional[int] = None
+    timeout_min: int = 60
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    # Stop signals (hsdp_runner/runtime/signals.py): the time-limit signal SLURM sends
+    # signal_delay_s before --time (besides TERM, INT and USR2), and how many times a job it
+    # stopped is requeued (submitit's max_num_timeout).
+    signal: Optional[str] = None
+    signal_delay_s: int = 120
+    requeue: int = 0
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+
+
+# launcher=slurm with launcher.mem_gb=null asks for this much memory per GPU (per task on a CPU
+# partition): rank 0 gathers the full state on the CPU for an HF export (fp32 8B: 32 GB).
+SLURM_MEM_GB_PER_GPU = 64
+
+
+def slurm_mem_gb(launcher) -> int:
+    """Memory per node in GB that a SLURM job asks for (sbatch --mem): ``launcher.mem_gb``, or
+    ``SLURM_MEM_GB_PER_GPU`` x GPUs per node (x tasks per node without GPUs)."""
+    if launcher.mem_gb is not None:
+        return launcher.mem_gb
+    return SLURM_MEM_GB_PER_GPU * (launcher.gpus_per_node or launcher.nproc_per_node or 1)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    seed: int = 0
+    global_batch_size: int = 8
+    grad_accum_steps: int = 1
+    log_every: int = 1
+    eval_batches: int = 0
+    freeze: list = field(default_factory=list)
+    on_nan: OnNan = OnNan.stop
+
+
+@dataclass
+class MetricsConfig:
+    warmup_steps: int = 2
+    peak_tflops: Optional[float] = None
+    comm_step: Optional[int] = 1
+    # Steps over which the peak of tensor memory is measured (hsdp_runner/train/tensor_memory.py):
+    # the window ends when step N is reported, after step N+1's forward and backward, so 1
+    # covers the first optimizer step and a step that holds the optimizer state. On CPU it
+    # runs torch.profiler, which slows those steps (warmup_steps leaves them out); 0 = off.
+    memory_steps: int = 1
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler trace of a step window (see hsdp_runner/train/profiling.py)."""
+
+    enable: bool = False
+    start_step: int = 3
+    steps: int = 2
+    all_ranks: bool = False
+
+
+@dataclass
+class FaultConfig:
+    rank: Optional[int] = None
+    step: int = 1
+    # A str, checked against FaultKind in config_checks: Hydra's override parser reads
+    # ``fault.kind=nan`` as a float, which an Enum field would reject.
+    kind: str = FaultKind.exception.value
+    phase: FaultPhase = FaultPhase.step
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint saving, resuming, Hugging Face import/export (see hsdp_runner/checkpoint/checkpointer.py)."""
+
+    enable: bool = False
+    interval: Optional[int] = None
+    dir: Optional[str] = None
+    resume: Resume = Resume.auto
+    load_path: Optional[str] = None
+    keep_last: Optional[int] = None
+    init_from_hf: Optional[str] = None
+    export_at_end: bool = False
+    export_dir: Optional[str] = None
+    export_dtype: Dtype = Dtype.bfloat16
+    export_max_shard_gib: float = 5.0
+    rank0_wait_s: float = 3600.0
+
+
+@dataclass
+class ClusterConfig:
+    """A machine the planner predicts for (conf/cluster/*.yaml; see hsdp_runner/planner/cluster.py)."""
+
+    name: str = MISSING
+    device: str = MISSING
+    gpus_per_node: int = MISSING
+    nodes: int = 1
+    device_memory_gib: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    compute_efficiency: float = MISSING
+    intra_node_gbps: float = MISSING
+    inter_node_gbps: float = MISSING
+    intra_node_latency_us: float = MISSING
+    inter_node_latency_us: float = MISSING
+    overlap: Optional[float] = 1.0  # null: measured (cluster.measure=true)
+    memory_reserve_gib: float = 0.0
+    measure: bool = False
+    calibration: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    """The planner's options (hsdp_runner/plan.py); ``source`` is also set in planned jobs."""
+
+    source: Optional[str] = None
+    top_k: int = 4
+    write_sweep: Optional[str] = None
+    out_dir: Optional[str] = None
+    layers_measured: list = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
+class RunConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    # Only the planner composes a cluster (conf/plan.yaml); a job's is null.
+    cluster: Optional[ClusterConfig] = None
+    device: Device = Device.auto
+
+
+def register_schemas() -> None:
+    """Store ``RunConfig`` as ``run_schema`` so ``conf/config.yaml`` can extend it, and each
+    model family's schema as ``model/<family>_schema`` for its ``conf/model/*.yaml``."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for name, schema in family_schemas().items():
+        store.store(group="model", name=name, node=schema)

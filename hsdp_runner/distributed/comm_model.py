@@ -1,0 +1,168 @@
+"""Analytic communication per training step, from the model shape, the layout and the dtypes.
+
+What one rank sends through collectives in one optimizer step, counted like ``comm.py`` counts
+what it measures (the full tensor of each collective: gathered output, reduce-scatter input,
+all-reduce tensor), keyed ``'<kind>/<mesh dim>'``. Collectives over groups of one rank move
+nothing and are in neither. The model follows what the runner builds (``sharding.py``):
+
+- FSDP (``dp_shard`` > 1): one all-gather per FSDP unit (each block, then the root: embedding,
+  final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
+  ``reshard_after_forward`` the blocks are gathered again in backward (the root is never
+  resharded after forward, see ``sharding.apply_data_parallel``); one reduce-scatter per unit
+  of the trainable gradients in ``precision.reduce_dtype``, on the last micro-batch. FSDP pads
+  each parameter's dim 0 to a multiple of the shard degree; the model pads the same way.
+- HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
+  ``dp_replicate``; DDP (``dp_shard`` = 1) is that all-reduce of the whole gradients.
+- TP (the model's Megatron plan, e.g. ``models/llama.py``) moves activations of the rank's
+  tokens ``n = global_batch / dp x seq_len`` in the compute dtype. With sequence parallel, per block
+  an all-gather before attention and before the FFN and a reduce-scatter after each (and
+  their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
+  the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
+  (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
+  parameters' gradients (``ModelSpec.tp_partial_grad_numels``). Without sequence parallel
+  those become all-reduces of the same tensors.
+  With ``parallel.ac=full`` backward recomputes each block's forward, its TP collectives
+  included, up to the last op whose output backward needs (torch's checkpoint stops early):
+  per block the 2 all-gathers and the attention output's reduce-scatter with sequence
+  parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
+  output, which backward never needs. ``selective`` saves their outputs (``sharding.apply_ac``)
+  and repeats none.
+- The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
+  one small fp32 vector (``step_stats.STATS_BYTES``).
+
+Not modelled, so measured/analytic sits a hair above 1: the all-reduces of per-parameter
+norms ``clip_grad_norm_`` issues over DTensor meshes (one fp32 per parameter, ~100 bytes a
+step), and, with TP but no FSDP, the repeated all-reduces of the norm weights' partial
+gradients (DTensor reduces a ``Partial`` gradient again in each of clip_grad_norm_ and AdamW's
+ops that reads it: 3 x norms x dim x dtype more). Both are below 1% of a step's bytes for any
+model: they scale with the number of norms, the rest with parameters and activations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from hsdp_runner.core.choices import AC
+from hsdp_runner.distributed.comm_counting import GROUP_NAMES
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.step_stats import STATS_BYTES
+from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec
+from hsdp_runner.models.params import frozen_names
+
+
+def _dtype_bytes(name: str) -> int:
+    return getattr(torch, name).itemsize
+
+
+def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
+               ) -> dict[str, tuple[int, int]]:
+    """Elements per FSDP unit ('<blocks>.<i>', e.g. 'layers.0', or 'root'): (all parameters,
+    trainable ones).
+
+    Sizes are one TP rank's part of each parameter (``ModelSpec.tp_split_dim``), dim 0 padded
+    to a multiple of ``dp_shard`` as FSDP pads it.
+    """
+    spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
+    params = dict(model.named_parameters())
+    blocks = block_prefix(model) + "."
+    frozen = set(frozen_names(params, freeze))
+    units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for name, param in params.items():
+        shape = list(param.shape)
+        split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
+        if split is not None:
+            shape[split] //= dims.tp
+        shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
+        unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
+        units[unit][0] += math.prod(shape)
+        units[unit][1] += 0 if name in frozen else math.prod(shape)
+    return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
+
+
+class _Tally:
+    def __init__(self):
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+
+    def add(self, key: str, calls: int, nbytes: int) -> None:
+        if calls and nbytes:
+            self.counts[key]["calls"] += calls
+            self.counts[key]["bytes"] += nbytes
+
+
+def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+                  ) -> dict[str, dict[str, int]]:
+    """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
+
+    Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes and the job's
+    ParallelDims (see the module docstring for what is counted).
+    """
+    tally = _Tally()
+    accum = trainer.grad_accum_steps
+    units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
+    _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum)
+    if dims.tp > 1:
+        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
+        _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
+                         _dtype_bytes(precision.param_dtype), accum, parallel.ac == AC.full)
+    if dims.world_size > 1:
+        tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
+    return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
+
+
+def world_dim(dims: ParallelDims) -> str:
+    """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
+    flattened ``dp``) spanning every rank, else ``world``."""
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
+             "dp": dims.dp}
+    return next((name for name in GROUP_NAMES if sizes[name] == dims.world_size), "world")
+
+
+def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
+                   accum: int) -> None:
+    gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
+    trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
+    if dims.dp_shard > 1:
+        blocks = [sizes[0] for unit, sizes in units.items() if unit != "root"]
+        tally.add("all_gather/dp_shard", len(units) * accum,
+                  sum(sizes[0] for sizes in units.values()) * gather * accum)
+        if reshard:
+            tally.add("all_gather/dp_shard", len(blocks) * accum, sum(blocks) * gather * accum)
+        tally.add("reduce_scatter/dp_shard", len(trainable), sum(trainable.values()) * reduce)
+    if dims.dp_replicate > 1:
+        shard = sum(trainable.values()) // dims.dp_shard
+        tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
+
+
+def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
+                     compute: int, accum: int, recompute: bool = False) -> None:
+    layers, dim = model_cfg.n_layers, model_cfg.dim
+    act = tokens * dim * compute  # one residual-stream activation of the rank's tokens
+    if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
+        again = {"all_gather/tp": 2, "reduce_scatter/tp": 1} if sequence_parallel \
+            else {"all_reduce/tp": 1}
+        for kind, per_block in again.items():
+            tally.add(kind, per_block * layers * accum, per_block * layers * act * accum)
+    tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
+    if sequence_parallel:
+        per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding
+        tally.add("all_gather/tp", 2 * per_pass * accum, 2 * per_pass * act)
+        tally.add("reduce_scatter/tp", 2 * per_pass * accum, 2 * per_pass * act)
+        # Once a step: the partial gradients accumulate over micro-batches and are reduced
+        # when first used (by FSDP's reduce-scatter, or by clip_grad_norm_ without FSDP).
+        norms = model_spec(model_cfg).tp_partial_grad_numels()
+        tally.add("all_reduce/tp", len(norms), sum(norms) * compute)
+    else:
+        calls = 4 * layers + 2  # per block 2 in forward, 2 in backward; embedding; output
+        tally.add("all_reduce/tp", calls * accum, calls * act)
+
+
+def comm_report(measured: dict, analytic: dict, step: int) -> dict:
+    """Summary facts: per-step totals, their ratio and both breakdowns, for one measured step."""
+    total_m = sum(e["bytes"] for e in measured.values())
+    total_a = sum(e["bytes"] for e in analytic.values())
+    return {"comm_step": step, "comm_bytes_measured": total_m, "comm_bytes_analytic": total_a,
+            "comm_ratio": total_m / total_a if total_a else None,
+            "comm_measured": measured, "comm_analytic": analytic}

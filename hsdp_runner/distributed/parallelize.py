@@ -1,0 +1,211 @@
+"""The sharding applier: TP/SP -> activation checkpointing -> compile -> data parallel.
+
+Each step is its own function and ``parallelize`` applies them in that fixed order, the order
+FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding). What is
+model-specific (the TP plan, the blocks that are wrapped) comes from the model through the
+seam in ``models/base.py``; nothing here knows a model family.
+Mixed precision in every data-parallel mode comes from ``MixedPrecisionPolicy``, never autocast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hsdp_runner.core.choices import AC, DDPImpl
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.models.base import ParallelModule, model_spec
+from hsdp_runner.models.params import copy_full_into, freeze_parameters, torch_dtype
+
+log = logging.getLogger(__name__)
+
+def _new_replicate():
+    """Return torch's FSDP-based ``replicate`` if this torch has it, else None."""
+    try:
+        return importlib.import_module("torch.distributed._composable.replicate_with_fsdp").replicate
+    except (ImportError, AttributeError):
+        return None
+
+
+def mixed_precision_policy(precision):
+    """Build the MixedPrecisionPolicy for the ``precision`` config node."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(precision.param_dtype),
+                                reduce_dtype=torch_dtype(precision.reduce_dtype))
+
+
+def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
+    """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model."""
+    model.tp_plan(world["tp"], sequence_parallel)
+
+
+def _selective_contexts():
+    """Checkpoint contexts of one block call for ``parallel.ac=selective``: torchtitan's
+    op-level policy. The block's 1st, 3rd, 5th, ... matmul outputs are saved and the others
+    recomputed (in our block: wq, wv, w1, w2 saved; wk, wo, w3 recomputed), so a block keeps
+    about 60% of the matmul outputs for about a third more matmul work in backward; attention
+    and TP collective outputs are saved; the cheap element-wise ops (norms, activations, RoPE)
+    are recomputed. A fresh count per call, kept apart for forward and recomputation, so both
+    passes pick the same matmuls."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    funcol = torch.ops._c10d_functional
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    save = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            # TP's collectives: recomputing them would repeat the block's forward
+            # communication in backward; their outputs are activations of the rank's tokens.
+            funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
+            funcol.all_reduce.default}
+    counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in matmuls:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in save
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+# parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).
+_AC_WRAPPER_KWARGS = {AC.none: None, AC.full: dict,
+                      AC.selective: lambda: {"context_fn": _selective_contexts}}
+
+
+def apply_ac(model: ParallelModule, mode: AC) -> None:
+    """Wrap each block for activation checkpointing.
+
+    'full' recomputes the whole block in backward (TP's forward collectives included);
+    'selective' (torchtitan's op-level policy, ``_selective_contexts``) saves every other
+    matmul output, attention and TP collective outputs and recomputes the rest, so it repeats
+    no communication.
+    """
+    make_kwargs = _AC_WRAPPER_KWARGS[AC(mode)]
+    if make_kwargs is None:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = make_kwargs()
+    blocks = model.blocks()
+    for name, block in list(blocks.items()):
+        blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def apply_compile(model: ParallelModule, tp: int) -> None:
+    """Compile each block in place (names and state-dict keys stay unchanged)."""
+    if tp > 1:
+        # torch 2.13 computes an all-zero embedding gradient (TP+FSDP) or crashes in backward
+        # (TP alone) when compiled blocks take the TP embedding's output directly; a clone
+        # between them avoids it (see tests/test_compile.py).
+        model.clone_embedding_output = True
+    for block in model.blocks().values():
+        block.compile()
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, precision,
+                        reshard_after_forward: bool, ddp_impl: DDPImpl = DDPImpl.replicate
+                        ) -> None:
+    """Wrap each block then the root in the data-parallel mode the degrees call for.
+
+    fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
+    dp_shard) mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
+    it shares FSDP's mixed-precision policy, or with ``ddp_impl='fully_shard'`` (and on torch
+    without ``replicate``) ``fully_shard`` on the (dp_replicate, dp_shard=1) mesh: the same
+    HSDP-with-shard-size-1 computation. Blocks are ``model.blocks()`` when the model has them.
+    With no data parallelism, a size-1 ``fully_shard`` is applied only when the precision
+    needs a policy (compute dtype differs from the stored dtype).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mp_policy = mixed_precision_policy(precision)
+    mode = dims.dp_mode
+    if mode == "none":
+        if precision.param_dtype == precision.master_dtype:
+            return
+        wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"]}
+    elif mode == "ddp":
+        wanted = DDPImpl(ddp_impl) is DDPImpl.replicate
+        replicate = _new_replicate() if wanted else None
+        if wanted and replicate is None:
+            log.warning("this torch has no FSDP-based replicate; parallel.ddp_impl=fully_shard "
+                        "is used instead (same computation)")
+        if replicate is not None:
+            wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
+        else:
+            wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
+    elif mode == "fsdp":
+        wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"],
+                                      "reshard_after_forward": reshard_after_forward}
+    else:
+        wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"],
+                                      "reshard_after_forward": reshard_after_forward}
+    blocks = model.blocks().values() if hasattr(model, "blocks") else ()
+    for block in blocks:
+        wrap(block, mp_policy=mp_policy, **mesh_kw)
+    # The root's parameters (embedding, final norm, output) are used again right at the start
+    # of backward, so resharding them after forward would only add an all-gather.
+    if "reshard_after_forward" in mesh_kw:
+        mesh_kw = {**mesh_kw, "reshard_after_forward": False}
+    wrap(model, mp_policy=mp_policy, **mesh_kw)
+
+
+def sync_buffers(model: nn.Module) -> int:
+    """Broadcast every non-DTensor buffer from global rank 0 so all ranks agree.
+
+    DTensors are kept consistent by their placements; plain buffers are not, and a buffer
+    initialised from each rank's RNG would silently differ between replicas. Returns how many
+    buffers were synchronised.
+    """
+    from torch.distributed.tensor import DTensor
+
+    count = 0
+    for buf in model.buffers():
+        if not isinstance(buf, DTensor):
+            dist.broadcast(buf, src=0)
+            count += 1
+    return count
+
+
+def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
+                ) -> None:
+    """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
+    if dims.tp > 1:
+        apply_tp(model, world, parallel.sequence_parallel)
+    apply_ac(model, parallel.ac)
+    if parallel.compile:
+        apply_compile(model, dims.tp)
+    apply_data_parallel(model, dims, world, precision, parallel.reshard_after_forward,
+                        parallel.ddp_impl)
+
+
+def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, precision,
+                device: torch.device, seed: int, freeze=()) -> ParallelModule:
+    """Create the model on the meta device, parallelize it, then materialise and initialise.
+
+    Returns the sharded model on ``device`` with identical weights in every layout and
+    non-DTensor buffers equal on every rank.
+    """
+    default_dtype = torch.get_default_dtype()
+    # Parameters are created in the storage (master) dtype so FSDP shards and the optimizer
+    # keep that dtype; bf16_pure stores bf16, the others fp32.
+    torch.set_default_dtype(torch_dtype(precision.master_dtype))
+    try:
+        with torch.device("meta"):
+            model = model_spec(model_cfg).build()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    freeze_parameters(model, freeze)
+    parallelize(model, dims, world, parallel, precision)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    sync_buffers(model)
+    return model

@@ -1,0 +1,235 @@
+"""Memory per rank of a layout, measured on the runner's own model and sharding applier.
+
+No device and no memory is used: a child process joins a *fake* process group of the target
+world size (``FakeStore``), builds the world mesh with ``ParallelDims.build_mesh``, applies
+``sharding.parallelize`` to the configured model exactly as a job does, materialises it under
+``FakeTensorMode`` and runs one training step's forward and backward (the trainer's loss, its
+micro-batches and gradient-sync switching) inside torch's ``FSDPMemTracker``, which records
+per-category peaks: sharded and unsharded parameters, gradients, activations, temporaries,
+all-gather and reduce-scatter buffers. The child keeps the fake group and fake tensors out of
+the caller's process.
+
+Three things are worked out instead of measured, and said so in the plan:
+- **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; the peak grows
+  linearly in the number of blocks (each adds its parameters, gradients and saved
+  activations), so ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``.
+- **Shard size.** A measurement is reused by every layout with the same tp degree, micro-batch
+  and data-parallel wrapper (whole parameters (DDP) or sharded (FSDP, HSDP)); the parts that scale with the shard (sharded
+  parameters and gradients) are rescaled to each layout's shard by exact arithmetic, FSDP's
+  padding included (``comm_model.unit_sizes``).
+- **Optimizer.** AdamW's two moments per trainable shard element, in the stored dtype, held
+  through the whole step after the first; the optimizer step itself peaks at parameters +
+  gradients + moments + one temporary of the shard size (foreach ``sqrt``).
+
+What differs on a GPU: the fake step runs with the flash-attention backend forced
+(``sdpa_kernel(FLASH_ATTENTION)``, on CPU ``_scaled_dot_product_flash_attention_for_cpu``), which
+saves only the output and the log-sum-exp per row, as CUDA's flash kernel does, so no
+seq x seq scores are counted; the cluster's ``memory_reserve_gib`` adds the CUDA caching
+allocator's slack above live tensors.
+
+The step's loss is the trainer's (``_loss``): the logits die with the loss call, so backward
+holds the saved fp32 log-probabilities, and its first step adds two fp32 vocab-sized
+temporaries: for long sequences that moment is the peak. Selective AC is measured as the
+runner applies it (``sharding._selective_contexts``: every other matmul output saved).
+
+What is predicted is tensor memory, the figure CUDA's allocated peak measures; a job measures
+the same on CPU with ``tensor_memory.TensorMemoryMeter``. What a CPU process holds beyond its
+tensors (library code pages, Python objects, glibc's heap slack) is neither predicted nor
+compared (README "Memory on this machine").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+GIB = 2**30
+CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
+CACHE_VERSION = 2  # bump when what a measurement holds changes
+
+
+def request(model: dict, parallel: dict, precision: dict, freeze: list, shape: tuple,
+            micro_batch: int, accum: int, world_size: int, ranks_per_node: int,
+            n_layers: int) -> dict:
+    """Describe one fake measurement as a plain dict (what the child process needs)."""
+    return {"model": {**model, "n_layers": n_layers}, "parallel": parallel,
+            "precision": precision, "freeze": list(freeze), "shape": list(shape),
+            "micro_batch": micro_batch, "accum": min(accum, 2), "world_size": world_size,
+            "ranks_per_node": ranks_per_node, "v": CACHE_VERSION}
+
+
+def _key(req: dict) -> str:
+    return hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
+    """Return, per request, the tracker's categories at the step's peak, in bytes.
+
+    Results are cached on disk by the request's content (``~/.cache/hsdp_runner/memory``,
+    ``HSDP_RUNNER_CACHE`` moves it); the rest run in one spawned child process.
+    """
+    cache = CACHE_DIR / "memory"
+    results: dict[int, dict] = {}
+    todo = []
+    for i, req in enumerate(requests):
+        path = cache / f"{_key(req)}.json"
+        if use_disk_cache and path.exists():
+            results[i] = json.loads(path.read_text())
+        else:
+            todo.append(i)
+    if todo:
+        # One child per core (two at most: each pays ~3 s of imports); a child keeps its fake
+        # process group per world size, so the requests are dealt out in turn.
+        workers = max(1, min(2, os.cpu_count() or 1, len(todo) // 4))
+        chunks = [todo[k::workers] for k in range(workers)]
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_measure_all, [requests[i] for i in c]) for c in chunks]
+            done = {i: res for c, f in zip(chunks, futures) for i, res in zip(c, f.result())}
+        fresh = [done[i] for i in todo]
+        for i, res in zip(todo, fresh):
+            results[i] = res
+            if use_disk_cache:
+                cache.mkdir(parents=True, exist_ok=True)
+                (cache / f"{_key(requests[i])}.json").write_text(json.dumps(res))
+    return [results[i] for i in range(len(requests))]
+
+
+def _measure_all(requests: list[dict]) -> list[dict]:
+    """Child process: one fake process group per world size, then every request in turn."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    warnings.filterwarnings("ignore")
+    out, world = [], None
+    for req in requests:
+        if req["world_size"] != world:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group("fake", rank=0, world_size=req["world_size"],
+                                    store=FakeStore())
+            world = req["world_size"]
+        out.append(_measure_one(req))
+    dist.destroy_process_group()
+    return out
+
+
+def _measure_one(req: dict) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hsdp_runner.distributed import parallelize as sharding
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.models.base import model_spec
+
+    model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
+    precision = OmegaConf.create(req["precision"])
+    r, s, t = req["shape"]
+    parallel.dp_replicate, parallel.dp_shard, parallel.tp = r, s, t
+    dims = ParallelDims(r, s, t, req["world_size"], req["ranks_per_node"])
+    world = dims.build_mesh("cpu")
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, precision.master_dtype))
+    try:
+        with torch.device("meta"):
+            model = model_spec(model_cfg).build()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    sharding.freeze_parameters(model, req["freeze"])
+    sharding.parallelize(model, dims, world, parallel, precision)
+    b, seq, accum = req["micro_batch"], model_cfg.seq_len, req["accum"]
+    # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        tokens = torch.randint(0, model_cfg.vocab_size, (b, seq))
+        if isinstance(model, FSDPModule):
+            tracker = FSDPMemTracker(model)
+            tracker.track_inputs((tokens,))
+        else:  # TP alone in the stored dtype: no data-parallel wrapper to hook
+            tracker = MemTracker()
+            tracker.track_external(model, tokens)
+        with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            for micro in range(accum):
+                if hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(micro == accum - 1)
+                _loss(model, tokens).backward()
+        peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(peak))
+    cats = {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
+    # MemTracker's names for what FSDPMemTracker calls sharded (nothing is sharded there).
+    for plain, sharded in (("param", "sharded_param"), ("grad", "sharded_grad")):
+        if plain in cats:
+            cats[sharded] = cats.pop(plain)
+    return cats
+
+
+def _loss(model, tokens):
+    """The trainer's loss (``Trainer.loss_on``): cross-entropy of the logits in fp32. The
+    logits die with this call, as in the trainer, so backward holds only what autograd saved
+    (the fp32 log-probabilities), not the logits themselves."""
+    import torch.nn.functional as F
+
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def extrapolate(measured: dict[int, dict], n_layers: int) -> dict:
+    """Categories at ``n_layers`` blocks from measurements at two depths, linear per block
+    (a model no deeper than the shallowest measurement is measured whole: returned as is)."""
+    if len(measured) == 1:
+        return dict(next(iter(measured.values())))
+    (l1, a), (l2, b) = sorted(measured.items())[:2]
+    per_layer = {k: (b.get(k, 0) - a.get(k, 0)) / (l2 - l1) for k in set(a) | set(b)}
+    return {k: max(0.0, a.get(k, 0) + (n_layers - l1) * per_layer[k]) for k in per_layer}
+
+
+def state_bytes(units: dict, dp_shard: int, master_bytes: int) -> dict:
+    """Exact per-rank bytes of sharded parameters, gradients and AdamW's two moments.
+
+    ``units``: ``comm_model.unit_sizes`` ((all, trainable) elements of one TP rank's part of
+    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard``.
+    """
+    total = sum(u[0] for u in units.values())
+    trainable = sum(u[1] for u in units.values())
+    params, grads = total // dp_shard * master_bytes, trainable // dp_shard * master_bytes
+    return {"params": params, "grads": grads, "optimizer": 2 * grads}
+
+
+def layout_memory(cats: dict, measured_state: dict, state: dict, reserve_gib: float) -> dict:
+    """Per-rank memory of a layout in GiB: the peak and its parts.
+
+    ``cats``: the tracker's categories at the peak, extrapolated to the model's depth, for the
+    layout the measurement was taken on (``measured_state`` its exact state); ``state``: this
+    layout's exact state. Sharded parameters and gradients are rescaled from one to the other.
+    """
+    scale_p = state["params"] / measured_state["params"] if measured_state["params"] else 1.0
+    scale_g = state["grads"] / measured_state["grads"] if measured_state["grads"] else 1.0
+    params = cats.get("sharded_param", 0) * scale_p
+    grads_at_peak = cats.get("sharded_grad", 0) * scale_g
+    transient = sum(v for k, v in cats.items()
+                    if k not in ("sharded_param", "sharded_grad", "total"))
+    fwd_bwd = params + grads_at_peak + transient + state["optimizer"]
+    # The optimizer step: everything but activations is live, plus one shard-sized temporary.
+    opt_step = state["params"] + state["grads"] + state["optimizer"] + state["grads"] \
+        + cats.get("buffer", 0)
+    peak = max(fwd_bwd, opt_step) + reserve_gib * GIB
+    return {"peak_gib": peak / GIB, "params_gib": state["params"] / GIB,
+            "grads_gib": state["grads"] / GIB, "optimizer_gib": state["optimizer"] / GIB,
+            "activations_gib": cats.get("act", 0) / GIB,
+            "unsharded_params_gib": (cats.get("unsharded_param", 0)
+                                     + cats.get("unsharded_grad", 0)) / GIB,
+            "temp_gib": (cats.get("temp", 0) + cats.get("all_gather", 0)
+                         + cats.get("reduce_scatter", 0)) / GIB,
+            "reserve_gib": reserve_gib, "peak_phase": "optimizer" if opt_step > fwd_bwd
+            else "forward/backward"}
+

@@ -1,0 +1,151 @@
+"""The planner's outputs: the ranking, the table, plan.md / plan.json and the planned sweep.
+
+plan.json (version 1) holds ``model``, ``world_size``, ``cluster`` and one entry per layout:
+``overrides`` (dotted key -> value: the degrees and any axes), ``valid``, ``reason``,
+``fits``, ``mem_gib``, ``step_time_s``, ``tps_per_device``, ``mfu``, ``dominant``, ``rank``
+(1-based; null when invalid), plus the breakdowns (``memory``, ``compute_s``,
+``exposed_comm_s``). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
+carrying ``plan.source`` = the absolute path of plan.json, so ``compare`` finds its prediction.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
+DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
+GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
+
+
+def rank(entries: list[dict]) -> None:
+    """Sort in place (fitting layouts by step time, then those that do not fit, then invalid)
+    and number the valid ones 1..n."""
+    entries.sort(key=lambda e: (not e["valid"], not e["fits"], e["step_time_s"] or 0.0))
+    for i, entry in enumerate(e for e in entries if e["valid"]):
+        entry["rank"] = i + 1
+
+
+def _degrees(entry: dict) -> str:
+    o = entry["overrides"]
+    return f"{o['parallel.dp_replicate']}×{o['parallel.dp_shard']}×{o['parallel.tp']}"
+
+
+def _axes(entry: dict) -> str:
+    extra = {k: v for k, v in entry["overrides"].items() if k not in DEGREE_KEYS}
+    return " ".join(f"{k.removeprefix('parallel.')}={v}" for k, v in extra.items())
+
+
+def _dominant(entry: dict) -> str:
+    name = entry["dominant"]
+    if name == "compute":
+        return f"compute {entry['compute_s'] / entry['step_time_s']:.0%}"
+    seconds = entry["exposed_comm_s"][name.split(":")[1]]
+    return f"{name.replace('comm:', 'comm ')} {seconds / entry['step_time_s']:.0%}"
+
+
+def table(entries: list[dict], cluster: dict) -> str:
+    """The ranked markdown table: one row per layout, invalid ones last with their reason."""
+    head = ("| rank | degrees (rep×shard×tp) | axes | mem GiB/rank | step s | tok/s/device | MFU "
+            "| compute s | exposed comm s | dominant |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for e in entries:
+        if not e["valid"]:
+            rows.append(f"| — | {_degrees(e)} | {_axes(e)} | invalid: "
+                        f"{e['reason'].replace('|', '/')} | | | | | | |")
+            continue
+        mem = f"{e['mem_gib']:.2f}" + ("" if e["fits"] else
+                                        f" (does not fit {cluster['device_memory_gib']:.1f})")
+        comm = sum(e["exposed_comm_s"].values())
+        rows.append(f"| {e['rank']} | {_degrees(e)} | {_axes(e)} | {mem} | "
+                    f"{e['step_time_s']:.4g} | {e['tps_per_device']:,.0f} | {e['mfu']:.1%} | "
+                    f"{e['compute_s']:.4g} | {comm:.3g} | {_dominant(e)} |")
+    return "\n".join(rows)
+
+
+def _assumptions(cfg, cluster: dict) -> str:
+    layers = list(cfg.plan.layers_measured)
+    lines = [
+        f"- Cluster `{cluster['name']}`: {cluster['nodes']} node(s) x {cluster['gpus_per_node']}"
+        f" ranks, {cluster['device_memory_gib']:.1f} GiB each, peak {cluster['peak_tflops']:.4g}"
+        f" TFLOP/s ({cluster['peak_source']}), compute efficiency "
+        f"{cluster['compute_efficiency']:.3g}, overlap {cluster['overlap']:.2g}"
+        + (f", calibrated from {cluster['calibrated_from']}" if cluster["calibrated_from"]
+           else "") + ".",
+        f"- Memory: the runner's model and sharding under a fake process group, tracked by "
+        f"FSDPMemTracker with {', '.join(map(str, layers))} block(s) and extrapolated per block "
+        f"to {cfg.model.n_layers}; flash attention forced (no seq x seq scores, as on GPU); "
+        "sharded state rescaled to each layout by exact arithmetic; AdamW moments added; "
+        f"{cluster['memory_reserve_gib']:.1f} GiB allocator reserve.",
+        "- Step time: compute + exposed communication (hsdp_runner/planner/step_time.py).",
+    ]
+    return "\n".join(lines)
+
+
+def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: list[str],
+          axes: dict) -> list[Path]:
+    """Write plan.md, plan.json (and the sweep with ``plan.write_sweep``); return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_json = (out_dir / PLAN_JSON).resolve()
+    for path in (plan_json, out_dir / PLAN_MD):
+        if path.exists():
+            raise FileExistsError(f"{path} exists; pick another plan.out_dir")
+    data = {"version": 1, "model": cfg.model.name, "world_size": cluster["world_size"],
+            "cluster": cluster, "overrides": overrides, "axes": axes, "layouts": entries}
+    plan_json.write_text(json.dumps(data, indent=1, default=str))
+    md = (f"# Plan: {cfg.model.name} on {cluster['world_size']} ranks ({cluster['name']})\n\n"
+          f"Command-line overrides: `{' '.join(overrides) or '(none)'}`\n\n"
+          f"{_assumptions(cfg, cluster)}\n\n{table(entries, cluster)}\n")
+    (out_dir / PLAN_MD).write_text(md)
+    paths = [out_dir / PLAN_MD, plan_json]
+    if cfg.plan.write_sweep:
+        paths += write_sweep(Path(cfg.plan.write_sweep), cfg, cluster, entries, overrides,
+                             plan_json)
+    return paths
+
+
+def write_sweep(path: Path, cfg, cluster: dict, entries: list[dict], overrides: list[str],
+                plan_json: Path) -> list[Path]:
+    """Write a Hydra sweep of the top-k fitting layouts: ``path`` plus ``<stem>_layouts/``."""
+    top = [e for e in entries if e["valid"] and e["fits"]][:cfg.plan.top_k]
+    group = f"{path.stem}_layouts"
+    layout_dir = path.parent / group
+    if path.exists() or layout_dir.exists():
+        raise FileExistsError(f"{path} or {layout_dir} exists; choose another plan.write_sweep")
+    layout_dir.mkdir(parents=True)
+    names = []
+    for entry in top:
+        name = f"rank{entry['rank']}"
+        body = {}
+        for key, value in entry["overrides"].items():
+            OmegaConf.update(node := OmegaConf.create(body), key, value, merge=True)
+            body = OmegaConf.to_container(node)
+        (layout_dir / f"{name}.yaml").write_text(
+            "# @package _global_\n" + f"# predicted rank {entry['rank']}: step "
+            f"{entry['step_time_s']:.4g} s, {entry['mem_gib']:.2f} GiB per rank\n"
+            + yaml.safe_dump(body, sort_keys=False))
+        names.append(name)
+    choices = [item.split("=", 1) for item in overrides if "=" in item]
+    defaults = ["config", {group: names[0]}] + [{f"override {key}": value}
+                                                for key, value in choices if key in GROUPS]
+    defaults.append("_self_")
+    body = OmegaConf.create({"plan": {"source": str(plan_json)},
+                             "launcher": {"nnodes": cluster["nodes"],
+                                          "nproc_per_node": cluster["gpus_per_node"]}})
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if "." in key and key.split(".")[0] not in ("cluster", "plan", "hydra", "launcher"):
+            OmegaConf.update(body, key, yaml.safe_load(value), merge=True)
+    text = (f"# Planned by python -m hsdp_runner.plan {' '.join(overrides)}\n"
+            f"# The {len(names)} best layouts that fit, predicted in {plan_json}.\n"
+            f"#   python -m hsdp_runner --config-dir {path.parent} --config-name {path.stem}\n"
+            + yaml.safe_dump({"defaults": defaults}, sort_keys=False)
+            + yaml.safe_dump(OmegaConf.to_container(body), sort_keys=False)
+            + yaml.safe_dump({"hydra": {"mode": "MULTIRUN", "sweep": {
+                "dir": "multirun/${now:%Y-%m-%d_%H-%M-%S}_" + path.stem},
+                "sweeper": {"params": {group: ",".join(names)}}}}, sort_keys=False))
+    path.write_text(text)
+    return [path, layout_dir]

@@ -1,0 +1,123 @@
+"""Step time per rank of a layout: compute plus the communication that compute cannot hide.
+
+- **Compute** = FLOPs per step and rank / (peak x ``cluster.compute_efficiency``). FLOPs are the
+  runner's own count (the model's ``flops_per_token`` x tokens / world size: TP splits the
+  matmuls, data parallelism the batch), plus what activation checkpointing recomputes in
+  backward: with ``full`` the forward of every block once more, with ``selective`` the
+  forward of the matmuls its policy does not save (``sharding._selective_contexts``: every
+  other one; the model's ``selective_recompute_flops_per_token``). Forward is 1/3 of it,
+  backward 2/3.
+- **Communication** = ``comm_model.analytic_comm`` (calls and bytes per collective kind and mesh
+  dim, proven equal to what a job measures), each over the link its dim spans
+  (``Cluster.collective_time``: intra-node unless the dim's groups span nodes in mesh.py's
+  node-aware layout, ring factors, per-call latency).
+- **Overlap**, as torch 2.13's FSDP2 schedules it: all-gathers run ahead of the unit that needs
+  them, so only the first unit's all-gather of each pass is exposed (the root in forward, the
+  last block in backward); each unit's reduce-scatter (and HSDP/DDP all-reduce over
+  ``dp_replicate``, issued right after it in the same post-backward) overlaps the backward of
+  the units before it, so only the last unit's (the root's) is exposed. The rest hides behind
+  up to ``cluster.overlap`` x the compute of its pass. TP collectives and the loss all-reduce
+  sit on the critical path: exposed.
+
+The dominant term is the largest of compute and each mesh dim's exposed communication.
+"""
+
+from __future__ import annotations
+
+from hsdp_runner.core.choices import AC
+from hsdp_runner.distributed.comm_model import analytic_comm, unit_sizes
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, _group_spans_nodes
+from hsdp_runner.models.base import model_spec
+
+
+def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, float]:
+    """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
+    spec = model_spec(model_cfg)
+    tokens = trainer.global_batch_size * model_cfg.seq_len
+    model = spec.flops_per_token() * tokens / world_size
+    hardware = model
+    if ac == AC.full:
+        hardware += spec.block_forward_flops_per_token() * tokens / world_size
+    elif ac == AC.selective:
+        hardware += spec.selective_recompute_flops_per_token() * tokens / world_size
+    return model, hardware
+
+
+def _group(dims: ParallelDims, dim: str) -> tuple[int, bool]:
+    """(group size, spans nodes) of a mesh dim, of the flattened 'dp' view, or of 'world' (all
+    ranks: the trainer's step-statistics all-reduce when no one dim spans them)."""
+    if dim == "world":
+        return dims.world_size, dims.world_size > dims.node_size
+    if dim == "dp":
+        shape = (dims.dp, dims.tp)
+        return dims.dp, _group_spans_nodes(shape, 0, dims.node_size)
+    return dims.shape[DIM_NAMES.index(dim)], dim in dims.dims_across_nodes()
+
+
+def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> dict:
+    """{'<kind>/<dim>': seconds} of every collective of one step, none hidden; with ``split``
+    the values are (latency part, bandwidth part)."""
+    out = {}
+    for key, entry in comm.items():
+        kind, dim = key.split("/")
+        n, across = _group(dims, dim)
+        parts = cluster.collective_time(kind, n, across, entry["calls"], entry["bytes"])
+        out[key] = parts if split else sum(parts)
+    return out
+
+
+def step_time(cfg, dims: ParallelDims, cluster) -> dict:
+    """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``.
+
+    Returns compute, exposed communication per mesh dim, the step time, tokens/s/device, MFU
+    and the dominant term.
+    """
+    model_flops, hw_flops = step_flops(cfg.model, cfg.trainer, cfg.parallel.ac, dims.world_size)
+    compute = hw_flops / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+    fwd, bwd = compute / 3, 2 * compute / 3
+    comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    parts = comm_times(comm, dims, cluster, split=True)
+    times = {key: sum(pair) for key, pair in parts.items()}
+    units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
+    total = sum(u[0] for u in units.values()) or 1
+    root = units.get("root", (0, 0))[0] / total
+    reshard = cfg.parallel.reshard_after_forward
+    blocks = max(1, cfg.model.n_layers)
+    ag = times.get("all_gather/dp_shard", 0.0)
+    # all-gathers: forward gathers every unit, backward (with reshard) the blocks again.
+    ag_fwd_share = total / (total + (total * (1 - root) if reshard else 0))
+    ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
+    grad_sync = {k: v for k, v in times.items()
+                 if k in ("reduce_scatter/dp_shard", "all_reduce/dp_replicate")}
+    exposed: dict[str, float] = {}
+
+    def expose(dim: str, seconds: float) -> None:
+        if seconds > 0:
+            exposed[dim] = exposed.get(dim, 0.0) + seconds
+
+    expose("dp_shard", ag_fwd * root)
+    spill = max(0.0, ag_fwd * (1 - root) - cluster.overlap * fwd)
+    expose("dp_shard", spill)
+    hidden_bwd = {"dp_shard": ag_bwd * (1 - 1 / blocks)}
+    expose("dp_shard", ag_bwd / blocks)
+    for key, seconds in grad_sync.items():
+        dim = key.split("/")[1]
+        expose(dim, seconds * root)
+        hidden_bwd[dim] = hidden_bwd.get(dim, 0.0) + seconds * (1 - root)
+    rest = sum(hidden_bwd.values())
+    spill = max(0.0, rest - cluster.overlap * bwd)
+    for dim, seconds in hidden_bwd.items():
+        expose(dim, spill * seconds / rest if rest else 0.0)
+    for key, seconds in times.items():
+        if key not in grad_sync and key != "all_gather/dp_shard":
+            expose(key.split("/")[1], seconds)
+    step = compute + sum(exposed.values())
+    terms = {"compute": compute, **{f"comm:{d}": s for d, s in exposed.items()}}
+    tokens = cfg.trainer.global_batch_size * cfg.model.seq_len
+    tps = tokens / step / dims.world_size
+    return {"step_time_s": step, "compute_s": compute,
+            "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
+            "comm_total_s": sum(times.values()), "tps_per_device": tps,
+            "comm_latency_s": sum(p[0] for p in parts.values()),
+            "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
+            "dominant": max(terms, key=terms.get), "comm": comm}

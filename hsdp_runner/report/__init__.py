@@ -1,0 +1,2 @@
+"""Readers of finished runs: the runs table, predicted vs measured, W&B reports and the
+compare dashboard."""

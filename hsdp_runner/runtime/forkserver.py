@@ -1,0 +1,77 @@
+"""Workers forked from a server that imported torch once, instead of each spawned afresh.
+
+A spawned worker imports torch and the runner anew, several CPU-seconds each: a 4-rank job on
+2 cores waits ~15 s before its first step, and a test suite pays that for every job.
+multiprocessing's forkserver imports them once (``SERVER_MODULE``) and forks every worker from
+that clean, single-threaded process. (Forking the launcher itself would copy a process with
+threads, the elastic agent's TCPStore server among them.) torch's elastic launcher takes the
+start method; two things it does not do are done here:
+- The server must outlive the signals meant for the job: Ctrl-C signals the whole process
+  group and a scheduler signals every process, the server included, and a dead server makes
+  the launcher read every worker as exited with code 255 while they still run. The server
+  ignores the stop signals; each worker restores the defaults before anything else
+  (``run_forked``) and then installs its own handlers as a spawned one would.
+- A forked worker starts with the environment the server had when it started (the first job
+  of a process); the launcher's environment at the time of each start travels with the call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import signal
+
+START_METHOD = "forkserver"
+SERVER_MODULE = "hsdp_runner.runtime.forkserver_server"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2)
+
+# What every worker imports, at module level or on first use (FSDP2 pulls in torch._dynamo and
+# sympy): ~2 CPU-seconds a worker when each imports them after the fork.
+WORKER_IMPORTS = ("hsdp_runner.runtime.worker", "torch.distributed.fsdp", "torch._dynamo",
+                  "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+                  "torch.distributed.tensor.parallel", "torch.utils.flop_counter",
+                  "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+                  "hsdp_runner.models.llama", "hsdp_runner.models.gpt2", "safetensors.torch")
+
+# The environment the server started with; set only inside the server (and so in every worker
+# forked from it), None in any other process.
+_server_env: dict[str, str] | None = None
+
+
+def prepare_server() -> None:
+    """In the forkserver, at start: ignore the stop signals, remember the environment, and
+    import what every worker needs (torch with it). Takes and returns nothing."""
+    global _server_env
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    _server_env = dict(os.environ)
+    for module in WORKER_IMPORTS:  # the imports this server exists to pay once
+        importlib.import_module(module)
+
+
+def use_server() -> str:
+    """Name the module the forkserver preloads; return the start method for torch's launcher.
+    Call before the first worker of this process starts (later calls change nothing)."""
+    multiprocessing.set_forkserver_preload([SERVER_MODULE])
+    return START_METHOD
+
+
+def run_forked(launcher_env: dict[str, str], fn, *args):
+    """A worker's entry point: take ``launcher_env`` (the launcher's ``os.environ`` when it
+    started the workers) and default signal handling, then return ``fn(*args)``.
+
+    What torch's agent set for this rank (RANK, MASTER_PORT, ...) is what differs from the
+    server's own start environment; it is laid over ``launcher_env``. In a process not forked
+    from the server (spawned) everything is already in place and ``fn`` runs as it is.
+    """
+    if _server_env is not None:
+        rank_env = {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
+        os.environ.clear()
+        os.environ.update(launcher_env)
+        os.environ.update(rank_env)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                          else signal.SIG_DFL)
+    return fn(*args)

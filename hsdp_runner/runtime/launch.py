@@ -1,0 +1,352 @@
+"""From a composed config to running ranks: validate, then start workers or join torchrun.
+
+Everything that can be checked without a process group is checked here, in the launching
+process, so a bad degree or path costs seconds, not a node-hour. Then either
+- not under a distributed launcher: start world-size workers with torch's elastic launcher
+  API on this node, or
+- under torchrun (RANK and WORLD_SIZE set): this process is one rank; run it directly, or
+- in a SLURM task (launcher=slurm / slurm_local, one task per rank): export the
+  torch.distributed variables from SLURM's with submitit's helper, then run it like a torchrun
+  rank. Before anything is queued, ``check_before_submit`` validates every job of the sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hsdp_runner.checkpoint import start as checkpoint_start
+from hsdp_runner.config.checks import validate_batch, validate_config
+from hsdp_runner.core.choices import DataKind, Device, LauncherName
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.distributed.hardware import (
+    check_torch_apis,
+    check_visible_gpus,
+    cpu_threads,
+    cuda_fallback_warning,
+)
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
+from hsdp_runner.models.base import build_meta_model
+from hsdp_runner.models.params import frozen_names
+from hsdp_runner.runtime import forkserver
+from hsdp_runner.runtime.failures import (
+    cause_from_log,
+    first_failure,
+    signal_only,
+    with_timeout_hint,
+)
+from hsdp_runner.runtime.signals import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
+from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train.data import load_corpus
+
+log = logging.getLogger("hsdp_runner")
+
+RESOLVED_CONFIG_FILE = tracking.RESOLVED_CONFIG_FILE
+
+
+def under_torchrun() -> bool:
+    """True when an external launcher (torchrun, SLURM export) made this process a rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _cuda_count(cfg) -> int:
+    if cfg.device == Device.cpu:
+        return 0
+    count = torch.cuda.device_count()
+    if cfg.device == Device.cuda and count == 0:
+        raise ConfigError("device=cuda but no CUDA device is visible; set device=cpu or auto")
+    return count
+
+
+def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
+             size_degrees: dict | None = None, overrides: list[str] = ()) -> ParallelDims:
+    """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
+
+    ``submitting``: this process only submits the job to SLURM (a login node, often without
+    GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
+    Layout warnings (e.g. a shard group spanning nodes) go to stderr; in a rank, rank 0's only.
+    ``size_degrees`` (a sweep's preset degrees, see ``app.preset_degrees``) replace the job's
+    own degrees where the world size comes from degrees (CPU, no ``launcher.nproc_per_node``).
+    With ``parallel.auto`` the degrees are planned here and written into ``cfg``
+    (``planner.auto``; ``overrides``: the job's command line, recorded in its plan.md).
+    """
+    validate_config(cfg)
+    check_torch_apis()
+    gpus = 0 if submitting else _cuda_count(cfg)
+    if cfg.parallel.auto:
+        _check_auto_launch(cfg, gpus, submitting)
+    world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
+    if cfg.parallel.auto:
+        _check_writable(output_dir)
+        _plan_auto(cfg, world_size, ranks_per_node, gpus, output_dir, list(overrides))
+    if gpus and under_torchrun():
+        check_visible_gpus(ranks_per_node, gpus)
+    fallback = None if submitting else cuda_fallback_warning(cfg.device)
+    if fallback and (not under_torchrun() or int(os.environ["RANK"]) == 0):
+        print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
+    validate_batch(cfg, dims.dp)
+    if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
+            and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
+                          "support; use precision=fp32")
+    if cfg.data.kind == DataKind.text:
+        load_corpus(cfg.data.path, cfg.model.seq_len + 1)
+    if cfg.trainer.freeze:
+        frozen_names(dict(build_meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
+    _check_writable(output_dir)
+    checkpoint_start.validate(cfg, output_dir)
+    if not under_torchrun() or int(os.environ["RANK"]) == 0:
+        for message in dims.node_warnings():
+            print(f"hsdp_runner: warning: {message}", file=sys.stderr)
+    return dims
+
+
+def _check_auto_launch(cfg, gpus: int, submitting: bool) -> None:
+    """Refuse ``parallel=auto`` where this process cannot decide for every rank before they
+    start, or where the world size would come from the degrees it has yet to choose."""
+    if submitting or under_torchrun():
+        raise ConfigError(
+            "parallel=auto plans in the process that starts the workers (launcher=local), and "
+            "each torchrun or SLURM rank would plan on its own; plan first (python -m "
+            "hsdp_runner.plan ... plan.write_sweep=<file>) and run its degrees, or use "
+            "launcher=local")
+    degrees = [cfg.parallel[name] for name in DIM_NAMES]
+    if not gpus and cfg.launcher.nproc_per_node is None and -1 in degrees:
+        raise ConfigError("parallel=auto on CPU needs the number of ranks to plan for and start: "
+                          "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4)")
+
+
+def _plan_auto(cfg, world_size: int, ranks_per_node: int, gpus: int, output_dir: Path,
+               overrides: list[str]) -> None:
+    """Plan the auto job on its cluster, write the chosen degrees into ``cfg`` and say which
+    layout was chosen and which came second (ConfigError when nothing fits)."""
+    from hsdp_runner.planner import auto as plan_auto
+
+    device_name = torch.cuda.get_device_name(0) if gpus else None
+    choice = plan_auto.plan_job(cfg, world_size, ranks_per_node, device_name,
+                                output_dir / plan_auto.PLAN_DIR, overrides)
+    print(f"hsdp_runner: {plan_auto.describe(choice)}", flush=True)
+
+
+def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int, int]:
+    """Return (world size, ranks per node): from torchrun's / SLURM's environment in a rank,
+    else from ``launcher.nnodes`` x ``launcher.nproc_per_node`` (on CPU without it, from the
+    degrees: a sweep's ``size_degrees``, else the job's own)."""
+    if under_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if cfg.launcher.nnodes > 1 and cfg.launcher.name == LauncherName.local:
+        raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
+                          "ranks on this node only; use torchrun on every node or launcher=slurm "
+                          "(README, 'Many nodes'), or keep launcher.nnodes=1")
+    sizing = OmegaConf.create(size_degrees) if size_degrees else cfg.parallel
+    world_size = infer_world_size(cfg.launcher, sizing, gpus)
+    nproc = world_size // cfg.launcher.nnodes
+    if gpus and nproc > gpus:
+        raise ConfigError(f"launcher.nproc_per_node={nproc} exceeds the {gpus} visible GPUs; "
+                          f"use at most {gpus} ranks per node or set device=cpu")
+    return world_size, nproc
+
+
+def _check_writable(output_dir: Path) -> None:
+    probe = output_dir / f".write-probe-{uuid.uuid4().hex}"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output dir {output_dir} is not writable ({err.strerror}); set "
+                          "hydra.run.dir (or hydra.sweep.dir) to a writable folder") from None
+
+
+def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
+    """Validate, launch and wait for one job; return its exit code (0, 1 failed, 2 config)."""
+    output_dir = Path(run_info.output_dir)
+    try:
+        if LauncherName(cfg.launcher.name).submitit:
+            join_submitit_job(cfg.launcher.name)
+        dims = validate(cfg, output_dir, size_degrees=run_info.size_degrees,
+                        overrides=run_info.overrides)
+    except ConfigError as err:
+        if run_info.multirun:  # a sweep skips a combination that cannot run, goes on
+            _record_skipped(cfg, run_info, str(err))
+        else:
+            print(f"hsdp_runner: config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    if not under_torchrun() or int(os.environ["RANK"]) == 0:
+        (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg_dict))
+        tracking.begin_attempt(output_dir)
+    if under_torchrun():
+        from hsdp_runner.runtime.worker import run_worker
+        summary = run_worker(cfg_dict, dims, run_info)
+    else:
+        code, summary = _launch_local(cfg_dict, dims, run_info)
+        if code != EXIT_OK:
+            return code
+    if summary is not None and summary.status is RunStatus.interrupted:
+        print(f"hsdp_runner: interrupted by {summary.signal} after step "
+              f"{summary.interrupted_at_step}; last checkpoint: "
+              f"{summary.last_checkpoint or 'none (checkpoint.enable=false)'}; rerun the "
+              f"same command to resume. Outputs in {output_dir}", file=sys.stderr)
+        return 128 + signal.Signals[summary.signal].value
+    if summary is not None:
+        print(f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
+              f"{summary.final_loss:.4f}); outputs in {output_dir}")
+    return EXIT_OK
+
+
+def join_submitit_job(launcher_name: str) -> None:
+    """Make this SLURM (or submitit-local) task a torch.distributed rank.
+
+    Exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from
+    the job's environment with submitit's helper; raises ConfigError outside a submitit job.
+    """
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        raise ConfigError(f"launcher={launcher_name} runs jobs through hydra-submitit-launcher, "
+                          "which Hydra uses only in multirun mode; drop hydra.mode=RUN / "
+                          "hydra/launcher overrides, or use launcher=local")
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK). overwrite: a RANK
+    # etc. inherited from the submitting shell is replaced (submitit keeps an inherited
+    # MASTER_PORT on purpose).
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+
+
+def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, first_num: int):
+    """Validate each job of a SLURM sweep on the submitting node; exit 2 if any is bad.
+
+    Takes Hydra's config loader, the sweep's master config, the jobs' override lists and the
+    first job number; composes each job's config as its tasks will and runs ``validate``.
+    """
+    sweep_dir = Path(str(sweep_config.hydra.sweep.dir))
+    for num, overrides in enumerate(job_overrides, start=first_num):
+        cfg = config_loader.load_sweep_config(sweep_config, list(overrides))
+        try:
+            validate(cfg, sweep_dir, submitting=True)
+        except ConfigError as err:
+            job = " ".join(overrides) or "no overrides"
+            print(f"hsdp_runner: config error in job #{num} ({job}): {err}; nothing was submitted",
+                  file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG) from None
+
+
+def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
+                        agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict:
+    """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
+    forked from a server that imported torch once (``forkserver``).
+
+    ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
+    raises ``ChildFailedError`` (the others are stopped). On a signal named in
+    ``agent_signals`` torch's agent passes it on, gives the workers ``shutdown_timeout``
+    seconds to stop before killing them, then raises ``SignalException``; ``_launch_local``
+    leaves SIGTERM/SIGINT out and handles them itself.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+        start_method=forkserver.use_server(), monitor_interval=0.1,
+        shutdown_timeout=shutdown_timeout, signals_to_handle=agent_signals)
+    return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
+
+
+def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
+                  ) -> tuple[int, RunSummary | None]:
+    """Start ``dims.world_size`` workers on this node and wait; return (exit code, summary)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from hsdp_runner.runtime.worker import run_worker
+
+    # Our own message names the failed rank and error; the elastic agent would repeat the
+    # whole traceback (it is in the rank's log).
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torch's launcher sets 1 thread per worker when OMP_NUM_THREADS is unset, with a warning;
+    # share out the CPUs this process may use instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(dims.world_size)))
+    # Stop signals are ours, not the agent's: it would pass the first on and then stop
+    # collecting the workers' results (and die mid-shutdown on a second one).
+    signals = LauncherSignals()
+    signals.install(stop_signals(cfg_dict["launcher"].get("signal")))
+    try:
+        results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
+                                      dataclasses.replace(run_info, local_launch=True),
+                                      shutdown_timeout=cfg_dict["launcher"]["timeout_s"],
+                                      agent_signals="SIGHUP,SIGQUIT")
+    except SignalException as err:  # a stop signal while no worker was running
+        print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} while no worker was "
+              "running", file=sys.stderr)
+        return 128 + err.sigval, None
+    except ChildFailedError as err:
+        rank, failure = first_failure(err.failures)
+        stopped = signals.insisted or _stop_exit_signal(failure.exitcode)
+        if stopped:
+            return _stopped_at_once(cfg_dict, dims, run_info.output_dir, stopped), None
+        message = _failure_message(failure, Path(run_info.output_dir) / "logs", rank)
+        print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
+              f"rank logs: {Path(run_info.output_dir) / 'logs'}", file=sys.stderr)
+        # Replaces summary.json: figures of an earlier attempt must not appear under 'failed'.
+        RunSummary.failed(dims.describe(), rank, message).write(run_info.output_dir)
+        return EXIT_FAILED, None
+    finally:
+        signals.uninstall()
+    return EXIT_OK, results.get(0)
+
+
+def _stop_exit_signal(exitcode: int) -> int | None:
+    """The stop signal a worker's exit code 128 + signal says it stopped at once on, or None."""
+    return exitcode - 128 if exitcode - 128 in {int(s) for s in BASE_SIGNALS} else None
+
+
+def _stopped_at_once(cfg_dict: dict, dims: ParallelDims, output_dir: str, signum: int) -> int:
+    """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
+    last_ckpt = checkpoint_start.newest_checkpoint(OmegaConf.create(cfg_dict["checkpoint"]),
+                                                   Path(output_dir))
+    step = tracking.last_step(output_dir)
+    RunSummary.interrupted_at_once(dims.describe(), signal_name(signum), step,
+                                   last_ckpt).write(output_dir)
+    print(f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
+          f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
+          file=sys.stderr)
+    return 128 + signum
+
+
+def _failure_message(failure, log_dir: Path | None = None, rank: int | None = None) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
+        message = message.get("message", message)
+    message = str(message).strip() or f"exit code {failure.exitcode}"
+    # Killed in C++ (e.g. NCCL's watchdog on a timeout: SIGABRT): the cause is in its log.
+    cause = cause_from_log(log_dir, rank) if log_dir and signal_only(message) else None
+    if cause:
+        message = f"{message}: {cause}"
+    return with_timeout_hint(message)
+
+
+def _record_skipped(cfg: DictConfig, run_info: RunInfo, reason: str) -> None:
+    """A sweep's job that cannot run: print why; write its resolved config and its summary
+    (``status: skipped``, the reason, its overrides and the degrees it asked for)."""
+    output_dir = Path(run_info.output_dir)
+    print(f"hsdp_runner: skipped (not counted as a failure): {reason}", flush=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        RunSummary.skipped(reason, run_info.overrides,
+                           {name: cfg.parallel[name] for name in DIM_NAMES}).write(output_dir)
+    except OSError as err:  # e.g. the reason itself is an unwritable output dir
+        print(f"hsdp_runner: could not record the skipped job in {output_dir}: {err}",
+              file=sys.stderr)

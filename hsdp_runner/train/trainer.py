@@ -1,0 +1,276 @@
+"""The training loop: AdamW, warmup + cosine LR, clipping, accumulation, per-step figures.
+
+Runs on every rank with the already-sharded model; rank 0 alone writes the console line,
+``metrics.jsonl``, W&B and ``summary.json``. The host runs a step ahead of the device: per
+step one collective of its own and one host read, one step late (``step_stats``), and the
+next batch is made in a background thread (``data.Prefetcher``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from hsdp_runner.core.choices import OnNan
+from hsdp_runner.core.faults import inject_fault
+from hsdp_runner.distributed import comm_counting as comm
+from hsdp_runner.distributed import step_stats
+from hsdp_runner.distributed.comm_model import comm_report
+from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.train import metrics
+from hsdp_runner.train.data import Prefetcher, TokenBatches
+from hsdp_runner.train.figures import RunFigures
+from hsdp_runner.train.sinks import Tracker
+
+log = logging.getLogger(__name__)
+
+# Eval batches come from step indices no training run reaches.
+EVAL_STEP_OFFSET = 1 << 40
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; norms and embeddings get no weight decay."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "tok_embeddings" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # fused: one kernel per device and dtype, and it takes ``found_inf``, which lets the trainer
+    # skip a non-finite step's update on the device without reading anything on the host.
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                             eps=optim_cfg.eps, fused=True)
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
+    """Return step -> LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN/inf loss or gradient norm and ``trainer.on_nan=stop``."""
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The value of a (replicated) DTensor as a plain tensor; a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@contextlib.contextmanager
+def _counting(counter):
+    """Run the block under ``counter`` (a CommCounter) if there is one."""
+    if counter is None:
+        yield
+        return
+    with counter:
+        yield
+
+
+class Trainer:
+    """Trains ``model`` for ``train.steps`` steps; ``fit()`` returns the step records.
+
+    Takes the sharded model, the job's ParallelDims and world mesh, the rank's device, its
+    batches, the ``optim`` and ``trainer`` config nodes, the run's fixed figures (computed
+    once, ``run_figures``), the ``fault`` node, the step whose collectives are counted
+    (``metrics.comm_step``, None: none) and rank 0's sinks (an empty list elsewhere).
+    """
+
+    def __init__(self, model: torch.nn.Module, dims: ParallelDims, world: WorldMesh,
+                 device: torch.device, batches: TokenBatches, optim, train,
+                 figures: RunFigures, fault=None, comm_step: int | None = None,
+                 sinks: list[Tracker] = ()):
+        self.model, self.dims, self.world, self.device = model, dims, world, device
+        self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
+        self.grad_clip, self.comm_step = optim.grad_clip, comm_step
+        self.rank = dist.get_rank()
+        self.sinks = list(sinks)
+        self.optimizer = build_optimizer(model, optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio))
+        self.dp_group = world["dp"].get_group()
+        # The per-step stats all-reduce counts each dp rank's loss once: on its tp rank 0.
+        self.counts_loss = world.local_rank_in("tp") == 0
+        self.records: list[dict] = []
+        self.skipped_steps = 0
+        self.stopped_by: int | None = None  # signal number when a stop request ended fit()
+        self.last_step = 0
+        # Communication accounting: filled after the step ``comm_step``. The counter is built
+        # here: it looks up the mesh's groups, host work no step should do.
+        self.comm_facts: dict = {}
+        self.comm_counter = None if comm_step is None else comm.CommCounter(world)
+
+    def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
+        logits = self.model(inputs.to(self.device))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def _forward_backward(self, step: int, data: Prefetcher, signum: int | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue step ``step``'s micro-batches, the clipping and the stats all-reduce.
+
+        Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
+        """
+        poison = self.fault is not None and inject_fault(self.fault, self.rank, step + 1)
+        inputs, targets = data.get(step)
+        accum = self.train.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # Reduce gradients once, on the last micro-batch.
+                self.model.set_requires_gradient_sync(micro == accum - 1)
+            loss = self.loss_on(x, y) / accum
+            if poison:
+                loss = loss * float("nan")
+            loss.backward()
+            total += loss.detach()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = _plain(
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True))
+        stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        return stats, grad_norm
+
+    def _update(self, stats: torch.Tensor) -> None:
+        """Queue the optimizer step, skipped on the device when any rank saw a non-finite
+        loss or grad norm (fused AdamW's ``found_inf``: parameters, moments and step counts
+        stay as they were), then the LR schedule's step."""
+        self.optimizer.found_inf = (stats[step_stats.NONFINITE] > 0).float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    @torch.no_grad()
+    def evaluate(self, n_batches: int) -> float:
+        """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged.
+
+        Runs the model in eval mode through the same sharded forward as training, so it
+        exercises FSDP's unshard/reshard outside of backward.
+        """
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(n_batches):
+            inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
+            total += self.loss_on(inputs, targets)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        self.model.train()
+        loss = total.item() / (self.dims.dp * n_batches)
+        if self.rank == 0:
+            log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
+        return loss
+
+    def fit(self, start_step: int = 0, after_step=None, stop=None) -> list[dict]:
+        """Run steps ``start_step``..``train.steps - 1`` (0-based); reports each to the sinks.
+
+        Step s's results are read (one host read) once step s+1's forward and backward are
+        queued, before step s+1's optimizer step; then step s is reported and
+        ``after_step(s + 1)`` is called on every rank with its 1-based number (the
+        checkpointer saves there: the weights are those after step s). ``stop`` (an
+        ``interrupt.StopRequest``) is sampled into each step's stats all-reduce; when any rank
+        was signalled, all stop after that step (step s+1's gradients are dropped) and
+        ``stopped_by`` is set. A non-finite step is never applied; with
+        ``trainer.on_nan=stop`` NonFiniteError is raised when it is read, with ``skip`` it
+        is counted. Returns the reported records.
+        """
+        steps = self.train.steps
+        bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
+                   dynamic_ncols=True, disable=self.rank != 0, leave=False)
+        self.model.train()
+        data = Prefetcher(self.batches, self.device)
+        pending = None
+        try:
+            for step in range(start_step, steps):
+                counter = self.comm_counter if step + 1 == self.comm_step else None
+                marks = [step_stats.mark(self.device)]
+                with _counting(counter):
+                    stats, grad_norm = self._forward_backward(
+                        step, data, stop.signum if stop is not None else None)
+                marks.append(step_stats.mark(self.device))
+                if pending is not None and self._finish(pending, after_step, bar):
+                    pending = None
+                    self.optimizer.zero_grad(set_to_none=True)  # step s+1 is dropped
+                    break
+                marks.append(step_stats.mark(self.device))
+                lr = self.scheduler.get_last_lr()[0]
+                with _counting(counter):
+                    self._update(stats)
+                marks.append(step_stats.mark(self.device))
+                pending = step_stats.PendingStep(step, lr, stats, grad_norm, marks, counter,
+                                                 self.dims.dp)
+            if pending is not None:
+                self._finish(pending, after_step, bar)
+        finally:
+            data.close()
+            bar.close()
+        return self.records
+
+    def _finish(self, pending: step_stats.PendingStep, after_step, bar) -> bool:
+        """Read a queued step, act on a non-finite one, report it, run ``after_step``.
+
+        Returns True when the ranks agreed to stop (``stopped_by`` is then set).
+        """
+        values = pending.read()
+        step = pending.step + 1
+        if values.nonfinite:
+            if OnNan(self.train.on_nan) is OnNan.stop:
+                raise NonFiniteError(
+                    f"step {step}: loss {values.loss} / grad norm {values.grad_norm} is not "
+                    "finite; the run stops (trainer.on_nan=stop). Lower optim.lr, check the "
+                    "data, or set trainer.on_nan=skip to drop such steps")
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped "
+                        "(trainer.on_nan=skip, %d skipped so far)", step, values.loss,
+                        values.grad_norm, self.skipped_steps)
+        tokens = self.batches.global_batch * self.batches.seq_len
+        record = metrics.step_record(
+            step, values.loss, values.grad_norm, pending.lr, pending.seconds(), tokens,
+            self.dims.world_size, self.figures.flops_per_token, self.figures.peak_tflops,
+            metrics.peak_memory_gib(self.device))
+        record["skipped"] = values.nonfinite
+        self.last_step = step
+        if pending.counter is not None:
+            record.update(self._comm_record(pending.counter, step))
+        bar.update(1)
+        self._report(record, bar)
+        if after_step is not None:
+            after_step(step)
+        if values.signum:
+            self.stopped_by = values.signum
+            log.warning("stopping after step %d on %s", step, signal.Signals(values.signum).name)
+            return True
+        return False
+
+    def _comm_record(self, counter: comm.CommCounter, step: int) -> dict:
+        """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
+        self.comm_facts = comm_report(counter.result(), self.figures.analytic_comm, step)
+        if self.rank == 0:
+            log.info("step %d communication per rank: measured %s bytes, analytic %s bytes "
+                     "(ratio %s)", step, f"{self.comm_facts['comm_bytes_measured']:,}",
+                     f"{self.comm_facts['comm_bytes_analytic']:,}", self.comm_facts["comm_ratio"])
+        return {k: v for k, v in self.comm_facts.items() if k != "comm_step"}
+
+    def _report(self, record: dict, bar) -> None:
+        """Keep the record (every rank), hand it to the sinks, print rank 0's console line."""
+        self.records.append(record)
+        for sink in self.sinks:
+            sink.log_step(record)
+        step = record["step"]
+        if self.rank == 0 and (step % self.train.log_every == 0 or step == self.train.steps):
+            mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+            bar.write(f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  "
+                      f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                      f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
+                      f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
+                      f"{record['step_time_s']:.2f}s")
