@@ -159,8 +159,8 @@ def _degrees(entry: dict) -> str:
 
 def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
     """What could make the job fit, each planned: (the change as an override, its best
-    fitting row or None). Tried: stronger activation checkpointing, 1/2 and 1/4 of the global
-    batch, 2 and 4 x the nodes. (More micro-batches are not tried: the fake memory step
+    fitting row or None). Tried, one step each (each costs fake measurements): stronger
+    activation checkpointing, half the global batch, twice the nodes. (More micro-batches are not tried: the fake memory step
     cannot measure several micro-batches of a sharded model yet, FSDPMemTracker refuses a
     second forward in one tracking window.)"""
     tried: list[tuple[str, Scenario]] = []
@@ -169,16 +169,14 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
         variant = cfg.copy()
         variant.parallel.ac = ac
         tried.append((f"parallel.ac={ac.value}", Scenario(variant, cluster, {}, fixed)))
-    for factor in (2, 4):
-        if cfg.trainer.global_batch_size % factor == 0:
-            variant = cfg.copy()
-            variant.trainer.global_batch_size = cfg.trainer.global_batch_size // factor
-            tried.append((f"trainer.global_batch_size={variant.trainer.global_batch_size}",
-                          Scenario(variant, cluster, {}, fixed)))
-    for factor in (2, 4):
-        more = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
-        tried.append((f"launcher.nnodes={more.nodes} ({more.world_size} ranks)",
-                      Scenario(cfg, more, {}, fixed)))
+    if cfg.trainer.global_batch_size % 2 == 0:
+        variant = cfg.copy()
+        variant.trainer.global_batch_size = cfg.trainer.global_batch_size // 2
+        tried.append((f"trainer.global_batch_size={variant.trainer.global_batch_size}",
+                      Scenario(variant, cluster, {}, fixed)))
+    more = dataclasses.replace(cluster, nodes=cluster.nodes * 2)
+    tried.append((f"launcher.nnodes={more.nodes} ({more.world_size} ranks)",
+                  Scenario(cfg, more, {}, fixed)))
     results = plan_scenarios([s for _, s in tried], on_error=lambda scenario, err: None)
     return [(label, choose(rows or [])[0]) for (label, _), rows in zip(tried, results)]
 
