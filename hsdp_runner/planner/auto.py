@@ -160,9 +160,9 @@ def _degrees(entry: dict) -> str:
 def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
     """What could make the job fit, each planned: (the change as an override, its best
     fitting row or None). Tried, one step each (each costs fake measurements): stronger
-    activation checkpointing, half the global batch, twice the nodes. (More micro-batches are not tried: the fake memory step
-    cannot measure several micro-batches of a sharded model yet, FSDPMemTracker refuses a
-    second forward in one tracking window.)"""
+    activation checkpointing, half the global batch, twice the nodes. More micro-batches are
+    not tried: the fake memory step cannot measure several micro-batches of a sharded model
+    yet (FSDPMemTracker refuses a second forward in one tracking window)."""
     tried: list[tuple[str, Scenario]] = []
     order = [AC.none, AC.selective, AC.full]
     for ac in order[order.index(AC(cfg.parallel.ac)) + 1:]:

@@ -215,13 +215,21 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
     return requests, groups
 
 
-def _state(cfg, dims: ParallelDims) -> dict:
+def _state(cfg, dims: ParallelDims, cache: dict | None = None) -> dict:
+    """Exact per-rank state bytes of ``dims`` (``plan_memory.state_bytes``); ``cache`` keeps
+    them per (config, shape): counting a big model's units builds it on the meta device."""
     import torch
 
+    key = (id(cfg), dims.shape)
+    if cache is not None and key in cache:
+        return cache[key]
     master = getattr(torch, cfg.precision.master_dtype).itemsize
-    return plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
-                                                 cfg.parallel.sequence_parallel),
-                                   dims.dp_shard, master)
+    state = plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
+                                                  cfg.parallel.sequence_parallel),
+                                    dims.dp_shard, master)
+    if cache is not None:
+        cache[key] = state
+    return state
 
 
 def _plain(value):
@@ -241,7 +249,8 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
     cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
                                    cfg.model.n_layers)
     ref = ParallelDims(*group["shape"], dims.world_size, dims.ranks_per_node)
-    memory = plan_memory.layout_memory(cats, _state(cfg, ref), _state(cfg, dims),
+    memory = plan_memory.layout_memory(cats, _state(cfg, ref, group.setdefault("states", {})),
+                                       _state(cfg, dims, group["states"]),
                                        cluster.memory_reserve_gib)
     time = step_time(cfg, dims, cluster)
     return {"overrides": overrides, "valid": True, "reason": None,
