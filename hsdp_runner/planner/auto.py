@@ -34,7 +34,8 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
-from hsdp_runner.planner.layouts import Scenario, check_plan_options, plan_layouts, plan_scenarios
+from hsdp_runner.planner.layouts import (Scenario, check_plan_options, enumerate_layouts,
+                                         plan_layouts, plan_scenarios, with_degrees)
 
 CPU_PRESET = "this_machine"
 PLAN_DIR = "plan"  # the job's plan.md and plan.json, inside its output dir
@@ -107,6 +108,10 @@ def plan_job(cfg: DictConfig, world_size: int, ranks_per_node: int, device_name:
     start = time.perf_counter()
     check_plan_options(cfg)
     fixed = fixed_degrees(cfg.parallel)
+    try:  # a degree no layout has fails here, before anything is measured
+        with_degrees(enumerate_layouts(cfg, world_size, ranks_per_node), fixed, world_size)
+    except ConfigError as err:
+        raise ConfigError(f"parallel=auto: {err}") from None
     node = cluster_node(cfg, world_size, ranks_per_node, device_name)
     cluster = resolve(node, cfg.precision.param_dtype)
     try:

@@ -108,7 +108,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
+def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     """The layouts whose degrees equal ``fixed``; ConfigError naming the keys if none does."""
     if not fixed:
         return layouts
@@ -124,7 +124,7 @@ def _with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
 def _prepare(scenario: Scenario) -> list:
     """Validated (axis values, config, layouts) per axis combination of ``scenario``."""
     cluster = scenario.cluster
-    variants = [(chosen, variant, _with_degrees(
+    variants = [(chosen, variant, with_degrees(
                     enumerate_layouts(variant, cluster.world_size, cluster.gpus_per_node),
                     scenario.fixed, cluster.world_size))
                 for chosen, variant in axis_configs(scenario.cfg, scenario.axes)]
