@@ -85,6 +85,15 @@ def test_auto_is_refused_where_no_one_process_plans_for_every_rank(monkeypatch):
     launch._check_auto_launch(no_ranks, 8, submitting=False)  # 8 GPUs: 8 ranks
 
 
+def test_a_gpu_without_a_preset_is_named_before_anything_is_measured(monkeypatch, tmp_path):
+    """The launcher looks up the name torch reports for GPU 0; one no preset has exits 2
+    asking for cluster=<preset>, before any fake measurement."""
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda index=None: "NVIDIA L4")
+    monkeypatch.setattr(layouts.plan_memory, "measure", lambda requests: pytest.fail("measured"))
+    with pytest.raises(ConfigError, match="no cluster preset has device 'NVIDIA L4'"):
+        launch._plan_auto(compose(AUTO), 8, 8, 8, tmp_path, [])
+
+
 def _cluster(**kw) -> Cluster:
     base = dict(name="t", device="cpu", gpus_per_node=4, nodes=1, device_memory_gib=1.0,
                 peak_tflops=1.0, peak_source="test", compute_efficiency=0.5,
