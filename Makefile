@@ -4,11 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build. On a GPU
-# machine e.g. TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'.
+# The torch the venv gets, pinned. What `torch==2.13.0` installs depends on the index: on
+# Linux x86_64 the public index's default wheel is a CUDA build; this machine's pip config
+# points at a local wheel folder holding the CPU build (2.13.0+cpu). Another CUDA variant comes
+# from PyTorch's own index, e.g. TORCH_SPEC='torch==2.13.0 --index-url
+# https://download.pytorch.org/whl/<variant>' (docs/gpu.md, "Installing torch").
 TORCH_SPEC ?= torch==2.13.0
-# The spec the venv's torch was installed from. A different TORCH_SPEC replaces torch: pip
-# alone would keep an installed 2.13.0+cpu for a CUDA 2.13.0 spec (the versions compare equal).
+# The spec the venv's torch was installed from. A different TORCH_SPEC reinstalls torch with
+# --force-reinstall: pip alone would keep an installed 2.13.0+cpu for a CUDA 2.13.0 spec (the
+# versions compare equal). pip removes the old torch only once the new one is downloaded and
+# puts it back if the install fails, so a failed install keeps the old torch and the old stamp.
 TORCH_STAMP := $(VENV)/.torch-spec
 
 # `make parity` checks every layout against a single process (README "Is my layout correct?").
@@ -19,13 +24,12 @@ PARITY_ARGS ?= model=llama3_tiny
 venv: $(VENV)/.installed
 
 # Runs every time, but rewrites the stamp (and so rebuilds what depends on it) only when the
-# spec differs from the recorded one.
+# spec differs from the recorded one and its install succeeded.
 $(TORCH_STAMP): FORCE
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if [ "$$(cat $@ 2>/dev/null)" != '$(TORCH_SPEC)' ]; then \
 	  echo "installing torch from: $(TORCH_SPEC)"; \
-	  $(PY) -m pip uninstall --quiet --disable-pip-version-check -y torch 2>/dev/null; \
-	  $(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC) && \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --force-reinstall $(TORCH_SPEC) && \
 	  echo '$(TORCH_SPEC)' > $@; \
 	fi
 

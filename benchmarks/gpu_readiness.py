@@ -9,8 +9,14 @@ parallel.compile=true device=cuda`` (one rank, whatever the node's GPU count) fo
 (model, global batch) in turn, largest first, and reports the first that trains; an
 out-of-memory run moves on to the next. Then it prints, for 1, 2, 4, 8 GPUs (and this node's
 count), the command that trains the same model and per-GPU batch over that many GPUs. Without
-a visible CUDA GPU it says so, prints the commands for the default batch and exits 0 without
-running anything.
+a GPU torch can use it names the cause (a CPU build, hidden GPUs, torch's own "CUDA
+initialization" warning, e.g. a driver older than the wheel's CUDA), prints the commands for
+the default batch and exits 0 without running anything.
+
+First it reports the checks a first GPU run depends on: the torch build (``torch.version.cuda``,
+``torch.cuda.is_available()``), the ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` a torchrun job would
+get, and which attention kernel ``scaled_dot_product_attention`` runs on this device, with
+whether ``parallel.ac=selective`` saves it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from hsdp_runner.core.records import RunSummary  # noqa: E402
+from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
+from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS  # noqa: E402
+from hsdp_runner.runtime.failures import NCCL_ERROR_HANDLING  # noqa: E402
 
 # (model, global batch in sequences), largest first.
 CANDIDATES = [("llama3_1b", 8), ("llama3_1b", 4), ("llama3_1b", 2), ("llama3_1b", 1),
@@ -86,15 +95,55 @@ def report(model: str, batch: int, out: Path) -> None:
           f"step: {s.median_step_time_s:.3f} s")
 
 
+def attention_kernel(device: torch.device) -> str | None:
+    """The fused attention op (``aten._scaled_dot_product_*``) that a causal
+    ``scaled_dot_product_attention`` with grad runs on ``device`` (bf16 on CUDA, as the probe
+    trains; fp32 on CPU); None when none of ``SDPA_FORWARD_OPS`` ran. Seen through a dispatch
+    mode, the hook selective checkpointing's policy itself sees ops through."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 8, 256, 64, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    with Ops():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return next((name for name in SDPA_FORWARD_OPS if name in ran), None)
+
+
+def report_checks() -> None:
+    """Print the checks a first GPU run depends on: torch build, NCCL error handling under
+    torchrun, and the attention kernel selective activation checkpointing must save."""
+    usable = cuda_available()
+    print(f"torch {torch.__version__}: torch.version.cuda={torch.version.cuda}, "
+          f"torch.cuda.is_available()={usable}")
+    key, ours = NCCL_ERROR_HANDLING
+    have = os.environ.get(key)
+    print(f"{key}: " + (f"{have}" if have is not None else "unset here") +
+          f"; the runner's launcher gives its workers {ours}; under torchrun (whose agent "
+          f"gives 1 unless set) export {key}={ours}")
+    device = torch.device("cuda") if usable else torch.device("cpu")
+    kernel = attention_kernel(device)
+    verdict = "saved by parallel.ac=selective" if kernel else \
+        "no fused kernel: parallel.ac=selective recomputes attention"
+    print(f"attention runs aten.{kernel or 'math decomposition'}: {verdict} ({device.type})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out (compile)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
-        print(f"gpu_readiness: no CUDA GPU is visible (torch {torch.__version__}, {build}); "
-              "nothing was run. Run this on a GPU machine with a CUDA build of torch.")
+    report_checks()
+    if not cuda_available():
+        print(f"gpu_readiness: torch cannot use a GPU here: {cuda_unusable_cause()}; nothing "
+              "was run. Run this on a GPU machine with a CUDA build of torch (docs/gpu.md).")
         print_commands(*CANDIDATES[0], visible=0)
         return 0
     with tempfile.TemporaryDirectory(prefix="gpu-readiness-") as tmp:

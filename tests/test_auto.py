@@ -97,8 +97,9 @@ def test_a_gpu_without_a_preset_is_named_before_anything_is_measured(monkeypatch
 def _cluster(**kw) -> Cluster:
     base = dict(name="t", device="cpu", gpus_per_node=4, nodes=1, device_memory_gib=1.0,
                 peak_tflops=1.0, peak_source="test", compute_efficiency=0.5,
-                intra_node_gbps=1.0, inter_node_gbps=1.0, intra_node_latency_us=10.0,
-                inter_node_latency_us=10.0, overlap=1.0, memory_reserve_gib=0.0)
+                nvlink_gbps=1.0, nvlink_efficiency=1.0, nics_per_node=1, nic_gbit=8.0,
+                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=10.0,
+                overlap=1.0, memory_reserve_gib=0.0)
     return Cluster(**{**base, **kw})
 
 

@@ -20,7 +20,7 @@ BAD_INPUTS = [
     (["parallel.dp_shard=-1"], "set launcher.nproc_per_node", None),             # not inferable
     (["parallel.dp_shard=-1", "launcher.nproc_per_node=3"], "cannot be inferred", None),
     (["parallel=fsdp", "launcher.nproc_per_node=4"], "exceeds the 2 visible GPUs", 2),
-    (["device=cuda"], "device=cuda but no CUDA device is visible", None),
+    (["device=cuda"], "device=cuda but no GPU is usable: this torch", None),
     (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible", None),
     (["parallel=tp", "model.seq_len=31"], "model.seq_len=31 is not divisible by parallel.tp=2", None),
     (["precision.param_dtype=float8"], "precision.param_dtype='float8'", None),
@@ -61,7 +61,7 @@ def test_bad_input_exits_2_naming_key_and_fix_before_any_worker(
         overrides, words, gpus, job_dir, empty_file, monkeypatch, capsys):
     overrides = [o.replace("EMPTY", str(empty_file)) for o in overrides]
     if gpus is not None:
-        monkeypatch.setattr(launch, "_cuda_count", lambda cfg: gpus)
+        monkeypatch.setattr(launch, "usable_gpus", lambda device: gpus)
         monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY, *overrides])
     GlobalHydra.instance().clear()

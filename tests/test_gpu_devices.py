@@ -1,6 +1,6 @@
 """A GPU node simulated on CPU, part 1: device names and peaks, precision, which GPU a rank
 uses, why GPUs go unused, CPU threads. ``torch.cuda`` is monkeypatched; nothing touches a GPU.
-README's "On a GPU machine" says what this does and does not prove.
+docs/gpu.md says what this does and does not prove.
 """
 
 import pytest
@@ -60,6 +60,7 @@ def _validate(overrides, tmp_path, gpus=1):
 def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
     from hsdp_runner.core.errors import ConfigError
 
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     # A V100 or T4: torch emulates bf16, is_bf16_supported() alone says True.
     monkeypatch.setattr("torch.cuda.is_bf16_supported",
@@ -92,11 +93,34 @@ def cuda(monkeypatch):
     return Cuda
 
 
-def test_one_visible_gpu_per_task_is_used_whatever_the_local_rank(cuda):
+def test_one_visible_gpu_per_task_is_used_whatever_the_local_rank(cuda, monkeypatch):
     from hsdp_runner.distributed.hardware import pick_device
 
     cuda.visible = 1  # SLURM --gpus-per-task=1 / --gpu-bind: each task sees only its own GPU
+    monkeypatch.setenv("SLURM_PROCID", "5")  # a SLURM task of launcher=slurm, no torchrun agent
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert str(pick_device("auto", 5, 8)) == "cuda:0" and cuda.current == [0]
+
+
+@pytest.mark.parametrize("slurm", [False, True])  # torchrun alone, or srun torchrun
+def test_one_visible_gpu_under_torchrun_is_not_shared_by_its_ranks(cuda, monkeypatch, tmp_path,
+                                                                     slurm):
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.distributed.hardware import pick_device
+
+    # CUDA_VISIBLE_DEVICES=3 torchrun --nproc-per-node 2: both ranks see the one GPU.
+    cuda.visible = 1
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
+    env = {"CUDA_VISIBLE_DEVICES": "3", "TORCHELASTIC_RUN_ID": "j", "RANK": "1",
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **({"SLURM_PROCID": "0"} if slurm else {})}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"2 ranks on this node but only 1 GPUs are visible "
+                                          r"\(CUDA_VISIBLE_DEVICES=3\)"):
+        _validate(["parallel=ddp"], tmp_path)  # exit 2 before NCCL's "Duplicate GPU detected"
+    with pytest.raises(ConfigError, match="2 ranks on this node but only 1 GPUs"):
+        pick_device("cuda", 1, 2)
+    assert str(pick_device("cuda", 0, 1)) == "cuda:0"  # one rank on the node: its GPU
 
 
 def test_local_rank_indexes_the_node_gpus(cuda):
@@ -174,6 +198,111 @@ def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, t
     assert "warning: device=auto: 8 NVIDIA GPU(s) present" in capsys.readouterr().err
     launch.validate(compose(base + ["device=cpu"]), tmp_path)
     assert capsys.readouterr().err == ""
+
+
+# Torch's warning when CUDA cannot initialise (wording read in c10/cuda/CUDAFunctions.cpp; the
+# C++ sources are not in the wheel and no GPU here has shown it).
+OLD_DRIVER = ("CUDA initialization: The NVIDIA driver on your system is too old (found version "
+              "11040). Please update your GPU driver by downloading and installing a new version "
+              "from the URL: http://www.nvidia.com/Download/index.aspx Alternatively, go to: "
+              "https://pytorch.org to install a PyTorch version that has been compiled with "
+              "your version of the CUDA driver.")
+
+
+@pytest.fixture
+def driver_too_old(monkeypatch):
+    """8 GPUs counted through NVML while torch cannot use them: its CUDA 12.8 wheel needs a
+    newer driver (``device_count()`` > 0, ``is_available()`` False, torch's warning once)."""
+    import warnings
+
+    from hsdp_runner.distributed import hardware as devices
+
+    def is_available():
+        warnings.warn(OLD_DRIVER)
+        return False
+    monkeypatch.setattr(devices, "_cuda_init_warning", None)
+    monkeypatch.setattr("torch.cuda.is_available", is_available)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr("torch.version.cuda", "12.8")
+    monkeypatch.setattr(devices, "gpus_present", lambda root=None: (8, "NVIDIA"))
+
+
+def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(driver_too_old, tmp_path,
+                                                                      capsys):
+    from test_config import compose
+
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.runtime import launch
+
+    base = ["model=llama3_tiny", "logger=none", "parallel=fsdp", "precision=bf16"]
+    dims = launch.validate(compose(base), tmp_path)  # not "this GPU does not support bfloat16"
+    assert dims.world_size == 4  # the CPU layout: no GPU counted
+    err = capsys.readouterr().err
+    assert "8 NVIDIA GPU(s) present but torch" in err and "(CUDA 12.8) cannot use them" in err
+    assert "driver on your system is too old (found version 11040)" in err
+    with pytest.raises(ConfigError, match=r"device=cuda but no GPU is usable: torch .* \(CUDA "
+                                          r"12.8\) cannot use them: CUDA initialization: The "
+                                          r"NVIDIA driver on your system is too old"):
+        launch.validate(compose(base + ["device=cuda", "launcher.nproc_per_node=8"]), tmp_path)
+
+
+def test_a_cpu_torch_with_device_cuda_says_it_is_a_cpu_build(tmp_path, monkeypatch):
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.distributed.hardware import pick_device
+
+    monkeypatch.setattr("torch.version.cuda", None)
+    monkeypatch.setattr("torch.version.hip", None)
+    with pytest.raises(ConfigError, match="no GPU is usable: this torch .* is a CPU-only build"):
+        _validate(["parallel=single"], tmp_path)
+    with pytest.raises(ConfigError, match="CPU-only build"):
+        pick_device("cuda", 0, 1)
+
+
+# --- peak tensor memory on CUDA: the meter's window, not the whole run --------------------------
+
+def test_cuda_tensor_peak_is_read_once_at_the_end_of_its_window(monkeypatch):
+    import torch
+
+    from hsdp_runner.train.tensor_memory import GIB, TensorMemoryMeter
+
+    allocator = {"now": 1 * GIB, "max": 1 * GIB}  # stands in for the CUDA caching allocator
+    monkeypatch.setattr("torch.cuda.memory_allocated", lambda device=None: allocator["now"])
+    monkeypatch.setattr("torch.cuda.max_memory_allocated", lambda device=None: allocator["max"])
+    meter = TensorMemoryMeter(torch.device("cuda", 0), steps=2)
+    meter.start()
+    allocator["max"] = 4 * GIB  # model and the first two steps
+    hook = meter.wrap(None, start_step=0)
+    hook(1)
+    assert meter.peak_gib is None
+    hook(2)  # the meter's last step
+    assert meter.peak_gib == 3.0
+    allocator["max"] = 9 * GIB  # a checkpoint save, later steps
+    hook(3)
+    assert meter.stop() == 3.0 and meter.peak_gib == 3.0
+
+
+# --- selective activation checkpointing saves attention whichever kernel runs -----------------
+
+def test_selective_ac_saves_every_fused_attention_kernel_of_this_torch():
+    """The SDPA forward kernels come from torch.ops.aten itself; which of them CUDA picks
+    (cuDNN on sm90 in newer torch) was read in torch's sources, not seen here."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from hsdp_runner.distributed.parallelize import selective_policy
+
+    aten = torch.ops.aten
+    fused = [name for name in dir(aten) if name.startswith("_scaled_dot_product_")
+             and not name.endswith("_backward") and "math" not in name]
+    assert "_scaled_dot_product_cudnn_attention" in fused  # present in 2.13
+    policy = selective_policy()
+    ctx = SimpleNamespace(is_recompute=False)
+    for name in fused:
+        assert policy(ctx, getattr(aten, name).default) is CheckpointPolicy.MUST_SAVE, name
+    assert policy(ctx, aten.silu.default) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # --- CPU threads from the affinity mask -------------------------------------------------------

@@ -1,6 +1,6 @@
 """A GPU node simulated on CPU, part 2: NCCL failure records and settings, one options object
 per mesh group, rank-0 file work outside the collective timeout, initial weights drawn on the
-device. README's "On a GPU machine" says what this does and does not prove.
+device. docs/gpu.md says what this does and does not prove.
 """
 
 import pytest
@@ -162,6 +162,74 @@ def test_rank0_aborted_by_the_nccl_watchdog_is_reported_with_its_cause(job_dir):
     assert summary["error"].startswith("Signal 6 (SIGABRT) received by PID")
     assert cause in summary["error"] and "launcher.timeout_s" in summary["error"]
     assert cause in result.stderr.split("rank 0 failed")[1]  # in the launcher's line too
+
+
+# --- a rank that raises: teardown must not wait for its peers -----------------------------------
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(backend, tmp_path,
+                                                                         monkeypatch):
+    """NCCL's destroy_process_group waits for the peers' communicators (read in torch 2.13's
+    distributed_c10d.py, not run: no GPU here), so a failing NCCL rank aborts instead; gloo and
+    success keep the orderly destroy."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from test_config import compose
+
+    from hsdp_runner.core.records import RunInfo
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.runtime import worker
+    from hsdp_runner.runtime.failures import mark_attempt
+
+    calls = []
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(worker, "setup_logging",
+                        lambda out, rank: mark_attempt(out / "logs", rank))
+    monkeypatch.setattr(worker.rank0_sidecar, "start",
+                        lambda *a: SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr(worker, "faulthandler", SimpleNamespace(enable=lambda **k: None))
+    monkeypatch.setattr(worker.StopRequest, "install", lambda self, signals: None)
+    monkeypatch.setattr(worker, "set_cpu_threads", lambda n: 1)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append("init"))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr("torch.distributed.distributed_c10d._abort_process_group",
+                        lambda *a: calls.append("abort"))
+
+    def train(*args):
+        raise oom
+    monkeypatch.setattr(worker, "_train", train)
+    cfg = compose(["model=llama3_tiny", "logger=none", "parallel=ddp"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
+    run_info = RunInfo(output_dir=str(tmp_path), group="g", run_name="r", tags=[],
+                       multirun=False, overrides=[])
+    with pytest.raises(torch.OutOfMemoryError):
+        worker.run_worker(OmegaConf.to_container(cfg, resolve=True), dims, run_info)
+    assert calls == ["init", "abort" if backend == "nccl" else "destroy"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_rank"] == 0
+    assert summary["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def test_a_rank_that_finishes_tears_down_in_order_on_nccl_too(monkeypatch):
+    import torch.distributed as dist
+
+    from hsdp_runner.runtime.worker import end_process_group
+
+    calls = []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr("torch.distributed.distributed_c10d._abort_process_group",
+                        lambda *a: calls.append("abort"))
+    end_process_group(failed=False)
+    assert calls == ["barrier", "destroy"]
 
 
 # --- one NCCL options object per mesh group ---------------------------------------------------

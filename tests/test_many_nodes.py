@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, cli_env, read_job, run_cli
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.planner.step_time import placement_of
 
 
 def free_port() -> int:
@@ -33,6 +35,19 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     assert summary["status"] == "completed" and len(records) == 6
     assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (4, 2, 2)
     assert summary["mesh_shape"] == [2, 2, 1] and summary["dims_across_nodes"] == ["dp_replicate"]
+    # Read from the real process groups and each agent's node rank: how every dim's groups sit
+    # on the two nodes is exactly what the planner's arithmetic prices.
+    observed = summary["mesh_placement"]
+    assert set(observed) == {*summary["mesh_dim_names"], "dp"}
+    planned = ParallelDims(*summary["mesh_shape"], summary["world_size"],
+                           summary["ranks_per_node"])
+    for name, facts in observed.items():
+        assert facts == placement_of(planned, name).describe(), name
+    assert observed["dp_replicate"] == {"size": 2, "ranks_per_node": 1, "groups_per_node": 2,
+                                        "nodes": 2}
+    assert observed["dp"] == {"size": 4, "ranks_per_node": 2, "groups_per_node": 1, "nodes": 2}
+    assert observed["dp_shard"] == {"size": 2, "ranks_per_node": 2, "groups_per_node": 1,
+                                    "nodes": 1}
     assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
     assert len(list((job / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs to W&B
 

@@ -59,7 +59,11 @@ def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(plan
         else:  # llama3_tiny has 2 kv heads: tp=4 does not divide them
             assert entry["overrides"]["parallel.tp"] == 4 and "n_kv_heads" in entry["reason"]
             assert entry["step_time_s"] is None and entry["rank"] is None
-    assert "invalid: parallel.tp=4" in (out / "plan.md").read_text()
+    md = (out / "plan.md").read_text()
+    assert "invalid: parallel.tp=4" in md
+    # Per term of the best layout: the group's shape on the nodes, the link and the algorithm.
+    assert "## Links of rank 1" in md and "| link | algorithm |" in md and "| ring |" in md
+    assert "tree all-reduce" in md and "is not modelled" in md
 
 
 def test_full_ac_predicts_less_memory_and_more_compute(planned):
@@ -129,8 +133,9 @@ def test_memory_extrapolates_linearly_per_block():
 def _cluster(**kw) -> Cluster:
     base = dict(name="t", device="H100", gpus_per_node=4, nodes=2, device_memory_gib=80.0,
                 peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
-                intra_node_gbps=100.0, inter_node_gbps=10.0, intra_node_latency_us=10.0,
-                inter_node_latency_us=20.0, overlap=1.0, memory_reserve_gib=0.0)
+                nvlink_gbps=100.0, nvlink_efficiency=1.0, nics_per_node=4, nic_gbit=80.0,
+                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=20.0,
+                overlap=1.0, memory_reserve_gib=0.0)
     return Cluster(**{**base, **kw})
 
 
@@ -141,7 +146,7 @@ def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     fsdp = step_time(cfg, ParallelDims(1, 8, 1, 8, 8), fast)
     assert fsdp["dominant"] == "compute"
     hidden = fsdp["exposed_comm_s"]["dp_shard"]
-    slow = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(inter_node_gbps=0.01))
+    slow = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(nic_gbit=0.08))
     assert slow["dominant"] == "comm:dp_shard" and slow["exposed_comm_s"]["dp_shard"] > 10 * hidden
     no_overlap = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
     assert no_overlap["step_time_s"] == pytest.approx(
@@ -356,7 +361,8 @@ def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is
     assert resolved.overlap == 0.32 and resolved.device_memory_gib == 2.0
     with pytest.raises(ConfigError, match="cluster.overlap is null"):
         cluster_mod.resolve({**node, "measure": False, "peak_tflops": 1.0,
-                             "device_memory_gib": 80.0}, "float32")
+                             "device_memory_gib": 80.0, "nvlink_gbps": 450.0,
+                             "nvlink_efficiency": 0.8, "nic_efficiency": 0.96}, "float32")
 
 
 def _overlap_on_two_ranks():

@@ -74,6 +74,9 @@ class RunSummary:
     nodes: Optional[int] = None
     ranks_per_node: Optional[int] = None
     dims_across_nodes: Optional[list] = None
+    # Per mesh dim and flattened view, read from the real process groups and the launcher's
+    # node ranks: {name: {size, ranks_per_node, groups_per_node, nodes}} (topology.Placement).
+    mesh_placement: Optional[dict] = None
     device: Optional[str] = None
     device_name: Optional[str] = None
     torch_version: Optional[str] = None

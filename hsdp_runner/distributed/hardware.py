@@ -1,13 +1,17 @@
 """Which device and how many CPU threads a rank gets, from what the node actually shows it.
 
 - ``pick_device``: ``device`` = auto | cpu | cuda -> this rank's ``torch.device``. The GPU index
-  comes from what is visible: one visible GPU is used whatever the local rank (SLURM's
-  ``--gpus-per-task=1`` / ``--gpu-bind`` show each task only its own GPU), several are indexed
-  by the local rank, and local ranks that outnumber them are an error, not a crash in
-  ``torch.cuda.set_device``.
-- ``cuda_fallback_warning``: ``device=auto`` on a node with GPUs that this torch cannot use (a
-  CPU build, hidden by ``CUDA_VISIBLE_DEVICES``, a driver too old) would silently run every rank
-  on the CPU; this names the cause.
+  comes from what is visible: in a SLURM task (not under torchrun) one visible GPU is used
+  whatever the local rank (SLURM's ``--gpus-per-task=1`` / ``--gpu-bind`` show each task only
+  its own GPU); otherwise the local rank indexes the visible GPUs, and local ranks that
+  outnumber them are an error, not a crash in ``torch.cuda.set_device`` or NCCL's "Duplicate
+  GPU detected".
+- ``usable_gpus`` / ``cuda_unusable_cause``: ``torch.cuda.device_count()`` counts GPUs through
+  NVML even when torch cannot use them (``torch.cuda.is_available()`` False: a driver older
+  than the wheel's CUDA), so availability is checked first and the cause is named: a CPU
+  build, ``CUDA_VISIBLE_DEVICES`` hiding them, or torch's own "CUDA initialization" warning.
+- ``cuda_fallback_warning``: ``device=auto`` on a node with GPUs that this torch cannot use
+  would silently run every rank on the CPU; this names the cause.
 - ``check_torch_apis``: the torch build has the distributed APIs the runner uses.
 - ``cpu_threads``: intra-op threads per rank from the affinity mask (what SLURM, cgroups or
   ``taskset`` allow this process), not ``os.cpu_count()`` (every core of the node).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,18 +59,32 @@ def check_torch_apis() -> None:
                           f"torch>={MIN_TORCH} (the project is tested with torch==2.13.0)")
 
 
-def check_visible_gpus(local_world_size: int, visible: int) -> None:
+def gpu_bound_per_task(env=None) -> bool:
+    """True when this process is a SLURM task started without torch's elastic agent (the
+    runner's ``launcher=slurm``): then SLURM's ``--gpus-per-task=1`` / ``--gpu-bind`` may show
+    it only its own GPU, and one visible GPU is this rank's whatever its local rank. Under
+    torchrun (``TORCHELASTIC_RUN_ID`` set, also inside ``srun torchrun``) and the local
+    launcher every rank of a node sees the same GPUs. ``env``: defaults to ``os.environ``."""
+    env = os.environ if env is None else env
+    return "SLURM_PROCID" in env and "TORCHELASTIC_RUN_ID" not in env
+
+
+def check_visible_gpus(local_world_size: int, visible: int, per_task: bool | None = None
+                       ) -> None:
     """Raise ConfigError when ``local_world_size`` ranks on a node cannot each get a GPU.
 
     ``visible``: GPUs this process sees. One visible GPU is fine for any number of local ranks
-    (per-task binding shows each task only its own); otherwise each local rank needs its own.
+    only where each task sees its own (``per_task``, default ``gpu_bound_per_task()``);
+    otherwise each local rank needs its own visible GPU.
     """
-    if visible > 1 and local_world_size > visible:
+    per_task = gpu_bound_per_task() if per_task is None else per_task
+    if local_world_size > visible and not (per_task and visible == 1):
         raise ConfigError(
             f"{local_world_size} ranks on this node but only {visible} GPUs are visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at "
             f"most {visible} ranks per node (launcher.nproc_per_node / torchrun "
-            "--nproc-per-node), or bind one GPU per task (SLURM --gpus-per-task=1)")
+            "--nproc-per-node), or with launcher=slurm bind one GPU per task "
+            "(--gpus-per-task=1): two ranks on one GPU fail in NCCL")
 
 
 def pick_device(choice: Device, local_rank: int, local_world_size: int = 1) -> torch.device:
@@ -75,14 +94,12 @@ def pick_device(choice: Device, local_rank: int, local_world_size: int = 1) -> t
     ConfigError when ``device=cuda`` sees no GPU or the local ranks outnumber visible GPUs.
     """
     choice = Device(choice)
-    if choice is Device.cpu or (choice is Device.auto and not torch.cuda.is_available()):
+    if choice is Device.cpu or (choice is Device.auto and not cuda_available()):
         return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    if visible == 0:
-        raise ConfigError("device=cuda but this process sees no CUDA device; set device=cpu or "
-                          "check CUDA_VISIBLE_DEVICES")
-    check_visible_gpus(local_world_size, visible)
-    if visible == 1:
+    visible = usable_gpus(choice)
+    per_task = gpu_bound_per_task()
+    check_visible_gpus(local_world_size, visible, per_task)
+    if visible == 1 and per_task:
         index = 0
     elif local_rank < visible:
         index = local_rank
@@ -108,29 +125,79 @@ def gpus_present(root: Path = Path("/")) -> tuple[int, str]:
     return 0, ""
 
 
+# torch warns once per process, when CUDA first fails to initialise, with the real cause
+# ("CUDA initialization: The NVIDIA driver on your system is too old (found version ...)";
+# read in c10/cuda/CUDAFunctions.cpp, not seen on a GPU here); ``cuda_available`` keeps it.
+_CUDA_INIT_WARNING = "CUDA initialization"
+_cuda_init_warning: str | None = None
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, keeping torch's one-time "CUDA initialization: ..."
+    warning (if this call triggers it) for ``cuda_unusable_cause``; other warnings pass on."""
+    global _cuda_init_warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    for w in caught:
+        if str(w.message).startswith(_CUDA_INIT_WARNING):
+            _cuda_init_warning = str(w.message)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return available
+
+
+def cuda_unusable_cause(root: Path = Path("/")) -> str:
+    """Why this torch sees no usable GPU, as one clause: a CPU-only build, GPUs hidden by
+    ``CUDA_VISIBLE_DEVICES``, no GPU on the node, or torch's own initialisation warning (a
+    driver older than the wheel's CUDA). ``root`` exists for tests."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not (torch.version.cuda or torch.version.hip):
+        return (f"this torch {torch.__version__} is a CPU-only build; install a CUDA build, e.g. "
+                "`make TORCH_SPEC='torch==2.13.0 --index-url "
+                "https://download.pytorch.org/whl/<variant>' venv` with the variant your "
+                "driver supports (docs/gpu.md, 'Installing torch')")
+    if hidden is not None and hidden.strip() in ("", "-1", "NoDevFiles"):
+        return f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
+    count, _ = gpus_present(root)
+    if not count and torch.cuda.device_count() == 0:
+        return "this node shows no GPU"
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+    if _cuda_init_warning:
+        return f"torch {torch.__version__} ({build}) cannot use them: {_cuda_init_warning}"
+    return (f"torch {torch.__version__} ({build}) cannot initialise them (a driver older than "
+            "this build's CUDA? nvidia-smi's 'CUDA Version' is the newest the driver supports); "
+            "`python -c 'import torch; torch.cuda.init()'` says why")
+
+
+def usable_gpus(choice: str) -> int:
+    """GPUs this process can use for ``device`` = auto | cpu | cuda: 0 for cpu, and 0 for auto
+    when torch cannot use CUDA. Availability comes first: ``torch.cuda.device_count()`` counts
+    through NVML even when ``is_available()`` is False. Raises ConfigError naming the cause
+    when ``device=cuda`` has no usable GPU."""
+    choice = Device(choice)
+    if choice is Device.cpu:
+        return 0
+    count = torch.cuda.device_count() if cuda_available() else 0
+    if count == 0 and choice is Device.cuda:
+        raise ConfigError(f"device=cuda but no GPU is usable: {cuda_unusable_cause()}; fix that "
+                          "or set device=cpu (or auto)")
+    return count
+
+
 def cuda_fallback_warning(choice: str, root: Path = Path("/")) -> str | None:
     """With ``device=auto``, say why GPUs on this node go unused; None when nothing is wrong.
 
     ``device=cpu`` is a deliberate choice and stays quiet; ``device=cuda`` fails elsewhere.
     """
-    if Device(choice) is not Device.auto or torch.cuda.is_available():
+    if Device(choice) is not Device.auto or cuda_available():
         return None
     count, vendor = gpus_present(root)
     if not count:
         return None
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (torch.version.cuda or torch.version.hip):
-        cause = (f"this torch {torch.__version__} is a CPU-only build; install a CUDA build, e.g. "
-                 "`make TORCH_SPEC='torch==2.13.0 --index-url "
-                 "https://download.pytorch.org/whl/cu128' venv` (README 'On a GPU machine')")
-    elif hidden is not None and hidden.strip() in ("", "-1", "NoDevFiles"):
-        cause = f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
-    else:
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
-        cause = (f"torch {torch.__version__} ({build}) cannot initialise them (a driver older "
-                 "than this build needs?); `python -c 'import torch; torch.cuda.init()'` says why")
-    return (f"device=auto: {count} {vendor} GPU(s) present but {cause}. Every rank runs on the "
-            "CPU; set device=cuda to fail instead, or device=cpu if that is what you want")
+    return (f"device=auto: {count} {vendor} GPU(s) present but {cuda_unusable_cause(root)}. "
+            "Every rank runs on the CPU; set device=cuda to fail instead, or device=cpu if that "
+            "is what you want")
 
 
 def cpu_threads(local_world_size: int, mask: set | None = None, env=None) -> int:

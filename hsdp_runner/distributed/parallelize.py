@@ -45,25 +45,36 @@ def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -
     model.tp_plan(world["tp"], sequence_parallel)
 
 
-def _selective_contexts():
-    """Checkpoint contexts of one block call for ``parallel.ac=selective``: torchtitan's
-    op-level policy. The block's 1st, 3rd, 5th, ... matmul outputs are saved and the others
-    recomputed (in our block: wq, wv, w1, w2 saved; wk, wo, w3 recomputed), so a block keeps
-    about 60% of the matmul outputs for about a third more matmul work in backward; attention
-    and TP collective outputs are saved; the cheap element-wise ops (norms, activations, RoPE)
-    are recomputed. A fresh count per call, kept apart for forward and recomputation, so both
-    passes pick the same matmuls."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+# Every fused attention kernel scaled_dot_product_attention can dispatch to in torch 2.13
+# (read in its native_functions.yaml): CUDA's flash, memory-efficient and cuDNN (torch may
+# prefer cuDNN on sm90; not seen here, no GPU), CPU's flash, and the overrideable one of other
+# accelerators (XPU, out-of-tree backends).
+# One missing here is recomputed in backward, and the planner's recompute figure is wrong.
+SDPA_FORWARD_OPS = ("_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_cudnn_attention",
+                    "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_fused_attention_overrideable")
 
-    funcol = torch.ops._c10d_functional
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-    save = {torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            # TP's collectives: recomputing them would repeat the block's forward
-            # communication in backward; their outputs are activations of the rank's tokens.
-            funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
-            funcol.all_reduce.default}
+
+def selective_policy():
+    """The ``parallel.ac=selective`` policy of one block call: torchtitan's op-level policy.
+    The block's 1st, 3rd, 5th, ... matmul outputs are saved and the others recomputed (in our
+    block: wq, wv, w1, w2 saved; wk, wo, w3 recomputed), so a block keeps about 60% of the
+    matmul outputs for about a third more matmul work in backward; attention
+    (``SDPA_FORWARD_OPS``) and TP collective outputs are saved; the cheap element-wise ops
+    (norms, activations, RoPE) are recomputed. A fresh count per call, kept apart for forward
+    and recomputation, so both passes pick the same matmuls. Returns
+    ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten, funcol = torch.ops.aten, torch.ops._c10d_functional
+    matmuls = {aten.mm.default, aten.addmm.default}
+    save = {getattr(aten, name).default for name in SDPA_FORWARD_OPS if hasattr(aten, name)}
+    # TP's collectives: recomputing them would repeat the block's forward communication in
+    # backward; their outputs are activations of the rank's tokens.
+    save |= {funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
+             funcol.all_reduce.default}
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs):
@@ -73,7 +84,15 @@ def _selective_contexts():
         else:
             keep = op in save
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def _selective_contexts():
+    """Checkpoint contexts of one block call for ``parallel.ac=selective``
+    (``selective_policy``)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(selective_policy())
 
 
 # parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).

@@ -1,15 +1,31 @@
-"""The machine a plan predicts for: compute peak, memory, and the links each mesh dim uses.
+"""The machine a plan predicts for: compute peak, memory, and the links each collective uses.
 
 A ``Cluster`` is resolved from the ``cluster`` config node (``conf/cluster/*.yaml``): presets
-state datasheet-style figures per GPU; ``cluster=this_machine`` (``measure: true``) measures
-this machine instead (``linkbench``), and ``cluster.calibration`` lays the figures that
-``python -m hsdp_runner.plan --calibrate`` fitted to a sweep over either.
+state datasheet figures (NVLink per GPU and direction; NICs per node and their line rate) and
+the fraction of them NCCL's bus bandwidth reaches; ``cluster=this_machine`` (``measure: true``)
+measures this machine instead (``linkbench``), and ``cluster.calibration`` lays the figures
+that ``python -m hsdp_runner.plan --calibrate`` fitted to a sweep over either.
 
-A collective over a group of ``n`` ranks costs ``latency + ring_factor x bytes / bandwidth``
-where ``bytes`` is the full tensor (as ``comm_model`` counts it) and the ring factor is
-(n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce (each byte leaves a rank
-once, or twice: reduce-scatter then all-gather). A group inside one node uses the intra-node
-bandwidth; a group that spans nodes is limited by the inter-node link of each GPU.
+A collective over a group of ``n`` ranks costs ``latency + ring_factor x bytes / bus
+bandwidth`` where ``bytes`` is the full tensor (as ``comm_model`` counts it) and the ring factor
+is (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce (NCCL's ring; each byte
+leaves a rank once, or twice: reduce-scatter then all-gather). The bus bandwidth depends on how
+the group sits on nodes (``topology.Placement``):
+
+- inside one node: NVLink, ``nvlink_gbps x nvlink_efficiency`` per GPU;
+- across nodes, with k ranks of the group on each node: NCCL runs one ring channel per NIC
+  next to those k GPUs, so a node sends the group's traffic through k GPUs' share of the
+  node's NICs, ``k x nics_per_node x nic_gbit / 8 x nic_efficiency / gpus_per_node``; a ring
+  with k > 1 also crosses NVLink inside each node, so the bus bandwidth is the smaller of the
+  two. The node's other groups of the same dim (``groups_per_node`` of them, run at the same
+  moment) use the other GPUs' shares: together the g groups of k ranks use the node's NICs
+  exactly once (g x k = GPUs per node).
+
+The time a collective spends on each link is kept apart (``Price.link_s``) so that
+``planner.step_time`` can let collectives that run at the same time share a link they both use and
+run side by side on links they do not share. NCCL's tree all-reduce (which it may pick on two
+nodes, where it can beat the ring's network bound, or at small sizes) is not modelled: every
+all-reduce is priced as a ring, an upper bound of its time.
 """
 
 from __future__ import annotations
@@ -20,11 +36,17 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.topology import Placement
 from hsdp_runner.train.metrics import lookup_peak_tflops
 
-CALIBRATED_KEYS = ("compute_efficiency", "intra_node_gbps", "inter_node_gbps",
+CALIBRATED_KEYS = ("compute_efficiency", "nvlink_efficiency", "nic_efficiency",
                    "intra_node_latency_us", "inter_node_latency_us", "link_scale",
                    "latency_scale")
+# Keys earlier presets had, and what replaced them.
+REPLACED_KEYS = {"intra_node_gbps": "cluster.nvlink_gbps and cluster.nvlink_efficiency",
+                 "inter_node_gbps": "cluster.nics_per_node, cluster.nic_gbit and "
+                                    "cluster.nic_efficiency"}
+INTRA, INTER = "nvlink", "nic"  # the link names of Price.link_s
 
 
 def ring_factor(kind: str, n: int) -> float:
@@ -34,9 +56,33 @@ def ring_factor(kind: str, n: int) -> float:
     return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
 
 
+@dataclass(frozen=True)
+class Price:
+    """What ``calls`` collectives of one kind over one group cost, and on which links."""
+
+    latency_s: float
+    link_s: dict                # {link name: seconds the traffic occupies that link}
+    bus_gbps: float             # the bus bandwidth assumed (GB/s)
+    link: str                   # the bottleneck: 'nvlink', 'nic' or 'measured'
+    algorithm: str              # 'ring'
+
+    @property
+    def bandwidth_s(self) -> float:
+        """Seconds of the traffic alone: the slowest link it crosses."""
+        return max(self.link_s.values(), default=0.0)
+
+    @property
+    def seconds(self) -> float:
+        """Latency plus bandwidth time."""
+        return self.latency_s + self.bandwidth_s
+
+
+FREE = Price(0.0, {}, 0.0, "none", "none")
+
+
 @dataclass
 class Cluster:
-    """Resolved figures of a cluster; ``link`` gives (latency s, bytes/s) per collective."""
+    """Resolved figures of a cluster; ``price`` gives what one collective costs on it."""
 
     name: str
     device: str
@@ -46,8 +92,11 @@ class Cluster:
     peak_tflops: float
     peak_source: str
     compute_efficiency: float
-    intra_node_gbps: float
-    inter_node_gbps: float
+    nvlink_gbps: float | None       # per GPU and direction, datasheet (None: measured)
+    nvlink_efficiency: float | None
+    nics_per_node: int | None       # None: no inter-node link of its own (this_machine)
+    nic_gbit: float | None          # line rate of one NIC, Gb/s
+    nic_efficiency: float | None
     intra_node_latency_us: float
     inter_node_latency_us: float
     overlap: float
@@ -63,26 +112,46 @@ class Cluster:
         """Ranks in the cluster: nodes x GPUs (ranks) per node."""
         return self.nodes * self.gpus_per_node
 
-    def link(self, kind: str, n: int, across_nodes: bool) -> tuple[float, float]:
-        """(latency in s, bandwidth in bytes/s) of collective ``kind`` over ``n`` ranks."""
-        table = self.measured_links.get(kind)
-        if table and not across_nodes:
-            # Measured per group size (JSON keys are strings); the nearest size stands in.
-            near = min(table, key=lambda k: abs(int(k) - n))
-            latency, bandwidth = table[near]
-        elif across_nodes:
-            latency, bandwidth = self.inter_node_latency_us * 1e-6, self.inter_node_gbps * 1e9
-        else:
-            latency, bandwidth = self.intra_node_latency_us * 1e-6, self.intra_node_gbps * 1e9
-        return latency * self.latency_scale, bandwidth * self.link_scale
+    @property
+    def intra_node_bus_gbps(self) -> float:
+        """Bus bandwidth of a ring inside one node (GB/s per GPU)."""
+        return self.nvlink_gbps * self.nvlink_efficiency * self.link_scale
 
-    def collective_time(self, kind: str, n: int, across_nodes: bool, calls: int,
-                        nbytes: float) -> tuple[float, float]:
-        """(latency part, bandwidth part) in seconds of ``calls`` collectives moving ``nbytes``."""
-        if n <= 1 or not calls:
-            return 0.0, 0.0
-        latency, bandwidth = self.link(kind, n, across_nodes)
-        return calls * latency, ring_factor(kind, n) * nbytes / bandwidth
+    @property
+    def nic_share_gbps(self) -> float:
+        """One GPU's share of its node's NICs, as NCCL reaches it (GB/s)."""
+        return (self.nics_per_node * self.nic_gbit / 8 * self.nic_efficiency
+                / self.gpus_per_node * self.link_scale)
+
+    def price(self, kind: str, where: Placement, calls: int, nbytes: float) -> Price:
+        """What ``calls`` collectives ``kind`` moving ``nbytes`` (full tensors, summed) cost
+        over groups placed as ``where``; free for groups of one rank or no calls."""
+        if where.size <= 1 or not calls:
+            return FREE
+        traffic = ring_factor(kind, where.size) * nbytes
+        table = self.measured_links.get(kind)
+        if not table and self.nvlink_gbps is None:
+            raise ConfigError(f"cluster {self.name!r} is measured but its link table has no "
+                              f"{kind}; delete its cache in ~/.cache/hsdp_runner (or "
+                              "$HSDP_RUNNER_CACHE) to measure it again")
+        if table:
+            # Measured per group size on this machine (JSON keys are strings); the nearest
+            # size stands in. "Nodes" on one machine share its memory: the same table.
+            latency, bandwidth = table[min(table, key=lambda k: abs(int(k) - where.size))]
+            bandwidth *= self.link_scale
+            return Price(calls * latency * self.latency_scale, {INTRA: traffic / bandwidth},
+                         bandwidth / 1e9, "measured", "ring")
+        if not where.spans_nodes:
+            bus = self.intra_node_bus_gbps
+            return Price(calls * self.intra_node_latency_us * 1e-6 * self.latency_scale,
+                         {INTRA: traffic / (bus * 1e9)}, bus, INTRA, "ring")
+        nic = where.ranks_per_node * self.nic_share_gbps
+        link_s = {INTER: traffic / (nic * 1e9)}
+        if where.ranks_per_node > 1:
+            link_s[INTRA] = traffic / (self.intra_node_bus_gbps * 1e9)
+        bus = min(nic, self.intra_node_bus_gbps) if where.ranks_per_node > 1 else nic
+        return Price(calls * self.inter_node_latency_us * 1e-6 * self.latency_scale, link_s,
+                     bus, INTER if bus == nic else INTRA, "ring")
 
     def describe(self) -> dict:
         """Plain dict for plan.json (the measured table included)."""
@@ -92,9 +161,14 @@ class Cluster:
 def resolve(node, compute_dtype: str) -> Cluster:
     """Build the Cluster of the ``cluster`` config node for ``compute_dtype`` matmuls.
 
-    Raises ConfigError for figures that make no sense or a calibration file that is missing.
+    Raises ConfigError for figures that make no sense, replaced keys, or a calibration file
+    that is missing.
     """
     c = dict(node)
+    for old, new in REPLACED_KEYS.items():
+        if c.pop(old, None) is not None:
+            raise ConfigError(f"cluster.{old} was replaced by the datasheet figures {new} "
+                              "(see conf/cluster/h100_sxm.yaml); set those instead")
     for key in ("gpus_per_node", "nodes"):
         if c[key] < 1:
             raise ConfigError(f"cluster.{key}={c[key]} must be >= 1")
@@ -120,6 +194,7 @@ def resolve(node, compute_dtype: str) -> Cluster:
         source = f"table: {c['device']} {compute_dtype}"
     else:
         source = "config cluster.peak_tflops"
+    _check_links(c)
     if c["device_memory_gib"] is None:
         raise ConfigError("cluster.device_memory_gib is null; set the memory of one device")
     if c["overlap"] is None:
@@ -130,13 +205,34 @@ def resolve(node, compute_dtype: str) -> Cluster:
                       nodes=c["nodes"], device_memory_gib=c["device_memory_gib"],
                       peak_tflops=c["peak_tflops"], peak_source=source,
                       compute_efficiency=c["compute_efficiency"],
-                      intra_node_gbps=c["intra_node_gbps"], inter_node_gbps=c["inter_node_gbps"],
+                      nvlink_gbps=c["nvlink_gbps"], nvlink_efficiency=c["nvlink_efficiency"],
+                      nics_per_node=c["nics_per_node"], nic_gbit=c["nic_gbit"],
+                      nic_efficiency=c["nic_efficiency"],
                       intra_node_latency_us=c["intra_node_latency_us"],
                       inter_node_latency_us=c["inter_node_latency_us"], overlap=c["overlap"],
                       memory_reserve_gib=c["memory_reserve_gib"], measured_links=measured)
     if c.get("calibration"):
         apply_calibration(cluster, Path(c["calibration"]))
     return cluster
+
+
+def _check_links(c: dict) -> None:
+    """Raise ConfigError for link figures a described (not measured) cluster lacks."""
+    if c["measure"]:
+        return  # the measured table prices every group
+    for key in ("nvlink_efficiency", "nic_efficiency"):
+        if c[key] is None or not 0.0 < c[key] <= 1.0:
+            raise ConfigError(f"cluster.{key}={c[key]} must lie in (0, 1]: the fraction of the "
+                              "line rate NCCL's bus bandwidth reaches")
+    if not c["nvlink_gbps"] or c["nvlink_gbps"] <= 0:
+        raise ConfigError(f"cluster.nvlink_gbps={c['nvlink_gbps']} must be > 0: the NVLink "
+                          "bandwidth of one GPU in one direction (GB/s, e.g. 450 for H100 SXM)")
+    if c["nodes"] > 1:
+        for key, example in (("nics_per_node", "8"), ("nic_gbit", "400")):
+            if not c[key] or c[key] <= 0:
+                raise ConfigError(f"cluster.{key}={c[key]} must be > 0 for cluster.nodes="
+                                  f"{c['nodes']}: the compute NICs of one node and the line rate "
+                                  f"of each (e.g. cluster.{key}={example})")
 
 
 def apply_calibration(cluster: Cluster, path: Path) -> None:

@@ -260,5 +260,5 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
             "dominant": time["dominant"], "rank": None, "layout": dims.layout,
             "memory": memory, "compute_s": time["compute_s"],
             "exposed_comm_s": time["exposed_comm_s"], "comm_total_s": time["comm_total_s"],
-            "comm_latency_s": time["comm_latency_s"],
+            "comm_latency_s": time["comm_latency_s"], "comm_links": time["comm_links"],
             "dims_across_nodes": dims.dims_across_nodes()}

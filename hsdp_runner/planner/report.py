@@ -4,7 +4,9 @@ plan.json (version 1) holds ``model``, ``world_size``, ``cluster`` and one entry
 ``overrides`` (dotted key -> value: the degrees and any axes), ``valid``, ``reason``,
 ``fits``, ``mem_gib``, ``step_time_s``, ``tps_per_device``, ``mfu``, ``dominant``, ``rank``
 (1-based; null when invalid), plus the breakdowns (``memory``, ``compute_s``,
-``exposed_comm_s``). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
+``exposed_comm_s``) and ``comm_links``: per communication term the group's placement on the
+nodes, the link, the algorithm and the bus bandwidth assumed (plan.md shows them for the best
+layout). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
 carrying ``plan.source`` = the absolute path of plan.json, so ``compare`` finds its prediction.
 """
 
@@ -81,8 +83,41 @@ def _assumptions(cfg, cluster: dict) -> str:
         "sharded state rescaled to each layout by exact arithmetic; AdamW moments added; "
         f"{cluster['memory_reserve_gib']:.1f} GiB allocator reserve.",
         "- Step time: compute + exposed communication (hsdp_runner/planner/step_time.py).",
+        f"- Links: {_links_line(cluster)} Every collective is priced as NCCL's ring (ring "
+        "factor (n-1)/n, all-reduce 2(n-1)/n); NCCL's tree all-reduce, which it may pick on two "
+        "nodes or for small messages, is not modelled (the ring is an upper bound there).",
     ]
     return "\n".join(lines)
+
+
+def _links_line(cluster: dict) -> str:
+    if cluster["measured_links"] or cluster["nvlink_gbps"] is None:
+        return ("measured on this machine per collective and group size (linkbench); groups "
+                "spanning \"nodes\" of this one machine use the same table.")
+    line = (f"inside a node NVLink, {cluster['nvlink_gbps']:g} GB/s per GPU and direction x "
+            f"{cluster['nvlink_efficiency']:g} = "
+            f"{cluster['nvlink_gbps'] * cluster['nvlink_efficiency'] * cluster['link_scale']:.4g}"
+            " GB/s bus bandwidth.")
+    if cluster["nics_per_node"]:
+        share = (cluster["nics_per_node"] * cluster["nic_gbit"] / 8 * cluster["nic_efficiency"]
+                 / cluster["gpus_per_node"] * cluster["link_scale"])
+        line += (f" Across nodes: {cluster['nics_per_node']} NICs x {cluster['nic_gbit']:g} Gb/s"
+                 f" x {cluster['nic_efficiency']:g} per node / {cluster['gpus_per_node']} GPUs = "
+                 f"{share:.4g} GB/s per GPU; a ring whose group has k ranks on each node gets "
+                 "min(k x that, NVLink).")
+    return line
+
+
+def links_table(entry: dict) -> str:
+    """Per communication term of one layout: the group's shape on the nodes, the link and
+    algorithm assumed, the bus bandwidth and the seconds (none hidden)."""
+    rows = ["| term | ranks per group | k (ranks/node) | groups per node | nodes per group | "
+            "link | algorithm | bus GB/s | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, f in sorted(entry.get("comm_links", {}).items()):
+        rows.append(f"| {key} | {f['size']} | {f['ranks_per_node']} | {f['groups_per_node']} | "
+                    f"{f['nodes']} | {f['link']} | {f['algorithm']} | {f['bus_gbps']:.4g} | "
+                    f"{f['seconds']:.4g} |")
+    return "\n".join(rows)
 
 
 def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: list[str],
@@ -99,6 +134,11 @@ def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: lis
     md = (f"# Plan: {cfg.model.name} on {cluster['world_size']} ranks ({cluster['name']})\n\n"
           f"Command-line overrides: `{' '.join(overrides) or '(none)'}`\n\n"
           f"{_assumptions(cfg, cluster)}\n\n{table(entries, cluster)}\n")
+    best = next((e for e in entries if e["valid"] and e.get("comm_links")), None)
+    if best is not None:
+        md += (f"\n## Links of rank {best['rank']} ({f'{_degrees(best)} {_axes(best)}'.strip()})"
+               "\n\n"
+               f"{links_table(best)}\n")
     (out_dir / PLAN_MD).write_text(md)
     paths = [out_dir / PLAN_MD, plan_json]
     if cfg.plan.write_sweep:

@@ -8,16 +8,22 @@
   other one; the model's ``selective_recompute_flops_per_token``). Forward is 1/3 of it,
   backward 2/3.
 - **Communication** = ``comm_model.analytic_comm`` (calls and bytes per collective kind and mesh
-  dim, proven equal to what a job measures), each over the link its dim spans
-  (``Cluster.collective_time``: intra-node unless the dim's groups span nodes in mesh.py's
-  node-aware layout, ring factors, per-call latency).
+  dim, proven equal to what a job measures), each priced by ``Cluster.price`` over the links
+  its groups use: ``topology.placement`` says, from the node-aware mesh layout, how many ranks
+  of one group share a node (k) and how many groups of the dim share it; NVLink inside a node,
+  k GPUs' share of the node's NICs (capped by NVLink) across nodes; ring factors, per-call
+  latency.
 - **Overlap**, as torch 2.13's FSDP2 schedules it: all-gathers run ahead of the unit that needs
   them, so only the first unit's all-gather of each pass is exposed (the root in forward, the
   last block in backward); each unit's reduce-scatter (and HSDP/DDP all-reduce over
   ``dp_replicate``, issued right after it in the same post-backward) overlaps the backward of
   the units before it, so only the last unit's (the root's) is exposed. The rest hides behind
-  up to ``cluster.overlap`` x the compute of its pass. TP collectives and the loss all-reduce
-  sit on the critical path: exposed.
+  up to ``cluster.overlap`` x the compute of its pass. In backward these collectives run at the
+  same time (FSDP2 issues them on separate streams): on a link they both use their times add,
+  on different links (HSDP: the shard group's reduce-scatter on NVLink, the replicate
+  all-reduce on the NICs) they run side by side, so the backward's communication takes its
+  latencies plus its busiest link's time. TP collectives and the loss all-reduce sit on the
+  critical path: exposed.
 
 The dominant term is the largest of compute and each mesh dim's exposed communication.
 """
@@ -26,7 +32,9 @@ from __future__ import annotations
 
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, unit_sizes
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, _group_spans_nodes
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.distributed.topology import Placement, placement
+from hsdp_runner.planner.cluster import Price
 from hsdp_runner.models.base import model_spec
 
 
@@ -43,26 +51,47 @@ def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, floa
     return model, hardware
 
 
-def _group(dims: ParallelDims, dim: str) -> tuple[int, bool]:
-    """(group size, spans nodes) of a mesh dim, of the flattened 'dp' view, or of 'world' (all
-    ranks: the trainer's step-statistics all-reduce when no one dim spans them)."""
-    if dim == "world":
-        return dims.world_size, dims.world_size > dims.node_size
-    if dim == "dp":
-        shape = (dims.dp, dims.tp)
-        return dims.dp, _group_spans_nodes(shape, 0, dims.node_size)
-    return dims.shape[DIM_NAMES.index(dim)], dim in dims.dims_across_nodes()
+def placement_of(dims: ParallelDims, dim: str) -> Placement:
+    """How the groups of ``dim`` (a mesh dim, the flattened 'dp', or 'world': the trainer's
+    step-statistics all-reduce when no one dim spans every rank) sit on the nodes of ``dims``."""
+    return placement(dims.shape, DIM_NAMES, dim, dims.node_size)
+
+
+def comm_prices(comm: dict, dims: ParallelDims, cluster) -> dict[str, Price]:
+    """{'<kind>/<dim>': Price} of every collective of one step (``comm_model.analytic_comm``)."""
+    out = {}
+    for key, entry in comm.items():
+        kind, dim = key.split("/")
+        out[key] = cluster.price(kind, placement_of(dims, dim), entry["calls"], entry["bytes"])
+    return out
 
 
 def comm_times(comm: dict, dims: ParallelDims, cluster, split: bool = False) -> dict:
     """{'<kind>/<dim>': seconds} of every collective of one step, none hidden; with ``split``
     the values are (latency part, bandwidth part)."""
+    return {key: (p.latency_s, p.bandwidth_s) if split else p.seconds
+            for key, p in comm_prices(comm, dims, cluster).items()}
+
+
+def concurrent_time(prices: list[Price], shares: list[float]) -> float:
+    """Seconds that collectives running at the same time take together: every latency, plus the
+    busiest link's summed traffic (``shares``: the fraction of each price that runs)."""
+    latency = sum(p.latency_s * f for p, f in zip(prices, shares))
+    per_link: dict[str, float] = {}
+    for price, share in zip(prices, shares):
+        for link, seconds in price.link_s.items():
+            per_link[link] = per_link.get(link, 0.0) + seconds * share
+    return latency + max(per_link.values(), default=0.0)
+
+
+def link_facts(prices: dict[str, Price], dims: ParallelDims) -> dict[str, dict]:
+    """Per term, what was assumed: group size, k, groups per node, nodes, link, algorithm, bus
+    bandwidth and seconds (for plan.json and plan.md)."""
     out = {}
-    for key, entry in comm.items():
-        kind, dim = key.split("/")
-        n, across = _group(dims, dim)
-        parts = cluster.collective_time(kind, n, across, entry["calls"], entry["bytes"])
-        out[key] = parts if split else sum(parts)
+    for key, price in prices.items():
+        where = placement_of(dims, key.split("/")[1])
+        out[key] = {**where.describe(), "link": price.link, "algorithm": price.algorithm,
+                    "bus_gbps": price.bus_gbps, "seconds": price.seconds}
     return out
 
 
@@ -76,8 +105,8 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     compute = hw_flops / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
     fwd, bwd = compute / 3, 2 * compute / 3
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
-    parts = comm_times(comm, dims, cluster, split=True)
-    times = {key: sum(pair) for key, pair in parts.items()}
+    prices = comm_prices(comm, dims, cluster)
+    times = {key: p.seconds for key, p in prices.items()}
     units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     total = sum(u[0] for u in units.values()) or 1
     root = units.get("root", (0, 0))[0] / total
@@ -99,13 +128,18 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     spill = max(0.0, ag_fwd * (1 - root) - cluster.overlap * fwd)
     expose("dp_shard", spill)
     hidden_bwd = {"dp_shard": ag_bwd * (1 - 1 / blocks)}
+    # What of each price runs hidden in backward, to find the links they share.
+    running = [(prices["all_gather/dp_shard"], (1 - ag_fwd_share) * (1 - 1 / blocks))] \
+        if ag else []
     expose("dp_shard", ag_bwd / blocks)
     for key, seconds in grad_sync.items():
         dim = key.split("/")[1]
         expose(dim, seconds * root)
         hidden_bwd[dim] = hidden_bwd.get(dim, 0.0) + seconds * (1 - root)
+        running.append((prices[key], 1 - root))
     rest = sum(hidden_bwd.values())
-    spill = max(0.0, rest - cluster.overlap * bwd)
+    together = concurrent_time([p for p, _ in running], [f for _, f in running])
+    spill = max(0.0, together - cluster.overlap * bwd)
     for dim, seconds in hidden_bwd.items():
         expose(dim, spill * seconds / rest if rest else 0.0)
     for key, seconds in times.items():
@@ -118,6 +152,7 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     return {"step_time_s": step, "compute_s": compute,
             "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
             "comm_total_s": sum(times.values()), "tps_per_device": tps,
-            "comm_latency_s": sum(p[0] for p in parts.values()),
+            "comm_latency_s": sum(p.latency_s for p in prices.values()),
+            "comm_links": link_facts(prices, dims),
             "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
             "dominant": max(terms, key=terms.get), "comm": comm}

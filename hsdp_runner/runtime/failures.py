@@ -6,7 +6,11 @@ The settings (``nccl_failure_env``), chosen rather than inherited:
   cannot change it silently): a rank whose collective runs past ``launcher.timeout_s`` is taken
   down by NCCL's watchdog (SIGABRT). The alternative, ``2`` (abort the communicators, raise in
   Python), leaves a job hung whenever the main thread never touches the failed work again; a
-  job that ends is worth more than a nicer exception.
+  job that ends is worth more than a nicer exception. torch's elastic agent (torchrun, and the
+  local launcher's) writes its own default, 1, into every worker's environment
+  (``local_elastic_agent.py``), where a worker's ``setdefault`` cannot replace it: the local
+  launcher sets 3 before its workers start (``launch.start_local_workers``); under torchrun
+  the user exports it.
 - ``TORCH_NCCL_TRACE_BUFFER_SIZE=2000`` and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: the flight
   recorder keeps each rank's last 2000 collectives and dumps them when a collective times out,
   so the dump says which collective each rank was in and which rank never arrived;
@@ -33,6 +37,9 @@ import time
 from pathlib import Path
 
 TRACE_BUFFER_ENTRIES = 2000
+# (variable, value): set by the local launcher before workers start, since torch's elastic
+# agent overrides a worker's own; under torchrun the user exports it (docs/gpu.md).
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
 TRACE_PREFIX = "nccl_trace_rank_"
 
 # Lines a dying rank's log may hold, most telling first.
@@ -59,7 +66,7 @@ _SIGNAL_ONLY = re.compile(r"^(Signal \d+ \(\w+\) received by PID \d+|exit code -
 def nccl_failure_env(log_dir: Path) -> dict[str, str]:
     """The ``TORCH_NCCL_*`` variables a rank sets before creating NCCL groups (see the module
     docstring); callers keep any the user already set. Takes the job's ``logs/`` dir."""
-    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    return {NCCL_ERROR_HANDLING[0]: NCCL_ERROR_HANDLING[1],
             "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_BUFFER_ENTRIES),
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(log_dir / TRACE_PREFIX)}

@@ -13,6 +13,13 @@ start method; two things it does not do are done here:
   (``run_forked``) and then installs its own handlers as a spawned one would.
 - A forked worker starts with the environment the server had when it started (the first job
   of a process); the launcher's environment at the time of each start travels with the call.
+- A CUDA context does not survive fork: a server that initialised CUDA (or touched the driver:
+  ``torch.cuda.is_available()`` does, read in torch 2.13's ``torch/cuda/__init__.py``) forks
+  workers that cannot use their GPU. The server notes which import initialised it and every
+  forked worker checks before its device setup (``check_cuda_untouched``), failing with an
+  error that names the import. It is the worker that raises: an exception in the server kills
+  multiprocessing's forkserver, and every worker start then fails with an EOFError that names
+  nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ WORKER_IMPORTS = ("hsdp_runner.runtime.worker", "torch.distributed.fsdp", "torch
 # The environment the server started with; set only inside the server (and so in every worker
 # forked from it), None in any other process.
 _server_env: dict[str, str] | None = None
+# What initialised CUDA in the server ("importing <module>"), None while nothing did.
+_cuda_initialised_by: str | None = None
 
 
 def prepare_server() -> None:
@@ -47,8 +56,36 @@ def prepare_server() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     _server_env = dict(os.environ)
-    for module in WORKER_IMPORTS:  # the imports this server exists to pay once
+    import_worker_modules()
+
+
+def import_worker_modules(modules=WORKER_IMPORTS) -> str | None:
+    """Import ``modules`` (the imports this server exists to pay once), noting the first whose
+    import initialised CUDA; return that note ("importing <module>"), None when none did."""
+    global _cuda_initialised_by
+    import torch  # here, not at the top: the server ignores stop signals before heavy imports
+
+    for module in modules:
         importlib.import_module(module)
+        if _cuda_initialised_by is None and torch.cuda.is_initialized():
+            _cuda_initialised_by = f"importing {module}"
+    return _cuda_initialised_by
+
+
+def check_cuda_untouched() -> None:
+    """In a worker forked from the server, before its device setup: raise RuntimeError when
+    the server had initialised CUDA (a context does not survive fork), naming what did."""
+    import torch
+
+    if not (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
+        return
+    cause = _cuda_initialised_by or ("a CUDA call while it imported its modules, e.g. "
+                                     "torch.cuda.is_available(), which initialises the driver")
+    raise RuntimeError(
+        f"CUDA was initialised in the forkserver ({cause}) before this worker was forked from "
+        f"it; a CUDA context does not survive fork, so no rank could use its GPU. Keep CUDA "
+        f"calls out of module import time in {SERVER_MODULE}'s imports (forkserver."
+        "WORKER_IMPORTS)")
 
 
 def use_server() -> str:
@@ -67,6 +104,7 @@ def run_forked(launcher_env: dict[str, str], fn, *args):
     from the server (spawned) everything is already in place and ``fn`` runs as it is.
     """
     if _server_env is not None:
+        check_cuda_untouched()
         rank_env = {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
         os.environ.clear()
         os.environ.update(launcher_env)

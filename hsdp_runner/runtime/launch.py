@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.config.checks import validate_batch, validate_config
-from hsdp_runner.core.choices import DataKind, Device, LauncherName
+from hsdp_runner.core.choices import DataKind, LauncherName
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
@@ -34,12 +34,14 @@ from hsdp_runner.distributed.hardware import (
     check_visible_gpus,
     cpu_threads,
     cuda_fallback_warning,
+    usable_gpus,
 )
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.base import build_meta_model
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import forkserver
 from hsdp_runner.runtime.failures import (
+    NCCL_ERROR_HANDLING,
     cause_from_log,
     first_failure,
     signal_only,
@@ -59,15 +61,6 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _cuda_count(cfg) -> int:
-    if cfg.device == Device.cpu:
-        return 0
-    count = torch.cuda.device_count()
-    if cfg.device == Device.cuda and count == 0:
-        raise ConfigError("device=cuda but no CUDA device is visible; set device=cpu or auto")
-    return count
-
-
 def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
              size_degrees: dict | None = None, overrides: list[str] = ()) -> ParallelDims:
     """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
@@ -82,7 +75,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     """
     validate_config(cfg)
     check_torch_apis()
-    gpus = 0 if submitting else _cuda_count(cfg)
+    gpus = 0 if submitting else usable_gpus(cfg.device)
     if cfg.parallel.auto:
         _check_auto_launch(cfg, gpus, submitting)
     world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
@@ -261,7 +254,18 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         start_method=forkserver.use_server(), monitor_interval=0.1,
         shutdown_timeout=shutdown_timeout, signals_to_handle=agent_signals)
-    return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
+    # torch's agent writes TORCH_NCCL_ASYNC_ERROR_HANDLING into every worker's environment,
+    # its own default (1) unless the launching process has one (local_elastic_agent.py), so
+    # a worker cannot set ours; the launcher can, for the launch only. A user's value wins.
+    key, value = NCCL_ERROR_HANDLING
+    inherited = os.environ.get(key)
+    if inherited is None:
+        os.environ[key] = value
+    try:
+        return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
+    finally:
+        if inherited is None:
+            os.environ.pop(key, None)
 
 
 def _launch_local(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo

@@ -26,11 +26,13 @@ from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.checkpoint.checkpointer import Checkpointer, data_facts
 from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
-from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
+from hsdp_runner.distributed.topology import FLATTENED, observed_placements
 from hsdp_runner.report import prediction
 from hsdp_runner.runtime import sidecar as rank0_sidecar
 from hsdp_runner.runtime.failures import (
+    NCCL_ERROR_HANDLING,
     PEER_LOST_GRACE_S,
     failed_facts,
     mark_attempt,
@@ -116,6 +118,10 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     if backend == "nccl":
         for key, value in nccl_failure_env(output_dir / "logs").items():
             os.environ.setdefault(key, value)  # the user's own TORCH_NCCL_* settings win
+        key, ours = NCCL_ERROR_HANDLING
+        if rank == 0 and os.environ[key] != ours:  # torchrun's agent default, or the user's
+            log.warning("%s=%s, not the runner's %s: under torchrun the agent sets 1 unless "
+                        "you export %s=%s (docs/gpu.md)", key, os.environ[key], ours, key, ours)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s),
                             device_id=device if device.type == "cuda" else None)
     try:
@@ -124,20 +130,41 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
         if peer_lost(err):
             time.sleep(PEER_LOST_GRACE_S)
         _record_failure(cfg, dims, output_dir, rank, err)
-        dist.destroy_process_group()
+        end_process_group(failed=True)
         if sidecar is not None:
             sidecar.stop()
         raise
-    # Without this orderly teardown a gloo worker that used DeviceMesh often aborts at
-    # interpreter exit (SIGABRT, exit code 1) although training finished.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group(failed=False)
     if sidecar is not None:
         sidecar.stop()
     if summary is not None and summary.status is RunStatus.interrupted:
         _requeue_if_asked(cfg.launcher, stop, summary)
     return summary
+
+
+def end_process_group(failed: bool) -> None:
+    """Tear down the process groups; ``failed``: this rank is leaving on an exception.
+
+    On success (and on gloo) an orderly teardown: without it a gloo worker that used
+    DeviceMesh often aborts at interpreter exit (SIGABRT, exit code 1) although training
+    finished. A failing NCCL rank aborts its communicators instead: NCCL's
+    ``destroy_process_group`` waits for the peers' communicators (read in torch 2.13's
+    ``distributed_c10d.py``), which are still in the collectives this rank left, so the rank
+    would hang until the watchdog's timeout and the launcher would report a peer's timeout
+    minutes later instead of this rank's error (a CUDA out-of-memory, often).
+    """
+    if failed and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        try:
+            _abort_process_group()
+        except Exception as err:  # the rank's own error is the one to report
+            log.warning("aborting the NCCL process groups failed: %s", err)
+        return
+    if not failed:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _record_failure(cfg, dims: ParallelDims, output_dir: Path, rank: int,
@@ -188,6 +215,9 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
     log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
              device.type, dims.layout, dims.world_size)
+    # How the real process groups of every dim sit on the nodes: recorded so that it can be
+    # checked against the planner's arithmetic. A collective: every rank calls it.
+    placements = observed_placements(world, (*DIM_NAMES, *FLATTENED))
     # What the process holds before the model exists (interpreter, torch, process groups),
     # and from here the tensor memory the model and the first steps add: the planner's figure.
     mem_baseline = metrics.current_memory_gib(device)
@@ -202,7 +232,7 @@ def _train(cfg, dims: ParallelDims, run_info: RunInfo, device: torch.device, out
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg, output_dir, start)
-        facts = run_facts(dims, device)
+        facts = {**run_facts(dims, device), "mesh_placement": placements}
         config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "derived": facts}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)

@@ -78,8 +78,11 @@ class TensorMemoryMeter:
         if not self.enabled:
             return None
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) - self.start_bytes
-            self.peak_gib = max(peak, 0) / GIB
+            # Read once: later calls (after every later step, and at the end) keep the window
+            # the meter covers, as on CPU, instead of growing it over saves and later steps.
+            if self.peak_gib is None:
+                peak = torch.cuda.max_memory_allocated(self.device) - self.start_bytes
+                self.peak_gib = max(peak, 0) / GIB
             return self.peak_gib
         if self._prof is None:
             return self.peak_gib
