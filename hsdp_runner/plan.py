@@ -27,7 +27,11 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import resolve
-from hsdp_runner.planner.layouts import check_axis_keys, check_plan_options, plan_layouts
+from hsdp_runner.planner.layouts import (
+    check_axis_keys,
+    check_plan_options,
+    plan_layouts,
+)
 
 AXES_PREFIX = "plan.axes."
 EXIT_OK, EXIT_BAD_INPUT = 0, 2

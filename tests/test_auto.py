@@ -207,7 +207,7 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         summary = json.loads((job / "summary.json").read_text())
         config = OmegaConf.load(job / "config_resolved.yaml")
         plan = json.loads((job / "plan" / "plan.json").read_text())
-        chosen = [e for e in plan["layouts"] if e["valid"] and e["fits"]][0]
+        chosen = next(e for e in plan["layouts"] if e["valid"] and e["fits"])
         assert [summary[k] for k in ("dp_replicate", "dp_shard", "tp")] == \
             [chosen["overrides"][f"parallel.{k}"] for k in ("dp_replicate", "dp_shard", "tp")]
         assert config.plan.source == str(job / "plan" / "plan.json")

@@ -34,8 +34,14 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
-from hsdp_runner.planner.layouts import (Scenario, check_plan_options, enumerate_layouts,
-                                         plan_layouts, plan_scenarios, with_degrees)
+from hsdp_runner.planner.layouts import (
+    Scenario,
+    check_plan_options,
+    enumerate_layouts,
+    plan_layouts,
+    plan_scenarios,
+    with_degrees,
+)
 
 CPU_PRESET = "this_machine"
 PLAN_DIR = "plan"  # the job's plan.md and plan.json, inside its output dir
