@@ -16,10 +16,10 @@ TORCH_SPEC ?= torch==2.13.0
 # puts it back if the install fails, so a failed install keeps the old torch and the old stamp.
 TORCH_STAMP := $(VENV)/.torch-spec
 
-# `make parity` checks every layout against a single process (README "Is my layout correct?").
+# `make parity` checks every layout against a single process (docs/layouts_and_parity.md).
 PARITY_ARGS ?= model=llama3_tiny
 
-.PHONY: run test test-fast parity venv clean sweep compare plan FORCE
+.PHONY: run test test-fast lint format parity venv clean sweep compare plan FORCE
 
 venv: $(VENV)/.installed
 
@@ -63,10 +63,17 @@ test: venv
 test-fast: venv
 	WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess" tests $(ARGS)
 
+# ruff (settings in pyproject.toml). `make format` rewrites files; `make lint` only checks.
+lint: venv
+	$(VENV)/bin/ruff check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+
 clean:
 	rm -rf outputs multirun parity plans .pytest_cache
 
 # `make plan ARGS="model=llama3_8b precision=bf16 cluster=h100_sxm cluster.nodes=4"` predicts
-# memory and step time of every layout (README "Plan before you spend").
+# memory and step time of every layout (docs/planner.md).
 plan: venv
 	$(PY) -m hsdp_runner.plan $(ARGS)

@@ -62,7 +62,7 @@ def print_commands(model: str, batch_per_gpu: int, visible: int) -> None:
     """Print ``commands`` as a short table, marking this node's GPU count."""
     fitted = "what fitted above" if visible else "not measured: no GPU here"
     print(f"\nready-to-run commands (model={model}, {batch_per_gpu} sequences per GPU, "
-          f"{fitted}; more nodes: README 'Many nodes'):")
+          f"{fitted}; more nodes: docs/many_nodes.md):")
     for n, cmd in commands(model, batch_per_gpu, visible).items():
         mark = "  <- this node" if n == visible else ""
         print(f"  {n} GPU{'s' if n > 1 else ' '}: {cmd}{mark}")

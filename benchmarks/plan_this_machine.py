@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hsdp_runner import compare
+from hsdp_runner import compare  # noqa: E402  (importable once REPO is on sys.path)
 from hsdp_runner.report import prediction  # noqa: E402
 
 COMMON = ["model=llama3_debug", "logger=none"]

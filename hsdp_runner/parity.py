@@ -28,7 +28,7 @@ from hsdp_runner.train import sinks as tracking
 BASELINE = "single"
 ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
-# steps (README). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
+# steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
 # shape, and TP and sharding change the shapes, so sums run in another order; those
 # differences grow over the steps. TF32 stays off (torch's default), which would add 1e-3.
 CPU_RTOL = 1e-5

@@ -1,16 +1,17 @@
 """``python -m hsdp_runner.plan [overrides]``: predict memory and step time of every layout.
 
 Composes the same config as a job (``conf/plan.yaml`` = ``conf/config.yaml`` + a ``cluster``),
-enumerates every ``(dp_replicate, dp_shard, tp)`` whose product is the cluster's world size
-(``cluster.nodes x cluster.gpus_per_node``) times every value of the axes given as
-``plan.axes.<dotted key>=v1,v2``, checks each with ``ParallelDims`` and the batch split
-(invalid ones are kept, with the reason), predicts memory per rank (``plan_memory``: the
-runner's model and sharding under a fake process group) and step time (``plan_time``), and
-writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format: README "Plan before
-you spend"). ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that
-fit; ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
-(``plan_calibrate``). Exit 2 on bad input: unknown cluster or key, no valid layout, a model
-that fits nowhere. Never imports the trainer.
+checks every ``plan.axes.<dotted key>=v1,v2`` value as the same override on the command line
+would be checked, and hands the rest to ``planner.layouts``: every ``(dp_replicate, dp_shard,
+tp)`` whose product is the cluster's world size (``cluster.nodes x cluster.gpus_per_node``)
+times every axis combination, checked by ``ParallelDims`` and the batch split (invalid ones
+are kept, with the reason), memory per rank from the runner's model and sharding under a fake
+process group (``planner.memory``) and step time (``planner.step_time``). Writes a ranked
+table to stdout, ``plan.md`` and ``plan.json`` (format: docs/planner.md).
+``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that fit;
+``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
+(``planner.calibrate``). Exit 2 on bad input: unknown cluster, key or axis value, no valid
+layout, a model that fits nowhere. Never imports the trainer.
 """
 
 from __future__ import annotations

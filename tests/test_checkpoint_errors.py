@@ -1,12 +1,17 @@
 """Bad checkpoint input: one clear error each, naming the path and the problem; nothing overwritten."""
 
+import os
+import pickle
+import random
 import shutil
 
 import pytest
+import torch
 from conftest import TINY, run_cli
 from test_config import compose
 
 from hsdp_runner import export
+from hsdp_runner.checkpoint import checkpointer
 from hsdp_runner.checkpoint import start as checkpoint
 from hsdp_runner.core.errors import ConfigError
 
@@ -93,3 +98,25 @@ def test_resuming_a_finished_run_is_refused(trained_checkpoint, tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="is at step 2, nothing is left to train "
                        "with trainer.steps=2"):
         _validate(tmp_path, "trainer.steps=2", f"checkpoint.dir={trained_checkpoint / 'checkpoints'}")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_rng_states_round_trip_and_are_read_without_running_pickled_code(tmp_path):
+    cpu = torch.device("cpu")
+    blob = checkpointer.rng_state(cpu)
+    expected = (random.random(), torch.rand(4))
+    assert checkpointer.set_rng_state(blob, cpu)
+    again = (random.random(), torch.rand(4))
+    assert again[0] == expected[0] and torch.equal(again[1], expected[1])
+    # A pickle (an older checkpoint's form, or a crafted one) is not unpickled: nothing runs,
+    # nothing is restored.
+    marker = tmp_path / "ran"
+    assert not checkpointer.set_rng_state(pickle.dumps(_RunsCode(str(marker))), cpu)
+    assert not marker.exists()

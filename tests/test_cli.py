@@ -22,6 +22,6 @@ def test_crashing_rank_fails_the_job_with_its_error(job_dir):
     records, summary = read_job(job_dir)
     assert summary["status"] == "failed" and summary["failed_rank"] == 1
     assert "injected fault" in summary["error"]
-    # A step's figures are read once the next step's work is queued (README, Performance):
+    # A step's figures are read once the next step's work is queued (docs/figures_and_performance.md, Performance):
     # rank 0 was inside step 3 when rank 1 failed, so step 2 was never read.
     assert [r["step"] for r in records] == [1]

@@ -88,7 +88,7 @@ def _train_eval_frozen(cases):
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
                             torch.device("cpu"), cfg.trainer.seed, cfg.trainer.freeze)
 
-        def full_weights():
+        def full_weights(model=model):
             return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in model.named_parameters()}
         before = full_weights()

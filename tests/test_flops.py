@@ -1,9 +1,7 @@
 """FLOPs per token from the model shape, against a count done by hand for the debug model."""
 
-from omegaconf import OmegaConf
 from test_config import compose
 
-from hsdp_runner.config.schema import ModelConfig
 from hsdp_runner.models.llama import Llama, count_params, flops_per_token
 
 

@@ -76,6 +76,8 @@ def test_export_loads_in_transformers_gpt2_with_the_same_logits(tmp_path):
                     hf.hf_config(spec, torch.float32), folder, 2**30)
     theirs = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).eval()
     assert not theirs.config.tie_word_embeddings
+    # no special-token ids outside the vocabulary (transformers' GPT-2 default is 50256)
+    assert theirs.config.bos_token_id is None and theirs.config.eos_token_id is None
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len),
                            generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -51,7 +51,7 @@ def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
     from hsdp_runner.distributed import hardware as devices
 
     def is_available():
-        warnings.warn(OLD_DRIVER)
+        warnings.warn(OLD_DRIVER, stacklevel=1)  # as torch warns: from is_available itself
         return False
     monkeypatch.setattr(devices, "_cuda_init_warning", None)
     monkeypatch.setattr("torch.cuda.is_available", is_available)

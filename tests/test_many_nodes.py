@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY, cli_env, read_job, run_cli
+
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.planner.step_time import placement_of
 

@@ -1,6 +1,5 @@
 """The mesh and parameter placements are what each layout says, and buffers agree on all ranks."""
 
-from types import SimpleNamespace as NS
 
 import pytest
 import torch

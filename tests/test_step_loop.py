@@ -8,6 +8,7 @@ from the runner's own code (FSDP's and DTensor's belong to the model and are cou
 ``test_comm``).
 """
 
+import io
 import signal
 import threading
 from pathlib import Path
@@ -68,7 +69,7 @@ class Tally:
             setattr(owner, name, original)
 
 
-def _trainer(overrides, device=torch.device("cpu")):
+def _trainer(overrides, device=None):
     import torch.distributed as dist
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -76,6 +77,7 @@ def _trainer(overrides, device=torch.device("cpu")):
     from hsdp_runner.runtime.worker import make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
+    device = device or torch.device("cpu")
     cfg = compose(BASE + overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
     world = dims.build_mesh(device.type)
@@ -223,6 +225,18 @@ def test_cuda_steps_make_no_synchronizing_call():
     from hsdp_runner.runtime.launch import start_local_workers
 
     assert start_local_workers(_cuda_sync_warnings, 1)[0] == []
+
+
+def test_progress_bar_only_on_a_terminal_so_piped_step_lines_stand_alone():
+    from hsdp_runner.train.trainer import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert not progress_bar(20, 0, rank=0, console=Terminal()).disable
+    assert progress_bar(20, 0, rank=0, console=io.StringIO()).disable  # a file or a pipe
+    assert progress_bar(20, 0, rank=1, console=Terminal()).disable
 
 
 def test_vectorised_synthetic_chain_equals_the_token_by_token_loop():

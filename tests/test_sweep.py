@@ -63,8 +63,8 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(four_jobs):
     assert summary["status"] == "failed" and summary["failed_rank"] == 1
     assert "injected fault (fault.kind=exception) on rank 1 at step 2" in summary["error"]
     assert summary["mesh_shape"] == [1, 1, 2]
-    # Step 1's figures would have been read once step 2's work was queued (README,
-    # Performance); rank 0 was inside step 2 when rank 1 failed.
+    # Step 1's figures would have been read once step 2's work was queued (docs/
+    # figures_and_performance.md, Performance); rank 0 was inside step 2 when rank 1 failed.
     assert records == []
     assert "rank 1 failed" in result.stderr
     _, after = read_job(jobs["fsdp"])  # the job after the failure ran

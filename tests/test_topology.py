@@ -8,8 +8,13 @@ from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
-from hsdp_runner.distributed.topology import (Placement, group_dims, mesh_groups, placement,
-                                              placement_of_groups)
+from hsdp_runner.distributed.topology import (
+    Placement,
+    group_dims,
+    mesh_groups,
+    placement,
+    placement_of_groups,
+)
 from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_time
 

@@ -1,14 +1,16 @@
 """W&B: offline run with the right group, name, tags, config and history; failures never fatal."""
 
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import TINY, read_job, run_cli
 from wandb_records import read_run
 
-pytestmark = pytest.mark.multiprocess
+from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.train.sinks import WandbRun
 
 
+@pytest.mark.multiprocess
 def test_offline_wandb_run_has_group_config_and_steps(job_dir):
     overrides = [o for o in TINY if o != "logger=none"]
     result = run_cli(job_dir, "parallel=ddp", *overrides, "logger=wandb",
@@ -28,6 +30,7 @@ def test_offline_wandb_run_has_group_config_and_steps(job_dir):
     assert run["summary"]["median_tps_global"] == pytest.approx(summary["median_tps_global"])
 
 
+@pytest.mark.multiprocess
 def test_wandb_that_cannot_start_only_warns(job_dir):
     overrides = [o for o in TINY if o != "logger=none"]
     # An entity with a bad character and online mode without credentials: W&B falls back
@@ -38,3 +41,26 @@ def test_wandb_that_cannot_start_only_warns(job_dir):
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed"
     assert "W&B" in result.stdout + result.stderr
+
+
+def test_wandb_summary_holds_each_comm_figure_once(tmp_path):
+    wandb = pytest.importorskip("wandb")
+    # The counted step's record carries the breakdowns as dicts; the summary gets them flat.
+    breakdown = {"all_gather/dp_shard": {"bytes": 4096, "calls": 3}}
+    logger = SimpleNamespace(mode="offline", project="test", entity=None)
+    run = WandbRun(logger, RunInfo(str(tmp_path), "g", "n", [], False, []), {}, tmp_path)
+    run.log_step({"step": 1, "loss": 2.0, "comm_ratio": 1.0, "comm_measured": breakdown,
+                  "comm_analytic": breakdown})
+    run.log_step({"step": 2, "loss": 1.5})
+    run.log_summary(RunSummary(status=RunStatus.completed, comm_ratio=1.0,
+                               comm_measured=breakdown, comm_analytic=breakdown))
+    run.finish()
+    wandb.teardown()  # the service writes the run file behind finish(): let it close the file
+    found = read_run(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    comm = sorted(k for k in found["summary"] if k.startswith("comm_"))
+    assert comm == ["comm_analytic/all_gather/dp_shard/bytes",
+                    "comm_analytic/all_gather/dp_shard/calls",
+                    "comm_measured/all_gather/dp_shard/bytes",
+                    "comm_measured/all_gather/dp_shard/calls", "comm_ratio"]
+    assert found["summary"]["comm_measured/all_gather/dp_shard/bytes"] == 4096
+    assert [h["loss"] for h in found["history"]] == [2.0, 1.5]

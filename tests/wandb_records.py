@@ -48,7 +48,9 @@ def iter_records(path: str | Path):
 
 
 def _key(item) -> str:
-    return item.key or "/".join(item.nested_key)
+    # A flat key ("comm_measured/all_reduce/tp/bytes") and a nested one (the same figure inside
+    # a logged dict) stay apart: nested parts are joined with "." (W&B's own summary view).
+    return item.key or ".".join(item.nested_key)
 
 
 def read_run(path: str | Path) -> dict:

@@ -27,13 +27,14 @@ export folder is an error.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -61,19 +62,34 @@ log = logging.getLogger(__name__)
 _LEFTOVER = re.compile(r"^step-(\d+)(\.partial|\.deleting)$")  # an unfinished save / deletion
 
 
-def _rng_state(device: torch.device) -> bytes:
+def rng_state(device: torch.device) -> bytes:
+    """This rank's RNG states (Python's, torch's CPU one, and the device's on CUDA), serialised
+    by ``torch.save`` so that ``set_rng_state`` can read them back with ``weights_only``."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
-    return pickle.dumps(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
-def _set_rng_state(blob: bytes, device: torch.device) -> None:
-    state = pickle.loads(blob)  # our own checkpoint; DCP unpickles its non-tensor data too
+def set_rng_state(blob: bytes, device: torch.device) -> bool:
+    """Restore the states ``rng_state`` wrote; return False (and restore nothing) when ``blob``
+    is not such a record, e.g. a checkpoint written before they were saved this way.
+
+    ``weights_only=True`` reads tensors, ints and tuples, nothing that runs code. (DCP itself
+    still unpickles a checkpoint's metadata: a checkpoint is trusted input.)"""
+    try:
+        with warnings.catch_warnings():  # on an older record torch warns of its protocol
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception:  # an older pickled record, or not torch.save's format at all
+        return False
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    return True
 
 
 def data_facts(data_cfg, seed: int, global_batch_size: int, seq_len: int) -> dict:
@@ -153,12 +169,13 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if len(state["rng"]) == self.dims.world_size:
-            _set_rng_state(state["rng"][self.rank], self.device)
+        restored = len(state["rng"]) == self.dims.world_size and \
+            set_rng_state(state["rng"][self.rank], self.device)
         if self.rank == 0:
-            self._report_carry_over(path, manifest, len(state["rng"]))
+            self._report_carry_over(path, manifest, len(state["rng"]), restored)
 
-    def _report_carry_over(self, path: Path, manifest: dict, rng_ranks: int) -> None:
+    def _report_carry_over(self, path: Path, manifest: dict, rng_ranks: int,
+                           rng_restored: bool) -> None:
         saved = manifest["layout"]
         log.info("resumed from %s at step %d (saved under %s on %d ranks, now %s on %d)", path,
                  manifest["step"], saved["layout"], saved["world_size"], self.dims.layout,
@@ -175,6 +192,10 @@ class Checkpointer:
             log.warning("RNG states not restored: saved for %d ranks, this job has %d (training "
                         "draws no random numbers, so the losses are unaffected)", rng_ranks,
                         self.dims.world_size)
+        elif not rng_restored:
+            log.warning("RNG states not restored: %s holds them in an older, pickled form, "
+                        "which is not read (training draws no random numbers, so the losses "
+                        "are unaffected)", path)
 
     def _load_hf(self, folder: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -213,7 +234,7 @@ class Checkpointer:
         # must not run into launcher.timeout_s.
         run_on_rank0(f"preparing {partial}", prepare, self._wait_s)
         rng = [None] * self.dims.world_size
-        dist.all_gather_object(rng, _rng_state(self.device))
+        dist.all_gather_object(rng, rng_state(self.device))
         dist.barrier()
         dcp.save({**self._state(), "rng": rng}, checkpoint_id=str(partial))
         if self.fault is not None:

@@ -35,7 +35,6 @@ from hsdp_runner.core.choices import (
 # dataclass of its own (models/base.py), stored by register_schemas as model/<family>_schema;
 # a conf/model/*.yaml names its family's schema first in its defaults list, so the node is typed
 # by the family's dataclass (Hydra's pattern for a group of schemas that extend one base).
-from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig, family_schemas
 
 
@@ -65,9 +64,9 @@ class PrecisionConfig:
 @dataclass
 class OptimConfig:
     name: Optimizer = Optimizer.adamw
-    lr: float = 3e-3
+    lr: float = 5e-4
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 2
+    warmup_steps: int = 5
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1

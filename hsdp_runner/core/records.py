@@ -137,7 +137,7 @@ class RunSummary:
     requested_degrees: Optional[dict] = None
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunSummary":
+    def from_dict(cls, data: dict) -> RunSummary:
         """Build from a summary.json dict; missing keys stay None, unknown keys are dropped
         (a file from an older or newer runner still reads)."""
         known = {f.name for f in dataclasses.fields(cls)}
@@ -147,7 +147,7 @@ class RunSummary:
         return cls(**values)
 
     @classmethod
-    def read(cls, output_dir: str | Path) -> Optional["RunSummary"]:
+    def read(cls, output_dir: str | Path) -> Optional[RunSummary]:
         """The job's summary.json, or None if it has none."""
         path = Path(output_dir) / SUMMARY_FILE
         return cls.from_dict(json.loads(path.read_text())) if path.exists() else None
@@ -174,20 +174,20 @@ class RunSummary:
 
     # Constructors, one per way a job ends.
     @classmethod
-    def failed(cls, layout: dict, rank: int, error: str, **facts) -> "RunSummary":
+    def failed(cls, layout: dict, rank: int, error: str, **facts) -> RunSummary:
         """A failed run: its layout, the first rank that failed and its error."""
         return cls(status=RunStatus.failed, failed_rank=rank, error=error, **layout, **facts)
 
     @classmethod
     def interrupted_at_once(cls, layout: dict, signal: str, step: int,
-                            last_checkpoint: Optional[str]) -> "RunSummary":
+                            last_checkpoint: Optional[str]) -> RunSummary:
         """A run a repeated stop signal ended mid-step (no figures: the step was cut off)."""
         return cls(status=RunStatus.interrupted, signal=signal, interrupted_at_step=step,
                    stopped_at_once=True, last_checkpoint=last_checkpoint, **layout)
 
     @classmethod
     def skipped(cls, reason: str, overrides: list[str], requested_degrees: dict
-                ) -> "RunSummary":
+                ) -> RunSummary:
         """A sweep's job that cannot run (a config error): why, and what it asked for."""
         return cls(status=RunStatus.skipped, reason=reason, overrides=list(overrides),
                    requested_degrees=dict(requested_degrees))

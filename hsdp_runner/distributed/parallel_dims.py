@@ -37,7 +37,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel, model, world_size: int,
-                    ranks_per_node: Optional[int] = None) -> "ParallelDims":
+                    ranks_per_node: Optional[int] = None) -> ParallelDims:
         """Infer -1 degrees from ``world_size`` and validate against the model shape and nodes.
 
         Takes the ``parallel`` and ``model`` config nodes (DictConfig, dict or dataclass), the
@@ -185,7 +185,7 @@ class ParallelDims:
                 "dp_shard": self.dp_shard, "tp": self.tp, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
-    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> "WorldMesh":
+    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
         """Build the world mesh once (all ranks must call this together); return a WorldMesh.
 
         ``timeout_s`` bounds every collective on the mesh's groups: DeviceMesh creates its

@@ -17,10 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hsdp_runner.core.choices import AC, DDPImpl
-from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
-from hsdp_runner.models.params import copy_full_into, freeze_parameters, torch_dtype
+from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
 

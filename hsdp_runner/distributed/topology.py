@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from math import prod
-from typing import Sequence
 
 # Flattened views of the world mesh, by name: the dims they join, outermost first.
 FLATTENED = {"dp": ("dp_replicate", "dp_shard")}

@@ -50,7 +50,7 @@ class GPT2Config(ModelConfig):
         if not self.norm_eps > 0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be positive (LayerNorm epsilon)")
 
-    def build(self) -> "GPT2":
+    def build(self) -> GPT2:
         """The model on the current default device."""
         return GPT2(self)
 
@@ -126,8 +126,12 @@ class GPT2Config(ModelConfig):
         return out
 
     def hf_config(self, dtype: torch.dtype) -> dict:
-        """The ``config.json`` of a GPT2LMHeadModel with this shape (untied, no dropout)."""
+        """The ``config.json`` of a GPT2LMHeadModel with this shape (untied, no dropout).
+
+        No special tokens: our data has none, and transformers' GPT-2 defaults (50256, the
+        end-of-text id of OpenAI's 50,257-token vocabulary) do not exist in a smaller one."""
         return {
+            "bos_token_id": None, "eos_token_id": None,
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": self.vocab_size, "n_positions": self.seq_len, "n_embd": self.dim,
             "n_layer": self.n_layers, "n_head": self.n_heads, "n_inner": None,

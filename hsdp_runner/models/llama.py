@@ -54,7 +54,7 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"model.dim/model.n_heads={self.dim // self.n_heads} must be even "
                               "for rotary embeddings")
 
-    def build(self) -> "Llama":
+    def build(self) -> Llama:
         """The model on the current default device."""
         return Llama(self)
 

@@ -189,7 +189,7 @@ def plan_layouts(cfg: DictConfig, cluster: Cluster, axes: dict | None = None,
 def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
-    for v, (chosen, cfg, layouts) in enumerate(variants):
+    for v, (_chosen, cfg, layouts) in enumerate(variants):
         depths = sorted({min(n, cfg.model.n_layers) for n in layers})
         for entry in layouts:
             dims = entry["dims"]

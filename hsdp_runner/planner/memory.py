@@ -35,7 +35,7 @@ runner applies it (``sharding._selective_contexts``: every other matmul output s
 What is predicted is tensor memory, the figure CUDA's allocated peak measures; a job measures
 the same on CPU with ``tensor_memory.TensorMemoryMeter``. What a CPU process holds beyond its
 tensors (library code pages, Python objects, glibc's heap slack) is neither predicted nor
-compared (README "Memory on this machine").
+compared (docs/planner.md, "Memory on this machine").
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
-from hsdp_runner.planner.cluster import Price
 from hsdp_runner.models.base import model_spec
+from hsdp_runner.planner.cluster import Price
 
 
 def step_flops(model_cfg, trainer, ac: AC, world_size: int) -> tuple[float, float]:

@@ -7,6 +7,7 @@ and plots) and the ``compare.html`` dashboard both build on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,10 +85,9 @@ def _spread(summary: RunSummary, key: str) -> str:
     return f"{median:,.0f}{spread}"
 
 
-def _cell(text: str, limit: int = 240) -> str:
+def _first_line(text: str, limit: int = 240) -> str:
     line = next((s.strip() for s in str(text).splitlines() if s.strip()), "")
-    line = line if len(line) <= limit else line[:limit - 1] + "…"
-    return line.replace("|", "\\|")
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _mfu(job: Job) -> str:
@@ -110,9 +110,9 @@ def _status(job: Job) -> str:
     if job.status == "completed":
         return "ok"
     if job.status == "skipped":
-        return "skipped: " + _cell(s.reason or "")
+        return "skipped: " + _first_line(s.reason or "")
     if job.status == "failed":
-        return f"failed (rank {s.failed_rank}): " + _cell(s.error or "")
+        return f"failed (rank {s.failed_rank}): " + _first_line(s.error or "")
     if job.status == "interrupted":
         return f"interrupted at step {s.interrupted_at_step} ({s.signal})"
     return "unfinished (no summary.json)"
@@ -128,23 +128,52 @@ def degrees(job: Job) -> tuple[str, str, str]:
     return "—", shape, "—"
 
 
+def _precision(job: Job) -> str:
+    return (job.config.get("precision") or {}).get("name", "?")
+
+
+# The job table's columns: heading, the cell's text, the value it sorts by (the job's own
+# figures, so a reader of the table never parses its text back). compare.md and compare.html
+# both render these.
+Column = tuple[str, Callable[[Job], str], Callable[[Job], float | str | None]]
+COLUMNS: tuple[Column, ...] = (
+    ("job", lambda j: _first_line(j.label), lambda j: j.num),
+    ("layout", lambda j: degrees(j)[0], lambda j: degrees(j)[0]),
+    ("degrees (rep×shard×tp)", lambda j: degrees(j)[1], lambda j: degrees(j)[1]),
+    ("world", lambda j: degrees(j)[2], lambda j: j.summary.world_size),
+    ("precision", _precision, _precision),
+    ("comm MiB/step/rank (measured ÷ model)", lambda j: _comm(j.summary),
+     lambda j: j.summary.comm_bytes_measured),
+    ("tok/s/device (min–max)", lambda j: _spread(j.summary, "tps_per_device"),
+     lambda j: j.summary.median_tps_per_device),
+    ("tok/s global (min–max)", lambda j: _spread(j.summary, "tps_global"),
+     lambda j: j.summary.median_tps_global),
+    ("MFU", _mfu, lambda j: j.summary.median_mfu if j.status == "completed" else None),
+    ("peak mem GiB", lambda j: _num(j.summary.mem_peak_gib, ".2f"),
+     lambda j: j.summary.mem_peak_gib),
+    ("step s", lambda j: _num(j.summary.median_step_time_s, ".3g"),
+     lambda j: j.summary.median_step_time_s),
+    ("status", _status, lambda j: ORDER.get(j.status, len(ORDER))),
+)
+
+
+def best(jobs: list[Job]) -> Job | None:
+    """The job marked best: the first of ``jobs`` (``load_jobs``' order) when it completed."""
+    return jobs[0] if jobs and jobs[0].status == "completed" else None
+
+
+def cells(job: Job) -> list[tuple[str, float | str | None]]:
+    """One job's row: (text, sort value) per column of ``COLUMNS``."""
+    return [(text(job), key(job)) for _, text, key in COLUMNS]
+
+
 def table(jobs: list[Job]) -> str:
-    """Return the markdown table: one row per job, in ``jobs`` order, the first ok job marked."""
-    head = ("| job | layout | degrees (rep×shard×tp) | world | precision | comm MiB/step/rank "
-            "(measured ÷ model) | tok/s/device "
-            "(min–max) | tok/s global (min–max) | MFU | peak mem GiB | step s | status |")
-    rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for i, job in enumerate(jobs):
-        s = job.summary
-        layout, shape, world = degrees(job)
-        name = _cell(job.label)
-        if i == 0 and job.status == "completed":
-            name = f"**{name} (best)**"
-        rows.append(" | ".join([
-            f"| {name}", layout, shape, world,
-            (job.config.get("precision") or {}).get("name", "?"), _comm(s),
-            _spread(s, "tps_per_device"), _spread(s, "tps_global"),
-            _mfu(job),
-            _num(s.mem_peak_gib, ".2f"), _num(s.median_step_time_s, ".3g"),
-            _status(job)]) + " |")
+    """Return the markdown table: one row per job, in ``jobs`` order, the best job in bold."""
+    head = "| " + " | ".join(name for name, _, _ in COLUMNS) + " |"
+    rows = [head, "|" + "---|" * len(COLUMNS)]
+    for job in jobs:
+        texts = [text.replace("|", "\\|") for text, _ in cells(job)]
+        if job is best(jobs):
+            texts[0] = f"**{texts[0]} (best)**"
+        rows.append("| " + " | ".join(texts) + " |")
     return "\n".join(rows)

@@ -39,7 +39,7 @@ def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
         return None
     if multirun:
         return ("a Hydra sweep (-m) cannot run inside torchrun: start one torchrun per job "
-                "(README, 'Many nodes') or use launcher=slurm")
+                "(docs/many_nodes.md) or use launcher=slurm")
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
     if nodes == 1 or os.environ["TORCHELASTIC_RUN_ID"] not in ("", "none") \
             or run_dir != default_run_dir():

@@ -142,7 +142,7 @@ def _world_layout(cfg, gpus: int, size_degrees: dict | None = None) -> tuple[int
     if cfg.launcher.nnodes > 1 and cfg.launcher.name == LauncherName.local:
         raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
                           "ranks on this node only; use torchrun on every node or launcher=slurm "
-                          "(README, 'Many nodes'), or keep launcher.nnodes=1")
+                          "(docs/many_nodes.md), or keep launcher.nnodes=1")
     sizing = OmegaConf.create(size_degrees) if size_degrees else cfg.parallel
     world_size = infer_world_size(cfg.launcher, sizing, gpus)
     nproc = world_size // cfg.launcher.nnodes

@@ -173,8 +173,13 @@ class WandbRun:
         return run
 
     def log_step(self, record: dict) -> None:
-        """Log one step's record (``step`` is the x-axis)."""
-        self._guard(lambda: self.run.log(record))
+        """Log one step's scalars (``step`` is the x-axis).
+
+        The counted step's communication breakdowns (``comm_measured``, ``comm_analytic``:
+        dicts) are left out: W&B would copy them into the summary as nested keys beside the
+        flat ``comm_<source>/<kind>/<dim>/bytes`` that ``log_summary`` writes."""
+        scalars = {k: v for k, v in record.items() if not isinstance(v, dict)}
+        self._guard(lambda: self.run.log(scalars))
 
     def log_summary(self, summary: RunSummary) -> None:
         """Write the run's scalars (``wandb_summary``) into the W&B run summary."""

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,18 @@ def _counting(counter):
         return
     with counter:
         yield
+
+
+def progress_bar(steps: int, start_step: int, rank: int, console=None) -> tqdm:
+    """Rank 0's bar over ``steps`` from ``start_step``; shown only when ``console`` (default
+    stdout, where the per-step lines go) is a terminal, disabled elsewhere.
+
+    In a file or a pipe the bar's redraws would interleave with the step lines, which then
+    report progress alone. tqdm's own ``disable=None`` tests the bar's stream, stderr, which
+    on rank 0 is the sidecar's pipe even on a terminal, so it cannot tell."""
+    console = sys.stdout if console is None else console
+    return tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                disable=rank != 0 or not console.isatty(), leave=False)
 
 
 class Trainer:
@@ -185,8 +198,7 @@ class Trainer:
         is counted. Returns the reported records.
         """
         steps = self.train.steps
-        bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
-                   dynamic_ncols=True, disable=self.rank != 0, leave=False)
+        bar = progress_bar(steps, start_step, self.rank)
         self.model.train()
         data = Prefetcher(self.batches, self.device)
         pending = None

@@ -10,7 +10,7 @@ job's. Hydra instantiates launchers only from the ``hydra_plugins`` package, hen
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from hydra.core.utils import JobReturn
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher

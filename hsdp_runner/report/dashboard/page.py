@@ -8,8 +8,9 @@ charts of ``dashboard_charts``. While a sweep runs (its ``sweep_state.json`` say
 by ``dashboard_callback``) the page reloads itself every few seconds, keeping its scroll
 position; the reload can be paused with a checkbox.
 
-Jobs are read by ``runs.load_jobs``; the table is ``runs.table`` rendered as HTML, so
-both views always show the same columns.
+Jobs are read by ``runs.load_jobs``; the table is built from the same ``runs.COLUMNS`` as
+``compare.md`` (each cell's text, and the job's own figure to sort by), so both views always
+show the same columns. The page's HTML, CSS and JavaScript are package files in ``assets/``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import datetime
 import html
 import json
 import os
-import re
 import socket
+from functools import cache
+from importlib import resources
 from pathlib import Path
 
 from hsdp_runner.core.records import RunStatus, RunSummary
@@ -72,15 +74,20 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _cells(row: str) -> list[str]:
-    """The cells of one markdown table row (``\\|`` is a literal bar inside a cell)."""
-    parts = re.split(r"(?<!\\)\|", row.strip())[1:-1]
-    return [p.strip().replace("\\|", "|") for p in parts]
+@cache
+def asset(name: str) -> str:
+    """The text of the page file ``name`` (``page.html``, ``page.css``, ``page.js``,
+    ``reload.js``) shipped in this package's ``assets/``."""
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def _sort_key(text: str) -> str:
-    match = re.match(r"[#(]?(-?[\d,]*\.?\d+)", text.replace("**", ""))
-    return match.group(1).replace(",", "") if match else text.lower()
+def _sort_key(value) -> str:
+    """A cell's ``data-key``: a number as digits (the page compares those as numbers)."""
+    if value is None:
+        return ""
+    if isinstance(value, (int, float)):
+        return format(value, ".12g")
+    return str(value).lower()
 
 
 def _why(summary: RunSummary) -> str:
@@ -92,20 +99,24 @@ def _why(summary: RunSummary) -> str:
 
 
 def table_html(jobs: list[runs.Job]) -> str:
-    """``runs.table(jobs)`` as an HTML table: a sort key per cell, a status class per row,
-    the full reason or error of a job that did not complete as the status cell's tooltip."""
-    lines = runs.table(jobs).splitlines()
-    head = "".join(f'<th title="click to sort">{html.escape(c)}</th>' for c in _cells(lines[0]))
+    """The job table (``runs.COLUMNS``, in ``jobs`` order) as HTML: each cell's sort key from
+    the job's own figures, a status class per row, the full reason or error of a job that did
+    not complete as the status cell's tooltip."""
+    head = "".join(f'<th title="click to sort">{html.escape(name)}</th>'
+                   for name, _, _ in runs.COLUMNS)
+    best = runs.best(jobs)
     rows = []
-    for job, line in zip(jobs, lines[2:]):
-        cells = _cells(line)
-        why = _why(job.summary)
-        tds = [f'<td data-key="{html.escape(_sort_key(c))}">'
-               f'{html.escape(c.replace("**", ""))}</td>' for c in cells[:-1]]
-        tds.append(f'<td data-key="{html.escape(cells[-1].lower())}" '
-                   f'title="{html.escape(str(why))}">{html.escape(cells[-1])}</td>')
-        best = " best" if "(best)" in cells[0] else ""
-        rows.append(f'<tr class="{html.escape(job.status)}{best}">{"".join(tds)}</tr>')
+    for job in jobs:
+        cells = runs.cells(job)
+        if job is best:
+            cells[0] = (f"{cells[0][0]} (best)", cells[0][1])
+        tds = [f'<td data-key="{html.escape(_sort_key(key))}">{html.escape(text)}</td>'
+               for text, key in cells[:-1]]
+        text, key = cells[-1]
+        tds.append(f'<td data-key="{html.escape(_sort_key(key))}" '
+                   f'title="{html.escape(_why(job.summary))}">{html.escape(text)}</td>')
+        cls = job.status + (" best" if job is best else "")
+        rows.append(f'<tr class="{html.escape(cls)}">{"".join(tds)}</tr>')
     return (f'<table id="jobs"><thead><tr>{head}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table>')
 
@@ -133,19 +144,20 @@ def render(title: str, jobs: list[runs.Job], predictions: dict, live: bool,
     statuses = sorted({j.status for j in jobs}, key=lambda s: runs.ORDER.get(s, 9))
     counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in statuses)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    state = (f'<label class="live"><input type="checkbox" id="auto-reload" checked> sweep '
-             f'running: reload every {reload_s} s</label>' if live else "")
+    state = (f'<label class="live"><input type="checkbox" id="auto-reload" checked '
+             f'data-reload-ms="{1000 * reload_s}"> sweep running: reload every {reload_s} s'
+             '</label>' if live else "")
     sections = [_section(i, h, *chart(jobs)) for i, h, chart in CHARTS]
     if predictions:
         sections.append(_section(PREDICTED_ID, "Predicted against measured",
                                  *dashboard_charts.predicted(jobs, predictions)))
     table = table_html(jobs) if jobs else '<p class="empty">no job dir yet</p>'
-    return _PAGE.format(
-        title=html.escape(title), errors_js=_ERRORS_JS, plotly_js=plotly.offline.get_plotlyjs(),
+    return asset("page.html").format(
+        title=html.escape(title), style=asset("page.css"), page_js=asset("page.js"),
+        plotly_js=plotly.offline.get_plotlyjs(),
         summary=html.escape(f"{len(jobs)} jobs: {counts or 'none yet'} · updated {now}"),
         state=state, table=table, sections="".join(sections),
-        reload_js=_RELOAD_JS.replace("RELOAD_MS", str(1000 * reload_s)) if live else "",
-        sort_js=_SORT_JS, style=_STYLE)
+        reload_js=asset("reload.js") if live else "")
 
 
 def write_dashboard(out_dir: Path, jobs: list[runs.Job], plan_file: Path | None = None,
@@ -170,90 +182,3 @@ def refresh(sweep_dir: Path, live: bool, reload_s: int = RELOAD_S) -> Path:
     sweep_dir = Path(sweep_dir)
     jobs = runs.load_jobs(sweep_dir) if sweep_dir.is_dir() else []
     return write_dashboard(sweep_dir, jobs, live=live, reload_s=reload_s)
-
-
-# Errors are kept on the page (and so in its DOM) as well as in the console: a chart that did
-# not draw then says why, and the browser test reads them from the rendered DOM.
-_ERRORS_JS = """
-window.dashErrors = [];
-function showDashErrors() {
-  var box = document.getElementById('js-errors');
-  if (!box || !window.dashErrors.length) return;
-  box.hidden = false;
-  box.textContent = 'JavaScript errors: ' + window.dashErrors.join(' | ');
-}
-function dashError(message) { window.dashErrors.push(String(message)); showDashErrors(); }
-window.addEventListener('error', function (e) { dashError(e.message); });
-window.addEventListener('unhandledrejection', function (e) { dashError(e.reason); });
-document.addEventListener('DOMContentLoaded', showDashErrors);
-"""
-
-# A dozen lines of sorting, rather than a table library embedded next to plotly.
-_SORT_JS = """
-document.querySelectorAll('#jobs th').forEach(function (th, col) {
-  th.addEventListener('click', function () {
-    var body = th.closest('table').tBodies[0], up = th.dataset.dir !== 'asc';
-    th.parentNode.querySelectorAll('th').forEach(function (h) { delete h.dataset.dir; });
-    th.dataset.dir = up ? 'asc' : 'desc';
-    var key = function (tr) { return tr.cells[col].dataset.key; };
-    Array.from(body.rows).sort(function (a, b) {
-      var x = key(a), y = key(b), nx = parseFloat(x), ny = parseFloat(y);
-      var order = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
-      return up ? order : -order;
-    }).forEach(function (tr) { body.appendChild(tr); });
-  });
-});
-"""
-
-_RELOAD_JS = """
-(function () {
-  var box = document.getElementById('auto-reload'), where = 'hsdp-dashboard:' + location.pathname;
-  try {
-    box.checked = localStorage.getItem(where + ':paused') !== '1';
-    var y = sessionStorage.getItem(where + ':y');
-    if (y !== null) window.scrollTo(0, Number(y));
-  } catch (e) { /* storage may be off for file:// pages */ }
-  box.addEventListener('change', function () {
-    try { localStorage.setItem(where + ':paused', box.checked ? '0' : '1'); } catch (e) {}
-  });
-  setInterval(function () {
-    if (!box.checked) return;
-    try { sessionStorage.setItem(where + ':y', String(window.scrollY)); } catch (e) {}
-    location.reload();
-  }, RELOAD_MS);
-})();
-"""
-
-_STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px;
-       padding: 0 1em; color: #222; }
-h1 { font-size: 1.4em; margin-bottom: 0.2em; } h2 { font-size: 1.1em; margin: 1.6em 0 0.2em; }
-.summary, .note, .empty { color: #666; margin: 0.2em 0; } .empty { font-style: italic; }
-.live { background: #fff4d6; padding: 0.2em 0.6em; border-radius: 4px; margin-left: 1em; }
-#js-errors { background: #fde2e1; color: #900; padding: 0.5em; white-space: pre-wrap; }
-table { border-collapse: collapse; font-size: 0.8em; width: 100%; }
-th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; cursor: pointer; position: sticky; top: 0; }
-th[data-dir=asc]::after { content: ' \\25B2'; } th[data-dir=desc]::after { content: ' \\25BC'; }
-td:first-child { min-width: 11em; } td:last-child { min-width: 14em; }
-.table-box { overflow-x: auto; } tr.best td { font-weight: 600; background: #fff1e6; }
-tr.failed td { background: #fdecea; } tr.interrupted td { background: #fff8e1; }
-tr.skipped td, tr.unfinished td { color: #777; background: #f7f7f7; }
-"""
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{title} · hsdp_runner</title>
-<style>{style}</style>
-<script>{errors_js}</script>
-<script>{plotly_js}</script>
-</head><body>
-<div id="js-errors" hidden></div>
-<h1>{title}</h1>
-<p class="summary">{summary}{state}</p>
-<section><h2>Jobs</h2><p class="note">click a column head to sort; hover a status for the
-full reason</p><div class="table-box">{table}</div></section>
-{sections}
-<script>{sort_js}</script>
-<script>{reload_js}</script>
-</body></html>
-"""
