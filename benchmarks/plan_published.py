@@ -56,7 +56,9 @@ def predict_tps(case: dict, efficiency: float | None = None) -> dict:
     if efficiency is not None:
         cluster.compute_efficiency = efficiency
     world = cluster.world_size
-    dims = ParallelDims(*case["layout"], world, cluster.gpus_per_node)
+    rep, shard, tp = case["layout"]  # (dp_replicate, dp_shard, tp): no published cp layouts
+    dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world,
+                        ranks_per_node=cluster.gpus_per_node)
     return step_time(cfg, dims, cluster)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import signal
 import sys
 from pathlib import Path
@@ -22,11 +23,15 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunStatus, RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.models.base import model_spec
 from hsdp_runner.runtime.launch import run_job, validate
 from hsdp_runner.train import sinks as tracking
 
 BASELINE = "single"
-ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp")
+# A layout is a parallel preset, optionally with overrides after colons ("cp:parallel.cp=4").
+ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "cp", "cp:parallel.cp=4",
+         "cp:parallel.tp=2", "fsdp_cp", "hsdp_cp_tp")
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
 # steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
 # shape, and TP and sharding change the shapes, so sums run in another order; those
@@ -38,22 +43,28 @@ GPU_RTOL_WHY = ("GPU default: cuBLAS picks different fp32 kernels for the TP/sha
 
 
 def available_layouts() -> list[str]:
-    """The parallel presets in conf/parallel, the standard ones first, then any added later."""
+    """The standard layouts whose preset is in conf/parallel, then any preset added later."""
     names = {p.stem for p in (CONF_DIR / "parallel").glob("*.yaml")}
-    return [n for n in ORDER if n in names] + sorted(names - set(ORDER))
+    return [n for n in ORDER if _preset(n) in names] + sorted(names - set(ORDER))
+
+
+def _preset(layout: str) -> str:
+    return layout.split(":")[0]
 
 
 def compose(layout: str, overrides: list[str]) -> DictConfig:
-    """Compose the app config for one layout plus the shared overrides (Hydra compose API).
+    """Compose the app config for one layout (a preset and its own overrides, colon-separated)
+    plus the shared overrides (Hydra compose API).
 
     Unless the overrides set ``launcher.nproc_per_node``, the layout runs on as many ranks as
     its degrees multiply to, on GPU too (where the default would be every GPU of the node,
     and ``single`` could not run on a multi-GPU node).
     """
-    cfg = compose_config(["logger=none", f"parallel={layout}", *overrides])
-    degrees = [cfg.parallel[name] for name in ("dp_replicate", "dp_shard", "tp")]
+    preset, *own = layout.split(":")
+    cfg = compose_config(["logger=none", f"parallel={preset}", *own, *overrides])
+    degrees = [cfg.parallel[name] for name in DIM_NAMES]
     if not any(o.startswith("launcher.nproc_per_node=") for o in overrides) and -1 not in degrees:
-        cfg.launcher.nproc_per_node = degrees[0] * degrees[1] * degrees[2] // cfg.launcher.nnodes
+        cfg.launcher.nproc_per_node = math.prod(degrees) // cfg.launcher.nnodes
     return cfg
 
 
@@ -82,7 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--steps={args.steps} must be >= 1")
     known = available_layouts()
     args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    unknown = [name for name in args.layouts if name not in known]
+    presets = {_preset(name) for name in known}
+    unknown = [name for name in args.layouts if _preset(name) not in presets]
     if unknown:
         raise ConfigError(f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
                           f"{', '.join(known)}")
@@ -126,6 +138,8 @@ def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
              "diff | rel eval-loss diff | result |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         result = "PASS" if r["passed"] else f"FAIL {r['note']}".strip()
+        if r.get("skipped"):
+            result = f"SKIP {r['note']}"
         lines.append(f"| {r['layout']} | {r['world_size']} | {fmt(r.get('max_abs_loss'))} | "
                      f"{fmt(r.get('max_rel_loss'))} | {fmt(r.get('max_rel_grad_norm'))} | "
                      f"{fmt(r.get('rel_eval_loss'))} | {result} |")
@@ -137,10 +151,16 @@ def run_parity(args: argparse.Namespace) -> int:
     overrides = [f"trainer.steps={args.steps}", *args.overrides]
     if not any(o.startswith("trainer.eval_batches=") for o in overrides):
         overrides.append("trainer.eval_batches=2")
-    jobs = {}
+    jobs, skipped = {}, {}
     for layout in args.layouts:
         cfg = compose(layout, overrides)
-        out_dir = args.out / layout
+        try:  # a layout the model family cannot run is skipped, not failed
+            model_spec(cfg.model).check_parallel(cfg.parallel.cp, cfg.parallel.tp,
+                                                 cfg.parallel.sequence_parallel)
+        except ConfigError as err:
+            skipped[layout] = str(err)
+            continue
+        out_dir = args.out / layout.replace(":", "+")
         jobs[layout] = (cfg, out_dir, validate(cfg, out_dir))
     codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():
@@ -168,6 +188,8 @@ def run_parity(args: argparse.Namespace) -> int:
             row.update(compare(base_records, tracking.read_metrics(out_dir), args.rtol,
                                base_summary.eval_loss, summary.eval_loss))
         rows.append(row)
+    rows += [{"layout": layout, "world_size": "-", "passed": True, "skipped": True,
+              "note": f"(the model cannot run it: {why})"} for layout, why in skipped.items()]
     table = format_table(rows, args.rtol, args.rtol_why)
     (args.out / "parity.md").write_text(table + "\n")
     print(table)

@@ -46,8 +46,9 @@ def test_the_fastest_fitting_layout_wins_and_the_next_fitting_one_is_runner_up()
 
 def test_an_explicit_degree_is_a_constraint_and_one_no_layout_has_exits_naming_the_key():
     cfg = compose(AUTO + ["parallel.tp=2"])
-    assert cfg.parallel.auto and auto.fixed_degrees(cfg.parallel) == {"tp": 2}
-    assert auto.fixed_degrees(compose(AUTO).parallel) == {}
+    # cp keeps the preset's 1: the planner enumerates dp_replicate, dp_shard and tp
+    assert cfg.parallel.auto and auto.fixed_degrees(cfg.parallel) == {"cp": 1, "tp": 2}
+    assert auto.fixed_degrees(compose(AUTO).parallel) == {"cp": 1}
     every = layouts.enumerate_layouts(cfg, 4, 4)
     kept = layouts.with_degrees(every, {"tp": 2}, 4)
     assert {e["shape"] for e in kept} == {(2, 1, 2), (1, 2, 2)} and len(every) == 6

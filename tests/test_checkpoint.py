@@ -61,8 +61,9 @@ def test_kill_mid_save_leaves_previous_checkpoint_loadable(killed_then_resumed):
     assert read_job(out)[1]["last_checkpoint"].endswith("step-20")
 
 
-def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
-    """hsdp_tp (8 ranks) -> fsdp (4) -> ddp (2) -> single: each next loss within 1e-5 rel.
+def test_checkpoint_reshards_hsdp_tp_to_fsdp_cp_ddp_and_single(tmp_path):
+    """hsdp_tp (8 ranks) -> fsdp_cp (4: sharded over dp_shard x cp) -> ddp (2) -> single: each
+    next loss within 1e-5 rel; into context parallel and out of it again.
 
     Every job keeps trainer.steps=5 so the LR schedule is the reference's; each one's first
     loss is compared with the loss the 8-rank run had at that step.
@@ -74,7 +75,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
     reference, _ = read_job(tmp_path / "hsdp_tp")
 
     source = tmp_path / "hsdp_tp" / "checkpoints" / "step-2"
-    for layout, first in (("fsdp", 3), ("ddp", 4), ("single", 5)):
+    for layout, first in (("fsdp_cp", 3), ("ddp", 4), ("single", 5)):
         result = run_cli(tmp_path / layout, *job, f"parallel={layout}",
                          f"checkpoint.interval={first}", f"checkpoint.load_path={source}")
         assert result.returncode == 0, (layout, result.stderr[-3000:])
@@ -89,7 +90,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_ddp_and_single(tmp_path):
     weights, manifest = load_full_weights(tmp_path / "hsdp_tp" / "checkpoints" / "step-5")
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "hsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
-    assert manifest["layout"]["mesh_shape"] == [2, 2, 2]
+    assert manifest["layout"]["mesh_shape"] == [2, 2, 1, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
 
@@ -116,7 +117,7 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
     weights, manifest = load_full_weights(tmp_path / "fsdp_tp" / "checkpoints" / "step-4")
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "fsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
-    assert manifest["layout"]["mesh_shape"] == [1, 2, 2]
+    assert manifest["layout"]["mesh_shape"] == [1, 2, 1, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
 

@@ -31,6 +31,14 @@ LAYOUTS = {
     "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
     "gpt2_ddp_tp_no_sp": ["model=gpt2_tiny", "parallel=hsdp_tp", "parallel.dp_replicate=4",
                           "parallel.dp_shard=1", "parallel.sequence_parallel=false"],
+    # Context parallel: the K/V all-gather per block and its gradients' reduce-scatter (again
+    # under full AC; selective saves it); FSDP shards over dp_shard x cp.
+    "fsdp_cp_tp": ["parallel=fsdp_cp", "parallel.tp=2", "precision=bf16",
+                   "trainer.grad_accum_steps=2"],
+    "hsdp_cp_full_ac": ["parallel=hsdp_cp_tp", "parallel.cp=4", "parallel.tp=1",
+                        "parallel.ac=full"],
+    "gpt2_cp_selective_ac": ["model=gpt2_tiny", "parallel=cp", "parallel.cp=8",
+                             "parallel.ac=selective"],
 }
 
 
@@ -100,3 +108,19 @@ def test_analytic_fsdp_bytes_match_a_hand_count():
         assert got == {"all_gather/dp_shard": {"calls": gathers, "bytes": gathered},
                        "reduce_scatter/dp_shard": {"calls": 3, "bytes": (blocks + root) * 4},
                        "all_reduce/dp_shard": {"calls": 1, "bytes": STATS_BYTES}}
+
+
+def test_analytic_cp_bytes_match_a_hand_count():
+    """fsdp_cp with full AC: keys and values of llama3_tiny are 2 KV heads x 16 = 32 wide; a
+    dp rank reads 8 / 2 = 4 sequences of 32 tokens; fp32. Per block, forward gathers
+    2 x 4 x 32 x 32 x 4 bytes = 32,768 over cp, full AC gathers them again, and backward
+    reduce-scatters their gradients once; FSDP's collectives run over dp_shard x cp."""
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+
+    cfg = compose(BASE + ["parallel=fsdp_cp", "parallel.ac=full"])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
+    got = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    assert got["all_gather/cp"] == {"calls": 4, "bytes": 4 * 32_768}
+    assert got["reduce_scatter/cp"] == {"calls": 2, "bytes": 2 * 32_768}
+    assert {"all_gather/dp_shard_cp", "reduce_scatter/dp_shard_cp"} <= set(got)

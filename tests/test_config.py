@@ -15,7 +15,7 @@ GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir
 
 def test_every_group_has_its_options():
     assert GROUPS["parallel"] == sorted(["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp",
-                                         "auto"])
+                                         "cp", "fsdp_cp", "hsdp_cp_tp", "auto"])
     assert {"llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"} <= set(GROUPS["model"])
     assert GROUPS["precision"] == ["bf16", "bf16_pure", "fp32"]
     assert set(GROUPS["data"]) == {"synthetic", "text"}
@@ -33,11 +33,12 @@ def test_each_group_option_composes_and_validates(group, option):
 
 
 def test_presets_hold_their_degrees():
-    expected = {"single": (1, 1, 1), "ddp": (2, 1, 1), "fsdp": (1, 4, 1), "hsdp": (2, 2, 1),
-                "tp": (1, 1, 2), "fsdp_tp": (1, 2, 2), "hsdp_tp": (2, 2, 2)}
+    expected = {"single": (1, 1, 1, 1), "ddp": (2, 1, 1, 1), "fsdp": (1, 4, 1, 1),
+                "hsdp": (2, 2, 1, 1), "tp": (1, 1, 1, 2), "fsdp_tp": (1, 2, 1, 2),
+                "hsdp_tp": (2, 2, 1, 2), "cp": (1, 1, 2, 1), "fsdp_cp": (1, 2, 2, 1), "hsdp_cp_tp": (2, 1, 2, 2)}
     for name, degrees in expected.items():
         p = compose([f"parallel={name}"]).parallel
-        assert (p.dp_replicate, p.dp_shard, p.tp) == degrees, name
+        assert (p.dp_replicate, p.dp_shard, p.cp, p.tp) == degrees, name
         assert not p.auto
     auto = compose(["parallel=auto"]).parallel
     assert (auto.dp_replicate, auto.dp_shard, auto.tp, auto.auto) == (-1, -1, -1, True)

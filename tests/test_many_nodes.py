@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, cli_env, read_job, run_cli
 
-from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.parallel_dims import VIEWS, ParallelDims
 from hsdp_runner.planner.step_time import placement_of
 
 
@@ -35,13 +35,15 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     records, summary = read_job(job)
     assert summary["status"] == "completed" and len(records) == 6
     assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (4, 2, 2)
-    assert summary["mesh_shape"] == [2, 2, 1] and summary["dims_across_nodes"] == ["dp_replicate"]
+    assert summary["mesh_shape"] == [2, 2, 1, 1]
+    assert summary["dims_across_nodes"] == ["dp_replicate"]
     # Read from the real process groups and each agent's node rank: how every dim's groups sit
     # on the two nodes is exactly what the planner's arithmetic prices.
     observed = summary["mesh_placement"]
-    assert set(observed) == {*summary["mesh_dim_names"], "dp"}
-    planned = ParallelDims(*summary["mesh_shape"], summary["world_size"],
-                           summary["ranks_per_node"])
+    assert set(observed) == {*summary["mesh_dim_names"], *VIEWS}
+    planned = ParallelDims(**dict(zip(summary["mesh_dim_names"], summary["mesh_shape"])),
+                           world_size=summary["world_size"],
+                           ranks_per_node=summary["ranks_per_node"])
     for name, facts in observed.items():
         assert facts == placement_of(planned, name).describe(), name
     assert observed["dp_replicate"] == {"size": 2, "ranks_per_node": 1, "groups_per_node": 2,

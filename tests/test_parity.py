@@ -2,12 +2,15 @@
 
 One parity run per model family (6 steps, fp32) is shared by the tests below; they also check
 that each preset trained (loss down, metrics, logs) through the real launch path. Tiny Llama
-runs every preset. Tiny GPT-2 runs the presets that reach every part of its seam at a third of
-the cost: ddp (whole replicas) and hsdp_tp (its TP/SP plan, FSDP2 units on a 2-D mesh); fsdp_tp
-(strided sharding) is checked by its resharding test in test_checkpoint.py, and
-`make parity PARITY_ARGS=model=gpt2_tiny` runs all of them (docs/layouts_and_parity.md).
-The DDP-implementation and bf16 comparisons, which are about the numerics and not the launch
-path, train in one set of four in-process workers.
+runs every preset without context parallel, then cp alone (2 ranks) and cp with sequence-
+parallel TP (2 x 2: each cp rank's tokens split again over tp); `make parity` adds cp = 4,
+fsdp_cp and hsdp_cp_tp. Tiny GPT-2 runs the presets that reach every part of its seam at a
+third of the cost: ddp (whole replicas), hsdp_tp (its TP/SP plan, FSDP2 units on a 2-D mesh)
+and cp (learned positions in head-tail order); fsdp_tp (strided sharding) is checked by its
+resharding test in test_checkpoint.py, and `make parity PARITY_ARGS=model=gpt2_tiny` runs all
+of them (docs/layouts_and_parity.md).
+The DDP-implementation, HSDP-over-cp and bf16 comparisons, which are about the numerics and not
+the launch path, train in one set of four in-process workers.
 """
 
 import subprocess
@@ -21,7 +24,8 @@ from test_config import compose
 
 from hsdp_runner import parity as parity_cli
 
-WORLD = {"single": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 2, "fsdp_tp": 4, "hsdp_tp": 8}
+WORLD = {"single": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 2, "fsdp_tp": 4, "hsdp_tp": 8,
+         "cp": 2, "cp:parallel.tp=2": 4}
 METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tps_per_device", "tps_global",
                "tflops", "mfu", "mem_peak_gib"}
 # The per-step TP layouts dominate the run's cost; 6 steps at a tiny model's learning rate
@@ -36,7 +40,7 @@ def rel_diffs(a, b, key="loss"):
 
 
 # One family each (the second one, GPT-2, came in through the model seam alone): its layouts.
-MODELS = {"llama3_tiny": tuple(WORLD), "gpt2_tiny": ("single", "ddp", "hsdp_tp")}
+MODELS = {"llama3_tiny": tuple(WORLD), "gpt2_tiny": ("single", "ddp", "hsdp_tp", "cp")}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -61,7 +65,7 @@ def test_every_layout_matches_single_process_within_1e5(parity):
         assert f"| {layout} | {WORLD[layout]} |" in table and table.count("PASS") == len(layouts)
     base, _ = read_job(out / "single")
     for layout in layouts:
-        records, summary = read_job(out / layout)
+        records, summary = read_job(out / layout.replace(":", "+"))
         assert len(records) == STEPS
         assert max(rel_diffs(records, base)) <= 1e-5, layout
         assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, layout
@@ -72,13 +76,14 @@ def test_every_layout_matches_single_process_within_1e5(parity):
 def test_each_preset_trained_through_the_launch_path(parity):
     out, _, layouts = parity
     for layout in layouts:
-        records, summary = read_job(out / layout)
+        job = out / layout.replace(":", "+")
+        records, summary = read_job(job)
         assert METRIC_KEYS <= set(records[0]), layout
         assert records[-1]["loss"] < records[0]["loss"] - 0.3, layout
         assert summary["status"] == "completed" and summary["world_size"] == WORLD[layout]
-        assert summary["mesh_dim_names"] == ["dp_replicate", "dp_shard", "tp"]
+        assert summary["mesh_dim_names"] == ["dp_replicate", "dp_shard", "cp", "tp"]
         assert summary["median_tps_global"] > 0 and summary["steady_steps"] == STEPS - 2
-        assert len(list((out / layout / "logs").glob("rank*.log"))) == WORLD[layout]
+        assert len(list((job / "logs").glob("rank*.log"))) == WORLD[layout]
 
 
 @pytest.mark.multiprocess
@@ -119,22 +124,37 @@ def _train_cases(cases):
 @pytest.fixture(scope="module")
 def four_rank_runs():
     """DDP(4) through ``replicate`` and through ``fully_shard`` on a (4, 1) mesh; HSDP(2x2) in
-    fp32 and in bf16 for 20 steps; all in one set of four workers."""
+    fp32 and in bf16 for 20 steps, and HSDP sharded over cp (2 replicas x cp 2); all in one set
+    of four workers."""
     ddp = ["parallel=ddp", "parallel.dp_replicate=4", f"trainer.steps={STEPS}"]
     hsdp = ["parallel=hsdp", f"trainer.steps={BF16_STEPS}"]
     return run_workers(_train_cases, 4, {
         "ddp_replicate": ddp, "ddp_fully_shard": [*ddp, "parallel.ddp_impl=fully_shard"],
-        "hsdp_fp32": hsdp, "hsdp_bf16": [*hsdp, "precision=bf16"]})[0]
+        "hsdp_fp32": hsdp, "hsdp_bf16": [*hsdp, "precision=bf16"],
+        "hsdp_cp": [*hsdp, "parallel.dp_shard=1", "parallel.cp=2"]})[0]
 
 
 @pytest.mark.multiprocess
 def test_ddp_replicate_equals_hsdp_with_shard_size_one(four_rank_runs):
     replicate, _ = four_rank_runs["ddp_replicate"]
     hsdp_n1, facts = four_rank_runs["ddp_fully_shard"]
-    assert facts["dp_mode"] == "ddp" and facts["mesh_shape"] == [4, 1, 1]
+    assert facts["dp_mode"] == "ddp" and facts["mesh_shape"] == [4, 1, 1, 1]
     assert len(hsdp_n1) == STEPS
     assert max(rel_diffs(hsdp_n1, replicate)) <= 1e-6
     assert max(rel_diffs(hsdp_n1, replicate, "grad_norm")) <= 1e-6
+
+
+@pytest.mark.multiprocess
+def test_hsdp_over_context_parallel_ranks_equals_hsdp_over_20_steps(four_rank_runs):
+    """2 replicas x (parameters sharded over 2 cp ranks, each holding half of every sequence)
+    against 2 x 2 HSDP, which the parity run shows equals a single process."""
+    hsdp_cp, facts = four_rank_runs["hsdp_cp"]
+    hsdp, _ = four_rank_runs["hsdp_fp32"]
+    assert (facts["dp_mode"], facts["layout"], facts["mesh_shape"]) == ("hsdp", "hsdp_cp",
+                                                                        [2, 1, 2, 1])
+    assert len(hsdp_cp) == BF16_STEPS
+    assert max(rel_diffs(hsdp_cp, hsdp)) <= 1e-5
+    assert max(rel_diffs(hsdp_cp, hsdp, "grad_norm")) <= 1e-5
 
 
 @pytest.mark.multiprocess
@@ -160,3 +180,11 @@ def test_bad_parity_input_is_one_clear_error_before_launch(args, words, tmp_path
     assert code == 2, err
     assert words in err
     assert not (tmp_path / "p" / "single" / "logs").exists()
+
+
+def test_a_layout_the_model_cannot_run_is_reported_as_skipped():
+    rows = [{"layout": "single", "world_size": 1, "passed": True, "note": ""},
+            {"layout": "hsdp_cp_tp", "world_size": "-", "passed": True, "skipped": True,
+             "note": "(the model cannot run it: parallel.cp=2 with parallel.tp=2 ...)"}]
+    table = parity_cli.format_table(rows, 1e-5)
+    assert "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table

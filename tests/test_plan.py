@@ -42,6 +42,11 @@ def monkeypatch_module(tmp_path_factory):
     mp.undo()
 
 
+def _dims(rep: int, shard: int, tp: int, world: int, node: int) -> ParallelDims:
+    return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world,
+                        ranks_per_node=node)
+
+
 def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(planned):
     out, data = planned
     assert data["version"] == 1 and data["world_size"] == 4 and data["model"] == "llama3_tiny"
@@ -81,18 +86,19 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
     (the measurements the planned fixture made, read back from its cache)."""
     cfg = plan.compose(TINY)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for shape, micro in (((4, 1, 1), 2), ((2, 2, 1), 2), ((1, 2, 2), 4), ((2, 1, 2), 4)):
+    for shape, micro in (((4, 1, 1, 1), 2), ((2, 2, 1, 1), 2), ((1, 2, 1, 2), 4),
+                         ((2, 1, 1, 2), 4)):
         req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
                                   shape, micro, 1, 4, 4, 1)
         measured = plan_memory.measure([req])[0]
-        dims = ParallelDims(*shape, 4, 4)
+        dims = _dims(*shape[:2], shape[3], 4, 4)
         exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard, 4)
         assert measured["sharded_param"] == exact["params"], shape
     # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
     req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
-                              (1, 1, 2), 8, 1, 2, 2, 1)
+                              (1, 1, 1, 2), 8, 1, 2, 2, 1)
     measured = plan_memory.measure([req])[0]
-    exact = plan_memory.state_bytes(unit_sizes(cfg.model, ParallelDims(1, 1, 2, 2, 2)), 1, 4)
+    exact = plan_memory.state_bytes(unit_sizes(cfg.model, _dims(1, 1, 2, 2, 2)), 1, 4)
     assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
 
 
@@ -105,7 +111,7 @@ def _one_rank(*cases: tuple[str, int, int]) -> list[dict]:
                             f"parallel.ac={ac}"])
         plain = OmegaConf.to_container(cfg, resolve=True)
         requests.append(plan_memory.request(plain["model"], plain["parallel"],
-                                            plain["precision"], [], (1, 1, 1), micro, 1, 1, 1,
+                                            plain["precision"], [], (1, 1, 1, 1), micro, 1, 1, 1,
                                             n_layers))
     return plan_memory.measure(requests, use_disk_cache=False)
 
@@ -143,17 +149,17 @@ def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=8",
                         "model.seq_len=2048"])
     fast = _cluster(nodes=1, gpus_per_node=8)
-    fsdp = step_time(cfg, ParallelDims(1, 8, 1, 8, 8), fast)
+    fsdp = step_time(cfg, _dims(1, 8, 1, 8, 8), fast)
     assert fsdp["dominant"] == "compute"
     hidden = fsdp["exposed_comm_s"]["dp_shard"]
-    slow = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(nic_gbit=0.08))
+    slow = step_time(cfg, _dims(1, 8, 1, 8, 4), _cluster(nic_gbit=0.08))
     assert slow["dominant"] == "comm:dp_shard" and slow["exposed_comm_s"]["dp_shard"] > 10 * hidden
-    no_overlap = step_time(cfg, ParallelDims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
+    no_overlap = step_time(cfg, _dims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
     assert no_overlap["step_time_s"] == pytest.approx(
         no_overlap["compute_s"] + no_overlap["comm_total_s"])
-    tp = step_time(cfg, ParallelDims(2, 1, 4, 8, 8), fast)
+    tp = step_time(cfg, _dims(2, 1, 4, 8, 8), fast)
     assert tp["exposed_comm_s"]["tp"] == pytest.approx(
-        sum(v for k, v in _times(cfg, ParallelDims(2, 1, 4, 8, 8), fast).items()
+        sum(v for k, v in _times(cfg, _dims(2, 1, 4, 8, 8), fast).items()
             if k.endswith("/tp")))
 
 

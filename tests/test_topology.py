@@ -18,6 +18,8 @@ from hsdp_runner.distributed.topology import (
 from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_time
 
+NAMES = ("dp_replicate", "dp_shard", "tp")  # the 3-D meshes below: the topology is generic
+
 
 @pytest.mark.parametrize("shape, node, name, expected", [
     # k = 8: FSDP over 4 nodes of 8; one group, all 8 GPUs of every node in it.
@@ -38,14 +40,24 @@ from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_tim
     ((1, 3, 2), 3, "dp_shard", Placement(3, 1, 2, 2)),
 ])
 def test_placement_counts_ranks_per_node_and_groups_per_node(shape, node, name, expected):
-    assert placement(shape, DIM_NAMES, name, node) == expected
+    assert placement(shape, NAMES, name, node) == expected
+
+
+@pytest.mark.parametrize("shape, name, expected", [
+    # The runner's 4-D mesh, 2 nodes of 4: FSDP over dp_shard x cp strides over tp 2.
+    ((1, 2, 2, 2), "dp_shard_cp", Placement(4, 2, 2, 2)),
+    ((1, 2, 2, 2), "cp", Placement(2, 2, 2, 1)),
+    ((2, 1, 2, 2), "dp_cp", Placement(4, 2, 2, 2)),
+])
+def test_placement_of_context_parallel_groups(shape, name, expected):
+    assert placement(shape, DIM_NAMES, name, 4) == expected
 
 
 def test_mesh_groups_are_row_major_with_the_last_dim_innermost():
-    assert mesh_groups((2, 2, 2), DIM_NAMES, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert mesh_groups((2, 2, 2), DIM_NAMES, ("dp_replicate",)) == [[0, 4], [1, 5], [2, 6],
+    assert mesh_groups((2, 2, 2), NAMES, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh_groups((2, 2, 2), NAMES, ("dp_replicate",)) == [[0, 4], [1, 5], [2, 6],
                                                                       [3, 7]]
-    assert mesh_groups((2, 2, 2), DIM_NAMES, ("dp_replicate", "dp_shard")) == [[0, 2, 4, 6],
+    assert mesh_groups((2, 2, 2), NAMES, ("dp_replicate", "dp_shard")) == [[0, 2, 4, 6],
                                                                                 [1, 3, 5, 7]]
 
 
@@ -56,15 +68,15 @@ def test_placement_arithmetic_equals_counting_the_enumerated_groups():
     for shape in itertools.product((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 3)):
         world = shape[0] * shape[1] * shape[2]
         for node in (n for n in range(1, world + 1) if world % n == 0):
-            for name in (*DIM_NAMES, "dp", "world"):
-                groups = mesh_groups(shape, DIM_NAMES, group_dims(name, DIM_NAMES))
+            for name in (*NAMES, "dp", "world"):
+                groups = mesh_groups(shape, NAMES, group_dims(name, NAMES))
                 expected = placement_of_groups(groups, {r: r // node for r in range(world)})
-                assert placement(shape, DIM_NAMES, name, node) == expected, (shape, node, name)
+                assert placement(shape, NAMES, name, node) == expected, (shape, node, name)
 
 
 def test_unknown_group_name_is_refused():
     with pytest.raises(ValueError, match="neither a mesh dim"):
-        placement((2, 2, 2), DIM_NAMES, "pp", 4)
+        placement((2, 2, 2), NAMES, "pp", 4)
 
 
 def _cluster(**kw) -> Cluster:
@@ -127,7 +139,7 @@ def h100_4_nodes():
 
 def test_hsdp_on_nodes_prices_its_terms_by_where_their_groups_sit(h100_4_nodes):
     cfg, cluster = h100_4_nodes
-    dims = ParallelDims(4, 8, 1, 32, 8)
+    dims = ParallelDims(dp_replicate=4, dp_shard=8, tp=1, world_size=32, ranks_per_node=8)
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     prices = comm_prices(comm, dims, cluster)
     # 8 NICs x 400 Gb/s x 0.96 / 8 GPUs = 48 GB/s for the replicate ring (k = 1).
@@ -142,7 +154,7 @@ def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one(h100_4_node
     """FSDP over 32 GPUs of 4 nodes: the ring's 8 ranks per node use the node's 8 NICs (bus
     bandwidth NVLink-bound, 360 GB/s), not one GPU's 48 GB/s."""
     cfg, cluster = h100_4_nodes
-    dims = ParallelDims(1, 32, 1, 32, 8)
+    dims = ParallelDims(dp_replicate=1, dp_shard=32, tp=1, world_size=32, ranks_per_node=8)
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     assert comm_prices(comm, dims, cluster)["all_gather/dp_shard"].bus_gbps == 360.0
 
@@ -177,7 +189,9 @@ def test_single_node_prices_on_this_machine_are_unchanged(overlap):
                         "trainer.global_batch_size=8"])
     for key, before in BEFORE[overlap].items():
         rep, shard, tp = map(int, key.split(":")[1].split("x"))
-        now = step_time(cfg, ParallelDims(rep, shard, tp, 8, 8), cluster)["step_time_s"]
+        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=8,
+                            ranks_per_node=8)
+        now = step_time(cfg, dims, cluster)["step_time_s"]
         assert now == pytest.approx(before, rel=1e-12), key
 
 

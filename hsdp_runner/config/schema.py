@@ -42,6 +42,7 @@ from hsdp_runner.models.base import ModelConfig, family_schemas
 class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
@@ -49,6 +50,7 @@ class ParallelConfig:
     compile: bool = False
     ddp_impl: DDPImpl = DDPImpl.replicate
     allow_tp_across_nodes: bool = False
+    allow_cp_across_nodes: bool = False
     # parallel=auto: the launching process plans the degrees left at -1 (planner/auto.py).
     auto: bool = False
 

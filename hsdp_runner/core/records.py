@@ -70,6 +70,7 @@ class RunSummary:
     layout: Optional[str] = None
     dp_replicate: Optional[int] = None
     dp_shard: Optional[int] = None
+    cp: Optional[int] = None
     tp: Optional[int] = None
     nodes: Optional[int] = None
     ranks_per_node: Optional[int] = None

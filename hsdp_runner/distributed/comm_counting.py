@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Mesh dims first, then the flattened 'dp' view: a group both name is reported by its dim.
-GROUP_NAMES = ("dp_replicate", "dp_shard", "tp", "dp")
+from hsdp_runner.distributed.parallel_dims import GROUP_ORDER
+
+# Mesh dims first, then the flattened views: a group two names share is reported by the first.
+GROUP_NAMES = GROUP_ORDER
 
 _c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
 # op packet -> (kind, which tensor argument gives the bytes, multiply by group size?)
@@ -52,11 +54,12 @@ def _nbytes(value) -> int:
 
 
 def group_names(world) -> dict[tuple[int, ...], str]:
-    """Map the ranks of each mesh dim's process group (and the flattened ``dp``'s) to its name.
+    """Map the ranks of each mesh dim's process group (and each flattened view's) to its name.
 
     Takes the job's WorldMesh. Groups are matched by their ranks, not their identity: DTensor
     and ``_flatten`` may create a second group over the same ranks. Ranks shared by two names
-    (``dp`` when only one dp dim is larger than 1) go to the first of ``GROUP_NAMES``.
+    (``dp`` when only one dp dim is larger than 1) go to the first of ``GROUP_NAMES``, as
+    ``ParallelDims.same_group`` says.
     """
     names: dict[tuple[int, ...], str] = {}
     for name in GROUP_NAMES:

@@ -5,17 +5,24 @@ what it measures (the full tensor of each collective: gathered output, reduce-sc
 all-reduce tensor), keyed ``'<kind>/<mesh dim>'``. Collectives over groups of one rank move
 nothing and are in neither. The model follows what the runner builds (``sharding.py``):
 
-- FSDP (``dp_shard`` > 1): one all-gather per FSDP unit (each block, then the root: embedding,
+- FSDP (``dp_shard x cp`` > 1: it shards over ``dp_shard_cp``, reported under the name of the
+  group's first dim, ``ParallelDims.same_group``): one all-gather per FSDP unit (each block,
+  then the root: embedding,
   final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
   ``reshard_after_forward`` the blocks are gathered again in backward (the root is never
   resharded after forward, see ``sharding.apply_data_parallel``); one reduce-scatter per unit
   of the trainable gradients in ``precision.reduce_dtype``, on the last micro-batch. FSDP pads
   each parameter's dim 0 to a multiple of the shard degree; the model pads the same way.
 - HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
-  ``dp_replicate``; DDP (``dp_shard`` = 1) is that all-reduce of the whole gradients.
+  ``dp_replicate``; DDP (``dp_shard x cp`` = 1) is that all-reduce of the whole gradients.
+- Context parallel (``context_parallel.SequenceShard``): per block and micro-batch one
+  all-gather over ``cp`` of the rank's keys and values (2 x its tokens x the model's K/V width,
+  ``ModelSpec.kv_dim``, in the compute dtype; gathered: the whole sequence's) in forward, and
+  its autograd mirror, a reduce-scatter of their gradients, in backward. ``parallel.ac=full``
+  recomputes the all-gather in backward; ``selective`` saves its output.
 - TP (the model's Megatron plan, e.g. ``models/llama.py``) moves activations of the rank's
-  tokens ``n = global_batch / dp x seq_len`` in the compute dtype. With sequence parallel, per block
-  an all-gather before attention and before the FFN and a reduce-scatter after each (and
+  tokens ``n = global_batch / dp x seq_len / cp`` in the compute dtype. With sequence
+  parallel, per block an all-gather before attention and before the FFN and a reduce-scatter after each (and
   their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
   (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
@@ -63,7 +70,7 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool
     trainable ones).
 
     Sizes are one TP rank's part of each parameter (``ModelSpec.tp_split_dim``), dim 0 padded
-    to a multiple of ``dp_shard`` as FSDP pads it.
+    to a multiple of ``dp_shard x cp`` (the FSDP shard degree) as FSDP pads it.
     """
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     params = dict(model.named_parameters())
@@ -75,7 +82,7 @@ def unit_sizes(model_cfg, dims: ParallelDims, freeze=(), sequence_parallel: bool
         split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
         if split is not None:
             shape[split] //= dims.tp
-        shape[0] = math.ceil(shape[0] / dims.dp_shard) * dims.dp_shard
+        shape[0] = math.ceil(shape[0] / dims.dp_shard_cp) * dims.dp_shard_cp
         unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
         units[unit][0] += math.prod(shape)
         units[unit][1] += 0 if name in frozen else math.prod(shape)
@@ -103,10 +110,14 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
     accum = trainer.grad_accum_steps
     units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
     _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum)
+    compute = _dtype_bytes(precision.param_dtype)
+    if dims.cp > 1:
+        _context_parallel(tally, model_cfg, dims, trainer.global_batch_size // dims.dp,
+                          compute, accum, parallel.ac == AC.full)
     if dims.tp > 1:
-        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len
+        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp
         _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
-                         _dtype_bytes(precision.param_dtype), accum, parallel.ac == AC.full)
+                         compute, accum, parallel.ac == AC.full)
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
@@ -115,25 +126,40 @@ def analytic_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
 def world_dim(dims: ParallelDims) -> str:
     """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
     flattened ``dp``) spanning every rank, else ``world``."""
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp,
-             "dp": dims.dp}
-    return next((name for name in GROUP_NAMES if sizes[name] == dims.world_size), "world")
+    return next((name for name in GROUP_NAMES if dims.group_size(name) == dims.world_size),
+                "world")
 
 
 def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
                    accum: int) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
-    if dims.dp_shard > 1:
+    if dims.dp_shard_cp > 1:
+        shard_dim = dims.same_group("dp_shard_cp")
         blocks = [sizes[0] for unit, sizes in units.items() if unit != "root"]
-        tally.add("all_gather/dp_shard", len(units) * accum,
+        tally.add(f"all_gather/{shard_dim}", len(units) * accum,
                   sum(sizes[0] for sizes in units.values()) * gather * accum)
         if reshard:
-            tally.add("all_gather/dp_shard", len(blocks) * accum, sum(blocks) * gather * accum)
-        tally.add("reduce_scatter/dp_shard", len(trainable), sum(trainable.values()) * reduce)
+            tally.add(f"all_gather/{shard_dim}", len(blocks) * accum,
+                      sum(blocks) * gather * accum)
+        tally.add(f"reduce_scatter/{shard_dim}", len(trainable),
+                  sum(trainable.values()) * reduce)
     if dims.dp_replicate > 1:
-        shard = sum(trainable.values()) // dims.dp_shard
+        shard = sum(trainable.values()) // dims.dp_shard_cp
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
+
+
+def _context_parallel(tally: _Tally, model_cfg, dims: ParallelDims, rows: int, compute: int,
+                      accum: int, recompute: bool) -> None:
+    """The K/V all-gather of every block (again under full AC) and its gradients'
+    reduce-scatter, for ``rows`` sequences a step (over the micro-batches)."""
+    layers = model_cfg.n_layers
+    kv_width = model_spec(model_cfg).kv_dim() // dims.tp  # the rank's K/V heads under TP
+    gathered = 2 * rows * model_cfg.seq_len * kv_width * compute  # keys and values, all S
+    passes = 2 if recompute else 1
+    tally.add(f"all_gather/{dims.same_group('cp')}", passes * layers * accum,
+              passes * layers * gathered)
+    tally.add(f"reduce_scatter/{dims.same_group('cp')}", layers * accum, layers * gathered)
 
 
 def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,

@@ -1,16 +1,19 @@
 """ParallelDims: the single owner of the parallel degrees and of the world DeviceMesh.
 
-DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_shard``; TP is a
-third, innermost dim. The world mesh is built once, up front, with every dim named (size-1
-dims included, so code can always ask for ``mesh["tp"]``) and with the flattened ``dp`` view
-(replicate x shard) that data loading and loss averaging use.
+DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_shard``; context
+parallel (``cp``: each sequence split over ranks) is a third and TP a fourth, innermost dim.
+The world mesh is built once, up front, with every dim named (size-1 dims included, so code can
+always ask for ``mesh["tp"]``) and with the flattened views (``VIEWS``): ``dp`` (replicate x
+shard: which rows of the batch a rank reads), ``dp_shard_cp`` (shard x cp: what FSDP shards
+parameters over, since cp ranks hold the same parameters and see different tokens) and
+``dp_cp`` (replicate x shard x cp: what the loss and the step statistics average over).
 
 Node awareness: ranks are placed on nodes contiguously (torchrun numbers ranks node by node;
 SLURM's default block distribution does too) and the mesh is row-major with ``tp`` innermost
-and ``dp_replicate`` outermost, so with ``dp_shard x tp <= ranks per node`` the shard and TP
-groups stay inside a node and only the replicate all-reduce crosses the slow inter-node link.
-``ParallelDims`` works out which dims cross nodes, refuses TP across nodes unless allowed, and
-warns when the shard group spans nodes.
+and ``dp_replicate`` outermost, so with ``dp_shard x cp x tp <= ranks per node`` the shard, cp
+and TP groups stay inside a node and only the replicate all-reduce crosses the slow inter-node
+link. ``ParallelDims`` works out which dims cross nodes, refuses TP or cp across nodes unless
+allowed, and warns when the shard group spans nodes.
 """
 
 from __future__ import annotations
@@ -22,15 +25,22 @@ from typing import Optional
 
 from hsdp_runner.core.errors import ConfigError
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+# Flattened views of adjacent mesh dims: name -> the dims it joins (see the module docstring).
+VIEWS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+         "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+# Every named group, mesh dims first: a group two names share (same ranks) goes by the first.
+GROUP_ORDER = DIM_NAMES + tuple(VIEWS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Validated degrees for one job. Construct with ``ParallelDims.from_config``."""
+    """Validated degrees for one job. Construct with ``ParallelDims.from_config`` (or with
+    keywords, for a layout already validated)."""
 
     dp_replicate: int
     dp_shard: int
+    cp: int = 1
     tp: int
     world_size: int
     ranks_per_node: Optional[int] = None  # None: the whole job is on one node
@@ -45,7 +55,9 @@ class ParallelDims:
         ParallelDims or raises ConfigError naming keys and a fix.
         """
         get = (lambda node, k: node[k]) if isinstance(parallel, dict) else getattr
-        degrees = {name: get(parallel, name) for name in DIM_NAMES}
+        # cp may be absent from configs written before it existed (it defaults to 1).
+        degrees = {name: _get(parallel, name, 1) if name == "cp" else get(parallel, name)
+                   for name in DIM_NAMES}
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
                               "launcher.nproc_per_node")
@@ -71,11 +83,11 @@ class ParallelDims:
         return dims
 
     def _check_product(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = prod(self.shape)
         if product != self.world_size:
+            terms = " x ".join(f"parallel.{name}={getattr(self, name)}" for name in DIM_NAMES)
             raise ConfigError(
-                f"parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard={self.dp_shard} x "
-                f"parallel.tp={self.tp} = {product}, but the world size is {self.world_size}; make "
+                f"{terms} = {product}, but the world size is {self.world_size}; make "
                 "the product match (set one degree to -1 to infer it) or change "
                 "launcher.nproc_per_node / launcher.nnodes")
 
@@ -91,8 +103,17 @@ class ParallelDims:
                 raise ConfigError(f"parallel.tp={self.tp} does not divide {key}={value}; choose a "
                                   f"tp degree that divides {value}")
         seq_len = get(model, "seq_len")
-        if self.tp > 1 and get(parallel, "sequence_parallel") and seq_len % self.tp:
-            raise ConfigError(f"model.seq_len={seq_len} is not divisible by parallel.tp={self.tp} "
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise ConfigError(
+                f"model.seq_len={seq_len} is not divisible by 2 x parallel.cp={self.cp}: context "
+                f"parallel cuts each sequence into {2 * self.cp} chunks and gives every cp rank "
+                "one from each end (load balancing under the causal mask); use a multiple of "
+                f"{2 * self.cp} or another parallel.cp")
+        if self.tp > 1 and get(parallel, "sequence_parallel") and seq_len % (self.cp * self.tp):
+            what = f"parallel.tp={self.tp}" if self.cp == 1 else \
+                f"parallel.cp x parallel.tp = {self.cp} x {self.tp} (each cp rank's tokens are " \
+                "split again over the tp ranks)"
+            raise ConfigError(f"model.seq_len={seq_len} is not divisible by {what} "
                               "with parallel.sequence_parallel=true; change the sequence length "
                               "or set parallel.sequence_parallel=false")
 
@@ -102,13 +123,18 @@ class ParallelDims:
             raise ConfigError(f"world size {self.world_size} is not a multiple of the {node} ranks "
                               "per node; give every node the same launcher.nproc_per_node "
                               "(torchrun --nproc-per-node)")
-        allowed = (parallel.get("allow_tp_across_nodes", False) if isinstance(parallel, dict)
-                   else getattr(parallel, "allow_tp_across_nodes", False))
-        if "tp" in self.dims_across_nodes() and not allowed:
+        crossing = self.dims_across_nodes()
+        if "tp" in crossing and not _get(parallel, "allow_tp_across_nodes", False):
             raise ConfigError(
                 f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}): every TP layer's "
                 "all-reduce/all-gather would cross the slow inter-node link; use a parallel.tp "
                 f"that divides {node}, or set parallel.allow_tp_across_nodes=true to run it anyway")
+        if "cp" in crossing and not _get(parallel, "allow_cp_across_nodes", False):
+            raise ConfigError(
+                f"parallel.cp={self.cp} spans nodes ({self._nodes_phrase()}): every layer's "
+                "key/value all-gather (and its gradients' reduce-scatter) would cross the slow "
+                f"inter-node link; make parallel.cp x parallel.tp divide {node}, or set "
+                "parallel.allow_cp_across_nodes=true to run it anyway")
 
     def _nodes_phrase(self) -> str:
         return f"{self.nodes} nodes x {self.node_size} ranks per node"
@@ -139,13 +165,14 @@ class ParallelDims:
             warnings.append(
                 f"parallel.dp_shard={self.dp_shard} spans nodes ({self._nodes_phrase()}): FSDP's "
                 "per-layer all-gather and reduce-scatter cross the slow inter-node link; for "
-                f"HSDP make parallel.dp_shard x parallel.tp divide {node} and put the rest in "
-                "parallel.dp_replicate")
-        if "tp" in crossing:
-            warnings.append(
-                f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}; allowed by "
-                "parallel.allow_tp_across_nodes): TP's per-layer collectives cross the slow "
-                "inter-node link")
+                f"HSDP make parallel.dp_shard x parallel.cp x parallel.tp divide {node} and put "
+                "the rest in parallel.dp_replicate")
+        for name, key in (("tp", "allow_tp_across_nodes"), ("cp", "allow_cp_across_nodes")):
+            if name in crossing:
+                warnings.append(
+                    f"parallel.{name}={getattr(self, name)} spans nodes ({self._nodes_phrase()}; "
+                    f"allowed by parallel.{key}): its per-layer collectives cross the slow "
+                    "inter-node link")
         return warnings
 
     @property
@@ -154,35 +181,61 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_shard_cp(self) -> int:
+        """Ranks FSDP shards the parameters over: ``dp_shard x cp``."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding distinct tokens of a step (``dp x cp``): the loss averages over them."""
+        return self.dp * self.cp
+
+    @property
     def dp_mode(self) -> str:
-        """'none', 'ddp', 'fsdp' or 'hsdp': which data-parallel wrapper the degrees call for."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        """'none', 'ddp', 'fsdp' or 'hsdp': which data-parallel wrapper the degrees call for.
+
+        FSDP shards over ``dp_shard x cp``: context-parallel ranks hold the same parameters and
+        their gradients are reduced together, so cp > 1 alone is FSDP over the cp ranks.
+        """
+        if self.dp_replicate > 1 and self.dp_shard_cp > 1:
             return "hsdp"
-        if self.dp_shard > 1:
+        if self.dp_shard_cp > 1:
             return "fsdp"
         if self.dp_replicate > 1:
             return "ddp"
         return "none"
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def shape(self) -> tuple[int, int, int, int]:
         """The world mesh shape in ``DIM_NAMES`` order."""
-        return (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def layout(self) -> str:
-        """A short human name such as 'hsdp_tp' or 'fsdp'."""
+        """A short human name such as 'hsdp_tp', 'fsdp' or 'fsdp_cp'."""
         parts = [] if self.dp_mode == "none" else [self.dp_mode]
-        if self.tp > 1:
-            parts.append("tp")
+        parts += [name for name in ("cp", "tp") if getattr(self, name) > 1]
         return "_".join(parts) or "single"
+
+    def group_size(self, name: str) -> int:
+        """Ranks in one group of a mesh dim or of a flattened view (``VIEWS``)."""
+        return prod(getattr(self, dim) for dim in VIEWS.get(name, (name,)))
+
+    def same_group(self, name: str) -> str:
+        """The first of ``GROUP_ORDER`` whose groups hold the same ranks as ``name``'s (e.g.
+        'dp_shard_cp' is 'dp_shard' when cp = 1): dims of size 1 add no ranks."""
+        wanted = {dim for dim in VIEWS.get(name, (name,)) if getattr(self, dim) > 1}
+        for other in GROUP_ORDER:
+            if {dim for dim in VIEWS.get(other, (other,)) if getattr(self, dim) > 1} == wanted:
+                return other
+        return name
 
     def describe(self) -> dict:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
         return {"world_size": self.world_size, "mesh_shape": list(self.shape),
                 "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode,
                 "layout": self.layout, "dp_replicate": self.dp_replicate,
-                "dp_shard": self.dp_shard, "tp": self.tp, "nodes": self.nodes,
+                "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp, "nodes": self.nodes,
                 "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
@@ -203,11 +256,15 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES,
                                 backend_override=per_dim)
         # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
-        # flattened dim back out of the root mesh is deprecated, so the view is kept here.
-        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(
-            "dp", backend_override=_backend_with_timeout(device_type, timeout_s))
-        return WorldMesh(mesh, {"dp": dp_mesh})
-
+        # flattened dim back out of the root mesh is deprecated, so the views are kept here.
+        # A view whose other dims are all of size 1 is that dim's mesh (no new group).
+        views = {}
+        for name, dims in VIEWS.items():
+            same = self.same_group(name)
+            views[name] = views[same] if same in views else mesh[same] if same in DIM_NAMES \
+                else mesh[dims]._flatten(name, backend_override=_backend_with_timeout(
+                    device_type, timeout_s))
+        return WorldMesh(mesh, views)
 
 def default_group_timeout_s(device_type: str) -> float | None:
     """The collective timeout the default process group was created with (None without one)."""
@@ -266,6 +323,27 @@ class WorldMesh:
         """This rank's coordinate along the named (possibly flattened) dim."""
         return self[name].get_local_rank()
 
+    def fsdp_mesh(self, replicate: bool):
+        """The mesh FSDP shards over: ``dp_shard_cp`` (1-D), or with ``replicate`` the 2-D
+        (``dp_replicate``, ``dp_shard_cp``) of HSDP. Joining a dim and a flattened view is a
+        private DeviceMesh API (``_concatenate``, what FSDP itself uses to add the TP dim)."""
+        shard = self["dp_shard_cp"]
+        if not replicate:
+            return shard
+        name = shard.mesh_dim_names[0]
+        if name in DIM_NAMES:  # cp = 1 or dp_shard = 1: a plain slice of the root mesh
+            return self.root["dp_replicate", name]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh._concatenate([self.root["dp_replicate"], shard])
+
+
+def _get(node, key: str, default):
+    """``node[key]`` of a dict, or the attribute of a config node; ``default`` when absent."""
+    if isinstance(node, dict):
+        return node.get(key, default)
+    return getattr(node, key, default)
+
 
 def check_degree_values(degrees: dict) -> None:
     """Raise ConfigError for a degree that is neither positive nor -1 ({name: value})."""
@@ -283,19 +361,20 @@ def infer_world_size(launcher, parallel, device_count: Optional[int]) -> int:
     (a single run passes its own degrees; a sweep its ``parallel`` preset's, so that every
     combination runs on the same ranks and misfits are skipped).
     """
-    check_degree_values({name: getattr(parallel, name) for name in DIM_NAMES})
+    degrees = [_get(parallel, name, 1) if name == "cp" else _get(parallel, name, None)
+               for name in DIM_NAMES]
+    check_degree_values(dict(zip(DIM_NAMES, degrees)))
     nproc = launcher.nproc_per_node
     if nproc is None:
         if device_count:
             nproc = device_count
         else:
-            degrees = [parallel.dp_replicate, parallel.dp_shard, parallel.tp]
             if -1 in degrees:
                 raise ConfigError(
                     "a parallel degree is -1 but on CPU the world size comes from the degrees; "
                     "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4) or give every "
                     "degree explicitly")
-            nproc = degrees[0] * degrees[1] * degrees[2] // launcher.nnodes
+            nproc = prod(degrees) // launcher.nnodes
             if nproc < 1:
                 raise ConfigError(f"launcher.nnodes={launcher.nnodes} exceeds the product of the "
                                   "parallel degrees; set launcher.nproc_per_node explicitly")

@@ -1,4 +1,5 @@
-"""The sharding applier: TP/SP -> activation checkpointing -> compile -> data parallel.
+"""The sharding applier: TP/SP -> context parallel -> activation checkpointing -> compile -> data
+parallel.
 
 Each step is its own function and ``parallelize`` applies them in that fixed order, the order
 FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding). What is
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hsdp_runner.core.choices import AC, DDPImpl
+from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ParallelModule, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
@@ -42,6 +44,13 @@ def mixed_precision_policy(precision):
 def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
     """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model."""
     model.tp_plan(world["tp"], sequence_parallel)
+
+
+def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
+    """Run the model on this rank's part of each ``seq_len``-token sequence: positions and
+    attention come from a ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V
+    all-gathered per layer)."""
+    model.shard_sequence(SequenceShard(world["cp"], seq_len))
 
 
 # Every fused attention kernel scaled_dot_product_attention can dispatch to in torch 2.13
@@ -70,8 +79,9 @@ def selective_policy():
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
     matmuls = {aten.mm.default, aten.addmm.default}
     save = {getattr(aten, name).default for name in SDPA_FORWARD_OPS if hasattr(aten, name)}
-    # TP's collectives: recomputing them would repeat the block's forward communication in
-    # backward; their outputs are activations of the rank's tokens.
+    # TP's collectives and context parallel's K/V all-gather: recomputing them would repeat
+    # the block's forward communication in backward; their outputs are activations of the
+    # rank's tokens (of the whole sequence's keys and values under cp).
     save |= {funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
              funcol.all_reduce.default}
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
@@ -134,8 +144,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
                         ) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
-    fsdp: ``fully_shard`` on the 1-D ``dp_shard`` mesh; hsdp: on the 2-D (dp_replicate,
-    dp_shard) mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
+    fsdp: ``fully_shard`` on the 1-D ``dp_shard_cp`` mesh (``dp_shard`` when cp = 1: context-
+    parallel ranks hold the same parameters); hsdp: on the 2-D (dp_replicate, dp_shard_cp)
+    mesh; ddp: torch's FSDP-based ``replicate`` on the 1-D ``dp_replicate`` mesh, so
     it shares FSDP's mixed-precision policy, or with ``ddp_impl='fully_shard'`` (and on torch
     without ``replicate``) ``fully_shard`` on the (dp_replicate, dp_shard=1) mesh: the same
     HSDP-with-shard-size-1 computation. Blocks are ``model.blocks()`` when the model has them.
@@ -160,11 +171,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh, 
             wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
         else:
             wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
-    elif mode == "fsdp":
-        wrap, mesh_kw = fully_shard, {"mesh": world["dp_shard"],
-                                      "reshard_after_forward": reshard_after_forward}
     else:
-        wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"],
+        wrap, mesh_kw = fully_shard, {"mesh": world.fsdp_mesh(replicate=mode == "hsdp"),
                                       "reshard_after_forward": reshard_after_forward}
     blocks = model.blocks().values() if hasattr(model, "blocks") else ()
     for block in blocks:
@@ -193,11 +201,14 @@ def sync_buffers(model: nn.Module) -> int:
     return count
 
 
-def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision
-                ) -> None:
-    """Apply TP/SP, activation checkpointing, compile and data parallel, in that order."""
+def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh, parallel, precision,
+                seq_len: int) -> None:
+    """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
+    checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel)
+    if dims.cp > 1:
+        apply_cp(model, world, seq_len)
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp)
@@ -222,7 +233,7 @@ def build_model(model_cfg, dims: ParallelDims, world: WorldMesh, parallel, preci
     finally:
         torch.set_default_dtype(default_dtype)
     freeze_parameters(model, freeze)
-    parallelize(model, dims, world, parallel, precision)
+    parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     model.to_empty(device=device)
     model.init_weights(seed)
     sync_buffers(model)

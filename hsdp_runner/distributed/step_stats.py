@@ -83,6 +83,7 @@ class PendingStep:
 
     def __init__(self, step: int, lr: float, stats: torch.Tensor, grad_norm: torch.Tensor,
                  marks: list, counter, dp: int):
+        # dp: how many ranks' losses the stats vector sums (the dp x cp ranks).
         self.step, self.lr, self.marks, self.counter, self.dp = step, lr, marks, counter, dp
         values = torch.cat([stats, grad_norm.reshape(1).float()])
         self.ready = None

@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from math import prod
 
+from hsdp_runner.distributed.parallel_dims import VIEWS
+
 # Flattened views of the world mesh, by name: the dims they join, outermost first.
-FLATTENED = {"dp": ("dp_replicate", "dp_shard")}
+FLATTENED = VIEWS  # ParallelDims owns their definition
 WORLD = "world"
 
 

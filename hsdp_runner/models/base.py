@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from omegaconf import MISSING, OmegaConf
 
 if TYPE_CHECKING:  # torch is imported where a model is built: config.py imports this module
+    import torch
     from torch import nn
 
 # The family of model configs saved before ``_target_`` existed (checkpoint manifests): Llama
@@ -65,6 +66,23 @@ class ParallelModule(Protocol):
         """Fill every parameter and buffer; each parameter's full value must be a function of
         (seed, parameter name) alone (``initial_value``), so every layout starts equal."""
 
+    def shard_sequence(self, shard: SequenceShard) -> None:
+        """Run on one context-parallel rank's part of each sequence from now on: token
+        positions come from ``shard.positions`` and every block's causal attention is
+        ``shard.attention`` (the model's own is ``attend``-compatible: see below)."""
+
+
+class SequenceShard(Protocol):
+    """One context-parallel rank's view of each sequence (``context_parallel.SequenceShard``),
+    handed to the model so the model file needs no collective of its own."""
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """Positions in the full sequence of the rank's ``local_len`` tokens, in their order."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the rank's queries (batch, heads, local seq, head_dim) over the
+        whole sequence's keys and values (batch, kv_heads, local seq, head_dim each)."""
+
 
 class ModelSpec(Protocol):
     """What the runner asks a family's config (an instance of its ``ModelConfig`` subclass)."""
@@ -94,6 +112,13 @@ class ModelSpec(Protocol):
     def selective_recompute_flops_per_token(self) -> float:
         """Forward FLOPs per token of the matmuls selective activation checkpointing recomputes
         (``sharding._selective_contexts``: a block's 2nd, 4th, ... matmul in call order)."""
+
+    def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values) in a block: what context parallel
+        all-gathers per token and layer."""
+
+    def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
+        """Raise ConfigError naming the ``parallel.*`` key for degrees the family cannot run."""
 
     # Optional: families that export to / import from Hugging Face also define
     #   hf_model_type: str

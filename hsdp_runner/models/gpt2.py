@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import HFNames, ModelConfig
-from hsdp_runner.models.llama import ReplicatedParams, initial_value
+from hsdp_runner.models.llama import ReplicatedParams, causal_attention, initial_value
 from hsdp_runner.models.params import copy_full_into
 
 
@@ -83,6 +83,20 @@ class GPT2Config(ModelConfig):
     def block_forward_flops_per_token(self) -> float:
         """2 x the blocks' matmul weights + the forward attention term."""
         return 2.0 * 12 * self.n_layers * self.dim ** 2 + 4.0 * self.n_layers * self.dim * self.seq_len
+
+    def kv_dim(self) -> int:
+        """The width: multi-head attention has as many key/value heads as query heads."""
+        return self.dim
+
+    def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
+        """Refuse context parallel with sequence-parallel TP: the position table is split by
+        position over the tp ranks (``PositionParallel``) in natural order, while a cp rank's
+        tokens come in head-tail order, so a tp rank would not hold its tokens' vectors."""
+        if cp > 1 and tp > 1 and sequence_parallel:
+            raise ConfigError(
+                f"parallel.cp={cp} with parallel.tp={tp} and parallel.sequence_parallel=true is "
+                "not supported for GPT-2 (its learned position table is split by position over "
+                "the tp ranks); set parallel.sequence_parallel=false or parallel.tp=1")
 
     def selective_recompute_flops_per_token(self) -> float:
         """k_proj and attention's c_proj of every block (called 2nd and 4th; dim^2 weights
@@ -168,6 +182,8 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
+        # Replaced under context parallel (``GPT2.shard_sequence``).
+        self.attend = causal_attention
         self.q_proj = nn.Linear(dim, dim)
         self.k_proj = nn.Linear(dim, dim)
         self.v_proj = nn.Linear(dim, dim)
@@ -178,7 +194,7 @@ class Attention(nn.Module):
         # -1 heads: under TP each rank holds n_heads / tp of them.
         q, k, v = (proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attend(q, k, v)
         return self.c_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -211,16 +227,16 @@ class LearnedPositions(nn.Module):
     The weight is used as a tensor, not looked up: under sequence parallel it is split over the
     TP ranks by position (``PositionParallel``), so each rank adds its own positions' vectors to
     its sequence shard with no communication. Sequences are model.seq_len long (data.py) when
-    sequence parallel is on.
+    sequence parallel is on. Under context parallel the rank's tokens are at ``positions``.
     """
 
     def __init__(self, seq_len: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(seq_len, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-        return x + weight[: x.shape[1]]
+        return x + (weight[: x.shape[1]] if positions is None else weight[positions])
 
 
 class GPT2(nn.Module):
@@ -237,17 +253,26 @@ class GPT2(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Set by the sharding applier when compiled blocks follow a TP embedding (see sharding).
         self.clone_embedding_output = False
+        self.sequence_shard = None  # set under context parallel (``shard_sequence``)
 
     def blocks(self) -> nn.ModuleDict:
         """The transformer blocks (what AC, compile and FSDP wrap)."""
         return self.h
+
+    def shard_sequence(self, shard) -> None:
+        """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
+        self.sequence_shard = shard
+        for block in self.h.values():
+            block.attn.attend = shard.attention
 
     def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
         """Apply ``tp_plan`` (below) to this model."""
         tp_plan(self, tp_mesh, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.wpe(self.wte(tokens))
+        positions = None if self.sequence_shard is None else \
+            self.sequence_shard.positions(tokens.shape[1], tokens.device)
+        h = self.wpe(self.wte(tokens), positions)
         if self.clone_embedding_output:
             h = h.clone()
         for block in self.h.values():

@@ -84,6 +84,13 @@ class LlamaConfig(ModelConfig):
         kv_dim = (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
         return 2.0 * self.n_layers * self.dim * (kv_dim + self.dim + self.ffn_hidden_dim)
 
+    def kv_dim(self) -> int:
+        """n_kv_heads x head_dim (grouped-query attention: narrower than the width)."""
+        return (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
+
+    def check_parallel(self, cp: int, tp: int, sequence_parallel: bool) -> None:
+        """Every degree the mesh accepts runs (RoPE angles are looked up per position)."""
+
     hf_model_type = "llama"
     hf_ignored = ("rotary_emb.inv_freq",)  # a buffer some HF Llama folders carry
 
@@ -169,6 +176,15 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of (batch, heads, seq, head_dim) queries over keys and values with
+    ``kv_heads`` dividing ``heads`` (grouped-query heads are repeated here)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
@@ -181,7 +197,8 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.n_rep = n_heads // n_kv_heads
+        # Replaced under context parallel (``Llama.shard_sequence``).
+        self.attend = causal_attention
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -194,11 +211,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -242,10 +255,17 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # Set by the sharding applier when compiled blocks follow a TP embedding (see sharding).
         self.clone_embedding_output = False
+        self.sequence_shard = None  # set under context parallel (``shard_sequence``)
 
     def blocks(self) -> nn.ModuleDict:
         """The transformer blocks (what AC, compile and FSDP wrap)."""
         return self.layers
+
+    def shard_sequence(self, shard) -> None:
+        """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
+        self.sequence_shard = shard
+        for block in self.layers.values():
+            block.attention.attend = shard.attention
 
     def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
         """Apply ``tp_plan`` (below) to this model."""
@@ -255,8 +275,12 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         if self.clone_embedding_output:
             h = h.clone()
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.sequence_shard is not None:  # the rank's tokens are not positions 0, 1, ...
+            positions = self.sequence_shard.positions(tokens.shape[1], cos.device)
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         return self.output(self.norm(h))
 
     def init_weights(self, seed: int) -> None:

@@ -25,6 +25,7 @@ from hsdp_runner.config.checks import validate_batch, validate_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.models.base import model_spec
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster
@@ -58,7 +59,7 @@ def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
                                                                       default="<absent>") == "<absent>":
             raise ConfigError(f"plan.axes.{key}: {key} is not a key of the job config; "
                               "axes take dotted keys such as plan.axes.parallel.ac=none,selective")
-        if key.split(".")[-1] in DIM_NAMES:
+        if key.split(".")[-1] in ENUMERATED_DIMS:
             raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
 
 
@@ -85,17 +86,27 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, Dic
     return out
 
 
+# The degrees enumerate_layouts varies, in the order of a layout's ``shape``; the other mesh
+# dims (cp) keep the config's degree (-1: inferred, which leaves 1).
+ENUMERATED_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
 def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
     """Every (dp_replicate, dp_shard, tp) with product ``world``: dims or the reason it is invalid."""
+    cp = cfg.parallel.cp if cfg.parallel.cp > 0 else 1
+    if world % cp:
+        return [{"shape": (world, 1, 1), "dims": None,
+                 "reason": f"parallel.cp={cp} does not divide the world size {world}"}]
     out = []
-    for tp in _divisors(world):
-        for shard in _divisors(world // tp):
-            rep = world // tp // shard
+    for tp in _divisors(world // cp):
+        for shard in _divisors(world // cp // tp):
+            rep = world // cp // tp // shard
             parallel = OmegaConf.merge(cfg.parallel, {"dp_replicate": rep, "dp_shard": shard,
                                                       "tp": tp})
             entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
             try:
                 dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+                model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
                 validate_batch(cfg, dims.dp)
                 entry["dims"] = dims
             except ConfigError as err:
@@ -110,9 +121,10 @@ def _divisors(n: int) -> list[int]:
 
 def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     """The layouts whose degrees equal ``fixed``; ConfigError naming the keys if none does."""
+    fixed = {name: degree for name, degree in fixed.items() if name in ENUMERATED_DIMS}
     if not fixed:
         return layouts
-    kept = [e for e in layouts if all(dict(zip(DIM_NAMES, e["shape"]))[name] == degree
+    kept = [e for e in layouts if all(dict(zip(ENUMERATED_DIMS, e["shape"]))[name] == degree
                                       for name, degree in fixed.items())]
     if not kept:
         asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
@@ -226,7 +238,7 @@ def _state(cfg, dims: ParallelDims, cache: dict | None = None) -> dict:
     master = getattr(torch, cfg.precision.master_dtype).itemsize
     state = plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
                                                   cfg.parallel.sequence_parallel),
-                                    dims.dp_shard, master)
+                                    dims.dp_shard_cp, master)
     if cache is not None:
         cache[key] = state
     return state
@@ -238,7 +250,8 @@ def _plain(value):
 
 
 def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
-    overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
+    overrides = {f"parallel.{name}": degree
+                 for name, degree in zip(ENUMERATED_DIMS, layout["shape"])}
     overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
@@ -248,7 +261,8 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
     group = groups[layout["mem_key"]]
     cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
                                    cfg.model.n_layers)
-    ref = ParallelDims(*group["shape"], dims.world_size, dims.ranks_per_node)
+    ref = ParallelDims(**dict(zip(DIM_NAMES, group["shape"])), world_size=dims.world_size,
+                       ranks_per_node=dims.ranks_per_node)
     memory = plan_memory.layout_memory(cats, _state(cfg, ref, group.setdefault("states", {})),
                                        _state(cfg, dims, group["states"]),
                                        cluster.memory_reserve_gib)

@@ -129,14 +129,16 @@ def _measure_one(req: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hsdp_runner.distributed import parallelize as sharding
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
     from hsdp_runner.models.base import model_spec
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
-    r, s, t = req["shape"]
-    parallel.dp_replicate, parallel.dp_shard, parallel.tp = r, s, t
-    dims = ParallelDims(r, s, t, req["world_size"], req["ranks_per_node"])
+    degrees = dict(zip(DIM_NAMES, req["shape"]))
+    for name, degree in degrees.items():
+        parallel[name] = degree
+    dims = ParallelDims(**degrees, world_size=req["world_size"],
+                        ranks_per_node=req["ranks_per_node"])
     world = dims.build_mesh("cpu")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, precision.master_dtype))
@@ -146,7 +148,7 @@ def _measure_one(req: dict) -> dict:
     finally:
         torch.set_default_dtype(default_dtype)
     sharding.freeze_parameters(model, req["freeze"])
-    sharding.parallelize(model, dims, world, parallel, precision)
+    sharding.parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     b, seq, accum = req["micro_batch"], model_cfg.seq_len, req["accum"]
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -197,7 +199,8 @@ def state_bytes(units: dict, dp_shard: int, master_bytes: int) -> dict:
     """Exact per-rank bytes of sharded parameters, gradients and AdamW's two moments.
 
     ``units``: ``comm_model.unit_sizes`` ((all, trainable) elements of one TP rank's part of
-    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard``.
+    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard`` (the FSDP
+    shard degree: ``ParallelDims.dp_shard_cp``).
     """
     total = sum(u[0] for u in units.values())
     trainable = sum(u[1] for u in units.values())

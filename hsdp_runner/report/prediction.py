@@ -22,7 +22,7 @@ import yaml
 from hsdp_runner.core.records import RunSummary
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
-DEGREES = ("dp_replicate", "dp_shard", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")  # mesh.DIM_NAMES, the order of mesh_shape
 MEMORY_TARGET = 0.15  # the planner's memory target: |predicted / measured - 1| <= 15%
 
 
@@ -101,6 +101,8 @@ def job_prediction(config: dict, summary: RunSummary) -> dict | None:
 def _job_values(config: dict, shape: list | None):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
+    if shape and len(shape) == len(DEGREES) - 1:  # written before the cp dim existed
+        shape = [*shape[:2], 1, shape[2]]
 
     def value(key: str):
         found = _select(config, key)

@@ -37,7 +37,7 @@ from hsdp_runner.distributed.hardware import (
     usable_gpus,
 )
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
-from hsdp_runner.models.base import build_meta_model
+from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import forkserver
 from hsdp_runner.runtime.failures import (
@@ -88,6 +88,7 @@ def validate(cfg: DictConfig, output_dir: Path, submitting: bool = False,
     if fallback and (not under_torchrun() or int(os.environ["RANK"]) == 0):
         print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
+    model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
     validate_batch(cfg, dims.dp)
     if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
             and not torch.cuda.is_bf16_supported(including_emulation=False):

@@ -290,7 +290,8 @@ def make_trainer(cfg, dims: ParallelDims, world: WorldMesh, model: torch.nn.Modu
     batches and the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
     batches = TokenBatches(
         cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
-        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed)
+        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed,
+        cp_rank=world.local_rank_in("cp"), cp_size=dims.cp)
     return Trainer(model, dims, world, device, batches, cfg.optim, cfg.trainer, figures,
                    fault=cfg.fault, comm_step=cfg.metrics.comm_step, sinks=sinks)
 

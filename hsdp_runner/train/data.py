@@ -1,7 +1,9 @@
 """Deterministic token batches: the same global batch at a given step in every layout.
 
 A batch is a function of (seed, step) alone; each data-parallel rank takes its contiguous
-slice of it. That keeps layouts comparable and makes the loader position just the step.
+slice of it, and each context-parallel rank its part of every sequence (inputs and targets
+alike, in the head-tail order of ``context_parallel``). That keeps layouts comparable and makes
+the loader position just the step.
 Two sources: ``synthetic`` (a seeded Zipf + bigram process, any vocab) and ``text`` (a real
 corpus through a byte-level tokenizer; by default the Python documentation topics that ship
 with CPython in ``pydoc_data``). ``Prefetcher`` makes the next step's batch in a background
@@ -17,6 +19,7 @@ import torch
 
 from hsdp_runner.core.choices import DataKind
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.context_parallel import shard_sequence
 
 
 def encode_bytes(text: str) -> torch.Tensor:
@@ -89,10 +92,11 @@ class TokenBatches:
     """Yields this rank's (inputs, targets) for a step; see the module docstring."""
 
     def __init__(self, data_cfg, vocab_size: int, seq_len: int, global_batch: int,
-                 dp_rank: int, dp_size: int, seed: int):
+                 dp_rank: int, dp_size: int, seed: int, cp_rank: int = 0, cp_size: int = 1):
         self.kind = DataKind(data_cfg.kind)
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.corpus = load_corpus(data_cfg.path, seq_len + 1) \
             if self.kind is DataKind.text else None
         if self.kind is DataKind.synthetic:
@@ -122,9 +126,16 @@ class TokenBatches:
         return self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return this dp rank's slice of the step's batch as (inputs, targets)."""
-        batch = self.local_rows(step)
-        return batch[:, :-1], batch[:, 1:]
+        """Return this rank's part of the step's batch as (inputs, targets): its dp rows, and
+        of each row its cp part."""
+        return self.split(self.local_rows(step))
+
+    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of ``local_rows``' (rows, seq_len + 1) tokens, each cut to this cp
+        rank's positions (a target stays beside its input token)."""
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        return (shard_sequence(inputs, self.cp_size, self.cp_rank),
+                shard_sequence(targets, self.cp_size, self.cp_rank))
 
 
 class Prefetcher:
@@ -154,8 +165,7 @@ class Prefetcher:
         else:
             batch = self._make(step)
         self._ahead = (step + 1, self._pool.submit(self._make, step + 1))
-        batch = batch.to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+        return self.batches.split(batch.to(self.device, non_blocking=True))
 
     def close(self) -> None:
         """Stop the background thread (a batch being made is finished and dropped)."""

@@ -113,8 +113,10 @@ class Trainer:
         self.optimizer = build_optimizer(model, optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio))
-        self.dp_group = world["dp"].get_group()
-        # The per-step stats all-reduce counts each dp rank's loss once: on its tp rank 0.
+        # Ranks holding distinct tokens: dp ranks read different rows, cp ranks different
+        # parts of each sequence (equal token counts), so the loss is their mean.
+        self.dp_cp_group = world["dp_cp"].get_group()
+        # The per-step stats all-reduce counts each dp x cp rank's loss once: on its tp rank 0.
         self.counts_loss = world.local_rank_in("tp") == 0
         self.records: list[dict] = []
         self.skipped_steps = 0
@@ -177,9 +179,9 @@ class Trainer:
         for i in range(n_batches):
             inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
             total += self.loss_on(inputs, targets)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
         self.model.train()
-        loss = total.item() / (self.dims.dp * n_batches)
+        loss = total.item() / (self.dims.dp_cp * n_batches)
         if self.rank == 0:
             log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
         return loss
@@ -220,7 +222,7 @@ class Trainer:
                     self._update(stats)
                 marks.append(step_stats.mark(self.device))
                 pending = step_stats.PendingStep(step, lr, stats, grad_norm, marks, counter,
-                                                 self.dims.dp)
+                                                 self.dims.dp_cp)
             if pending is not None:
                 self._finish(pending, after_step, bar)
         finally:
