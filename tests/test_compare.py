@@ -46,19 +46,24 @@ def sweep(tmp_path):
              losses=[5.0])
     fake_job(tmp_path, 3, ["parallel.dp_shard=8", "parallel.tp=1", common],
              ran(12000.0, [1, 8, 1]), losses=[5.0, 4.1, 3.6])
+    fake_job(tmp_path, 4, ["parallel=fsdp_cp", "parallel.cp=4", common],
+             {**ran(6000.0, [1, 2, 4, 1]), "layout": "fsdp_cp"}, losses=[5.0, 4.2])
     return tmp_path
 
 
 def test_table_is_sorted_by_throughput_with_the_best_marked(sweep):
     rows = compare.table(compare.load_jobs(sweep)).splitlines()[2:]
     assert rows[0].startswith(
-        "| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1 | 8 | bf16 | 3.00 (×1.000) |")
+        "| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1×1 | 8 | bf16 | 3.00 (×1.000) |")
     assert "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | ok |" in rows[0]
     assert rows[1].startswith("| #1 dp_shard=4 tp=2 |") and "(best)" not in rows[1]
-    assert rows[2].endswith(
+    # A run's context-parallel degree is a column of its degrees; runs from before the cp
+    # dim (3-dim meshes, no parallel.cp) show cp = 1.
+    assert rows[2].startswith("| #4 parallel=fsdp_cp cp=4 | fsdp_cp | 1×2×4×1 | 8 |")
+    assert rows[3].endswith(
         "| failed (rank 3): torch.OutOfMemoryError: CUDA out of memory \\| more |")
-    assert rows[3].startswith("| #0 dp_shard=8 tp=2 | — | -1×8×2 | — |")
-    assert rows[3].endswith("| skipped: parallel.dp_replicate=-1 cannot be inferred |")
+    assert rows[4].startswith("| #0 dp_shard=8 tp=2 | — | -1×8×1×2 | — |")
+    assert rows[4].endswith("| skipped: parallel.dp_replicate=-1 cannot be inferred |")
 
 
 def test_compare_cli_writes_table_and_plots_into_the_sweep_dir(sweep, capsys):
@@ -98,3 +103,5 @@ def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
     assert runset.filters == "Group = '2025-01-01_12-00-00_degrees_8'"
     kinds = [type(p).__name__ for p in grid.panels]
     assert kinds == ["BarPlot", "BarPlot", "ParallelCoordinatesPlot", "LinePlot"]
+    degrees = [c.metric.name for c in grid.panels[2].columns][:4]
+    assert degrees == ["derived.dp_replicate", "derived.dp_shard", "derived.cp", "derived.tp"]

@@ -125,12 +125,26 @@ def test_bars_show_min_max_of_throughput_and_of_memory_over_ranks(sweep):
 def test_parallel_coordinates_have_degrees_varying_options_and_figures(sweep):
     fig, note = dashboard_charts.parallel_coordinates(runs.load_jobs(sweep))
     dims = {d.label: d for d in fig.data[0].dimensions}
-    assert list(dims) == ["dp_replicate", "dp_shard", "tp", "precision", "tokens/s global",
-                          "MFU %", "peak mem GiB"]
+    assert list(dims) == ["dp_replicate", "dp_shard", "cp", "tp", "precision",
+                          "tokens/s global", "MFU %", "peak mem GiB"]
     assert list(dims["dp_shard"].values) == [8, 4] and list(dims["tp"].values) == [1, 2]
+    assert list(dims["cp"].values) == [1, 1]  # summaries from before the cp dim: cp = 1
     assert list(dims["precision"].ticktext) == ["bf16", "fp32"]
     assert list(dims["precision"].values) == [0, 1]
     assert list(dims["MFU %"].values) == [40.0, 40.0]
+
+
+def test_a_context_parallel_job_shows_its_cp_degree_in_the_table_and_the_chart(tmp_path):
+    fake_job(tmp_path, 0, ["parallel.cp=2", "parallel.dp_shard=4"],
+             {**ran(8000.0, 4, 1), "layout": "fsdp_cp", "mesh_shape": [1, 4, 2, 1], "cp": 2})
+    fake_job(tmp_path, 1, ["parallel.cp=1", "parallel.dp_shard=8"],
+             {**ran(9000.0, 8, 1), "mesh_shape": [1, 8, 1, 1], "cp": 1})
+    fig, _ = dashboard_charts.parallel_coordinates(runs.load_jobs(tmp_path))
+    dims = {d.label: d for d in fig.data[0].dimensions}
+    assert list(dims["cp"].values) == [1, 2] and "parallel.cp" not in dims  # a degree axis
+    assert compare.main([str(tmp_path)]) == 0
+    page = (tmp_path / "compare.html").read_text()
+    assert "rep×shard×cp×tp" in page and "fsdp_cp" in page and "1×4×2×1" in page
 
 
 def test_curves_overlay_loss_and_step_time_of_every_job_named_on_hover(sweep):

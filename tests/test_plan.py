@@ -42,8 +42,8 @@ def monkeypatch_module(tmp_path_factory):
     mp.undo()
 
 
-def _dims(rep: int, shard: int, tp: int, world: int, node: int) -> ParallelDims:
-    return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world,
+def _dims(rep: int, shard: int, tp: int, world: int, node: int, cp: int = 1) -> ParallelDims:
+    return ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world,
                         ranks_per_node=node)
 
 
@@ -51,9 +51,10 @@ def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(plan
     out, data = planned
     assert data["version"] == 1 and data["world_size"] == 4 and data["model"] == "llama3_tiny"
     shapes = {(e["overrides"]["parallel.dp_replicate"], e["overrides"]["parallel.dp_shard"],
-               e["overrides"]["parallel.tp"], e["overrides"]["parallel.ac"])
-              for e in data["layouts"]}
-    assert len(shapes) == len(data["layouts"]) == 6 * 2  # 6 degree triples of 4 x 2 AC modes
+               e["overrides"]["parallel.cp"], e["overrides"]["parallel.tp"],
+               e["overrides"]["parallel.ac"]) for e in data["layouts"]}
+    # 10 degree tuples of 4 (cp 1, 2 and 4 all split llama3_tiny's 32 tokens) x 2 AC modes
+    assert len(shapes) == len(data["layouts"]) == 10 * 2
     valid = [e for e in data["layouts"] if e["valid"]]
     assert [e["rank"] for e in valid] == list(range(1, len(valid) + 1))
     times = [e["step_time_s"] for e in valid if e["fits"]]
@@ -74,25 +75,26 @@ def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(plan
 def test_full_ac_predicts_less_memory_and_more_compute(planned):
     _, data = planned
     by = {(tuple(e["overrides"][k] for k in ("parallel.dp_replicate", "parallel.dp_shard",
-                                               "parallel.tp")), e["overrides"]["parallel.ac"]): e
-          for e in data["layouts"] if e["valid"]}
-    none, full = by[((1, 4, 1), "none")], by[((1, 4, 1), "full")]
+                                               "parallel.cp", "parallel.tp")),
+           e["overrides"]["parallel.ac"]): e for e in data["layouts"] if e["valid"]}
+    none, full = by[((1, 4, 1, 1), "none")], by[((1, 4, 1, 1), "full")]
     assert full["memory"]["activations_gib"] < none["memory"]["activations_gib"]
     assert full["compute_s"] > none["compute_s"]
 
 
 def test_tracked_sharded_params_equal_exact_arithmetic(planned):
-    """The fake-PG tracker's sharded parameters of a layout equal elements x dtype / dp_shard
-    (the measurements the planned fixture made, read back from its cache)."""
+    """The fake-PG tracker's sharded parameters of a layout equal elements x dtype / the ranks
+    FSDP shards over, dp_shard x cp (the measurements the planned fixture made, read back from
+    its cache)."""
     cfg = plan.compose(TINY)
     plain = OmegaConf.to_container(cfg, resolve=True)
     for shape, micro in (((4, 1, 1, 1), 2), ((2, 2, 1, 1), 2), ((1, 2, 1, 2), 4),
-                         ((2, 1, 1, 2), 4)):
+                         ((2, 1, 1, 2), 4), ((2, 1, 2, 1), 4), ((1, 1, 4, 1), 8)):
         req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
                                   shape, micro, 1, 4, 4, 1)
         measured = plan_memory.measure([req])[0]
-        dims = _dims(*shape[:2], shape[3], 4, 4)
-        exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard, 4)
+        dims = _dims(*shape[:2], shape[3], 4, 4, cp=shape[2])
+        exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard_cp, 4)
         assert measured["sharded_param"] == exact["params"], shape
     # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
     req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
@@ -268,7 +270,8 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
     (["plan.axes.parallel.acc=none,full"], "parallel.acc is not a key"),
     (["plan.layers_measured=[2]"], "plan.layers_measured=[2] needs two"),
     (["trainer.global_batch_size=3", "cluster.gpus_per_node=2", "model=llama3_tiny",
-      "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48"], "no layout of 2 ranks"),
+      "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48", "model.seq_len=30"],
+     "no layout of 2 ranks"),  # 30 tokens: no cp splits them into 2 x cp chunks either
 ])
 def test_bad_input_exits_2_with_a_message(args, message, capsys):
     assert plan.main(args) == 2

@@ -223,6 +223,7 @@ class PlanConfig:
     write_sweep: Optional[str] = None
     out_dir: Optional[str] = None
     layers_measured: list = field(default_factory=lambda: [1, 2])
+    cp_degrees: Optional[list] = None  # null: every cp the sequence and the node allow
 
 
 @dataclass

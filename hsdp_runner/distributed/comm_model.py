@@ -130,6 +130,20 @@ def world_dim(dims: ParallelDims) -> str:
                 "world")
 
 
+def context_parallel_comm(model_cfg, dims: ParallelDims, parallel, precision, trainer
+                          ) -> dict[str, dict[str, int]]:
+    """Return the part of ``analytic_comm`` that is context parallel's key/value exchange
+    ({'all_gather/cp', 'reduce_scatter/cp': {'calls', 'bytes'}}; empty when cp = 1). Same
+    arguments as ``analytic_comm``. The planner prices it apart from FSDP's collectives, which
+    share the 'cp' keys when dp_shard = 1."""
+    tally = _Tally()
+    if dims.cp > 1:
+        _context_parallel(tally, model_cfg, dims, trainer.global_batch_size // dims.dp,
+                          _dtype_bytes(precision.param_dtype), trainer.grad_accum_steps,
+                          parallel.ac == AC.full)
+    return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
+
+
 def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool, precision,
                    accum: int) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
@@ -165,12 +179,12 @@ def _context_parallel(tally: _Tally, model_cfg, dims: ParallelDims, rows: int, c
 def _tensor_parallel(tally: _Tally, model_cfg, tokens: int, sequence_parallel: bool,
                      compute: int, accum: int, recompute: bool = False) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
-    act = tokens * dim * compute  # one residual-stream activation of the rank's tokens
+    act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
         again = {"all_gather/tp": 2, "reduce_scatter/tp": 1} if sequence_parallel \
             else {"all_reduce/tp": 1}
         for kind, per_block in again.items():
-            tally.add(kind, per_block * layers * accum, per_block * layers * act * accum)
+            tally.add(kind, per_block * layers * accum, per_block * layers * act)
     tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
     if sequence_parallel:
         per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding

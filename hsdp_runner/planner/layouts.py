@@ -29,6 +29,7 @@ from hsdp_runner.models.base import model_spec
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
 
 
 @dataclass
@@ -59,7 +60,7 @@ def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
                                                                       default="<absent>") == "<absent>":
             raise ConfigError(f"plan.axes.{key}: {key} is not a key of the job config; "
                               "axes take dotted keys such as plan.axes.parallel.ac=none,selective")
-        if key.split(".")[-1] in ENUMERATED_DIMS:
+        if key.split(".")[-1] in DIM_NAMES:
             raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
 
 
@@ -86,45 +87,31 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, Dic
     return out
 
 
-# The degrees enumerate_layouts varies, in the order of a layout's ``shape``; the other mesh
-# dims (cp) keep the config's degree (-1: inferred, which leaves 1).
-ENUMERATED_DIMS = ("dp_replicate", "dp_shard", "tp")
-
-
 def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
-    """Every (dp_replicate, dp_shard, tp) with product ``world``: dims or the reason it is invalid."""
-    cp = cfg.parallel.cp if cfg.parallel.cp > 0 else 1
-    if world % cp:
-        return [{"shape": (world, 1, 1), "dims": None,
-                 "reason": f"parallel.cp={cp} does not divide the world size {world}"}]
+    """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` (cp over
+    ``planner.degrees.cp_degrees``): dims or the reason it is invalid."""
+    cps = cp_degrees(cfg.plan.cp_degrees, cfg.model.seq_len, world, ranks_per_node,
+                     cfg.parallel.allow_cp_across_nodes)
     out = []
-    for tp in _divisors(world // cp):
-        for shard in _divisors(world // cp // tp):
-            rep = world // cp // tp // shard
-            parallel = OmegaConf.merge(cfg.parallel, {"dp_replicate": rep, "dp_shard": shard,
-                                                      "tp": tp})
-            entry = {"shape": (rep, shard, tp), "dims": None, "reason": None}
-            try:
-                dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
-                model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
-                validate_batch(cfg, dims.dp)
-                entry["dims"] = dims
-            except ConfigError as err:
-                entry["reason"] = str(err)
-            out.append(entry)
+    for shape in degree_shapes(world, cps):
+        parallel = OmegaConf.merge(cfg.parallel, dict(zip(DIM_NAMES, shape)))
+        entry = {"shape": shape, "dims": None, "reason": None}
+        try:
+            dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+            model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
+            validate_batch(cfg, dims.dp)
+            entry["dims"] = dims
+        except ConfigError as err:
+            entry["reason"] = str(err)
+        out.append(entry)
     return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     """The layouts whose degrees equal ``fixed``; ConfigError naming the keys if none does."""
-    fixed = {name: degree for name, degree in fixed.items() if name in ENUMERATED_DIMS}
     if not fixed:
         return layouts
-    kept = [e for e in layouts if all(dict(zip(ENUMERATED_DIMS, e["shape"]))[name] == degree
+    kept = [e for e in layouts if all(dict(zip(DIM_NAMES, e["shape"]))[name] == degree
                                       for name, degree in fixed.items())]
     if not kept:
         asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
@@ -209,8 +196,9 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
                 continue
             micro = validate_batch(cfg, dims.dp)
             # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
-            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters).
-            key = (v, dims.tp, dims.dp_shard > 1, micro)
+            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters);
+            # cp changes the tokens each rank holds, so it is measured per degree.
+            key = (v, dims.tp, dims.cp, dims.dp_shard_cp > 1, micro)
             if key not in groups:
                 groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
             entry["mem_key"] = key
@@ -222,7 +210,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
             group.setdefault("index", {})[depth] = len(requests)
             requests.append(plan_memory.request(
                 plain["model"], plain["parallel"], plain["precision"], plain["trainer"]["freeze"],
-                group["shape"], key[3], cfg.trainer.grad_accum_steps, cluster.world_size,
+                group["shape"], key[-1], cfg.trainer.grad_accum_steps, cluster.world_size,
                 cluster.gpus_per_node, depth))
     return requests, groups
 
@@ -250,8 +238,7 @@ def _plain(value):
 
 
 def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
-    overrides = {f"parallel.{name}": degree
-                 for name, degree in zip(ENUMERATED_DIMS, layout["shape"])}
+    overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
     overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:

@@ -13,10 +13,11 @@ Three things are worked out instead of measured, and said so in the plan:
 - **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; the peak grows
   linearly in the number of blocks (each adds its parameters, gradients and saved
   activations), so ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``.
-- **Shard size.** A measurement is reused by every layout with the same tp degree, micro-batch
-  and data-parallel wrapper (whole parameters (DDP) or sharded (FSDP, HSDP)); the parts that scale with the shard (sharded
-  parameters and gradients) are rescaled to each layout's shard by exact arithmetic, FSDP's
-  padding included (``comm_model.unit_sizes``).
+- **Shard size.** A measurement is reused by every layout with the same tp and cp degrees,
+  micro-batch and data-parallel wrapper (whole parameters (DDP) or sharded (FSDP, HSDP)); the
+  parts that scale with the shard (sharded parameters and gradients, over ``dp_shard x cp``)
+  are rescaled to each layout's shard by exact arithmetic, FSDP's padding included
+  (``comm_model.unit_sizes``).
 - **Optimizer.** AdamW's two moments per trainable shard element, in the stored dtype, held
   through the whole step after the first; the optimizer step itself peaks at parameters +
   gradients + moments + one temporary of the shard size (foreach ``sqrt``).
@@ -26,6 +27,11 @@ What differs on a GPU: the fake step runs with the flash-attention backend force
 saves only the output and the log-sum-exp per row, as CUDA's flash kernel does, so no
 seq x seq scores are counted; the cluster's ``memory_reserve_gib`` adds the CUDA caching
 allocator's slack above live tensors.
+
+Context parallel: the measured step feeds each rank ``seq_len / cp`` tokens per sequence, as the
+data loader does, so every activation of the blocks shrinks by cp; the model is parallelized by
+the runner's own applier, so what cp adds on top (the keys and values of the whole sequence
+gathered for attention) is measured as a job would hold it.
 
 The step's loss is the trainer's (``_loss``): the logits die with the loss call, so backward
 holds the saved fp32 log-probabilities, and its first step adds two fp32 vocab-sized
@@ -49,7 +55,7 @@ from pathlib import Path
 
 GIB = 2**30
 CACHE_DIR = Path(os.environ.get("HSDP_RUNNER_CACHE", Path.home() / ".cache" / "hsdp_runner"))
-CACHE_VERSION = 2  # bump when what a measurement holds changes
+CACHE_VERSION = 4  # bump when what a measurement holds changes (4: cp attention, two calls)
 
 
 def request(model: dict, parallel: dict, precision: dict, freeze: list, shape: tuple,
@@ -149,7 +155,8 @@ def _measure_one(req: dict) -> dict:
         torch.set_default_dtype(default_dtype)
     sharding.freeze_parameters(model, req["freeze"])
     sharding.parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
-    b, seq, accum = req["micro_batch"], model_cfg.seq_len, req["accum"]
+    # Under context parallel a rank holds seq_len / cp tokens of each sequence (data.py).
+    b, seq, accum = req["micro_batch"], model_cfg.seq_len // dims.cp, req["accum"]
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
@@ -195,16 +202,16 @@ def extrapolate(measured: dict[int, dict], n_layers: int) -> dict:
     return {k: max(0.0, a.get(k, 0) + (n_layers - l1) * per_layer[k]) for k in per_layer}
 
 
-def state_bytes(units: dict, dp_shard: int, master_bytes: int) -> dict:
+def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:
     """Exact per-rank bytes of sharded parameters, gradients and AdamW's two moments.
 
     ``units``: ``comm_model.unit_sizes`` ((all, trainable) elements of one TP rank's part of
-    each FSDP unit, dim 0 padded to the shard degree), divided here by ``dp_shard`` (the FSDP
-    shard degree: ``ParallelDims.dp_shard_cp``).
+    each FSDP unit, dim 0 padded to the shard degree), divided here by ``shard``, the ranks FSDP
+    shards over (``ParallelDims.dp_shard_cp``).
     """
     total = sum(u[0] for u in units.values())
     trainable = sum(u[1] for u in units.values())
-    params, grads = total // dp_shard * master_bytes, trainable // dp_shard * master_bytes
+    params, grads = total // shard * master_bytes, trainable // shard * master_bytes
     return {"params": params, "grads": grads, "optimizer": 2 * grads}
 
 

@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
-DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp")
+DEGREE_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.cp", "parallel.tp")
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 
@@ -32,8 +32,8 @@ def rank(entries: list[dict]) -> None:
 
 
 def _degrees(entry: dict) -> str:
-    o = entry["overrides"]
-    return f"{o['parallel.dp_replicate']}×{o['parallel.dp_shard']}×{o['parallel.tp']}"
+    o = entry["overrides"]  # plan.json files written before the cp dim have no parallel.cp
+    return "×".join(str(o.get(key, 1)) for key in DEGREE_KEYS)
 
 
 def _axes(entry: dict) -> str:
@@ -51,8 +51,8 @@ def _dominant(entry: dict) -> str:
 
 def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
-    head = ("| rank | degrees (rep×shard×tp) | axes | mem GiB/rank | step s | tok/s/device | MFU "
-            "| compute s | exposed comm s | dominant |")
+    head = ("| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device "
+            "| MFU | compute s | exposed comm s | dominant |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in entries:
         if not e["valid"]:
@@ -88,6 +88,15 @@ def _assumptions(cfg, cluster: dict) -> str:
         "nodes or for small messages, is not modelled (the ring is an upper bound there).",
     ]
     return "\n".join(lines)
+
+
+def _cp_line(cfg, entries: list[dict]) -> str:
+    """Which context-parallel degrees were enumerated, and how they were predicted."""
+    cps = sorted({e["overrides"].get("parallel.cp", 1) for e in entries})
+    how = "the value of plan.cp_degrees" if cfg.plan.cp_degrees is not None else \
+        f"every one that splits model.seq_len={cfg.model.seq_len} into 2 x cp chunks inside a node"
+    return (f"- Context parallel: cp = {', '.join(map(str, cps))} ({how}); each cp rank measured "
+            "on seq_len / cp tokens, its key/value exchange exposed in the step time.")
 
 
 def _links_line(cluster: dict) -> str:
@@ -133,7 +142,8 @@ def write(out_dir: Path, cfg, cluster: dict, entries: list[dict], overrides: lis
     plan_json.write_text(json.dumps(data, indent=1, default=str))
     md = (f"# Plan: {cfg.model.name} on {cluster['world_size']} ranks ({cluster['name']})\n\n"
           f"Command-line overrides: `{' '.join(overrides) or '(none)'}`\n\n"
-          f"{_assumptions(cfg, cluster)}\n\n{table(entries, cluster)}\n")
+          f"{_assumptions(cfg, cluster)}\n{_cp_line(cfg, entries)}\n\n"
+          f"{table(entries, cluster)}\n")
     best = next((e for e in entries if e["valid"] and e.get("comm_links")), None)
     if best is not None:
         md += (f"\n## Links of rank {best['rank']} ({f'{_degrees(best)} {_axes(best)}'.strip()})"

@@ -23,7 +23,11 @@
   on different links (HSDP: the shard group's reduce-scatter on NVLink, the replicate
   all-reduce on the NICs) they run side by side, so the backward's communication takes its
   latencies plus its busiest link's time. TP collectives and the loss all-reduce sit on the
-  critical path: exposed.
+  critical path: exposed, and so does context parallel's key/value exchange
+  (``comm_model.context_parallel_comm``): each block's attention waits for its all-gather, and
+  the key/value projections' backward for the reduce-scatter of their gradients. It is priced
+  apart from FSDP's collectives, which run over the same ``cp`` group when dp_shard = 1; FSDP's
+  group is ``dp_shard_cp``, named as the comm model names it (``ParallelDims.same_group``).
 
 The dominant term is the largest of compute and each mesh dim's exposed communication.
 """
@@ -31,7 +35,7 @@ The dominant term is the largest of compute and each mesh dim's exposed communic
 from __future__ import annotations
 
 from hsdp_runner.core.choices import AC
-from hsdp_runner.distributed.comm_model import analytic_comm, unit_sizes
+from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm, unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.models.base import model_spec
@@ -95,6 +99,16 @@ def link_facts(prices: dict[str, Price], dims: ParallelDims) -> dict[str, dict]:
     return out
 
 
+def _without(comm: dict, part: dict) -> dict:
+    """``comm`` less the calls and bytes of ``part`` (both keyed '<kind>/<dim>')."""
+    out = {}
+    for key, entry in comm.items():
+        left = {k: v - part.get(key, {}).get(k, 0) for k, v in entry.items()}
+        if left["calls"] and left["bytes"]:
+            out[key] = left
+    return out
+
+
 def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``.
 
@@ -105,33 +119,36 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     compute = hw_flops / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
     fwd, bwd = compute / 3, 2 * compute / 3
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
-    prices = comm_prices(comm, dims, cluster)
+    kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    prices = comm_prices(_without(comm, kv), dims, cluster)
     times = {key: p.seconds for key, p in prices.items()}
+    kv_prices = comm_prices(kv, dims, cluster)
+    fsdp = dims.same_group("dp_shard_cp")  # the name comm_model gives FSDP's group
     units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     total = sum(u[0] for u in units.values()) or 1
     root = units.get("root", (0, 0))[0] / total
     reshard = cfg.parallel.reshard_after_forward
     blocks = max(1, cfg.model.n_layers)
-    ag = times.get("all_gather/dp_shard", 0.0)
+    ag = times.get(f"all_gather/{fsdp}", 0.0)
     # all-gathers: forward gathers every unit, backward (with reshard) the blocks again.
     ag_fwd_share = total / (total + (total * (1 - root) if reshard else 0))
     ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
     grad_sync = {k: v for k, v in times.items()
-                 if k in ("reduce_scatter/dp_shard", "all_reduce/dp_replicate")}
+                 if k in (f"reduce_scatter/{fsdp}", "all_reduce/dp_replicate")}
     exposed: dict[str, float] = {}
 
     def expose(dim: str, seconds: float) -> None:
         if seconds > 0:
             exposed[dim] = exposed.get(dim, 0.0) + seconds
 
-    expose("dp_shard", ag_fwd * root)
+    expose(fsdp, ag_fwd * root)
     spill = max(0.0, ag_fwd * (1 - root) - cluster.overlap * fwd)
-    expose("dp_shard", spill)
-    hidden_bwd = {"dp_shard": ag_bwd * (1 - 1 / blocks)}
+    expose(fsdp, spill)
+    hidden_bwd = {fsdp: ag_bwd * (1 - 1 / blocks)}
     # What of each price runs hidden in backward, to find the links they share.
-    running = [(prices["all_gather/dp_shard"], (1 - ag_fwd_share) * (1 - 1 / blocks))] \
+    running = [(prices[f"all_gather/{fsdp}"], (1 - ag_fwd_share) * (1 - 1 / blocks))] \
         if ag else []
-    expose("dp_shard", ag_bwd / blocks)
+    expose(fsdp, ag_bwd / blocks)
     for key, seconds in grad_sync.items():
         dim = key.split("/")[1]
         expose(dim, seconds * root)
@@ -143,16 +160,20 @@ def step_time(cfg, dims: ParallelDims, cluster) -> dict:
     for dim, seconds in hidden_bwd.items():
         expose(dim, spill * seconds / rest if rest else 0.0)
     for key, seconds in times.items():
-        if key not in grad_sync and key != "all_gather/dp_shard":
+        if key not in grad_sync and key != f"all_gather/{fsdp}":
             expose(key.split("/")[1], seconds)
+    for price in kv_prices.values():
+        expose("cp", price.seconds)
     step = compute + sum(exposed.values())
     terms = {"compute": compute, **{f"comm:{d}": s for d, s in exposed.items()}}
     tokens = cfg.trainer.global_batch_size * cfg.model.seq_len
     tps = tokens / step / dims.world_size
     return {"step_time_s": step, "compute_s": compute,
             "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
-            "comm_total_s": sum(times.values()), "tps_per_device": tps,
-            "comm_latency_s": sum(p.latency_s for p in prices.values()),
-            "comm_links": link_facts(prices, dims),
+            "comm_total_s": sum(times.values()) + sum(p.seconds for p in kv_prices.values()),
+            "tps_per_device": tps,
+            "comm_latency_s": sum(p.latency_s for p in (*prices.values(), *kv_prices.values())),
+            "comm_links": {**link_facts(prices, dims),
+                           **{f"{k} (K/V)": v for k, v in link_facts(kv_prices, dims).items()}},
             "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
             "dominant": max(terms, key=terms.get), "comm": comm}

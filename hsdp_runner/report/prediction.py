@@ -109,6 +109,8 @@ def _job_values(config: dict, shape: list | None):
         degree = key.removeprefix("parallel.")
         if found == -1 and shape and degree in DEGREES:
             return shape[DEGREES.index(degree)]
+        if found is None and degree == "cp":  # a job config from before the cp dim
+            return 1
         return found
     return value
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.records import RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES as DEGREES
 from hsdp_runner.train import sinks as tracking
 
 ORDER = {"completed": 0, "interrupted": 1, "failed": 2, "skipped": 3, "unfinished": 4}
@@ -119,12 +120,18 @@ def _status(job: Job) -> str:
 
 
 def degrees(job: Job) -> tuple[str, str, str]:
-    """(layout, 'r x s x t', world size) from the run's mesh, or the asked-for degrees."""
+    """(layout, 'r x s x c x t', world size) from the run's mesh, or the asked-for degrees.
+
+    A run from before the context-parallel dim (a 3-dim mesh, no ``parallel.cp``) had cp = 1.
+    """
     s = job.summary
     if s.mesh_shape is not None:
-        return s.layout, "×".join(map(str, s.mesh_shape)), str(s.world_size)
+        shape = list(s.mesh_shape)
+        if len(shape) == len(DEGREES) - 1:
+            shape.insert(DEGREES.index("cp"), 1)
+        return s.layout, "×".join(map(str, shape)), str(s.world_size)
     asked = s.requested_degrees or job.config.get("parallel") or {}
-    shape = "×".join(str(asked.get(k, "?")) for k in ("dp_replicate", "dp_shard", "tp"))
+    shape = "×".join(str(asked.get(k, 1 if k == "cp" else "?")) for k in DEGREES)
     return "—", shape, "—"
 
 
@@ -139,7 +146,7 @@ Column = tuple[str, Callable[[Job], str], Callable[[Job], float | str | None]]
 COLUMNS: tuple[Column, ...] = (
     ("job", lambda j: _first_line(j.label), lambda j: j.num),
     ("layout", lambda j: degrees(j)[0], lambda j: degrees(j)[0]),
-    ("degrees (rep×shard×tp)", lambda j: degrees(j)[1], lambda j: degrees(j)[1]),
+    ("degrees (rep×shard×cp×tp)", lambda j: degrees(j)[1], lambda j: degrees(j)[1]),
     ("world", lambda j: degrees(j)[2], lambda j: j.summary.world_size),
     ("precision", _precision, _precision),
     ("comm MiB/step/rank (measured ÷ model)", lambda j: _comm(j.summary),

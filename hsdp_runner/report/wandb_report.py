@@ -42,7 +42,7 @@ def build_report(project: str, entity: str | None, group: str, title: str):
     runset = wr.Runset(project=project, name=group, filters=f"Group = '{group}'",
                        **({"entity": entity} if entity else {}))
     degrees = [wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}"))
-               for name in ("dp_replicate", "dp_shard", "tp")]
+               for name in ("dp_replicate", "dp_shard", "cp", "tp")]
     figures = [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(name))
                for name in ("median_tps_global", "median_mfu", "mem_peak_gib")]
     grid = wr.PanelGrid(runsets=[runset], panels=[

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hsdp_runner.report import prediction
 from hsdp_runner.report.runs import Job, degrees
 
-DEGREES = ("dp_replicate", "dp_shard", "tp")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp")
 BEST, OTHER = "#e8710a", "#1f77b4"
 MIB = 2**20
 
@@ -111,7 +111,9 @@ def parallel_coordinates(jobs: list[Job]):
     done = measured(jobs)
     if not done:
         return None, "no job has steady-state figures yet"
-    dims = [_axis(name, [j.summary.get(name, "?") for j in done]) for name in DEGREES]
+    # A run from before the context-parallel dim has no cp in its summary: it ran cp = 1.
+    dims = [_axis(name, [j.summary.get(name, 1 if name == "cp" else "?") for j in done])
+            for name in DEGREES]
     dims += [_axis(key, values) for key, values in _option_values(done).items()]
     metrics = {"tokens/s global": [j.summary.median_tps_global for j in done],
                "MFU %": [None if j.summary.median_mfu is None

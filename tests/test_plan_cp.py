@@ -1,0 +1,134 @@
+"""The planner and context parallel: cp degrees enumerated, cp's key/value exchange priced on
+the critical path, and a long-sequence 8B plan that only cp layouts fit."""
+
+import json
+
+import pytest
+
+from hsdp_runner import plan
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.planner import memory as plan_memory
+from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.planner.degrees import auto_cp_degrees, cp_degrees, degree_shapes
+from hsdp_runner.planner.step_time import comm_times, step_time
+
+TINY = ["model=llama3_tiny", "model.n_layers=1", "trainer.global_batch_size=8",
+        "cluster.gpus_per_node=4"]
+
+
+def _shapes(layouts: list[dict]) -> set[tuple]:
+    return {e["shape"] for e in layouts}
+
+
+def test_automatic_cp_degrees_split_the_sequence_in_2cp_chunks_inside_a_node():
+    assert auto_cp_degrees(32, 4, 4, False) == [1, 2, 4]
+    assert auto_cp_degrees(12, 4, 4, False) == [1, 2]  # 12 tokens: no 8 equal chunks
+    assert auto_cp_degrees(64, 8, 2, False) == [1, 2]  # cp 4 and 8 would cross nodes
+    assert auto_cp_degrees(64, 8, 2, True) == [1, 2, 4, 8]
+    assert cp_degrees([4, 1, 4], 32, 8, 8, False) == [1, 4]
+    with pytest.raises(ConfigError, match="plan.cp_degrees=\\[3\\]"):
+        cp_degrees([3], 32, 4, 4, False)
+
+
+def test_degree_shapes_are_every_factorisation_of_the_world_with_the_cp_degrees_asked():
+    shapes = degree_shapes(8, [1, 2, 4, 8])
+    assert len(shapes) == len(set(shapes)) == 20  # ordered 4-factor products of 2^3
+    assert all(r * s * c * t == 8 for r, s, c, t in shapes)
+    assert degree_shapes(8, [1]) == [(r, s, 1, t) for r, s, _, t in shapes if _ == 1]
+
+
+def test_enumeration_includes_cp_layouts_and_cp_degrees_1_keeps_the_old_list():
+    cfg = plan.compose(TINY)
+    layouts = plan.enumerate_layouts(cfg, 4, 4)
+    assert len(layouts) == 10
+    assert {(1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2)} <= _shapes(layouts)
+    cp_layouts = [e for e in layouts if e["shape"][2] > 1]
+    assert all(e["dims"] and e["dims"].cp == e["shape"][2] for e in cp_layouts)
+    assert {e["dims"].layout for e in cp_layouts} == {"fsdp_cp", "hsdp_cp", "fsdp_cp_tp"}
+    old = plan.enumerate_layouts(plan.compose(TINY + ["plan.cp_degrees=[1]"]), 4, 4)
+    assert _shapes(old) == {s for s in _shapes(layouts) if s[2] == 1} and len(old) == 6
+
+
+def _cluster(**kw) -> Cluster:
+    base = dict(name="t", device="H100", gpus_per_node=8, nodes=1, device_memory_gib=80.0,
+                peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
+                nvlink_gbps=100.0, nvlink_efficiency=1.0, nics_per_node=8, nic_gbit=80.0,
+                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=20.0,
+                overlap=1.0, memory_reserve_gib=0.0)
+    return Cluster(**{**base, **kw})
+
+
+LONG = ["model=llama3_8b", "precision=bf16", "model.seq_len=32768",
+        "trainer.global_batch_size=1"]
+
+
+@pytest.mark.parametrize("ac, gathers", [("none", 1), ("selective", 1), ("full", 2)])
+def test_cp_moves_the_whole_sequences_keys_and_values_per_block(ac, gathers):
+    cfg = plan.compose(LONG + [f"parallel.ac={ac}"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=4, tp=2, world_size=8)
+    kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    # keys + values of 32768 tokens x (8 kv heads / tp 2) x head_dim 128 in bf16, per block
+    per_block = 2 * 32768 * 4 * 128 * 2
+    assert kv == {"all_gather/cp": {"calls": 32 * gathers, "bytes": 32 * gathers * per_block},
+                  "reduce_scatter/cp": {"calls": 32, "bytes": 32 * per_block}}
+    no_cp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=8, world_size=8)
+    assert context_parallel_comm(cfg.model, no_cp, cfg.parallel, cfg.precision,
+                                 cfg.trainer) == {}
+
+
+def test_cp_exchange_is_exposed_while_fsdp_over_the_same_group_hides_behind_compute():
+    """cp = 8 alone: FSDP shards over the cp ranks, so its collectives share the 'cp' keys with
+    the key/value exchange; only the exchange (and FSDP's first and last units) is exposed."""
+    cfg = plan.compose(LONG)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=8, tp=1, world_size=8)
+    comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    assert comm["all_gather/cp"]["bytes"] > kv["all_gather/cp"]["bytes"]  # FSDP's in there too
+    assert "all_gather/dp_shard" not in comm
+    cluster = _cluster()
+    kv_s = sum(comm_times(kv, dims, cluster).values())
+    time = step_time(cfg, dims, cluster)
+    assert set(time["exposed_comm_s"]) == {"cp"}
+    assert time["exposed_comm_s"]["cp"] > kv_s
+    assert time["comm_total_s"] == pytest.approx(sum(comm_times(comm, dims, cluster).values()))
+    # The same FSDP collectives over dp_shard hide the same way: only the exchange differs.
+    fsdp = step_time(cfg, ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, world_size=8),
+                     cluster)
+    assert time["exposed_comm_s"]["cp"] - fsdp["exposed_comm_s"]["dp_shard"] == pytest.approx(
+        kv_s, rel=0.05)
+
+
+def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Llama 3 8B, one 64k-token sequence per step on 8 H100s: with one sequence no rank can
+    take a batch row of its own, so either TP or cp splits the sequence. TP leaves every rank
+    the whole sequence's fp32 loss temporaries and does not fit; cp = 8 does."""
+    monkeypatch.setattr(plan_memory, "CACHE_DIR", tmp_path / "cache")
+    code = plan.main(["model=llama3_8b", "model.seq_len=65536", "precision=bf16",
+                      "trainer.global_batch_size=1", "parallel.ac=full", "plan.cp_degrees=[1,8]",
+                      f"plan.out_dir={tmp_path / 'plan'}"])
+    assert code == 0
+    layouts = json.loads((tmp_path / "plan" / "plan.json").read_text())["layouts"]
+    by_cp = {e["overrides"]["parallel.cp"]: e for e in layouts if e["valid"]}
+    assert set(by_cp) == {1, 8}
+    assert by_cp[8]["rank"] == 1 and by_cp[8]["fits"] and by_cp[8]["layout"] == "fsdp_cp"
+    assert not by_cp[1]["fits"] and by_cp[1]["overrides"]["parallel.tp"] == 8
+    assert by_cp[8]["exposed_comm_s"]["cp"] > 0
+    assert "| 1 | 1×1×8×1 |" in capsys.readouterr().out
+
+
+def test_activation_collectives_move_the_same_bytes_whatever_the_micro_batches():
+    """TP's and cp's collectives move the step's tokens once per pass: grad accumulation splits
+    them into more calls, not more bytes (full AC's recomputed gathers included)."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, world_size=8)
+    per_accum = {}
+    for accum in (1, 2):
+        cfg = plan.compose(LONG + ["parallel.ac=full", "trainer.global_batch_size=4",
+                                   f"trainer.grad_accum_steps={accum}"])
+        per_accum[accum] = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision,
+                                         cfg.trainer)
+    for key in ("all_gather/tp", "reduce_scatter/tp", "all_gather/cp", "reduce_scatter/cp"):
+        one, two = per_accum[1][key], per_accum[2][key]
+        assert two["bytes"] == one["bytes"] and two["calls"] == 2 * one["calls"], key
