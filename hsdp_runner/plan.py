@@ -7,7 +7,8 @@ tp)`` whose product is the cluster's world size (``cluster.nodes x cluster.gpus_
 over ``plan.cp_degrees``) times every axis combination, checked by ``ParallelDims`` and the
 batch split (invalid ones are kept, with the reason), memory per rank from the runner's model
 and sharding under a fake process group (``planner.memory``) and step time
-(``planner.step_time``). Writes a ranked table to stdout, ``plan.md`` and ``plan.json`` (format: docs/planner.md).
+(``planner.step_time``). Writes a ranked table to stdout, ``plan.md`` and ``plan.json``
+(format: docs/planner.md).
 ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that fit;
 ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
 (``planner.calibrate``). Exit 2 on bad input: unknown cluster, key or axis value, no valid
