@@ -21,7 +21,7 @@ def test_gpt2_tiny_composes_and_validates_with_every_parallel_preset(layout):
     cfg = compose([TINY, f"parallel={layout}"])
     validate_config(cfg)
     p = cfg.parallel
-    dims = ParallelDims.from_config(p, cfg.model, p.dp_replicate * p.dp_shard * p.tp)
+    dims = ParallelDims.from_config(p, cfg.model, p.dp_replicate * p.dp_shard * p.cp * p.tp)
     assert dims.world_size >= 1 and type(model_spec(cfg.model)).__name__ == "GPT2Config"
 
 
