@@ -45,6 +45,10 @@ BAD_INPUTS = [
     (["+foo.bar=1"], "unknown config key foo", None),
     (["launcher.signal=KILL"], "launcher.signal='KILL'", None),
     (["launcher.requeue=1"], "launcher.requeue=1 needs checkpoint.enable=true", None),
+    (["parallel=auto", "launcher.nproc_per_node=2", "parallel.tp=3"],       # auto: a constraint
+     "parallel=auto: parallel.tp=3: no layout of 2 ranks has that degree", None),  # none meets
+    (["parallel=auto"], "parallel=auto on CPU needs the number of ranks to plan for and start: "
+                        "set launcher.nproc_per_node", None),
 ]
 
 

@@ -15,7 +15,7 @@ GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir
 
 def test_every_group_has_its_options():
     assert GROUPS["parallel"] == sorted(["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp",
-                                         "cp", "fsdp_cp", "hsdp_cp_tp"])
+                                         "cp", "fsdp_cp", "hsdp_cp_tp", "auto"])
     assert {"llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"} <= set(GROUPS["model"])
     assert GROUPS["precision"] == ["bf16", "bf16_pure", "fp32"]
     assert set(GROUPS["data"]) == {"synthetic", "text"}
@@ -24,8 +24,9 @@ def test_every_group_has_its_options():
 
 @pytest.mark.parametrize("group, option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_each_group_option_composes_and_validates(group, option):
-    # A job has no cluster by default (only the planner's conf/plan.yaml picks one): append it.
-    cfg = compose([f"{'+' if group == 'cluster' else ''}{group}={option}"])
+    # A job's cluster is null unless chosen (parallel=auto plans for it; the planner's
+    # conf/plan.yaml picks h100_sxm): cluster=<preset> chooses one, like any other group.
+    cfg = compose([f"{group}={option}"])
     validate_config(to_run_config(cfg))
     if group == "model":
         assert cfg.model.name == option
@@ -38,6 +39,9 @@ def test_presets_hold_their_degrees():
     for name, degrees in expected.items():
         p = compose([f"parallel={name}"]).parallel
         assert (p.dp_replicate, p.dp_shard, p.cp, p.tp) == degrees, name
+        assert not p.auto
+    auto = compose(["parallel=auto"]).parallel
+    assert (auto.dp_replicate, auto.dp_shard, auto.tp, auto.auto) == (-1, -1, -1, True)
 
 
 def test_default_job_is_small_hsdp_on_debug_model():

@@ -278,6 +278,25 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["plan.axes.parallel.ac=none,sometimes"], ("plan.axes.parallel.ac: parallel.ac='sometimes' "
+     "is not one of none, full, selective; set parallel.ac to one of them")),
+    (["plan.axes.parallel.ddp_impl=replicate,fsdp"], ("plan.axes.parallel.ddp_impl: "
+     "parallel.ddp_impl='fsdp' is not one of replicate, fully_shard")),
+    (["plan.axes.trainer.steps=4,abc"], ("plan.axes.trainer.steps=abc: Error merging override "
+     "trainer.steps=abc: Value 'abc' of type 'str' could not be converted to Integer")),
+    (["plan.axes.trainer.steps=0"], ("plan.axes.trainer.steps=0: trainer.steps=0 must be a "
+     "positive integer")),
+    (["parallel.ac=sometimes"], "parallel.ac='sometimes' is not one of none, full, selective"),
+])
+def test_an_axis_value_is_checked_like_the_same_override_in_one_line(args, message, capsys):
+    """Each ``plan.axes.<key>`` value gets the command line's checks (the choice's allowed
+    values, Hydra's typing, the cross-field rules): exit 2 and one line naming the axis."""
+    assert plan.main(["model=llama3_tiny"] + args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
 def test_model_that_fits_nowhere_is_listed_and_exits_2(monkeypatch_module, tmp_path, capsys):
     code = plan.main(TINY + [f"plan.out_dir={tmp_path}", "cluster.device_memory_gib=0.0001"])
     captured = capsys.readouterr()

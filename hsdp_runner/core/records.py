@@ -115,6 +115,9 @@ class RunSummary:
     comm_ratio: Optional[float] = None
     comm_measured: Optional[dict] = None
     comm_analytic: Optional[dict] = None
+    # A job with a plan (parallel=auto, a planned sweep's job): predicted next to measured
+    # (prediction.job_prediction: step time, tokens/s/device, tensor memory per rank).
+    prediction: Optional[dict] = None
     # An interrupted run: the signal, the last step done, and whether it stopped mid-step.
     signal: Optional[str] = None
     interrupted_at_step: Optional[int] = None

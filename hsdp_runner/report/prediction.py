@@ -56,20 +56,52 @@ def predictions_for(job_dirs: list[Path], plan_file: Path | None = None) -> dict
         config = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
         source = plan_file or _select(config, "plan.source")
         plan = _load_plan(Path(source), cache) if source else None
-        if not plan:
-            continue
-        values = _job_values(job, config)
-        for entry in plan.get("layouts", []):
-            if all(values(k) == v for k, v in entry["overrides"].items()):
-                out[job] = entry
-                break
+        entry = layout_of(plan, _job_values(config, (RunSummary.read(job) or RunSummary())
+                                            .mesh_shape)) if plan else None
+        if entry is not None:
+            out[job] = entry
     return out
 
 
-def _job_values(job: Path, config: dict):
+def layout_of(plan: dict, values) -> dict | None:
+    """The plan.json layout entry whose every override equals ``values(key)``, or None."""
+    for entry in plan.get("layouts", []):
+        if all(values(k) == v for k, v in entry["overrides"].items()):
+            return entry
+    return None
+
+
+def job_prediction(config: dict, summary: RunSummary) -> dict | None:
+    """Predicted next to measured for one job whose config names a plan (``plan.source``):
+    the plan, the layout's predicted rank and, per figure (steady-state step time,
+    tokens/s/device, tensor memory per rank: ``measured_memory_gib``), the predicted and
+    measured values and the error (predicted / measured - 1). An auto job's
+    (``parallel.auto``) also names the runner-up. None without a plan or a matching layout."""
+    source = _select(config, "plan.source")
+    path = Path(source) if source else None
+    plan = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    entry = layout_of(plan, _job_values(config, summary.mesh_shape)) if plan else None
+    if entry is None or not entry.get("valid"):
+        return None
+    measured = {"step_time_s": summary.median_step_time_s,
+                "tps_per_device": summary.median_tps_per_device,
+                "mem_gib": measured_memory_gib(summary)}
+    figures = {name: {"predicted": entry[name], "measured": value,
+                      "error": entry[name] / value - 1 if value else None}
+               for name, value in measured.items()}
+    out = {"source": str(path), "cluster": plan["cluster"]["name"], "rank": entry["rank"],
+           "layout": entry.get("layout"), "dominant": entry["dominant"], "figures": figures}
+    if _select(config, "parallel.auto"):
+        fitting = [e for e in plan["layouts"] if e["valid"] and e["fits"] and e is not entry]
+        out["runner_up"] = {k: fitting[0][k] for k in ("overrides", "layout", "step_time_s",
+                                                       "tps_per_device", "mem_gib")} \
+            if fitting else None
+    return out
+
+
+def _job_values(config: dict, shape: list | None):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
-    shape = (RunSummary.read(job) or RunSummary()).mesh_shape
     if shape and len(shape) == len(DIM_NAMES) - 1:  # written before the cp dim existed
         shape = [*shape[:2], 1, shape[2]]
 

@@ -68,23 +68,35 @@ def under_torchrun() -> bool:
 
 
 def validate(cfg: RunConfig | DictConfig, output_dir: Path, submitting: bool = False,
-             size_degrees: dict | None = None) -> ParallelDims:
+             size_degrees: dict | None = None, overrides: list[str] = ()) -> ParallelDims:
     """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
 
-    Takes the typed config, or a composed one (parity, the tests), converted here.
+    Takes the typed config, or a composed one (the app, parity, the tests), converted here.
 
     ``submitting``: this process only submits the job to SLURM (a login node, often without
     GPUs), so the checks against this machine's GPUs are left to the job's own tasks.
     Layout warnings (e.g. a shard group spanning nodes) go to stderr; in a rank, rank 0's only.
     ``size_degrees`` (a sweep's preset degrees, see ``app.preset_degrees``) replace the job's
     own degrees where the world size comes from degrees (CPU, no ``launcher.nproc_per_node``).
+    With ``parallel.auto`` the degrees are planned here and written into ``cfg``, which must
+    then be the composed DictConfig the workers' config is made from (``planner.auto``;
+    ``overrides``: the job's command line, recorded in its plan.md).
     """
-    if not isinstance(cfg, RunConfig):
-        cfg = to_run_config(cfg)
+    composed = None if isinstance(cfg, RunConfig) else cfg
+    if composed is not None:
+        cfg = to_run_config(composed)
     validate_config(cfg)
     check_torch_apis()
     gpus = 0 if submitting else usable_gpus(cfg.device)
+    if cfg.parallel.auto:
+        _check_auto_launch(cfg, gpus, submitting)
     world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
+    if cfg.parallel.auto:
+        if composed is None:
+            raise TypeError("parallel=auto plans into the composed config: pass the DictConfig")
+        _check_writable(output_dir)
+        _plan_auto(composed, world_size, ranks_per_node, gpus, output_dir, list(overrides))
+        cfg = to_run_config(composed)
     if gpus and under_torchrun():
         check_visible_gpus(ranks_per_node, gpus)
     fallback = None if submitting else cuda_fallback_warning(cfg.device)
@@ -107,6 +119,33 @@ def validate(cfg: RunConfig | DictConfig, output_dir: Path, submitting: bool = F
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)
     return dims
+
+
+def _check_auto_launch(cfg: RunConfig, gpus: int, submitting: bool) -> None:
+    """Refuse ``parallel=auto`` where this process cannot decide for every rank before they
+    start, or where the world size would come from the degrees it has yet to choose."""
+    if submitting or under_torchrun():
+        raise ConfigError(
+            "parallel=auto plans in the process that starts the workers (launcher=local), and "
+            "each torchrun or SLURM rank would plan on its own; plan first (python -m "
+            "hsdp_runner.plan ... plan.write_sweep=<file>) and run its degrees, or use "
+            "launcher=local")
+    degrees = [getattr(cfg.parallel, name) for name in DIM_NAMES]
+    if not gpus and cfg.launcher.nproc_per_node is None and -1 in degrees:
+        raise ConfigError("parallel=auto on CPU needs the number of ranks to plan for and start: "
+                          "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4)")
+
+
+def _plan_auto(cfg: DictConfig, world_size: int, ranks_per_node: int, gpus: int, output_dir: Path,
+               overrides: list[str]) -> None:
+    """Plan the auto job on its cluster, write the chosen degrees into ``cfg`` and say which
+    layout was chosen and which came second (ConfigError when nothing fits)."""
+    from hsdp_runner.planner import auto as plan_auto
+
+    device_name = torch.cuda.get_device_name(0) if gpus else None
+    choice = plan_auto.plan_job(cfg, world_size, ranks_per_node, device_name,
+                                output_dir / plan_auto.PLAN_DIR, overrides)
+    print(f"hsdp_runner: {plan_auto.describe(choice)}", flush=True)
 
 
 def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None
@@ -150,8 +189,9 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
     try:
         if LauncherName(cfg.launcher.name).submitit:
             join_submitit_job(cfg.launcher.name)
-        run = to_run_config(cfg)
-        dims = validate(run, output_dir, size_degrees=run_info.size_degrees)
+        dims = validate(cfg, output_dir, size_degrees=run_info.size_degrees,
+                        overrides=run_info.overrides)
+        run = to_run_config(cfg)  # after validate: parallel=auto wrote its degrees into cfg
     except ConfigError as err:
         if run_info.multirun:  # a sweep skips a combination that cannot run, goes on
             _record_skipped(cfg, run_info, str(err))

@@ -32,6 +32,7 @@ from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, World
 from hsdp_runner.distributed.parallelize import build_model
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
 from hsdp_runner.models.base import model_spec
+from hsdp_runner.report import prediction
 from hsdp_runner.runtime import sidecar as rank0_sidecar
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
@@ -248,6 +249,7 @@ def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.
         "flops_per_token": figures.flops_per_token,
         **metrics.steady_state(records, cfg.metrics.warmup_steps), **ckpt.facts, **memory,
         **trainer.comm_facts, **interrupted})
+    summary.prediction = prediction.job_prediction(config, summary)
     for sink in sinks:
         sink.log_summary(summary)
         sink.finish()

@@ -178,9 +178,10 @@ class WandbRun:
 
 def wandb_summary(summary: RunSummary) -> dict:
     """Scalars for the W&B run summary: status, final loss, skipped steps, the steady-state
-    figures, the memory estimate and peak of the fullest rank, comm totals and ratio, and the
+    figures, the memory estimate and peak of the fullest rank, comm totals and ratio, the
     measured and analytic bytes per collective kind and mesh dim (``comm_<source>/<kind>/<dim>/
-    bytes``, ...)."""
+    bytes``, ...) and, for a planned job, predicted vs measured
+    (``prediction/<figure>/<predicted|measured|error>``, ``prediction/rank``)."""
     out = {"status": summary.status and summary.status.value, "final_loss": summary.final_loss,
            "skipped_steps": summary.skipped_steps}
     out |= {f"mem_estimate_gib/{k}": v for k, v in (summary.mem_estimate_gib or {}).items()}
@@ -190,6 +191,11 @@ def wandb_summary(summary: RunSummary) -> dict:
         for name, entry in (summary.get(f"comm_{source}") or {}).items():
             for key, value in entry.items():
                 out[f"comm_{source}/{name}/{key}"] = value
+    prediction = summary.prediction or {}
+    for name, figure in (prediction.get("figures") or {}).items():
+        out |= {f"prediction/{name}/{side}": value for side, value in figure.items()}
+    if prediction:
+        out["prediction/rank"] = prediction["rank"]
     scalars = ("steady_steps", "warmup_steps_excluded", "mem_peak_gib", "comm_bytes_measured",
                "comm_bytes_analytic", "comm_ratio", "comm_step")
     for key, value in summary.to_dict().items():

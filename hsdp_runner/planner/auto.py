@@ -1,0 +1,206 @@
+"""``parallel=auto``: a job plans its own layout before any worker starts.
+
+The launching process (``launch.validate``) calls ``plan_job`` with the job's composed config
+and its world (ranks, ranks per node). The planner's rows come from ``planner.layouts`` for the
+job's own model, precision, batch and ``parallel.*`` options on the cluster it runs on:
+- ``cluster=<preset>`` given on the command line, else
+- the preset (``conf/cluster/*.yaml``) whose ``device`` is the name torch reports for the GPU,
+  else, on CPU, ``this_machine`` (measured once per host and rank count, then cached);
+with ``cluster.nodes`` and ``cluster.gpus_per_node`` always the job's own (the launcher's).
+
+Degrees left at -1 (the preset's) are the planner's to choose; a degree given explicitly
+(``parallel=auto parallel.tp=2``) is a constraint: only layouts with that degree are planned.
+The fastest layout that fits wins (the planner's rank 1); its degrees, ``plan.source`` (the
+plan.json written into the job's ``plan/`` folder) and the cluster are written into the config
+the workers receive, so nothing downstream plans again, and ``compare`` / summary.json find the
+prediction the way they find a planned sweep's. A model that fits on no layout raises
+ConfigError listing what would fit: activation checkpointing, a smaller global batch, more
+nodes (each planned, in one batch of measurements).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from hsdp_runner.config.compose import CONF_DIR
+from hsdp_runner.config.schema import ClusterConfig
+from hsdp_runner.core.choices import AC
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.cluster import Cluster, resolve
+from hsdp_runner.planner.layouts import (
+    Scenario,
+    check_plan_options,
+    enumerate_layouts,
+    plan_layouts,
+    plan_scenarios,
+    with_degrees,
+)
+
+CPU_PRESET = "this_machine"
+PLAN_DIR = "plan"  # the job's plan.md and plan.json, inside its output dir
+
+
+@dataclasses.dataclass
+class AutoChoice:
+    """What ``plan_job`` decided: the chosen row, the runner-up (None when only one layout
+    fits), the cluster planned for (``Cluster.describe``), plan.json's path, and how long
+    planning took."""
+
+    chosen: dict
+    runner_up: dict | None
+    cluster: dict
+    plan_json: Path
+    seconds: float
+
+
+def fixed_degrees(parallel) -> dict[str, int]:
+    """The degrees an auto job set itself (dim name -> degree); -1 means 'the planner picks'."""
+    return {name: parallel[name] for name in DIM_NAMES if parallel[name] != -1}
+
+
+def preset_for_device(device_name: str) -> str | None:
+    """The ``conf/cluster`` preset whose ``device`` is ``device_name`` (as
+    ``torch.cuda.get_device_name`` reports it; case and spacing ignored), or None."""
+    wanted = " ".join(device_name.split()).lower()
+    for path in sorted((CONF_DIR / "cluster").glob("*.yaml")):
+        device = (yaml.safe_load(path.read_text()) or {}).get("device") or ""
+        if " ".join(str(device).split()).lower() == wanted:
+            return path.stem
+    return None
+
+
+def cluster_node(cfg: DictConfig, world_size: int, ranks_per_node: int,
+                 device_name: str | None) -> DictConfig:
+    """The ``cluster`` node to plan for (see the module docstring), typed by ``ClusterConfig``,
+    with the job's node count and ranks per node. ConfigError for a GPU without a preset."""
+    if cfg.cluster is not None:
+        node = cfg.cluster.copy()
+    else:
+        name = CPU_PRESET
+        if device_name is not None:
+            name = preset_for_device(device_name)
+            if name is None:
+                presets = ", ".join(p.stem for p in sorted((CONF_DIR / "cluster").glob("*.yaml")))
+                raise ConfigError(
+                    f"parallel=auto: no cluster preset has device {device_name!r} (torch's name "
+                    f"for this GPU); pass the nearest with cluster=<preset> ({presets}), or add "
+                    "conf/cluster/<name>.yaml with that device and its link figures")
+        node = OmegaConf.merge(OmegaConf.structured(ClusterConfig),
+                               OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml"))
+    node.nodes, node.gpus_per_node = world_size // ranks_per_node, ranks_per_node
+    return node
+
+
+def choose(rows: list[dict]) -> tuple[dict | None, dict | None]:
+    """(best, runner-up) among the rows that are valid and fit, in the planner's order
+    (predicted step time); None where there is none."""
+    fitting = [r for r in rows if r["valid"] and r["fits"]]
+    return (fitting[0] if fitting else None), (fitting[1] if len(fitting) > 1 else None)
+
+
+def plan_job(cfg: DictConfig, world_size: int, ranks_per_node: int, device_name: str | None,
+             out_dir: Path, overrides: list[str]) -> AutoChoice:
+    """Plan the auto job ``cfg`` on its cluster, write plan.md / plan.json into ``out_dir``
+    (an earlier attempt's are replaced), write the choice into ``cfg`` (degrees,
+    ``plan.source``, ``cluster``) and return it. ConfigError when nothing fits (with what
+    would) or the explicit degrees allow no valid layout."""
+    start = time.perf_counter()
+    check_plan_options(cfg)
+    fixed = fixed_degrees(cfg.parallel)
+    try:  # a degree no layout has fails here, before anything is measured
+        with_degrees(enumerate_layouts(cfg, world_size, ranks_per_node), fixed, world_size)
+    except ConfigError as err:
+        raise ConfigError(f"parallel=auto: {err}") from None
+    node = cluster_node(cfg, world_size, ranks_per_node, device_name)
+    cluster = resolve(node, cfg.precision.param_dtype)
+    try:
+        rows = plan_layouts(cfg, cluster, fixed=fixed)
+    except ConfigError as err:
+        raise ConfigError(f"parallel=auto: {err}") from None
+    cfg.cluster = node
+    plan_json = _write_plan(out_dir, cfg, cluster, rows, overrides)
+    best, runner_up = choose(rows)
+    if best is None:
+        raise ConfigError(fits_nowhere(cfg, cluster, fixed, plan_json))
+    for key, value in best["overrides"].items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    cfg.plan.source = str(plan_json)
+    return AutoChoice(best, runner_up, cluster.describe(), plan_json,
+                      time.perf_counter() - start)
+
+
+def _write_plan(out_dir: Path, cfg: DictConfig, cluster: Cluster, rows: list[dict],
+                overrides: list[str]) -> Path:
+    """plan.md and plan.json of the job in ``out_dir``; return plan.json's absolute path."""
+    for name in (plan_report.PLAN_JSON, plan_report.PLAN_MD):
+        (out_dir / name).unlink(missing_ok=True)  # a rerun of this job plans afresh
+    planned = cfg.copy()
+    planned.plan.write_sweep = None  # a job's plan is a record, not a sweep
+    plan_report.write(out_dir, planned, cluster.describe(), rows, overrides, {})
+    return (out_dir / plan_report.PLAN_JSON).resolve()
+
+
+def describe(choice: AutoChoice) -> str:
+    """Two lines for the console: the chosen layout and the runner-up, with their predicted
+    step time and memory, the cluster and where the plan is."""
+    c = choice.cluster
+
+    def row(entry: dict) -> str:
+        return (f"{_degrees(entry)} ({entry['layout']}): step {entry['step_time_s']:.4g} s, "
+                f"{entry['tps_per_device']:,.0f} tokens/s/device, {entry['mem_gib']:.3g} GiB "
+                f"per rank (dominant: {entry['dominant']})")
+    second = f"runner-up {row(choice.runner_up)}" if choice.runner_up else \
+        "no runner-up: no other planned layout fits"
+    return (f"parallel=auto chose {row(choice.chosen)} on cluster {c['name']} ({c['nodes']} x "
+            f"{c['gpus_per_node']} ranks, {c['device_memory_gib']:.3g} GiB each; planned in "
+            f"{choice.seconds:.1f} s)\n  {second}; plan: {choice.plan_json.parent}")
+
+
+def _degrees(entry: dict) -> str:
+    return " ".join(f"{k.removeprefix('parallel.')}={v}" for k, v in entry["overrides"].items()
+                    if k.removeprefix("parallel.") in DIM_NAMES)
+
+
+def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
+    """What could make the job fit, each planned: (the change as an override, its best
+    fitting row or None). Tried, one step each (each costs fake measurements): stronger
+    activation checkpointing, half the global batch, twice the nodes. More micro-batches are
+    not tried: the fake memory step cannot measure several micro-batches of a sharded model
+    yet (FSDPMemTracker refuses a second forward in one tracking window)."""
+    tried: list[tuple[str, Scenario]] = []
+    order = [AC.none, AC.selective, AC.full]
+    for ac in order[order.index(AC(cfg.parallel.ac)) + 1:]:
+        variant = cfg.copy()
+        variant.parallel.ac = ac
+        tried.append((f"parallel.ac={ac.value}", Scenario(variant, cluster, {}, fixed)))
+    if cfg.trainer.global_batch_size % 2 == 0:
+        variant = cfg.copy()
+        variant.trainer.global_batch_size = cfg.trainer.global_batch_size // 2
+        tried.append((f"trainer.global_batch_size={variant.trainer.global_batch_size}",
+                      Scenario(variant, cluster, {}, fixed)))
+    more = dataclasses.replace(cluster, nodes=cluster.nodes * 2)
+    tried.append((f"launcher.nnodes={more.nodes} ({more.world_size} ranks)",
+                  Scenario(cfg, more, {}, fixed)))
+    results = plan_scenarios([s for _, s in tried], on_error=lambda scenario, err: None)
+    return [(label, choose(rows or [])[0]) for (label, _), rows in zip(tried, results)]
+
+
+def fits_nowhere(cfg: DictConfig, cluster: Cluster, fixed: dict, plan_json: Path) -> str:
+    """The error for a job that fits on no layout: the smallest need, and what would fit."""
+    found = remedies(cfg, cluster, fixed)
+    fits = [f"{label} ({_degrees(row)}: {row['mem_gib']:.3g} GiB per rank, step "
+            f"{row['step_time_s']:.3g} s)" for label, row in found if row is not None]
+    tried = ", ".join(label for label, _ in found)
+    advice = ("would fit: " + "; ".join(fits)) if fits else \
+        (f"none of {tried} fits either; use devices with more memory (cluster=<preset>) or a "
+         "smaller model")
+    return (f"parallel=auto: model {cfg.model.name} fits on no layout of {cluster.world_size} "
+            f"ranks x {cluster.device_memory_gib:.3g} GiB (cluster {cluster.name}; every layout "
+            f"is in {plan_json.parent / plan_report.PLAN_MD}); {advice}")

@@ -1,0 +1,265 @@
+"""Plan the layouts of one config on one cluster: enumerate, measure memory, predict, rank.
+
+The planner's core, shared by ``python -m hsdp_runner.plan`` (every layout, written as a table)
+and ``parallel=auto`` (the job picks the best one before its workers start). A ``Scenario`` is
+a config, a resolved ``Cluster``, the axes to vary (``plan.axes.<key>`` values, typed) and the
+degrees held fixed; ``plan_scenarios`` enumerates every layout of each (``enumerate_layouts``:
+every degree tuple whose product is the cluster's world size, checked by ``ParallelDims`` and
+the batch split), measures memory for all of them in one batch (``planner.memory.measure``: the
+fake measurements of every scenario share the same child processes and on-disk cache),
+predicts step time (``planner.step_time``) and returns one ranked list of rows per
+scenario (``planner.report.rank``; row format: plan.json's ``layouts``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hsdp_runner.config.checks import validate_batch, validate_config
+from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.comm_model import unit_sizes
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.models.base import model_spec
+from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.planner import memory as plan_memory
+from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
+
+
+@dataclass
+class Scenario:
+    """What to plan: ``cfg`` on ``cluster``, times every combination of ``axes`` (dotted key ->
+    values), keeping only the layouts whose degrees equal ``fixed`` (dim name -> degree)."""
+
+    cfg: DictConfig
+    cluster: Cluster
+    axes: dict = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)
+
+
+def check_plan_options(cfg: DictConfig) -> None:
+    """Raise ConfigError for ``plan.*`` options the planner cannot work with."""
+    layers = list(cfg.plan.layers_measured)
+    if len(set(layers)) < 2 or min(layers) < 1:
+        raise ConfigError(f"plan.layers_measured={layers} needs two different block counts >= 1 "
+                          "to extrapolate per block, e.g. plan.layers_measured=[1,2]")
+    if cfg.plan.top_k < 1:
+        raise ConfigError(f"plan.top_k={cfg.plan.top_k} must be >= 1")
+
+
+def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
+    """Raise ConfigError for an axis key that is not a key of the job config, or a degree."""
+    for key in axes:
+        if key.split(".")[0] in ("cluster", "plan") or OmegaConf.select(cfg, key,
+                                                                      default="<absent>") == "<absent>":
+            raise ConfigError(f"plan.axes.{key}: {key} is not a key of the job config; "
+                              "axes take dotted keys such as plan.axes.parallel.ac=none,selective")
+        if key.split(".")[-1] in DIM_NAMES:
+            raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
+
+
+def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, DictConfig]]:
+    """One (axis values, config) per combination of the axes; each config validated.
+
+    A value that is a string is typed as YAML types it (``true`` -> bool, ``2`` -> int);
+    ``plan.check_axes`` hands over values already typed by composing them as overrides.
+    """
+    check_axis_keys(cfg, axes)
+    out = []
+    for values in itertools.product(*axes.values()) if axes else [()]:
+        variant = cfg.copy()
+        chosen = dict(zip(axes, values))
+        for key, value in chosen.items():
+            if isinstance(value, str):
+                value = OmegaConf.create({"v": value}).v  # YAML typing: true -> bool, 2 -> int
+            try:
+                OmegaConf.update(variant, key, value, merge=False)
+            except OmegaConfBaseException as err:
+                raise ConfigError(f"plan.axes.{key}={value}: {str(err).splitlines()[0]}") from None
+        validate_config(to_run_config(variant))
+        out.append((chosen, variant))
+    return out
+
+
+def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
+    """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` (cp over
+    ``planner.degrees.cp_degrees``): dims or the reason it is invalid."""
+    cps = cp_degrees(cfg.plan.cp_degrees, cfg.model.seq_len, world, ranks_per_node,
+                     cfg.parallel.allow_cp_across_nodes)
+    out = []
+    for shape in degree_shapes(world, cps):
+        parallel = OmegaConf.merge(cfg.parallel, dict(zip(DIM_NAMES, shape)))
+        entry = {"shape": shape, "dims": None, "reason": None}
+        try:
+            dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
+            model_spec(cfg.model).check_parallel(dims.cp, dims.tp, parallel.sequence_parallel)
+            validate_batch(cfg.trainer, dims.dp)
+            entry["dims"] = dims
+        except ConfigError as err:
+            entry["reason"] = str(err)
+        out.append(entry)
+    return out
+
+
+def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
+    """The layouts whose degrees equal ``fixed``; ConfigError naming the keys if none does."""
+    if not fixed:
+        return layouts
+    kept = [e for e in layouts if all(dict(zip(DIM_NAMES, e["shape"]))[name] == degree
+                                      for name, degree in fixed.items())]
+    if not kept:
+        asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
+        raise ConfigError(f"{asked}: no layout of {world} ranks has that degree (each degree "
+                          f"must divide the world size {world}); change it or drop it")
+    return kept
+
+
+def _prepare(scenario: Scenario) -> list:
+    """Validated (axis values, config, layouts) per axis combination of ``scenario``."""
+    cluster = scenario.cluster
+    variants = [(chosen, variant, with_degrees(
+                    enumerate_layouts(variant, cluster.world_size, cluster.gpus_per_node),
+                    scenario.fixed, cluster.world_size))
+                for chosen, variant in axis_configs(scenario.cfg, scenario.axes)]
+    if not any(e["dims"] for _, _, layouts in variants for e in layouts):
+        reasons = sorted({e["reason"] for _, _, layouts in variants for e in layouts})
+        raise ConfigError(f"no layout of {cluster.world_size} ranks (cluster.nodes="
+                          f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
+                          f"valid for this config: {'; '.join(reasons[:3])}; change the world "
+                          "size or the batch/model")
+    return variants
+
+
+def plan_scenarios(scenarios: list[Scenario],
+                   on_error: Callable[[Scenario, ConfigError], None] | None = None
+                   ) -> list[list[dict] | None]:
+    """Plan every scenario; return, per scenario, its rows ranked (``plan_report.rank``).
+
+    The fake memory measurements of all scenarios run in one batch. A scenario with no valid
+    layout raises ConfigError, or with ``on_error`` is reported to it and gets None.
+    """
+    prepared, requests, groups_of = [], [], []
+    for scenario in scenarios:
+        try:
+            variants = _prepare(scenario)
+        except ConfigError as err:
+            if on_error is None:
+                raise
+            on_error(scenario, err)
+            variants = None
+        prepared.append(variants)
+        if variants is None:
+            groups_of.append(None)
+            continue
+        reqs, groups = _memory_requests(variants, scenario.cluster,
+                                        list(scenario.cfg.plan.layers_measured))
+        for group in groups.values():  # indices into the batch of every scenario's requests
+            group["index"] = {d: i + len(requests) for d, i in group["index"].items()}
+        requests += reqs
+        groups_of.append(groups)
+    measured = plan_memory.measure(requests) if requests else []
+    from hsdp_runner.planner.step_time import step_time
+
+    out = []
+    for scenario, variants, groups in zip(scenarios, prepared, groups_of):
+        if variants is None:
+            out.append(None)
+            continue
+        entries = [_entry(chosen, variant, layout, groups, measured, scenario.cluster, step_time)
+                   for chosen, variant, layouts in variants for layout in layouts]
+        plan_report.rank(entries)
+        out.append(entries)
+    return out
+
+
+def plan_layouts(cfg: DictConfig, cluster: Cluster, axes: dict | None = None,
+                 fixed: dict | None = None) -> list[dict]:
+    """Rows of every layout of ``cfg`` on ``cluster`` (times ``axes``, degrees ``fixed`` held),
+    ranked; ConfigError when none is valid."""
+    return plan_scenarios([Scenario(cfg, cluster, axes or {}, fixed or {})])[0]
+
+
+def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
+    """Group valid layouts by what their measurement depends on; return (requests, groups)."""
+    groups: dict[tuple, dict] = {}
+    for v, (_chosen, cfg, layouts) in enumerate(variants):
+        depths = sorted({min(n, cfg.model.n_layers) for n in layers})
+        for entry in layouts:
+            dims = entry["dims"]
+            if dims is None:
+                continue
+            micro = validate_batch(cfg.trainer, dims.dp)
+            # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
+            # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters);
+            # cp changes the tokens each rank holds, so it is measured per degree.
+            key = (v, dims.tp, dims.cp, dims.dp_shard_cp > 1, micro)
+            if key not in groups:
+                groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
+            entry["mem_key"] = key
+    requests = []
+    for key, group in groups.items():
+        cfg = group["cfg"]
+        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        for depth in group["depths"]:
+            group.setdefault("index", {})[depth] = len(requests)
+            requests.append(plan_memory.request(
+                plain["model"], plain["parallel"], plain["precision"], plain["trainer"]["freeze"],
+                group["shape"], key[-1], cfg.trainer.grad_accum_steps, cluster.world_size,
+                cluster.gpus_per_node, depth))
+    return requests, groups
+
+
+def _state(cfg, dims: ParallelDims, cache: dict | None = None) -> dict:
+    """Exact per-rank state bytes of ``dims`` (``plan_memory.state_bytes``); ``cache`` keeps
+    them per (config, shape): counting a big model's units builds it on the meta device."""
+    key = (id(cfg), dims.shape)
+    if cache is not None and key in cache:
+        return cache[key]
+    master = torch_dtype(cfg.precision.master_dtype).itemsize
+    state = plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
+                                                  cfg.parallel.sequence_parallel),
+                                    dims.dp_shard_cp, master)
+    if cache is not None:
+        cache[key] = state
+    return state
+
+
+def _plain(value):
+    """A config value as YAML and JSON write it: a choice (an Enum) as its string."""
+    return value.value if isinstance(value, Enum) else value
+
+
+def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
+    overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
+    overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
+    dims = layout["dims"]
+    if dims is None:
+        return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,
+                "mem_gib": None, "step_time_s": None, "tps_per_device": None, "mfu": None,
+                "dominant": None, "rank": None}
+    group = groups[layout["mem_key"]]
+    cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
+                                   cfg.model.n_layers)
+    ref = ParallelDims(**dict(zip(DIM_NAMES, group["shape"])), world_size=dims.world_size,
+                       ranks_per_node=dims.ranks_per_node)
+    memory = plan_memory.layout_memory(cats, _state(cfg, ref, group.setdefault("states", {})),
+                                       _state(cfg, dims, group["states"]),
+                                       cluster.memory_reserve_gib)
+    time = step_time(cfg, dims, cluster)
+    return {"overrides": overrides, "valid": True, "reason": None,
+            "fits": memory["peak_gib"] <= cluster.device_memory_gib,
+            "mem_gib": memory["peak_gib"], "step_time_s": time["step_time_s"],
+            "tps_per_device": time["tps_per_device"], "mfu": time["mfu"],
+            "dominant": time["dominant"], "rank": None, "layout": dims.layout,
+            "memory": memory, "compute_s": time["compute_s"],
+            "exposed_comm_s": time["exposed_comm_s"], "comm_total_s": time["comm_total_s"],
+            "comm_latency_s": time["comm_latency_s"], "comm_links": time["comm_links"],
+            "dims_across_nodes": dims.dims_across_nodes()}
