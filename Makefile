@@ -66,6 +66,7 @@ test-fast: venv
 # ruff (settings in pyproject.toml). `make format` rewrites files; `make lint` only checks.
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 format: venv
 	$(VENV)/bin/ruff format .

@@ -61,7 +61,7 @@ def main() -> None:
         start = time.perf_counter()  # batch creation included, as in the runner's step time
         gen = torch.Generator().manual_seed(step)
         data = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
-        data = data[dp_rank * local:(dp_rank + 1) * local]
+        data = data[dp_rank * local : (dp_rank + 1) * local]
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
         loss.backward()

@@ -45,33 +45,61 @@ def _timed(cmd: list[str], env: dict) -> float:
 def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: bool) -> dict:
     """Run the runner and the minimal loop for one layout; return their step medians and walls."""
     world = dp_shard * tp
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline",
-           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
+    }
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     out = tmp / f"{name}_minimal.json"
-    minimal = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world}", "benchmarks/minimal_fsdp.py", f"--dp-shard={dp_shard}",
-               f"--tp={tp}", f"--model={args.model}", f"--steps={args.steps}",
-               f"--batch={args.batch}", f"--out={out}"]
+    minimal = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "benchmarks/minimal_fsdp.py",
+        f"--dp-shard={dp_shard}",
+        f"--tp={tp}",
+        f"--model={args.model}",
+        f"--steps={args.steps}",
+        f"--batch={args.batch}",
+        f"--out={out}",
+    ]
     job = tmp / f"{name}_runner_{time.monotonic_ns()}"
-    runner = [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job}", "parallel=fsdp_tp",
-              "parallel.dp_replicate=1", f"parallel.dp_shard={dp_shard}", f"parallel.tp={tp}",
-              f"model={args.model}", f"trainer.steps={args.steps}",
-              f"trainer.global_batch_size={args.batch}", "logger=none"]
+    runner = [
+        sys.executable,
+        "-m",
+        "hsdp_runner",
+        f"hydra.run.dir={job}",
+        "parallel=fsdp_tp",
+        "parallel.dp_replicate=1",
+        f"parallel.dp_shard={dp_shard}",
+        f"parallel.tp={tp}",
+        f"model={args.model}",
+        f"trainer.steps={args.steps}",
+        f"trainer.global_batch_size={args.batch}",
+        "logger=none",
+    ]
     if runner_first:
         wall_run, wall_min = _timed(runner, env), _timed(minimal, env)
     else:
         wall_min, wall_run = _timed(minimal, env), _timed(runner, env)
     min_times = json.loads(out.read_text())["step_time_s"]
-    run_times = [json.loads(line)["step_time_s"]
-                 for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return {"runner_step": statistics.median(run_times[args.warmup:]),
-            "minimal_step": statistics.median(min_times[args.warmup:]),
-            "runner_wall": wall_run, "minimal_wall": wall_min,
-            # what the wall time spends outside the timed steps: start-up, teardown, reporting
-            "runner_outside": wall_run - sum(run_times),
-            "minimal_outside": wall_min - sum(min_times)}
+    run_times = [
+        json.loads(line)["step_time_s"] for line in (job / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {
+        "runner_step": statistics.median(run_times[args.warmup :]),
+        "minimal_step": statistics.median(min_times[args.warmup :]),
+        "runner_wall": wall_run,
+        "minimal_wall": wall_min,
+        # what the wall time spends outside the timed steps: start-up, teardown, reporting
+        "runner_outside": wall_run - sum(run_times),
+        "minimal_outside": wall_min - sum(min_times),
+    }
 
 
 def main() -> None:
@@ -81,29 +109,40 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="pairs per layout, alternating which goes first; each figure is "
-                             "the median over the repeats")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="pairs per layout, alternating which goes first; each figure is "
+        "the median over the repeats",
+    )
     args = parser.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or ''} "
-          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; model={args.model} "
-          f"steps={args.steps} (median of the last {args.steps - args.warmup}) batch={args.batch} "
-          f"repeats={args.repeats}")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or ''} "
+        f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; model={args.model} "
+        f"steps={args.steps} (median of the last {args.steps - args.warmup}) batch={args.batch} "
+        f"repeats={args.repeats}"
+    )
     step_ratios, wall_ratios = [], []
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         for name in args.layouts.split(","):
             dp_shard, tp = LAYOUTS[name]
-            runs = [run_pair(name, dp_shard, tp, args, Path(tmp), runner_first=i % 2 == 1)
-                    for i in range(args.repeats)]
+            runs = [
+                run_pair(name, dp_shard, tp, args, Path(tmp), runner_first=i % 2 == 1)
+                for i in range(args.repeats)
+            ]
             r = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             step_ratios.append(r["runner_step"] / r["minimal_step"])
             wall_ratios.append(r["runner_wall"] / r["minimal_wall"])
-            print(f"{name:8s} (dp_shard={dp_shard}, tp={tp}): step time runner "
-                  f"{r['runner_step']:.3f} s, minimal {r['minimal_step']:.3f} s, ratio "
-                  f"{step_ratios[-1]:.3f} | wall python -m hsdp_runner {r['runner_wall']:.1f} s, "
-                  f"torchrun + minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f} | "
-                  f"outside the steps: runner {r['runner_outside']:.1f} s, minimal "
-                  f"{r['minimal_outside']:.1f} s", flush=True)
+            print(
+                f"{name:8s} (dp_shard={dp_shard}, tp={tp}): step time runner "
+                f"{r['runner_step']:.3f} s, minimal {r['minimal_step']:.3f} s, ratio "
+                f"{step_ratios[-1]:.3f} | wall python -m hsdp_runner {r['runner_wall']:.1f} s, "
+                f"torchrun + minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f} | "
+                f"outside the steps: runner {r['runner_outside']:.1f} s, minimal "
+                f"{r['minimal_outside']:.1f} s",
+                flush=True,
+            )
     print(f"step_time_ratio={max(step_ratios):.3f} wall_ratio={max(wall_ratios):.3f}")
 
 

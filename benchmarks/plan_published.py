@@ -50,15 +50,21 @@ def load() -> dict:
 
 def predict_tps(case: dict, efficiency: float | None = None) -> dict:
     """step_time of the published layout of ``case``, with ``efficiency`` if given."""
-    cfg = plan.compose(case["overrides"] + [f"cluster={case['cluster']}",
-                                            f"cluster.nodes={case['nodes']}"])
+    cfg = plan.compose(
+        case["overrides"] + [f"cluster={case['cluster']}", f"cluster.nodes={case['nodes']}"]
+    )
     cluster = resolve(cfg.cluster, cfg.precision.param_dtype)
     if efficiency is not None:
         cluster.compute_efficiency = efficiency
     world = cluster.world_size
     rep, shard, tp = case["layout"]  # (dp_replicate, dp_shard, tp): no published cp layouts
-    dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world,
-                        ranks_per_node=cluster.gpus_per_node)
+    dims = ParallelDims(
+        dp_replicate=rep,
+        dp_shard=shard,
+        tp=tp,
+        world_size=world,
+        ranks_per_node=cluster.gpus_per_node,
+    )
     return step_time(cfg, dims, cluster)
 
 
@@ -79,8 +85,10 @@ def links(data: dict) -> list[tuple]:
     """Rows (case, predicted bus GB/s, error) of the nccl-tests figures."""
     rows = []
     for case in data["links"]:
-        cfg = plan.compose([f"cluster={case['cluster']}", "cluster.nodes=2"]
-                           + [f"cluster.{k}={v}" for k, v in case["overrides"].items()])
+        cfg = plan.compose(
+            [f"cluster={case['cluster']}", "cluster.nodes=2"]
+            + [f"cluster.{k}={v}" for k, v in case["overrides"].items()]
+        )
         cluster = resolve(cfg.cluster, "bfloat16")
         price = cluster.price(case["kind"], Placement(*case["placement"]), 1, 8e9)
         rows.append((case, price.bus_gbps, price.bus_gbps / case["bus_gbps"] - 1))
@@ -95,22 +103,31 @@ def published() -> None:
     """Print the link and throughput tables and whether the targets are met."""
     data = load()
     print(f"Published figures read {data['date_read']} ({DATA.name}).\n")
-    print("| link figure | setup | role | published GB/s | predicted GB/s | error |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| link figure | setup | role | published GB/s | predicted GB/s | error |\n"
+        "|---|---|---|---|---|---|"
+    )
     for case, predicted, error in links(data):
-        print(f"| {case['id']} ({case['source'].split('github.com/')[-1]}) | {case['setup']} | "
-              f"{_role(case)} | {case['bus_gbps']:g} | {predicted:.4g} | {error:+.0%} |")
+        print(
+            f"| {case['id']} ({case['source'].split('github.com/')[-1]}) | {case['setup']} | "
+            f"{_role(case)} | {case['bus_gbps']:g} | {predicted:.4g} | {error:+.0%} |"
+        )
     efficiency = {}
     for cluster in sorted({c["cluster"] for c in data["throughput"]}):
-        fitted = [c for c in data["throughput"]
-                  if c["cluster"] == cluster and c["role"] == "fitted"]
+        fitted = [
+            c for c in data["throughput"] if c["cluster"] == cluster and c["role"] == "fitted"
+        ]
         efficiency[cluster] = fit_efficiency(fitted)
         preset = resolve(plan.compose([f"cluster={cluster}"]).cluster, "bfloat16")
-        print(f"\n{cluster}: compute_efficiency fitted on {len(fitted)} single-node figure(s) = "
-              f"{efficiency[cluster]:.3f} (preset conf/cluster/{cluster}.yaml: "
-              f"{preset.compute_efficiency:g})")
-    print("\n| figure | setup | role | published tok/s/GPU | predicted | error | step: compute + "
-          "exposed comm (s) |\n|---|---|---|---|---|---|---|")
+        print(
+            f"\n{cluster}: compute_efficiency fitted on {len(fitted)} single-node figure(s) = "
+            f"{efficiency[cluster]:.3f} (preset conf/cluster/{cluster}.yaml: "
+            f"{preset.compute_efficiency:g})"
+        )
+    print(
+        "\n| figure | setup | role | published tok/s/GPU | predicted | error | step: compute + "
+        "exposed comm (s) |\n|---|---|---|---|---|---|---|"
+    )
     held, results = [], {}
     for case in data["throughput"]:
         result = predict_tps(case, efficiency[case["cluster"]])
@@ -119,13 +136,17 @@ def published() -> None:
         if case["role"] == "held_out":
             held.append(abs(error))
         comm = ", ".join(f"{d} {s:.3g}" for d, s in result["exposed_comm_s"].items() if s > 1e-4)
-        print(f"| {case['id']} | {case['setup']} | {_role(case)} | "
-              f"{case['tokens_per_s_per_gpu']:,} | {result['tps_per_device']:,.0f} | "
-              f"{error:+.0%} | {result['compute_s']:.3g} + ({comm or '0'}) |")
+        print(
+            f"| {case['id']} | {case['setup']} | {_role(case)} | "
+            f"{case['tokens_per_s_per_gpu']:,} | {result['tps_per_device']:,.0f} | "
+            f"{error:+.0%} | {result['compute_s']:.3g} + ({comm or '0'}) |"
+        )
     median = statistics.median(held)
-    print(f"\nHeld-out throughput: {len(held)} figures, median |error| {median:.1%} (target <= "
-          f"{TARGET_MEDIAN:.0%}: {'met' if median <= TARGET_MEDIAN else 'MISSED'}), largest "
-          f"{max(held):.1%}.")
+    print(
+        f"\nHeld-out throughput: {len(held)} figures, median |error| {median:.1%} (target <= "
+        f"{TARGET_MEDIAN:.0%}: {'met' if median <= TARGET_MEDIAN else 'MISSED'}), largest "
+        f"{max(held):.1%}."
+    )
     _pairs(data, results)
 
 
@@ -135,14 +156,20 @@ def _pairs(data: dict, results: dict) -> None:
     for case in data["throughput"]:
         model = tuple(o for o in case["overrides"] if o.startswith("model"))
         by_model.setdefault((case["source"], case["cluster"], model), []).append(case)
-    layouts = [cases for cases in by_model.values()
-               if len({(c["nodes"], tuple(c["layout"])) for c in cases}) >
-               len({c["nodes"] for c in cases})]
+    layouts = [
+        cases
+        for cases in by_model.values()
+        if len({(c["nodes"], tuple(c["layout"])) for c in cases}) > len({c["nodes"] for c in cases})
+    ]
     if not layouts:
-        print("Two layouts of one model on one cluster: no source in the data file publishes "
-              "such a pair, so that target is not tested.")
-    print("\n| scaling (same model, same cluster) | published ratio | predicted | error |\n"
-          "|---|---|---|---|")
+        print(
+            "Two layouts of one model on one cluster: no source in the data file publishes "
+            "such a pair, so that target is not tested."
+        )
+    print(
+        "\n| scaling (same model, same cluster) | published ratio | predicted | error |\n"
+        "|---|---|---|---|"
+    )
     for cases in by_model.values():
         base = min(cases, key=lambda c: c["nodes"])
         for case in cases:
@@ -150,20 +177,36 @@ def _pairs(data: dict, results: dict) -> None:
                 continue
             pub = case["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
             pred = results[case["id"]]["tps_per_device"] / results[base["id"]]["tps_per_device"]
-            print(f"| {case['id']} / {base['id']} | {pub:.3f} | {pred:.3f} | "
-                  f"{pred / pub - 1:+.0%} |")
+            print(
+                f"| {case['id']} / {base['id']} | {pub:.3f} | {pred:.3f} | {pred / pub - 1:+.0%} |"
+            )
 
 
 def memory() -> None:
     """The 8B-on-8-H100 plan's peak memory against torchtitan's (Table 1)."""
-    overrides = ["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=16",
-                 "parallel.ac=selective", "cluster=h100_sxm"]
+    overrides = [
+        "model=llama3_8b",
+        "precision=bf16",
+        "trainer.global_batch_size=16",
+        "parallel.ac=selective",
+        "cluster=h100_sxm",
+    ]
     _, entries = plan.predict(plan.compose(overrides), {})
-    entry = next(e for e in entries if e["valid"] and (
-        e["overrides"]["parallel.dp_replicate"], e["overrides"]["parallel.dp_shard"],
-        e["overrides"]["parallel.tp"]) == (1, 8, 1))
-    print(f"\nLlama 3.1 8B, 8x H100, FSDP 8: predicted peak {entry['mem_gib']:.1f} GiB per GPU; "
-          "torchtitan Table 1: 82.4 GiB eager, 77.0 GiB compiled (reserved memory)")
+    entry = next(
+        e
+        for e in entries
+        if e["valid"]
+        and (
+            e["overrides"]["parallel.dp_replicate"],
+            e["overrides"]["parallel.dp_shard"],
+            e["overrides"]["parallel.tp"],
+        )
+        == (1, 8, 1)
+    )
+    print(
+        f"\nLlama 3.1 8B, 8x H100, FSDP 8: predicted peak {entry['mem_gib']:.1f} GiB per GPU; "
+        "torchtitan Table 1: 82.4 GiB eager, 77.0 GiB compiled (reserved memory)"
+    )
 
 
 def speed() -> None:
@@ -172,26 +215,42 @@ def speed() -> None:
         with tempfile.TemporaryDirectory() as cache:
             plan_memory.CACHE_DIR = Path(cache)
             start, cpu = time.perf_counter(), _cpu_seconds()
-            _, entries = plan.predict(plan.compose(
-                [f"model={model}", "precision=bf16", f"trainer.global_batch_size={batch}",
-                 "parallel.ac=selective", "cluster=h100_sxm", "cluster.nodes=128"]), {})
+            _, entries = plan.predict(
+                plan.compose(
+                    [
+                        f"model={model}",
+                        "precision=bf16",
+                        f"trainer.global_batch_size={batch}",
+                        "parallel.ac=selective",
+                        "cluster=h100_sxm",
+                        "cluster.nodes=128",
+                    ]
+                ),
+                {},
+            )
             took, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
         valid = sum(e["valid"] for e in entries)
-        print(f"{model} on 1,024 ranks: {len(entries)} layouts ({valid} valid) planned in "
-              f"{took:.1f} s wall, {cpu:.1f} s CPU incl. the measuring children (cold cache; "
-              f"load average {os.getloadavg()[0]:.1f})", flush=True)
+        print(
+            f"{model} on 1,024 ranks: {len(entries)} layouts ({valid} valid) planned in "
+            f"{took:.1f} s wall, {cpu:.1f} s CPU incl. the measuring children (cold cache; "
+            f"load average {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
 
 
 def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (load-independent, unlike wall)."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN)
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()

@@ -50,26 +50,38 @@ def figures(sweep: Path, plan_json: Path, title: str) -> None:
     """Print the ranking figures of ``sweep`` against ``plan_json`` and the targets."""
     jobs = compare.load_jobs(sweep)
     found = prediction.predictions_for([j.path for j in jobs], plan_json)
-    pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
-             if j.path in found and j.status == "completed"]
+    pairs = [
+        (j.label, found[j.path], j.summary.median_step_time_s)
+        for j in jobs
+        if j.path in found and j.status == "completed"
+    ]
     fig = prediction.evaluate(pairs)
     summaries = {j.label: j.summary for j in jobs}
-    mem = prediction.memory_figures([(label, entry["mem_gib"],
-                                      prediction.measured_memory_gib(summaries[label]))
-                                     for label, entry, _ in pairs])
-    print(f"\n## {title}\n\n| layout | predicted s | measured s | error | predicted mem GiB | "
-          "measured mem GiB (tensor peak) | mem error |\n|---|---|---|---|---|---|---|")
+    mem = prediction.memory_figures(
+        [
+            (label, entry["mem_gib"], prediction.measured_memory_gib(summaries[label]))
+            for label, entry, _ in pairs
+        ]
+    )
+    print(
+        f"\n## {title}\n\n| layout | predicted s | measured s | error | predicted mem GiB | "
+        "measured mem GiB (tensor peak) | mem error |\n|---|---|---|---|---|---|---|"
+    )
     rows = zip(pairs, fig["errors"], mem["errors"])
     for (label, entry, measured), error, mem_error in sorted(rows, key=lambda r: r[0][2]):
         measured_mem = prediction.measured_memory_gib(summaries[label])
-        print(f"| {label} | {entry['step_time_s']:.3g} | {measured:.3g} | {error:+.0%} | "
-              f"{entry['mem_gib']:.3f} | "
-              f"{'n/a' if measured_mem is None else f'{measured_mem:.3f}'} | "
-              f"{'n/a' if mem_error is None else f'{mem_error:+.0%}'} |")
+        print(
+            f"| {label} | {entry['step_time_s']:.3g} | {measured:.3g} | {error:+.0%} | "
+            f"{entry['mem_gib']:.3f} | "
+            f"{'n/a' if measured_mem is None else f'{measured_mem:.3f}'} | "
+            f"{'n/a' if mem_error is None else f'{mem_error:+.0%}'} |"
+        )
     rho, med = fig["spearman"], fig["median_abs_error"]
-    print(f"\nSpearman {rho if rho is None else round(rho, 3)} (target >= 0.8); measured best in "
-          f"predicted top 2: {fig['best_in_predicted_top2']} (target yes); median |error| "
-          f"{med if med is None else f'{med:.0%}'} (target <= 25%); {fig['jobs']} jobs")
+    print(
+        f"\nSpearman {rho if rho is None else round(rho, 3)} (target >= 0.8); measured best in "
+        f"predicted top 2: {fig['best_in_predicted_top2']} (target yes); median |error| "
+        f"{med if med is None else f'{med:.0%}'} (target <= 25%); {fig['jobs']} jobs"
+    )
     print(prediction.memory_summary(mem))
 
 
@@ -79,19 +91,45 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / f"plan_{stamp}")
     parser.add_argument("--sweep-dir", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--calibration-args", default="model.seq_len=256",
-                        help="overrides of the other workload that step 5 calibrates on")
-    parser.add_argument("--calibration-sweep-dir", type=Path, default=None,
-                        help="a finished sweep of that workload (skips running it)")
+    parser.add_argument(
+        "--calibration-args",
+        default="model.seq_len=256",
+        help="overrides of the other workload that step 5 calibrates on",
+    )
+    parser.add_argument(
+        "--calibration-sweep-dir",
+        type=Path,
+        default=None,
+        help="a finished sweep of that workload (skips running it)",
+    )
     args = parser.parse_args()
     out = args.out.resolve()
     steps = [f"trainer.steps={args.steps}"]
-    _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps,
-          f"plan.out_dir={out / 'plan'}"])
+    _run(
+        [
+            "-m",
+            "hsdp_runner.plan",
+            "cluster=this_machine",
+            *COMMON,
+            *steps,
+            f"plan.out_dir={out / 'plan'}",
+        ]
+    )
     sweep = args.sweep_dir or out / "sweep"
     if args.sweep_dir is None:
-        _run(["-m", "hsdp_runner", "--config-dir", "sweeps", "--config-name", "degrees_8",
-              *COMMON, *steps, f"hydra.sweep.dir={sweep}"])
+        _run(
+            [
+                "-m",
+                "hsdp_runner",
+                "--config-dir",
+                "sweeps",
+                "--config-name",
+                "degrees_8",
+                *COMMON,
+                *steps,
+                f"hydra.sweep.dir={sweep}",
+            ]
+        )
     plan_json = out / "plan" / "plan.json"
     _run(["-m", "hsdp_runner.compare", str(sweep), "--plan", str(plan_json)])
     figures(sweep, plan_json, "Predicted (measured link table, default efficiency) vs measured")
@@ -101,30 +139,83 @@ def main() -> None:
         print("no calibration was written (see the message above)")
         return
     fitted = written[-1]
-    _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps,
-          f"cluster.calibration={fitted}", f"plan.out_dir={out / 'plan_calibrated'}"])
-    figures(sweep, out / "plan_calibrated" / "plan.json",
-            "After --calibrate on this same sweep (fitted, not an independent check)")
+    _run(
+        [
+            "-m",
+            "hsdp_runner.plan",
+            "cluster=this_machine",
+            *COMMON,
+            *steps,
+            f"cluster.calibration={fitted}",
+            f"plan.out_dir={out / 'plan_calibrated'}",
+        ]
+    )
+    figures(
+        sweep,
+        out / "plan_calibrated" / "plan.json",
+        "After --calibrate on this same sweep (fitted, not an independent check)",
+    )
     print("\ncluster file:", json.dumps(fitted.read_text()))
 
     other = args.calibration_args.split()
     other_plan = out / "plan_other_workload"
-    _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps, *other,
-          f"plan.out_dir={other_plan}"])
+    _run(
+        [
+            "-m",
+            "hsdp_runner.plan",
+            "cluster=this_machine",
+            *COMMON,
+            *steps,
+            *other,
+            f"plan.out_dir={other_plan}",
+        ]
+    )
     other_sweep = args.calibration_sweep_dir or out / "sweep_other_workload"
     if args.calibration_sweep_dir is None:
-        _run(["-m", "hsdp_runner", "--config-dir", "sweeps", "--config-name", "degrees_8",
-              *COMMON, *steps, *other, f"hydra.sweep.dir={other_sweep}"])
-    _run(["-m", "hsdp_runner.plan", "--calibrate", str(other_sweep), "--plan",
-          str(other_plan / "plan.json")])
+        _run(
+            [
+                "-m",
+                "hsdp_runner",
+                "--config-dir",
+                "sweeps",
+                "--config-name",
+                "degrees_8",
+                *COMMON,
+                *steps,
+                *other,
+                f"hydra.sweep.dir={other_sweep}",
+            ]
+        )
+    _run(
+        [
+            "-m",
+            "hsdp_runner.plan",
+            "--calibrate",
+            str(other_sweep),
+            "--plan",
+            str(other_plan / "plan.json"),
+        ]
+    )
     written = sorted(other_sweep.glob("cluster_calibrated*.yaml"), key=lambda p: p.stat().st_mtime)
     if not written:
         print("no calibration was written for the other workload (see the message above)")
         return
-    _run(["-m", "hsdp_runner.plan", "cluster=this_machine", *COMMON, *steps,
-          f"cluster.calibration={written[-1]}", f"plan.out_dir={out / 'plan_heldout'}"])
-    figures(sweep, out / "plan_heldout" / "plan.json",
-            f"Calibrated on another workload ({args.calibration_args}): an independent check")
+    _run(
+        [
+            "-m",
+            "hsdp_runner.plan",
+            "cluster=this_machine",
+            *COMMON,
+            *steps,
+            f"cluster.calibration={written[-1]}",
+            f"plan.out_dir={out / 'plan_heldout'}",
+        ]
+    )
+    figures(
+        sweep,
+        out / "plan_heldout" / "plan.json",
+        f"Calibrated on another workload ({args.calibration_args}): an independent check",
+    )
 
 
 if __name__ == "__main__":

@@ -24,17 +24,22 @@ from hsdp_runner.report.dashboard import page as dashboard
 from hsdp_runner.report.runs import Job, degrees, load_jobs, table
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
+
+
 def plot_bars(jobs: list[Job], path: Path) -> Path:
     """Horizontal bars of global tokens/s (median, min-max whiskers) and peak memory per job."""
     plt = _pyplot()
     done = [j for j in jobs if j.status is RunStatus.completed]
-    fig, (ax_tps, ax_mem) = plt.subplots(1, 2, figsize=(12, 1.5 + 0.55 * max(1, len(done))),
-                                         sharey=True, layout="constrained")
+    fig, (ax_tps, ax_mem) = plt.subplots(
+        1, 2, figsize=(12, 1.5 + 0.55 * max(1, len(done))), sharey=True, layout="constrained"
+    )
     names = [f"{j.label}\n{degrees(j)[0]} {degrees(j)[1]}" for j in done]
     colors = ["tab:orange" if i == 0 else "tab:blue" for i in range(len(done))]
     tps = [j.tps_global for j in done]
-    whiskers = [[t - j.summary.get("min_tps_global", t) for t, j in zip(tps, done)],
-                [j.summary.get("max_tps_global", t) - t for t, j in zip(tps, done)]]
+    whiskers = [
+        [t - j.summary.get("min_tps_global", t) for t, j in zip(tps, done)],
+        [j.summary.get("max_tps_global", t) - t for t, j in zip(tps, done)],
+    ]
     bars = ax_tps.barh(names, tps, xerr=whiskers, color=colors, capsize=3)
     ax_tps.bar_label(bars, fmt="{:,.0f}", label_type="center", color="white")
     ax_tps.set_title("tokens/s, global (median after warm-up, min–max)")
@@ -57,9 +62,13 @@ def plot_loss(jobs: list[Job], path: Path) -> Path:
     for job in sorted(jobs, key=lambda j: j.num):
         if job.records:
             failed = job.status is not RunStatus.completed
-            ax.plot([r["step"] for r in job.records], [r["loss"] for r in job.records],
-                    linestyle="--" if failed else "-", marker="." if failed else None,
-                    label=job.label + (f" ({job.status})" if failed else ""))
+            ax.plot(
+                [r["step"] for r in job.records],
+                [r["loss"] for r in job.records],
+                linestyle="--" if failed else "-",
+                marker="." if failed else None,
+                label=job.label + (f" ({job.status})" if failed else ""),
+            )
     ax.set_xlabel("step")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("loss")
@@ -84,16 +93,24 @@ def _pyplot():
 
 def write_comparison(sweep_dir: Path, jobs: list[Job]) -> tuple[str, list[Path]]:
     """Write compare.md and both plots of ``jobs`` into ``sweep_dir``; return (table, paths)."""
-    counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in RunStatus
-                       if any(j.status == s for j in jobs))
+    counts = ", ".join(
+        f"{sum(j.status == s for j in jobs)} {s}"
+        for s in RunStatus
+        if any(j.status == s for j in jobs)
+    )
     text = table(jobs)
-    md = (f"# Sweep {sweep_dir.name}\n\n{len(jobs)} jobs: {counts}. Medians over the steps "
-          "after `metrics.warmup_steps`; (min–max) over the same steps. Sorted by global "
-          f"throughput.\n\n{text}\n\n![throughput and memory]({BARS_FILE})\n\n"
-          f"![loss]({LOSS_FILE})\n")
+    md = (
+        f"# Sweep {sweep_dir.name}\n\n{len(jobs)} jobs: {counts}. Medians over the steps "
+        "after `metrics.warmup_steps`; (min–max) over the same steps. Sorted by global "
+        f"throughput.\n\n{text}\n\n![throughput and memory]({BARS_FILE})\n\n"
+        f"![loss]({LOSS_FILE})\n"
+    )
     (sweep_dir / TABLE_FILE).write_text(md)
-    paths = [sweep_dir / TABLE_FILE, plot_bars(jobs, sweep_dir / BARS_FILE),
-             plot_loss(jobs, sweep_dir / LOSS_FILE)]
+    paths = [
+        sweep_dir / TABLE_FILE,
+        plot_bars(jobs, sweep_dir / BARS_FILE),
+        plot_loss(jobs, sweep_dir / LOSS_FILE),
+    ]
     return text, paths
 
 
@@ -103,30 +120,47 @@ def _wandb_facts(sweep_dir: Path, jobs: list[Job]) -> tuple[str, str | None, str
     The group rule is ``app.run_info_from_hydra``'s: ``logger.group``, else the sweep dir name.
     """
     logger = next((j.config["logger"] for j in jobs if "logger" in j.config), {})
-    return (logger.get("project", "hsdp_runner"), logger.get("entity"),
-            logger.get("group") or sweep_dir.name, logger.get("mode", "offline") != "online")
+    return (
+        logger.get("project", "hsdp_runner"),
+        logger.get("entity"),
+        logger.get("group") or sweep_dir.name,
+        logger.get("mode", "offline") != "online",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns 0, or 2 for a missing sweep dir or an unmet --wandb-report."""
-    parser = argparse.ArgumentParser(prog="python -m hsdp_runner.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep_dir", type=Path,
-                        help="a multirun dir, e.g. multirun/2025-01-01_12-00-00_degrees_8")
-    parser.add_argument("--wandb-report", action="store_true",
-                        help="also save a W&B report for the sweep's group (needs W&B online "
-                             "and the wandb-workspaces package)")
-    parser.add_argument("--plan", type=Path, default=None,
-                        help="a plan.json whose predictions to compare with (default: the "
-                             "plan.source of each job's config)")
+    parser = argparse.ArgumentParser(
+        prog="python -m hsdp_runner.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "sweep_dir", type=Path, help="a multirun dir, e.g. multirun/2025-01-01_12-00-00_degrees_8"
+    )
+    parser.add_argument(
+        "--wandb-report",
+        action="store_true",
+        help="also save a W&B report for the sweep's group (needs W&B online "
+        "and the wandb-workspaces package)",
+    )
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="a plan.json whose predictions to compare with (default: the "
+        "plan.source of each job's config)",
+    )
     args = parser.parse_args(argv)
     jobs = load_jobs(args.sweep_dir) if args.sweep_dir.is_dir() else []
     if not jobs:
-        print(f"compare: {args.sweep_dir} holds no job dirs; pass the sweep dir a multirun "
-              "printed (hydra.sweep.dir)", file=sys.stderr)
+        print(
+            f"compare: {args.sweep_dir} holds no job dirs; pass the sweep dir a multirun "
+            "printed (hydra.sweep.dir)",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     text, paths = write_comparison(args.sweep_dir, jobs)
-
 
     paths.append(dashboard.write_dashboard(args.sweep_dir, jobs, plan_file=args.plan))
     print(text)

@@ -36,8 +36,11 @@ def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
     manifest = checkpoint_start.inspect(path, None)
     metadata = FileSystemReader(str(path)).read_metadata()
-    weights = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    weights = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: intended here
             warnings.simplefilter("ignore", UserWarning)
@@ -45,12 +48,14 @@ def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     except (Exception, dcp.CheckpointException) as err:
         raise checkpoint_start.CheckpointError(
             f"checkpoint {path} could not be read ({checkpoint_start.load_failure(err)}); it "
-            "may be damaged") from err
+            "may be damaged"
+        ) from err
     return weights, manifest
 
 
-def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: float = 5.0
-           ) -> list[Path]:
+def export(
+    source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: float = 5.0
+) -> list[Path]:
     """Export the checkpoint ``source`` names to the HF folder ``out_dir``; return weight files.
 
     Raises ConfigError (CheckpointError / HFFormatError) naming the path for bad input; an
@@ -65,28 +70,40 @@ def export(source: Path, out_dir: Path, dtype: str = "bfloat16", max_shard_gib: 
     weights, manifest = load_full_weights(path)
     model_cfg = OmegaConf.create(manifest["model"])
     out_dtype = torch_dtype(dtype)
-    return hf.write_folder(hf.to_hf(weights, model_cfg, out_dtype),
-                           hf.hf_config(model_cfg, out_dtype), out_dir,
-                           int(max_shard_gib * 2**30))
+    return hf.write_folder(
+        hf.to_hf(weights, model_cfg, out_dtype),
+        hf.hf_config(model_cfg, out_dtype),
+        out_dir,
+        int(max_shard_gib * 2**30),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m hsdp_runner.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m hsdp_runner.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("checkpoint", type=Path, help="a step-N checkpoint, or a folder of them")
     parser.add_argument("out_dir", type=Path, help="new (or empty) output folder")
     parser.add_argument("--dtype", default="bfloat16", choices=Dtype.names(), help="weight dtype")
-    parser.add_argument("--max-shard-gib", type=float, default=5.0,
-                        help="split into several files above this size (default 5)")
+    parser.add_argument(
+        "--max-shard-gib",
+        type=float,
+        default=5.0,
+        help="split into several files above this size (default 5)",
+    )
     args = parser.parse_args(argv)
     try:
         files = export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gib)
     except ConfigError as err:
         print(f"hsdp_runner.export: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"hsdp_runner.export: wrote {len(files)} safetensors file(s) and config.json "
-          f"({args.dtype}) to {args.out_dir}")
+    print(
+        f"hsdp_runner.export: wrote {len(files)} safetensors file(s) and config.json "
+        f"({args.dtype}) to {args.out_dir}"
+    )
     return EXIT_OK
 
 

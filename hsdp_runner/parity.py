@@ -31,16 +31,30 @@ from hsdp_runner.train import sinks as tracking
 
 BASELINE = "single"
 # A layout is a parallel preset, optionally with overrides after colons ("cp:parallel.cp=4").
-ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "cp", "cp:parallel.cp=4",
-         "cp:parallel.tp=2", "fsdp_cp", "hsdp_cp_tp")
+ORDER = (
+    "single",
+    "ddp",
+    "fsdp",
+    "hsdp",
+    "tp",
+    "fsdp_tp",
+    "hsdp_tp",
+    "cp",
+    "cp:parallel.cp=4",
+    "cp:parallel.tp=2",
+    "fsdp_cp",
+    "hsdp_cp_tp",
+)
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
 # steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
 # shape, and TP and sharding change the shapes, so sums run in another order; those
 # differences grow over the steps. TF32 stays off (torch's default), which would add 1e-3.
 CPU_RTOL = 1e-5
 GPU_RTOL = 1e-4
-GPU_RTOL_WHY = ("GPU default: cuBLAS picks different fp32 kernels for the TP/sharded matmul "
-                "shapes, so sums run in another order")
+GPU_RTOL_WHY = (
+    "GPU default: cuBLAS picks different fp32 kernels for the TP/sharded matmul "
+    "shapes, so sums run in another order"
+)
 
 
 def available_layouts() -> list[str]:
@@ -72,11 +86,17 @@ def compose(layout: str, overrides: list[str]) -> DictConfig:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse the command line; raise ConfigError for a bad tolerance or layout name."""
     parser = argparse.ArgumentParser(prog="python -m hsdp_runner.parity", description=__doc__)
-    parser.add_argument("--layouts", default=",".join(available_layouts()),
-                        help="comma-separated presets to check (default: all)")
+    parser.add_argument(
+        "--layouts",
+        default=",".join(available_layouts()),
+        help="comma-separated presets to check (default: all)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    parser.add_argument("--rtol", default=None, help=f"max relative difference (default "
-                        f"{CPU_RTOL:g} on CPU, {GPU_RTOL:g} on GPU)")
+    parser.add_argument(
+        "--rtol",
+        default=None,
+        help=f"max relative difference (default {CPU_RTOL:g} on CPU, {GPU_RTOL:g} on GPU)",
+    )
     parser.add_argument("--out", default=None, help="output dir (default parity/<time>)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every layout")
     args = parser.parse_intermixed_args(argv)
@@ -97,8 +117,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     presets = {_preset(name) for name in known}
     unknown = [name for name in args.layouts if _preset(name) not in presets]
     if unknown:
-        raise ConfigError(f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
-                          f"{', '.join(known)}")
+        raise ConfigError(
+            f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
+            f"{', '.join(known)}"
+        )
     if BASELINE not in args.layouts:
         args.layouts.insert(0, BASELINE)
     args.out = Path(args.out or datetime.datetime.now().strftime("parity/%Y-%m-%d_%H-%M-%S"))
@@ -115,43 +137,55 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def compare(base: list[dict], other: list[dict], rtol: float, base_eval=None, other_eval=None
-            ) -> dict:
+def compare(
+    base: list[dict], other: list[dict], rtol: float, base_eval=None, other_eval=None
+) -> dict:
     """Compare two runs' step records; return the differences and whether they pass ``rtol``."""
     if len(base) != len(other):
         return {"passed": False, "note": f"{len(other)} steps vs {len(base)}"}
     pairs = list(zip(base, other))
-    row = {"max_abs_loss": max(abs(o["loss"] - b["loss"]) for b, o in pairs),
-           "max_rel_loss": max(_rel(o["loss"], b["loss"]) for b, o in pairs),
-           "max_rel_grad_norm": max(_rel(o["grad_norm"], b["grad_norm"]) for b, o in pairs),
-           "rel_eval_loss": None if base_eval is None else _rel(other_eval, base_eval)}
+    row = {
+        "max_abs_loss": max(abs(o["loss"] - b["loss"]) for b, o in pairs),
+        "max_rel_loss": max(_rel(o["loss"], b["loss"]) for b, o in pairs),
+        "max_rel_grad_norm": max(_rel(o["grad_norm"], b["grad_norm"]) for b, o in pairs),
+        "rel_eval_loss": None if base_eval is None else _rel(other_eval, base_eval),
+    }
     worst = max(v for k, v in row.items() if k.startswith(("max_rel", "rel_")) and v is not None)
     return {**row, "passed": worst <= rtol, "note": ""}
 
 
 def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
     """Render the parity rows as a markdown table (``why``: where the tolerance comes from)."""
+
     def fmt(value):
         return "-" if value is None else f"{value:.2e}"
+
     why = f"; {why}" if why else ""
-    lines = [f"Parity against `{BASELINE}` (tolerance {rtol:.0e} relative{why})", "",
-             "| layout | world size | max abs loss diff | max rel loss diff | max rel grad-norm "
-             "diff | rel eval-loss diff | result |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Parity against `{BASELINE}` (tolerance {rtol:.0e} relative{why})",
+        "",
+        "| layout | world size | max abs loss diff | max rel loss diff | max rel grad-norm "
+        "diff | rel eval-loss diff | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         result = "PASS" if r["passed"] else f"FAIL {r['note']}".strip()
         if r.get("skipped"):
             result = f"SKIP {r['note']}"
-        lines.append(f"| {r['layout']} | {r['world_size']} | {fmt(r.get('max_abs_loss'))} | "
-                     f"{fmt(r.get('max_rel_loss'))} | {fmt(r.get('max_rel_grad_norm'))} | "
-                     f"{fmt(r.get('rel_eval_loss'))} | {result} |")
+        lines.append(
+            f"| {r['layout']} | {r['world_size']} | {fmt(r.get('max_abs_loss'))} | "
+            f"{fmt(r.get('max_rel_loss'))} | {fmt(r.get('max_rel_grad_norm'))} | "
+            f"{fmt(r.get('rel_eval_loss'))} | {result} |"
+        )
     return "\n".join(lines)
 
 
 def unsupported_reason(cfg) -> str | None:
     """Why the model family of ``cfg`` cannot run its layout (the family's own check), or None."""
     try:
-        model_spec(cfg.model).check_parallel(cfg.parallel.cp, cfg.parallel.tp,
-                                             cfg.parallel.sequence_parallel)
+        model_spec(cfg.model).check_parallel(
+            cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel
+        )
     except ConfigError as err:
         return str(err)
     return None
@@ -174,13 +208,23 @@ def run_parity(args: argparse.Namespace) -> int:
     codes = {}
     for layout, (cfg, out_dir, _) in jobs.items():
         print(f"parity: running {layout} -> {out_dir}", flush=True)
-        codes[layout] = run_job(cfg, RunInfo(output_dir=str(out_dir),
-                                             group=f"parity-{args.out.name}", run_name=layout,
-                                             tags=[f"parallel={layout}", "parity"],
-                                             multirun=True, overrides=overrides))
+        codes[layout] = run_job(
+            cfg,
+            RunInfo(
+                output_dir=str(out_dir),
+                group=f"parity-{args.out.name}",
+                run_name=layout,
+                tags=[f"parallel={layout}", "parity"],
+                multirun=True,
+                overrides=overrides,
+            ),
+        )
         if codes[layout] > 128:  # Ctrl-C / SIGTERM: the whole parity run stops
-            print(f"parity: stopped by a signal during {layout}; layouts not run: "
-                  f"{', '.join(list(jobs)[len(codes):]) or 'none'}", file=sys.stderr)
+            print(
+                f"parity: stopped by a signal during {layout}; layouts not run: "
+                f"{', '.join(list(jobs)[len(codes) :]) or 'none'}",
+                file=sys.stderr,
+            )
             return codes[layout]
     base_records = tracking.read_metrics(jobs[BASELINE][1])
     base_summary = RunSummary.read(jobs[BASELINE][1]) or RunSummary()
@@ -189,16 +233,33 @@ def run_parity(args: argparse.Namespace) -> int:
         summary = RunSummary.read(out_dir) or RunSummary()
         row = {"layout": layout, "world_size": dims.world_size}
         if codes[layout] != EXIT_OK or summary.status is not RunStatus.completed:
-            row.update(passed=False, note=f"run failed (exit code {codes[layout]}): "
-                                          f"{summary.error or 'see its logs'}")
+            row.update(
+                passed=False,
+                note=f"run failed (exit code {codes[layout]}): {summary.error or 'see its logs'}",
+            )
         elif base_summary.status is not RunStatus.completed:
             row.update(passed=False, note=f"baseline {BASELINE} did not complete")
         else:
-            row.update(compare(base_records, tracking.read_metrics(out_dir), args.rtol,
-                               base_summary.eval_loss, summary.eval_loss))
+            row.update(
+                compare(
+                    base_records,
+                    tracking.read_metrics(out_dir),
+                    args.rtol,
+                    base_summary.eval_loss,
+                    summary.eval_loss,
+                )
+            )
         rows.append(row)
-    rows += [{"layout": layout, "world_size": "-", "passed": True, "skipped": True,
-              "note": f"(the model cannot run it: {why})"} for layout, why in skipped.items()]
+    rows += [
+        {
+            "layout": layout,
+            "world_size": "-",
+            "passed": True,
+            "skipped": True,
+            "note": f"(the model cannot run it: {why})",
+        }
+        for layout, why in skipped.items()
+    ]
     table = format_table(rows, args.rtol, args.rtol_why)
     (args.out / "parity.md").write_text(table + "\n")
     print(table)

@@ -60,15 +60,16 @@ def split_axes(args: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     overrides, axes = [], {}
     for arg in args:
         if arg.startswith(AXES_PREFIX):
-            key, _, values = arg[len(AXES_PREFIX):].partition("=")
+            key, _, values = arg[len(AXES_PREFIX) :].partition("=")
             axes[key] = [v.strip() for v in values.split(",") if v.strip()]
         else:
             overrides.append(arg)
     return overrides, axes
 
 
-def check_axes(cfg: DictConfig, overrides: list[str], axes: dict[str, list[str]]
-               ) -> dict[str, list]:
+def check_axes(
+    cfg: DictConfig, overrides: list[str], axes: dict[str, list[str]]
+) -> dict[str, list]:
     """Check every ``plan.axes.<key>`` value as the same override on the command line would be
     checked, and return the values typed as composition types them.
 
@@ -82,8 +83,9 @@ def check_axes(cfg: DictConfig, overrides: list[str], axes: dict[str, list[str]]
     typed: dict[str, list] = {}
     for key, values in axes.items():
         if not values:
-            raise ConfigError(f"plan.axes.{key} has no value; give one or more, e.g. "
-                              f"plan.axes.{key}=a,b")
+            raise ConfigError(
+                f"plan.axes.{key} has no value; give one or more, e.g. plan.axes.{key}=a,b"
+            )
         base = [o for o in overrides if o.lstrip("+~").partition("=")[0] != key]
         problem = bad_choice_override([f"{key}={v}" for v in values])
         if problem:
@@ -108,13 +110,24 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns 0, or 2 for bad input (the message says which key and the fix)."""
-    parser = argparse.ArgumentParser(prog="python -m hsdp_runner.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calibrate", type=Path, metavar="SWEEP_DIR",
-                        help="fit the cluster's efficiency and link figures to a planned sweep")
-    parser.add_argument("--plan", type=Path, default=None, dest="plan_file",
-                        help="with --calibrate: the plan.json a sweep not written by the planner "
-                             "is compared with")
+    parser = argparse.ArgumentParser(
+        prog="python -m hsdp_runner.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="SWEEP_DIR",
+        help="fit the cluster's efficiency and link figures to a planned sweep",
+    )
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        dest="plan_file",
+        help="with --calibrate: the plan.json a sweep not written by the planner is compared with",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama3_8b")
     args = parser.parse_args(argv)
     try:
@@ -133,17 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    out_dir = Path(cfg.plan.out_dir or datetime.datetime.now().strftime(
-        f"plans/%Y-%m-%d_%H-%M-%S_{cfg.model.name}"))
+    out_dir = Path(
+        cfg.plan.out_dir
+        or datetime.datetime.now().strftime(f"plans/%Y-%m-%d_%H-%M-%S_{cfg.model.name}")
+    )
     paths = plan_report.write(out_dir, cfg, cluster, entries, overrides, axes)
     print(plan_report.table(entries, cluster))
     print("plan: wrote " + ", ".join(str(p) for p in paths))
     if not any(e["fits"] for e in entries):
-        print(f"plan: error: model {cfg.model.name} fits on no layout of {cluster['world_size']}"
-              f" x {cluster['device_memory_gib']:.1f} GiB devices (every layout is listed above);"
-              " add nodes (cluster.nodes), use activation checkpointing (parallel.ac=full or "
-              "plan.axes.parallel.ac=none,full), or lower trainer.global_batch_size",
-              file=sys.stderr)
+        print(
+            f"plan: error: model {cfg.model.name} fits on no layout of {cluster['world_size']}"
+            f" x {cluster['device_memory_gib']:.1f} GiB devices (every layout is listed above);"
+            " add nodes (cluster.nodes), use activation checkpointing (parallel.ac=full or "
+            "plan.axes.parallel.ac=none,full), or lower trainer.global_batch_size",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     return EXIT_OK
 

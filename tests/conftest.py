@@ -27,24 +27,34 @@ def cli_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_cli(out_dir: Path, *overrides: str, timeout: int = 300, cwd: Path | None = None,
-            prefix: list[str] | None = None, pin_dir: bool = True,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    out_dir: Path,
+    *overrides: str,
+    timeout: int = 300,
+    cwd: Path | None = None,
+    prefix: list[str] | None = None,
+    pin_dir: bool = True,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``python -m hsdp_runner`` with overrides, its output dir pinned to ``out_dir``
     (``env``: extra environment variables)."""
     cmd = (prefix or [sys.executable]) + ["-m", "hsdp_runner"]
     if pin_dir:
         cmd.append(f"hydra.run.dir={out_dir}")
     cmd += list(overrides)
-    return subprocess.run(cmd, cwd=cwd or REPO, env=cli_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd or REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
     """Return (metrics.jsonl records, summary.json) of a finished job dir."""
     metrics_path, summary_path = out_dir / "metrics.jsonl", out_dir / "summary.json"
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] \
-        if metrics_path.exists() else []
+    records = (
+        [json.loads(line) for line in metrics_path.read_text().splitlines()]
+        if metrics_path.exists()
+        else []
+    )
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return records, summary
 
@@ -54,11 +64,22 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 # each worker would pay for it. The slowest files start first (seconds on the 2-core machine:
 # 210, 150, 150, 90, 85, 60, 55, 45), so the run does not end with one worker alone on a long
 # file; the others keep their collection order.
-SHARED_SESSION_FIXTURE = {"test_placements.py": "eight_ranks", "test_correctness.py": "eight_ranks",
-                          "test_checkpoint_errors.py": "trained_checkpoint",
-                          "test_hf_export.py": "trained_checkpoint"}
-SLOWEST_FIRST = ("test_faults.py", "test_parity.py", "test_checkpoint.py", "test_comm.py",
-                 "test_sweep.py", "test_options.py", "test_many_nodes.py", "test_torchrun.py")
+SHARED_SESSION_FIXTURE = {
+    "test_placements.py": "eight_ranks",
+    "test_correctness.py": "eight_ranks",
+    "test_checkpoint_errors.py": "trained_checkpoint",
+    "test_hf_export.py": "trained_checkpoint",
+}
+SLOWEST_FIRST = (
+    "test_faults.py",
+    "test_parity.py",
+    "test_checkpoint.py",
+    "test_comm.py",
+    "test_sweep.py",
+    "test_options.py",
+    "test_many_nodes.py",
+    "test_torchrun.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -98,8 +119,10 @@ def _eight_rank_cases() -> dict:
     import test_correctness
     import test_placements
 
-    return {**test_placements._eight_rank_layouts(),
-            "state_dicts": test_correctness._two_models_state_dicts(test_correctness.TWO_MODELS)}
+    return {
+        **test_placements._eight_rank_layouts(),
+        "state_dicts": test_correctness._two_models_state_dicts(test_correctness.TWO_MODELS),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -114,8 +137,15 @@ def eight_ranks() -> dict:
 def trained_checkpoint(tmp_path_factory) -> Path:
     """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export."""
     out = tmp_path_factory.mktemp("trained")
-    result = run_cli(out, *TINY, "parallel=single", "trainer.steps=2", "checkpoint.enable=true",
-                     "checkpoint.interval=1", "checkpoint.export_at_end=true",
-                     "checkpoint.export_dtype=float32")
+    result = run_cli(
+        out,
+        *TINY,
+        "parallel=single",
+        "trainer.steps=2",
+        "checkpoint.enable=true",
+        "checkpoint.interval=1",
+        "checkpoint.export_at_end=true",
+        "checkpoint.export_dtype=float32",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out

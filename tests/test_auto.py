@@ -20,23 +20,41 @@ from hsdp_runner.report import prediction
 from hsdp_runner.runtime import launch
 from hsdp_runner.train.sinks import wandb_summary
 
-AUTO = ["parallel=auto", "model=llama3_tiny", "trainer.global_batch_size=8", "trainer.steps=4",
-        "launcher.nproc_per_node=2"]
+AUTO = [
+    "parallel=auto",
+    "model=llama3_tiny",
+    "trainer.global_batch_size=8",
+    "trainer.steps=4",
+    "launcher.nproc_per_node=2",
+]
 
 
 def _row(shape, step, mem, fits=True, valid=True) -> dict:
     overrides = {f"parallel.{n}": d for n, d in zip(("dp_replicate", "dp_shard", "tp"), shape)}
-    return {"overrides": overrides, "valid": valid, "fits": fits if valid else None,
-            "step_time_s": step if valid else None, "mem_gib": mem, "layout": "x",
-            "tps_per_device": 100.0, "dominant": "compute", "rank": None}
+    return {
+        "overrides": overrides,
+        "valid": valid,
+        "fits": fits if valid else None,
+        "step_time_s": step if valid else None,
+        "mem_gib": mem,
+        "layout": "x",
+        "tps_per_device": 100.0,
+        "dominant": "compute",
+        "rank": None,
+    }
 
 
 def test_the_fastest_fitting_layout_wins_and_the_next_fitting_one_is_runner_up():
-    rows = [_row((4, 1, 1), 0.5, 9.0, fits=False), _row((1, 4, 1), 0.8, 3.0),
-            _row((2, 2, 1), 0.7, 4.0), _row((1, 1, 4), None, None, valid=False),
-            _row((1, 2, 2), 0.9, 2.0)]
-    layouts_ranked = sorted(rows, key=lambda e: (not e["valid"], not e["fits"],
-                                                 e["step_time_s"] or 0.0))
+    rows = [
+        _row((4, 1, 1), 0.5, 9.0, fits=False),
+        _row((1, 4, 1), 0.8, 3.0),
+        _row((2, 2, 1), 0.7, 4.0),
+        _row((1, 1, 4), None, None, valid=False),
+        _row((1, 2, 2), 0.9, 2.0),
+    ]
+    layouts_ranked = sorted(
+        rows, key=lambda e: (not e["valid"], not e["fits"], e["step_time_s"] or 0.0)
+    )
     best, second = auto.choose(layouts_ranked)
     assert best["overrides"]["parallel.dp_shard"] == 2 and best["step_time_s"] == 0.7
     assert second["step_time_s"] == 0.8
@@ -96,11 +114,25 @@ def test_a_gpu_without_a_preset_is_named_before_anything_is_measured(monkeypatch
 
 
 def _cluster(**kw) -> Cluster:
-    base = dict(name="t", device="cpu", gpus_per_node=4, nodes=1, device_memory_gib=1.0,
-                peak_tflops=1.0, peak_source="test", compute_efficiency=0.5,
-                nvlink_gbps=1.0, nvlink_efficiency=1.0, nics_per_node=1, nic_gbit=8.0,
-                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=10.0,
-                overlap=1.0, memory_reserve_gib=0.0)
+    base = dict(
+        name="t",
+        device="cpu",
+        gpus_per_node=4,
+        nodes=1,
+        device_memory_gib=1.0,
+        peak_tflops=1.0,
+        peak_source="test",
+        compute_efficiency=0.5,
+        nvlink_gbps=1.0,
+        nvlink_efficiency=1.0,
+        nics_per_node=1,
+        nic_gbit=8.0,
+        nic_efficiency=1.0,
+        intra_node_latency_us=10.0,
+        inter_node_latency_us=10.0,
+        overlap=1.0,
+        memory_reserve_gib=0.0,
+    )
     return Cluster(**{**base, **kw})
 
 
@@ -127,25 +159,38 @@ def test_fits_nowhere_plans_each_remedy_and_lists_those_that_fit(monkeypatch):
     assert "launcher.nnodes=2 (8 ranks) (dp_replicate=1 dp_shard=8 tp=1" in message
     assert "parallel.ac=selective (" not in message and "global_batch_size=4 (" not in message
     monkeypatch.setattr(auto, "plan_scenarios", lambda s, on_error=None: [None] * len(s))
-    assert "none of parallel.ac=selective, parallel.ac=full, trainer.global_batch_size=4" in \
-        auto.fits_nowhere(cfg, _cluster(), {}, Path("/x/plan/plan.json"))
+    assert (
+        "none of parallel.ac=selective, parallel.ac=full, trainer.global_batch_size=4"
+        in auto.fits_nowhere(cfg, _cluster(), {}, Path("/x/plan/plan.json"))
+    )
 
 
 def test_job_prediction_puts_predicted_next_to_measured_and_names_the_runner_up(tmp_path):
-    rows = [_row((1, 2, 1), 0.5, 1.0), _row((2, 1, 1), 0.6, 1.5), _row((1, 1, 2), None, None,
-                                                                      valid=False)]
+    rows = [
+        _row((1, 2, 1), 0.5, 1.0),
+        _row((2, 1, 1), 0.6, 1.5),
+        _row((1, 1, 2), None, None, valid=False),
+    ]
     for rank, row in enumerate(rows[:2], start=1):
         row.update(rank=rank, tps_per_device=1000.0 / rank)
     plan_json = tmp_path / "plan.json"
     plan_json.write_text(json.dumps({"cluster": {"name": "this_machine"}, "layouts": rows}))
-    config = {"plan": {"source": str(plan_json)},
-              "parallel": {"auto": True, "dp_replicate": 1, "dp_shard": 2, "tp": 1}}
-    summary = RunSummary(median_step_time_s=0.4, median_tps_per_device=1250.0,
-                         mem_tensor_peak_gib_per_rank=[0.8, 0.9])
+    config = {
+        "plan": {"source": str(plan_json)},
+        "parallel": {"auto": True, "dp_replicate": 1, "dp_shard": 2, "tp": 1},
+    }
+    summary = RunSummary(
+        median_step_time_s=0.4,
+        median_tps_per_device=1250.0,
+        mem_tensor_peak_gib_per_rank=[0.8, 0.9],
+    )
     found = prediction.job_prediction(config, summary)
     assert found["rank"] == 1 and found["cluster"] == "this_machine"
-    assert found["figures"]["step_time_s"] == {"predicted": 0.5, "measured": 0.4,
-                                               "error": pytest.approx(0.25)}
+    assert found["figures"]["step_time_s"] == {
+        "predicted": 0.5,
+        "measured": 0.4,
+        "error": pytest.approx(0.25),
+    }
     assert found["figures"]["tps_per_device"]["error"] == pytest.approx(-0.2)
     assert found["figures"]["mem_gib"]["measured"] == 0.9
     assert found["runner_up"]["overrides"]["parallel.dp_replicate"] == 2
@@ -164,20 +209,39 @@ def auto_env(tmp_path_factory) -> dict:
     from hsdp_runner.planner import linkbench
 
     cache = tmp_path_factory.mktemp("cache")
-    links = {"all_gather": {"2": [1.3e-3, 8.3e7]}, "reduce_scatter": {"2": [1.6e-3, 1.1e8]},
-             "all_reduce": {"2": [7.8e-4, 4.6e8]}}
-    (cache / f"linkbench_{socket.gethostname()}_2.json").write_text(json.dumps({
-        "peak_tflops": {"float32": 0.0085, "bfloat16": 0.0002}, "links": links,
-        "overlap": 0.4, "memory_gib": 16.0, "threads_per_rank": linkbench._threads_per_rank(2),
-        "host": socket.gethostname(), "ranks": 2}))
+    links = {
+        "all_gather": {"2": [1.3e-3, 8.3e7]},
+        "reduce_scatter": {"2": [1.6e-3, 1.1e8]},
+        "all_reduce": {"2": [7.8e-4, 4.6e8]},
+    }
+    (cache / f"linkbench_{socket.gethostname()}_2.json").write_text(
+        json.dumps(
+            {
+                "peak_tflops": {"float32": 0.0085, "bfloat16": 0.0002},
+                "links": links,
+                "overlap": 0.4,
+                "memory_gib": 16.0,
+                "threads_per_rank": linkbench._threads_per_rank(2),
+                "host": socket.gethostname(),
+                "ranks": 2,
+            }
+        )
+    )
     return {"HSDP_RUNNER_CACHE": str(cache)}
 
 
 @pytest.mark.multiprocess
 def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env, tmp_path):
     """(An explicit degree no layout has, and CPU without ranks: tests/test_bad_input.py.)"""
-    nowhere = run_cli(tmp_path / "nowhere", *AUTO, "model.n_layers=1", "cluster=this_machine",
-                      "cluster.device_memory_gib=0.0001", env=auto_env, timeout=600)
+    nowhere = run_cli(
+        tmp_path / "nowhere",
+        *AUTO,
+        "model.n_layers=1",
+        "cluster=this_machine",
+        "cluster.device_memory_gib=0.0001",
+        env=auto_env,
+        timeout=600,
+    )
     assert nowhere.returncode == 2, nowhere.stderr[-2000:]
     error = [line for line in nowhere.stderr.splitlines() if "config error" in line]
     assert len(error) == 1 and "model llama3_tiny fits on no layout of 2 ranks" in error[0]
@@ -195,10 +259,18 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
     from hsdp_runner import compare
 
     sweep = tmp_path / "auto_sweep"
-    result = run_cli(sweep, "-m", "model=llama3_tiny,gpt2_tiny",
-                     *[o for o in AUTO if not o.startswith("model=")], "trainer.steps=3",
-                     "logger=wandb", f"hydra.sweep.dir={sweep}", pin_dir=False, env=auto_env,
-                     timeout=600)
+    result = run_cli(
+        sweep,
+        "-m",
+        "model=llama3_tiny,gpt2_tiny",
+        *[o for o in AUTO if not o.startswith("model=")],
+        "trainer.steps=3",
+        "logger=wandb",
+        f"hydra.sweep.dir={sweep}",
+        pin_dir=False,
+        env=auto_env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("hsdp_runner: parallel=auto chose ") == 2
     assert result.stdout.count("runner-up dp_replicate=") == 2
@@ -209,8 +281,9 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         config = OmegaConf.load(job / "config_resolved.yaml")
         plan = json.loads((job / "plan" / "plan.json").read_text())
         chosen = next(e for e in plan["layouts"] if e["valid"] and e["fits"])
-        assert [summary[k] for k in ("dp_replicate", "dp_shard", "tp")] == \
-            [chosen["overrides"][f"parallel.{k}"] for k in ("dp_replicate", "dp_shard", "tp")]
+        assert [summary[k] for k in ("dp_replicate", "dp_shard", "tp")] == [
+            chosen["overrides"][f"parallel.{k}"] for k in ("dp_replicate", "dp_shard", "tp")
+        ]
         assert config.plan.source == str(job / "plan" / "plan.json")
         assert config.cluster.name == "this_machine" and config.cluster.gpus_per_node == 2
         pred = summary["prediction"]
@@ -218,7 +291,8 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         assert pred["figures"]["step_time_s"]["measured"] == summary["median_step_time_s"]
         assert pred["figures"]["mem_gib"]["predicted"] == chosen["mem_gib"]
         assert pred["figures"]["mem_gib"]["measured"] == max(
-            summary["mem_tensor_peak_gib_per_rank"])
+            summary["mem_tensor_peak_gib_per_rank"]
+        )
         run = read_run(next(job.glob("wandb/offline-run-*/run-*.wandb")))
         assert run["summary"]["prediction/step_time_s/predicted"] == chosen["step_time_s"]
     assert compare.main([str(sweep)]) == 0

@@ -9,46 +9,71 @@ from hsdp_runner.runtime import app, launch
 
 # (overrides, words the message must contain, GPUs the machine pretends to have or None)
 BAD_INPUTS = [
-    (["parallel.tpp=2"], "tpp", None),                                           # unknown key
-    (["parallel.tp=two"], "two", None),                                          # wrong type
-    (["trainer.steps=1.5"], "trainer.steps", None),                              # wrong type
+    (["parallel.tpp=2"], "tpp", None),  # unknown key
+    (["parallel.tp=two"], "two", None),  # wrong type
+    (["trainer.steps=1.5"], "trainer.steps", None),  # wrong type
     (["parallel.dp_shard=0"], "parallel.dp_shard=0 is invalid", None),
     (["parallel.dp_replicate=-3"], "parallel.dp_replicate=-3 is invalid", None),
-    (["parallel=fsdp", "launcher.nproc_per_node=3"], "world size is 3", None),    # product
+    (["parallel=fsdp", "launcher.nproc_per_node=3"], "world size is 3", None),  # product
     (["parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=4", None),
     (["parallel=tp", "parallel.tp=4"], "parallel.tp=4 does not divide model.n_kv_heads=2", None),
-    (["parallel.dp_shard=-1"], "set launcher.nproc_per_node", None),             # not inferable
+    (["parallel.dp_shard=-1"], "set launcher.nproc_per_node", None),  # not inferable
     (["parallel.dp_shard=-1", "launcher.nproc_per_node=3"], "cannot be inferred", None),
     (["parallel=fsdp", "launcher.nproc_per_node=4"], "exceeds the 2 visible GPUs", 2),
     (["device=cuda"], "device=cuda but no GPU is usable: this torch", None),
     (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible", None),
-    (["parallel=tp", "model.seq_len=31"], "model.seq_len=31 is not divisible by parallel.tp=2", None),
-    (["parallel=cp", "parallel.cp=4", "model.seq_len=36"],
-     "model.seq_len=36 is not divisible by 2 x parallel.cp=4", None),
-    (["parallel=cp", "parallel.tp=2", "model=gpt2_tiny"],
-     "set parallel.sequence_parallel=false or parallel.tp=1", None),
+    (
+        ["parallel=tp", "model.seq_len=31"],
+        "model.seq_len=31 is not divisible by parallel.tp=2",
+        None,
+    ),
+    (
+        ["parallel=cp", "parallel.cp=4", "model.seq_len=36"],
+        "model.seq_len=36 is not divisible by 2 x parallel.cp=4",
+        None,
+    ),
+    (
+        ["parallel=cp", "parallel.tp=2", "model=gpt2_tiny"],
+        "set parallel.sequence_parallel=false or parallel.tp=1",
+        None,
+    ),
     (["precision.param_dtype=float8"], "precision.param_dtype='float8'", None),
     (["precision=bf16"], "needs bfloat16, which this GPU does not support", 4),
     (["data=text", "data.path=/no/such.txt"], "data.path='/no/such.txt' does not exist", None),
     (["data=text", "data.path=EMPTY"], "holds 0 bytes", None),
     (["hydra.run.dir=/proc/hsdp_runner_test"], "is not writable", None),
-    (["checkpoint.load_path=/no/such/ckpt"], "checkpoint.load_path=/no/such/ckpt does not exist", None),
-    (["checkpoint.load_path=EMPTY"], "is neither a checkpoint", None),           # wrong kind
+    (
+        ["checkpoint.load_path=/no/such/ckpt"],
+        "checkpoint.load_path=/no/such/ckpt does not exist",
+        None,
+    ),
+    (["checkpoint.load_path=EMPTY"], "is neither a checkpoint", None),  # wrong kind
     (["trainer.freeze=[nope.*]"], "trainer.freeze pattern 'nope.*' matches no parameter", None),
     (["trainer.on_nan=ignore"], "trainer.on_nan='ignore'", None),
     (["parallel.ac=sometimes"], "parallel.ac='sometimes'", None),
     (["logger.mode=cloud"], "logger.mode='cloud'", None),
     (["optim.lr=0"], "optim.lr=0.0 must be positive", None),
     (["metrics.memory_steps=-1"], "metrics.memory_steps=-1 must be >= 0", None),
-    (["+trainer.stepz=10"], "unknown config key trainer.stepz (added with +); nothing reads it: "
-                            "did you mean trainer.steps?", None),
+    (
+        ["+trainer.stepz=10"],
+        "unknown config key trainer.stepz (added with +); nothing reads it: "
+        "did you mean trainer.steps?",
+        None,
+    ),
     (["+foo.bar=1"], "unknown config key foo", None),
     (["launcher.signal=KILL"], "launcher.signal='KILL'", None),
     (["launcher.requeue=1"], "launcher.requeue=1 needs checkpoint.enable=true", None),
-    (["parallel=auto", "launcher.nproc_per_node=2", "parallel.tp=3"],       # auto: a constraint
-     "parallel=auto: parallel.tp=3: no layout of 2 ranks has that degree", None),  # none meets
-    (["parallel=auto"], "parallel=auto on CPU needs the number of ranks to plan for and start: "
-                        "set launcher.nproc_per_node", None),
+    (
+        ["parallel=auto", "launcher.nproc_per_node=2", "parallel.tp=3"],  # auto: a constraint
+        "parallel=auto: parallel.tp=3: no layout of 2 ranks has that degree",
+        None,
+    ),  # none meets
+    (
+        ["parallel=auto"],
+        "parallel=auto on CPU needs the number of ranks to plan for and start: "
+        "set launcher.nproc_per_node",
+        None,
+    ),
 ]
 
 
@@ -59,10 +84,12 @@ def empty_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("overrides, words, gpus", BAD_INPUTS,
-                         ids=[" ".join(case[0]) for case in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "overrides, words, gpus", BAD_INPUTS, ids=[" ".join(case[0]) for case in BAD_INPUTS]
+)
 def test_bad_input_exits_2_naming_key_and_fix_before_any_worker(
-        overrides, words, gpus, job_dir, empty_file, monkeypatch, capsys):
+    overrides, words, gpus, job_dir, empty_file, monkeypatch, capsys
+):
     overrides = [o.replace("EMPTY", str(empty_file)) for o in overrides]
     if gpus is not None:
         monkeypatch.setattr(launch, "usable_gpus", lambda device: gpus)

@@ -28,10 +28,18 @@ def killed_then_resumed(tmp_path_factory):
     Returns (job dir, step records and checkpoint folder listing after the killed run).
     """
     out = tmp_path_factory.mktemp("resume")
-    job = [*TINY, "parallel=fsdp", "parallel.dp_shard=2", "trainer.steps=20", *SAVE,
-           "checkpoint.interval=10", "checkpoint.keep_last=1"]
-    killed = run_cli(out, *job, "fault.rank=1", "fault.step=20", "fault.phase=save",
-                     "fault.kind=sigkill")
+    job = [
+        *TINY,
+        "parallel=fsdp",
+        "parallel.dp_shard=2",
+        "trainer.steps=20",
+        *SAVE,
+        "checkpoint.interval=10",
+        "checkpoint.keep_last=1",
+    ]
+    killed = run_cli(
+        out, *job, "fault.rank=1", "fault.step=20", "fault.phase=save", "fault.kind=sigkill"
+    )
     assert killed.returncode == 1 and "rank 1 failed" in killed.stderr, killed.stderr[-3000:]
     straight, _ = read_job(out)
     listing = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -69,15 +77,26 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_cp_ddp_and_single(tmp_path):
     loss is compared with the loss the 8-rank run had at that step.
     """
     job = [*TINY, "trainer.steps=5", *SAVE]
-    ref = run_cli(tmp_path / "hsdp_tp", *job, "parallel=hsdp_tp", "checkpoint.interval=2",
-                  "checkpoint.export_at_end=true", "checkpoint.export_dtype=float32")
+    ref = run_cli(
+        tmp_path / "hsdp_tp",
+        *job,
+        "parallel=hsdp_tp",
+        "checkpoint.interval=2",
+        "checkpoint.export_at_end=true",
+        "checkpoint.export_dtype=float32",
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "hsdp_tp")
 
     source = tmp_path / "hsdp_tp" / "checkpoints" / "step-2"
     for layout, first in (("fsdp_cp", 3), ("ddp", 4), ("single", 5)):
-        result = run_cli(tmp_path / layout, *job, f"parallel={layout}",
-                         f"checkpoint.interval={first}", f"checkpoint.load_path={source}")
+        result = run_cli(
+            tmp_path / layout,
+            *job,
+            f"parallel={layout}",
+            f"checkpoint.interval={first}",
+            f"checkpoint.load_path={source}",
+        )
         assert result.returncode == 0, (layout, result.stderr[-3000:])
         records, summary = read_job(tmp_path / layout)
         assert summary["loaded_from"] == str(source) and summary["start_step"] == first - 1
@@ -100,10 +119,21 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
     split by sequence parallel) continues in one process with the 4-rank run's losses; the
     4-rank run's HF export equals DCP's reassembly of its last checkpoint, and transformers'
     GPT2LMHeadModel computes our logits from it."""
-    job = ["model=gpt2_tiny", "trainer.global_batch_size=8", "logger=none", "trainer.steps=4",
-           *SAVE]
-    ref = run_cli(tmp_path / "fsdp_tp", *job, "parallel=fsdp_tp", "checkpoint.interval=2",
-                  "checkpoint.export_at_end=true", "checkpoint.export_dtype=float32")
+    job = [
+        "model=gpt2_tiny",
+        "trainer.global_batch_size=8",
+        "logger=none",
+        "trainer.steps=4",
+        *SAVE,
+    ]
+    ref = run_cli(
+        tmp_path / "fsdp_tp",
+        *job,
+        "parallel=fsdp_tp",
+        "checkpoint.interval=2",
+        "checkpoint.export_at_end=true",
+        "checkpoint.export_dtype=float32",
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "fsdp_tp")
     source = tmp_path / "fsdp_tp" / "checkpoints" / "step-2"
@@ -124,10 +154,13 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
     transformers = pytest.importorskip("transformers")
     ours = model_spec(model_cfg).build()
     ours.load_state_dict(weights)
-    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "fsdp_tp" / "hf",
-                                                          dtype=torch.float32)
-    tokens = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len),
-                           generator=torch.Generator().manual_seed(0))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(
+        tmp_path / "fsdp_tp" / "hf", dtype=torch.float32
+    )
+    tokens = torch.randint(
+        0, model_cfg.vocab_size, (2, model_cfg.seq_len), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
-        torch.testing.assert_close(theirs.eval()(tokens).logits, ours.eval()(tokens),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            theirs.eval()(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5
+        )

@@ -25,7 +25,9 @@ def _validate(tmp_path, *overrides):
 @pytest.fixture
 def step2(trained_checkpoint, tmp_path):
     """A private copy of the trained job's step-2 checkpoint, free to damage."""
-    return shutil.copytree(trained_checkpoint / "checkpoints" / "step-2", tmp_path / "ckpts" / "step-2")
+    return shutil.copytree(
+        trained_checkpoint / "checkpoints" / "step-2", tmp_path / "ckpts" / "step-2"
+    )
 
 
 def test_checkpoint_of_another_model_shape_exits_2_before_any_worker(step2, job_dir):
@@ -39,8 +41,11 @@ def test_checkpoint_of_another_model_shape_exits_2_before_any_worker(step2, job_
 def test_truncated_checkpoint_is_refused_naming_the_file(step2, tmp_path):
     shard = step2 / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {step2} is truncated: "
-                       r"__0_0.distcp holds 1000 bytes"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=f"checkpoint {step2} is truncated: "
+        r"__0_0.distcp holds 1000 bytes",
+    ):
         _validate(tmp_path, f"checkpoint.load_path={step2}")
 
 
@@ -69,14 +74,21 @@ def test_interrupted_save_is_never_loaded(step2, tmp_path):
 
 @pytest.mark.parametrize("key", ["checkpoint.load_path", "checkpoint.init_from_hf"])
 def test_missing_path_is_refused_naming_key_and_path(key, tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match=f"{key}={tmp_path}/nowhere does not exist"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=f"{key}={tmp_path}/nowhere does not exist"
+    ):
         _validate(tmp_path, f"{key}={tmp_path}/nowhere")
 
 
 def test_hf_folder_of_another_model_is_refused(trained_checkpoint, tmp_path):
-    with pytest.raises(ConfigError, match=r"was written for another model: model.n_layers=3 but "
-                       "config.json implies 2"):
-        _validate(tmp_path, "model.n_layers=3", f"checkpoint.init_from_hf={trained_checkpoint / 'hf'}")
+    with pytest.raises(
+        ConfigError,
+        match=r"was written for another model: model.n_layers=3 but "
+        "config.json implies 2",
+    ):
+        _validate(
+            tmp_path, "model.n_layers=3", f"checkpoint.init_from_hf={trained_checkpoint / 'hf'}"
+        )
 
 
 def test_export_never_overwrites_a_folder_with_files(trained_checkpoint, tmp_path, capsys):
@@ -90,16 +102,24 @@ def test_export_never_overwrites_a_folder_with_files(trained_checkpoint, tmp_pat
         _validate(tmp_path, "checkpoint.export_at_end=true", f"checkpoint.export_dir={taken}")
 
 
-def test_saving_beside_existing_checkpoints_without_resuming_is_refused(trained_checkpoint, tmp_path):
+def test_saving_beside_existing_checkpoints_without_resuming_is_refused(
+    trained_checkpoint, tmp_path
+):
     ckpts = trained_checkpoint / "checkpoints"
     with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint.dir={ckpts} already holds"):
-        _validate(tmp_path, "checkpoint.enable=true", "checkpoint.resume=never", f"checkpoint.dir={ckpts}")
+        _validate(
+            tmp_path, "checkpoint.enable=true", "checkpoint.resume=never", f"checkpoint.dir={ckpts}"
+        )
 
 
 def test_resuming_a_finished_run_is_refused(trained_checkpoint, tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="is at step 2, nothing is left to train "
-                       "with trainer.steps=2"):
-        _validate(tmp_path, "trainer.steps=2", f"checkpoint.dir={trained_checkpoint / 'checkpoints'}")
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="is at step 2, nothing is left to train with trainer.steps=2",
+    ):
+        _validate(
+            tmp_path, "trainer.steps=2", f"checkpoint.dir={trained_checkpoint / 'checkpoints'}"
+        )
 
 
 class _RunsCode:

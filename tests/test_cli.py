@@ -14,8 +14,9 @@ def test_cfg_job_prints_the_composed_config(job_dir):
 
 @pytest.mark.multiprocess
 def test_crashing_rank_fails_the_job_with_its_error(job_dir):
-    result = run_cli(job_dir, *TINY, "parallel=fsdp", "parallel.dp_shard=2", "fault.rank=1",
-                     "fault.step=3")
+    result = run_cli(
+        job_dir, *TINY, "parallel=fsdp", "parallel.dp_shard=2", "fault.rank=1", "fault.step=3"
+    )
     assert result.returncode == 1
     assert "rank 1 failed" in result.stderr
     assert "injected fault (fault.kind=exception) on rank 1 at step 3" in result.stderr

@@ -9,36 +9,72 @@ import torch
 from distributed import run_workers
 from test_config import compose
 
-BASE = ["model=llama3_tiny", "trainer.steps=1", "metrics.peak_tflops=1", "logger=none",
-        "trainer.global_batch_size=8"]
+BASE = [
+    "model=llama3_tiny",
+    "trainer.steps=1",
+    "metrics.peak_tflops=1",
+    "logger=none",
+    "trainer.global_batch_size=8",
+]
 # name -> overrides; all on 8 ranks. tp=8 needs 8 heads and 8 kv heads.
 LAYOUTS = {
     "fsdp": ["parallel=fsdp", "parallel.dp_shard=8"],
     "hsdp": ["parallel=hsdp", "parallel.dp_shard=4", "precision=bf16"],
     "tp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8"],
-    "fsdp_tp": ["parallel=fsdp_tp", "parallel.dp_shard=4", "precision=bf16_pure",
-                "trainer.grad_accum_steps=2"],
+    "fsdp_tp": [
+        "parallel=fsdp_tp",
+        "parallel.dp_shard=4",
+        "precision=bf16_pure",
+        "trainer.grad_accum_steps=2",
+    ],
     "hsdp_tp": ["parallel=hsdp_tp", "precision=bf16"],
-    "ddp_tp_no_sp": ["parallel=hsdp_tp", "parallel.dp_replicate=4", "parallel.dp_shard=1",
-                     "parallel.sequence_parallel=false"],
+    "ddp_tp_no_sp": [
+        "parallel=hsdp_tp",
+        "parallel.dp_replicate=4",
+        "parallel.dp_shard=1",
+        "parallel.sequence_parallel=false",
+    ],
     # Activation checkpointing with TP: selective repeats no collective, full repeats the
     # blocks' forward ones in backward.
     "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=selective"],
     "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=full"],
-    "tp_full_ac_no_sp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8",
-                         "parallel.ac=full", "parallel.sequence_parallel=false"],
+    "tp_full_ac_no_sp": [
+        "parallel=tp",
+        "parallel.tp=8",
+        "model.n_heads=8",
+        "model.n_kv_heads=8",
+        "parallel.ac=full",
+        "parallel.sequence_parallel=false",
+    ],
     # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel).
     "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
-    "gpt2_ddp_tp_no_sp": ["model=gpt2_tiny", "parallel=hsdp_tp", "parallel.dp_replicate=4",
-                          "parallel.dp_shard=1", "parallel.sequence_parallel=false"],
+    "gpt2_ddp_tp_no_sp": [
+        "model=gpt2_tiny",
+        "parallel=hsdp_tp",
+        "parallel.dp_replicate=4",
+        "parallel.dp_shard=1",
+        "parallel.sequence_parallel=false",
+    ],
     # Context parallel: the K/V all-gather per block and its gradients' reduce-scatter (again
     # under full AC; selective saves it); FSDP shards over dp_shard x cp.
-    "fsdp_cp_tp": ["parallel=fsdp_cp", "parallel.tp=2", "precision=bf16",
-                   "trainer.grad_accum_steps=2"],
-    "hsdp_cp_full_ac": ["parallel=hsdp_cp_tp", "parallel.cp=4", "parallel.tp=1",
-                        "parallel.ac=full"],
-    "gpt2_cp_selective_ac": ["model=gpt2_tiny", "parallel=cp", "parallel.cp=8",
-                             "parallel.ac=selective"],
+    "fsdp_cp_tp": [
+        "parallel=fsdp_cp",
+        "parallel.tp=2",
+        "precision=bf16",
+        "trainer.grad_accum_steps=2",
+    ],
+    "hsdp_cp_full_ac": [
+        "parallel=hsdp_cp_tp",
+        "parallel.cp=4",
+        "parallel.tp=1",
+        "parallel.ac=full",
+    ],
+    "gpt2_cp_selective_ac": [
+        "model=gpt2_tiny",
+        "parallel=cp",
+        "parallel.cp=8",
+        "parallel.ac=selective",
+    ],
 }
 
 
@@ -53,8 +89,11 @@ def _measure_layouts():
 
     out = {}
     for name, overrides in LAYOUTS.items():
-        base = [o for o in BASE if not (o.startswith("model=") and
-                                        any(m.startswith("model=") for m in overrides))]
+        base = [
+            o
+            for o in BASE
+            if not (o.startswith("model=") and any(m.startswith("model=") for m in overrides))
+        ]
         cfg = compose(base + overrides)
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
@@ -83,8 +122,11 @@ def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
         # up to the few scalar reductions of clip_grad_norm_ (see comm_model) landing there.
         for key in set(f["comm_measured"]) - set(f["comm_analytic"]):
             assert f["comm_measured"][key]["bytes"] < 0.001 * f["comm_bytes_analytic"], (key, f)
-        bulk = {key: entry for key, entry in f["comm_analytic"].items()
-                if entry["bytes"] >= 0.01 * f["comm_bytes_analytic"]}
+        bulk = {
+            key: entry
+            for key, entry in f["comm_analytic"].items()
+            if entry["bytes"] >= 0.01 * f["comm_bytes_analytic"]
+        }
         assert bulk, f
         for key, expected in bulk.items():
             got = f["comm_measured"][key]
@@ -101,14 +143,18 @@ def test_analytic_fsdp_bytes_match_a_hand_count():
     # and two norms of 64 = 49,280 parameters; the root 2 x 256x64 + 64 = 32,832.
     blocks, root = 2 * 49_280, 32_832
     for reshard, gathers in ((True, 5), (False, 3)):
-        cfg = compose(BASE + ["parallel=fsdp", "parallel.dp_shard=2",
-                              f"parallel.reshard_after_forward={reshard}"])
+        cfg = compose(
+            BASE
+            + ["parallel=fsdp", "parallel.dp_shard=2", f"parallel.reshard_after_forward={reshard}"]
+        )
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
         got = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
         gathered = (blocks + root + (blocks if reshard else 0)) * 4  # fp32
-        assert got == {"all_gather/dp_shard": {"calls": gathers, "bytes": gathered},
-                       "reduce_scatter/dp_shard": {"calls": 3, "bytes": (blocks + root) * 4},
-                       "all_reduce/dp_shard": {"calls": 1, "bytes": STATS_BYTES}}
+        assert got == {
+            "all_gather/dp_shard": {"calls": gathers, "bytes": gathered},
+            "reduce_scatter/dp_shard": {"calls": 3, "bytes": (blocks + root) * 4},
+            "all_reduce/dp_shard": {"calls": 1, "bytes": STATS_BYTES},
+        }
 
 
 def test_analytic_cp_bytes_match_a_hand_count():

@@ -15,53 +15,106 @@ def fake_job(sweep: Path, num: int, overrides: list[str], summary: dict, losses=
     job = sweep / f"{num}_{','.join(overrides)}"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    (job / "config_resolved.yaml").write_text(yaml.safe_dump({
-        "precision": {"name": "bf16"}, "parallel": {"dp_replicate": -1, "dp_shard": 8, "tp": 2},
-        "logger": {"project": "proj", "entity": None, "group": None, "mode": "offline"}}))
+    (job / "config_resolved.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "precision": {"name": "bf16"},
+                "parallel": {"dp_replicate": -1, "dp_shard": 8, "tp": 2},
+                "logger": {"project": "proj", "entity": None, "group": None, "mode": "offline"},
+            }
+        )
+    )
     (job / "summary.json").write_text(json.dumps(summary))
-    (job / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+    (job / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses))
+    )
 
 
 def ran(tps: float, shape: list[int]) -> dict:
-    return {"status": "completed", "layout": "fsdp_tp", "mesh_shape": shape, "world_size": 8,
-            "median_tps_global": tps, "min_tps_global": tps * 0.9, "max_tps_global": tps * 1.1,
-            "median_tps_per_device": tps / 8, "min_tps_per_device": tps / 9,
-            "max_tps_per_device": tps / 7, "median_mfu": 0.41, "mem_peak_gib": 30.5,
-            "median_step_time_s": 0.5, "comm_bytes_measured": 3 * 2**20,
-            "comm_bytes_analytic": 3 * 2**20 - 100, "comm_ratio": 1.00003}
+    return {
+        "status": "completed",
+        "layout": "fsdp_tp",
+        "mesh_shape": shape,
+        "world_size": 8,
+        "median_tps_global": tps,
+        "min_tps_global": tps * 0.9,
+        "max_tps_global": tps * 1.1,
+        "median_tps_per_device": tps / 8,
+        "min_tps_per_device": tps / 9,
+        "max_tps_per_device": tps / 7,
+        "median_mfu": 0.41,
+        "mem_peak_gib": 30.5,
+        "median_step_time_s": 0.5,
+        "comm_bytes_measured": 3 * 2**20,
+        "comm_bytes_analytic": 3 * 2**20 - 100,
+        "comm_ratio": 1.00003,
+    }
 
 
 @pytest.fixture
 def sweep(tmp_path):
     common = "model=llama3_8b"
-    fake_job(tmp_path, 0, ["parallel.dp_shard=8", "parallel.tp=2", common],
-             {"status": "skipped", "reason": "parallel.dp_replicate=-1 cannot be inferred",
-              "requested_degrees": {"dp_replicate": -1, "dp_shard": 8, "tp": 2}})
-    fake_job(tmp_path, 1, ["parallel.dp_shard=4", "parallel.tp=2", common],
-             ran(9000.0, [1, 4, 2]), losses=[5.0, 4.0, 3.5])
-    fake_job(tmp_path, 2, ["parallel.dp_shard=2", "parallel.tp=2", common],
-             {"status": "failed", "layout": "hsdp_tp", "mesh_shape": [2, 2, 2], "world_size": 8,
-              "failed_rank": 3, "error": "torch.OutOfMemoryError: CUDA out of memory | more\nat"},
-             losses=[5.0])
-    fake_job(tmp_path, 3, ["parallel.dp_shard=8", "parallel.tp=1", common],
-             ran(12000.0, [1, 8, 1]), losses=[5.0, 4.1, 3.6])
-    fake_job(tmp_path, 4, ["parallel=fsdp_cp", "parallel.cp=4", common],
-             {**ran(6000.0, [1, 2, 4, 1]), "layout": "fsdp_cp"}, losses=[5.0, 4.2])
+    fake_job(
+        tmp_path,
+        0,
+        ["parallel.dp_shard=8", "parallel.tp=2", common],
+        {
+            "status": "skipped",
+            "reason": "parallel.dp_replicate=-1 cannot be inferred",
+            "requested_degrees": {"dp_replicate": -1, "dp_shard": 8, "tp": 2},
+        },
+    )
+    fake_job(
+        tmp_path,
+        1,
+        ["parallel.dp_shard=4", "parallel.tp=2", common],
+        ran(9000.0, [1, 4, 2]),
+        losses=[5.0, 4.0, 3.5],
+    )
+    fake_job(
+        tmp_path,
+        2,
+        ["parallel.dp_shard=2", "parallel.tp=2", common],
+        {
+            "status": "failed",
+            "layout": "hsdp_tp",
+            "mesh_shape": [2, 2, 2],
+            "world_size": 8,
+            "failed_rank": 3,
+            "error": "torch.OutOfMemoryError: CUDA out of memory | more\nat",
+        },
+        losses=[5.0],
+    )
+    fake_job(
+        tmp_path,
+        3,
+        ["parallel.dp_shard=8", "parallel.tp=1", common],
+        ran(12000.0, [1, 8, 1]),
+        losses=[5.0, 4.1, 3.6],
+    )
+    fake_job(
+        tmp_path,
+        4,
+        ["parallel=fsdp_cp", "parallel.cp=4", common],
+        {**ran(6000.0, [1, 2, 4, 1]), "layout": "fsdp_cp"},
+        losses=[5.0, 4.2],
+    )
     return tmp_path
 
 
 def test_table_is_sorted_by_throughput_with_the_best_marked(sweep):
     rows = compare.table(compare.load_jobs(sweep)).splitlines()[2:]
     assert rows[0].startswith(
-        "| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1×1 | 8 | bf16 | 3.00 (×1.000) |")
+        "| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1×1 | 8 | bf16 | 3.00 (×1.000) |"
+    )
     assert "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | ok |" in rows[0]
     assert rows[1].startswith("| #1 dp_shard=4 tp=2 |") and "(best)" not in rows[1]
     # A run's context-parallel degree is a column of its degrees; runs from before the cp
     # dim (3-dim meshes, no parallel.cp) show cp = 1.
     assert rows[2].startswith("| #4 parallel=fsdp_cp cp=4 | fsdp_cp | 1×2×4×1 | 8 |")
     assert rows[3].endswith(
-        "| failed (rank 3): torch.OutOfMemoryError: CUDA out of memory \\| more |")
+        "| failed (rank 3): torch.OutOfMemoryError: CUDA out of memory \\| more |"
+    )
     assert rows[4].startswith("| #0 dp_shard=8 tp=2 | — | -1×8×1×2 | — |")
     assert rows[4].endswith("| skipped: parallel.dp_replicate=-1 cannot be inferred |")
 

@@ -24,10 +24,15 @@ def _loss_and_embedding_grad(overrides):
         cfg = compose(overrides + [f"parallel.compile={str(compiled).lower()}"])
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
-        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
-                            torch.device("cpu"), seed=0)
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1),
-                               generator=torch.Generator().manual_seed(1))
+        model = build_model(
+            cfg.model, dims, world, cfg.parallel, cfg.precision, torch.device("cpu"), seed=0
+        )
+        tokens = torch.randint(
+            0,
+            cfg.model.vocab_size,
+            (2, cfg.model.seq_len + 1),
+            generator=torch.Generator().manual_seed(1),
+        )
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()

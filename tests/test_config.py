@@ -14,8 +14,21 @@ GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for g in CONF.iterdir
 
 
 def test_every_group_has_its_options():
-    assert GROUPS["parallel"] == sorted(["single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp",
-                                         "cp", "fsdp_cp", "hsdp_cp_tp", "auto"])
+    assert GROUPS["parallel"] == sorted(
+        [
+            "single",
+            "ddp",
+            "fsdp",
+            "hsdp",
+            "tp",
+            "fsdp_tp",
+            "hsdp_tp",
+            "cp",
+            "fsdp_cp",
+            "hsdp_cp_tp",
+            "auto",
+        ]
+    )
     assert {"llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"} <= set(GROUPS["model"])
     assert GROUPS["precision"] == ["bf16", "bf16_pure", "fp32"]
     assert set(GROUPS["data"]) == {"synthetic", "text"}
@@ -33,9 +46,18 @@ def test_each_group_option_composes_and_validates(group, option):
 
 
 def test_presets_hold_their_degrees():
-    expected = {"single": (1, 1, 1, 1), "ddp": (2, 1, 1, 1), "fsdp": (1, 4, 1, 1),
-                "hsdp": (2, 2, 1, 1), "tp": (1, 1, 1, 2), "fsdp_tp": (1, 2, 1, 2),
-                "hsdp_tp": (2, 2, 1, 2), "cp": (1, 1, 2, 1), "fsdp_cp": (1, 2, 2, 1), "hsdp_cp_tp": (2, 1, 2, 2)}
+    expected = {
+        "single": (1, 1, 1, 1),
+        "ddp": (2, 1, 1, 1),
+        "fsdp": (1, 4, 1, 1),
+        "hsdp": (2, 2, 1, 1),
+        "tp": (1, 1, 1, 2),
+        "fsdp_tp": (1, 2, 1, 2),
+        "hsdp_tp": (2, 2, 1, 2),
+        "cp": (1, 1, 2, 1),
+        "fsdp_cp": (1, 2, 2, 1),
+        "hsdp_cp_tp": (2, 1, 2, 2),
+    }
     for name, degrees in expected.items():
         p = compose([f"parallel={name}"]).parallel
         assert (p.dp_replicate, p.dp_shard, p.cp, p.tp) == degrees, name
@@ -64,17 +86,20 @@ def test_wrong_type_fails_at_composition_naming_the_key():
     assert "tp" in text and "two" in text
 
 
-@pytest.mark.parametrize("override, allowed", [
-    ("parallel.ac=sometimes", "[none, full, selective]"),
-    ("parallel.ddp_impl=ddp", "[replicate, fully_shard]"),
-    ("precision.param_dtype=float8", "[float32, bfloat16, float16]"),
-    ("data.kind=images", "[synthetic, text]"),
-    ("logger.name=tensorboard", "[wandb, none]"),
-    ("logger.mode=cloud", "[offline, online, disabled]"),
-    ("trainer.on_nan=ignore", "[stop, skip]"),
-    ("checkpoint.resume=always", "[auto, never]"),
-    ("launcher.name=pbs", "[local, slurm, slurm_local]"),
-])
+@pytest.mark.parametrize(
+    "override, allowed",
+    [
+        ("parallel.ac=sometimes", "[none, full, selective]"),
+        ("parallel.ddp_impl=ddp", "[replicate, fully_shard]"),
+        ("precision.param_dtype=float8", "[float32, bfloat16, float16]"),
+        ("data.kind=images", "[synthetic, text]"),
+        ("logger.name=tensorboard", "[wandb, none]"),
+        ("logger.mode=cloud", "[offline, online, disabled]"),
+        ("trainer.on_nan=ignore", "[stop, skip]"),
+        ("checkpoint.resume=always", "[auto, never]"),
+        ("launcher.name=pbs", "[local, slurm, slurm_local]"),
+    ],
+)
 def test_a_bad_choice_fails_at_composition_listing_the_allowed_values(override, allowed):
     key, value = override.split("=")
     with pytest.raises(ConfigCompositionException) as err:
@@ -100,24 +125,30 @@ def test_fault_kind_nan_composes_although_hydra_reads_it_as_a_float():
 def test_a_plain_dict_config_gets_the_same_choice_check():
     cfg = OmegaConf.to_container(compose([]), resolve=True, enum_to_str=True)
     cfg["fault"]["kind"] = "segfault"
-    with pytest.raises(ConfigError, match="fault.kind='segfault' is not one of exception, "
-                                          "sigkill, sigterm, nan, hang"):
+    with pytest.raises(
+        ConfigError,
+        match="fault.kind='segfault' is not one of exception, sigkill, sigterm, nan, hang",
+    ):
         validate_config(to_run_config(cfg))
 
 
 def test_a_bad_choice_on_the_command_line_reads_as_one_line():
     assert bad_choice_override(["parallel=fsdp", "parallel.ac=full,sometimes"]) == (
         "parallel.ac='sometimes' is not one of none, full, selective; set parallel.ac to one "
-        "of them")
+        "of them"
+    )
     assert bad_choice_override(["parallel.ac=full", "+logger.mode=online", "device=cpu"]) is None
     assert bad_choice_override(["parallel.ac=${oc.env:AC}"]) is None  # left to composition
 
 
-@pytest.mark.parametrize("override, words", [
-    ("trainer.steps=0", "trainer.steps=0"),
-    ("metrics.peak_tflops=-1", "metrics.peak_tflops"),
-    ("model.n_heads=5", "model.dim=256 is not divisible by model.n_heads=5"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.steps=0", "trainer.steps=0"),
+        ("metrics.peak_tflops=-1", "metrics.peak_tflops"),
+        ("model.n_heads=5", "model.dim=256 is not divisible by model.n_heads=5"),
+    ],
+)
 def test_validation_errors_name_key_and_value(override, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
         validate_config(to_run_config(compose([override])))

@@ -34,8 +34,7 @@ def test_each_cp_rank_receives_its_positions_of_inputs_and_targets():
     whole = TokenBatches(data, 64, 16, 4, dp_rank=1, dp_size=2, seed=3)
     inputs, targets = whole.local_batch(5)
     for rank in range(2):
-        part = TokenBatches(data, 64, 16, 4, dp_rank=1, dp_size=2, seed=3, cp_rank=rank,
-                            cp_size=2)
+        part = TokenBatches(data, 64, 16, 4, dp_rank=1, dp_size=2, seed=3, cp_rank=rank, cp_size=2)
         x, y = part.local_batch(5)
         index = head_tail_positions(16, 2, rank)
         assert torch.equal(x, inputs[:, index]) and torch.equal(y, targets[:, index])
@@ -62,7 +61,8 @@ def _attention_against_full() -> dict:
         out = SequenceShard(mesh, 16).attention(*mine)
         (out * grad[:, :, index]).sum().backward()
         errors[cp] = [float((out - reference[:, :, index]).abs().max())] + [
-            float((m.grad - f.grad[:, :, index]).abs().max()) for m, f in zip(mine, full)]
+            float((m.grad - f.grad[:, :, index]).abs().max()) for m, f in zip(mine, full)
+        ]
     return errors
 
 

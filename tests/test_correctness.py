@@ -29,10 +29,15 @@ def _reduced_gradients():
 
     precision = compose([]).precision
     out = {}
-    for name, degrees in {"ddp": (4, 1), "ddp_fully_shard": (4, 1), "fsdp": (1, 4),
-                          "hsdp": (2, 2)}.items():
-        parallel = ParallelConfig(dp_replicate=degrees[0], dp_shard=degrees[1],
-                                  sequence_parallel=False)
+    for name, degrees in {
+        "ddp": (4, 1),
+        "ddp_fully_shard": (4, 1),
+        "fsdp": (1, 4),
+        "hsdp": (2, 2),
+    }.items():
+        parallel = ParallelConfig(
+            dp_replicate=degrees[0], dp_shard=degrees[1], sequence_parallel=False
+        )
         dims = ParallelDims.from_config(parallel, None, dist.get_world_size())
         world = dims.build_mesh("cpu")
         model = GradientProbe()
@@ -53,7 +58,9 @@ def _four_rank_cases(eval_cases):
 def four_ranks():
     """Rank 0's results of ``_four_rank_cases`` for fsdp, hsdp and fsdp_tp, each with
     ``reshard_after_forward`` on and off."""
-    cases = [(layout, reshard) for layout in ("fsdp", "hsdp", "fsdp_tp") for reshard in (True, False)]
+    cases = [
+        (layout, reshard) for layout in ("fsdp", "hsdp", "fsdp_tp") for reshard in (True, False)
+    ]
     return run_workers(_four_rank_cases, 4, cases)[0]
 
 
@@ -82,21 +89,46 @@ def _train_eval_frozen(cases):
 
     results = {}
     for layout, reshard in cases:
-        cfg = compose([f"parallel={layout}", "model=llama3_tiny", "trainer.steps=3", "logger=none",
-                       f"parallel.reshard_after_forward={str(reshard).lower()}",
-                       "trainer.freeze=['tok_embeddings.*']"])
+        cfg = compose(
+            [
+                f"parallel={layout}",
+                "model=llama3_tiny",
+                "trainer.steps=3",
+                "logger=none",
+                f"parallel.reshard_after_forward={str(reshard).lower()}",
+                "trainer.freeze=['tok_embeddings.*']",
+            ]
+        )
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
-        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
-                            torch.device("cpu"), cfg.trainer.seed, cfg.trainer.freeze)
+        model = build_model(
+            cfg.model,
+            dims,
+            world,
+            cfg.parallel,
+            cfg.precision,
+            torch.device("cpu"),
+            cfg.trainer.seed,
+            cfg.trainer.freeze,
+        )
 
         def full_weights(model=model):
-            return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                    for n, p in model.named_parameters()}
+            return {
+                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters()
+            }
+
         before = full_weights()
         cpu = torch.device("cpu")
-        trainer = make_trainer(to_run_config(cfg), dims, world, model, cpu,
-                               compute_run_figures(cfg, dims, model, cpu), sinks=[])
+        trainer = make_trainer(
+            to_run_config(cfg),
+            dims,
+            world,
+            model,
+            cpu,
+            compute_run_figures(cfg, dims, model, cpu),
+            sinks=[],
+        )
         trainer.fit()
         eval_loss = trainer.evaluate(2)
         after = full_weights()
@@ -104,17 +136,28 @@ def _train_eval_frozen(cases):
         if dist.get_rank() == 0:
             plain = Llama(cfg.model)
             plain.load_state_dict(after, strict=False)
-            batches = TokenBatches(cfg.data, cfg.model.vocab_size, cfg.model.seq_len,
-                                   cfg.trainer.global_batch_size, 0, 1, cfg.trainer.seed)
+            batches = TokenBatches(
+                cfg.data,
+                cfg.model.vocab_size,
+                cfg.model.seq_len,
+                cfg.trainer.global_batch_size,
+                0,
+                1,
+                cfg.trainer.seed,
+            )
             with torch.no_grad():
-                losses = [F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
-                          for x, y in (batches.local_batch(EVAL_STEP_OFFSET + i) for i in range(2))]
+                losses = [
+                    F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
+                    for x, y in (batches.local_batch(EVAL_STEP_OFFSET + i) for i in range(2))
+                ]
             single_eval = torch.stack(losses).mean().item()
         results[f"{layout}/reshard={reshard}"] = {
             "frozen_identical": torch.equal(before[FROZEN], after[FROZEN]),
             "frozen_requires_grad": dict(model.named_parameters())[FROZEN].requires_grad,
             "trained_changed": not torch.equal(before["output.weight"], after["output.weight"]),
-            "eval_loss": eval_loss, "single_eval": single_eval}
+            "eval_loss": eval_loss,
+            "single_eval": single_eval,
+        }
     return results
 
 
@@ -148,13 +191,21 @@ def _two_models_state_dicts(specs):
     for name, overrides in specs.items():
         cfg = compose(overrides + ["model=llama3_tiny"])
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-        models[name] = build_model(cfg.model, dims, dims.build_mesh("cpu"), cfg.parallel,
-                                   cfg.precision, torch.device("cpu"), seed=len(name))
+        models[name] = build_model(
+            cfg.model,
+            dims,
+            dims.build_mesh("cpu"),
+            cfg.parallel,
+            cfg.precision,
+            torch.device("cpu"),
+            seed=len(name),
+        )
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     saved = {n: get_model_state_dict(m, options=full) for n, m in models.items()}
     # Sharded (DTensor) state dicts share storage with the parameters: clone before zeroing.
-    sharded = {n: {k: v.clone() for k, v in get_model_state_dict(m).items()}
-               for n, m in models.items()}
+    sharded = {
+        n: {k: v.clone() for k, v in get_model_state_dict(m).items()} for n, m in models.items()
+    }
     for model in models.values():
         with torch.no_grad():
             for p in model.parameters():

@@ -18,41 +18,79 @@ from hsdp_runner.report.dashboard import charts as dashboard_charts
 from hsdp_runner.report.dashboard import page as dashboard
 from hsdp_runner.report.dashboard.callback import DashboardCallback
 
-COMM = {"all_gather/dp_shard": {"calls": 3, "bytes": 3 * 2**20},
-        "reduce_scatter/dp_shard": {"calls": 2, "bytes": 2**20}}
+COMM = {
+    "all_gather/dp_shard": {"calls": 3, "bytes": 3 * 2**20},
+    "reduce_scatter/dp_shard": {"calls": 2, "bytes": 2**20},
+}
 
 
-def fake_job(sweep: Path, num: int, overrides: list[str], summary: dict, steps: int = 0,
-             config: dict | None = None) -> Path:
+def fake_job(
+    sweep: Path,
+    num: int,
+    overrides: list[str],
+    summary: dict,
+    steps: int = 0,
+    config: dict | None = None,
+) -> Path:
     """A job dir as a multirun leaves it: .hydra/overrides.yaml, config, summary, metrics."""
     job = sweep / f"{num}_{','.join(overrides)}"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     values = dict(o.split("=", 1) for o in overrides)
-    (job / "config_resolved.yaml").write_text(yaml.safe_dump(config or {
-        "precision": {"name": values.get("precision", "bf16")},
-        "parallel": {"dp_replicate": 1, "dp_shard": int(values.get("parallel.dp_shard", 8)),
-                     "tp": int(values.get("parallel.tp", 1))}, "plan": {"source": None}}))
+    (job / "config_resolved.yaml").write_text(
+        yaml.safe_dump(
+            config
+            or {
+                "precision": {"name": values.get("precision", "bf16")},
+                "parallel": {
+                    "dp_replicate": 1,
+                    "dp_shard": int(values.get("parallel.dp_shard", 8)),
+                    "tp": int(values.get("parallel.tp", 1)),
+                },
+                "plan": {"source": None},
+            }
+        )
+    )
     if summary is not None:
         (job / "summary.json").write_text(json.dumps(summary))
-    (job / "metrics.jsonl").write_text("".join(json.dumps(
-        {"step": s, "loss": 5.0 - 0.1 * s, "step_time_s": 0.5 + 0.01 * s}) + "\n"
-        for s in range(1, steps + 1)))
+    (job / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss": 5.0 - 0.1 * s, "step_time_s": 0.5 + 0.01 * s}) + "\n"
+            for s in range(1, steps + 1)
+        )
+    )
     return job
 
 
 def ran(tps: float, shard: int, tp: int, comm: dict | None = COMM) -> dict:
-    facts = {"status": "completed", "layout": "fsdp_tp" if tp > 1 else "fsdp",
-             "mesh_shape": [1, shard, tp], "world_size": shard * tp, "dp_replicate": 1,
-             "dp_shard": shard, "tp": tp,
-             "median_tps_global": tps, "min_tps_global": tps * 0.9, "max_tps_global": tps * 1.1,
-             "median_tps_per_device": tps / 8, "min_tps_per_device": tps / 9,
-             "max_tps_per_device": tps / 7, "median_mfu": 0.4, "mem_peak_gib": 30.0,
-             "mem_peak_gib_per_rank": [30.0, 29.0, 31.5], "median_step_time_s": 0.5}
+    facts = {
+        "status": "completed",
+        "layout": "fsdp_tp" if tp > 1 else "fsdp",
+        "mesh_shape": [1, shard, tp],
+        "world_size": shard * tp,
+        "dp_replicate": 1,
+        "dp_shard": shard,
+        "tp": tp,
+        "median_tps_global": tps,
+        "min_tps_global": tps * 0.9,
+        "max_tps_global": tps * 1.1,
+        "median_tps_per_device": tps / 8,
+        "min_tps_per_device": tps / 9,
+        "max_tps_per_device": tps / 7,
+        "median_mfu": 0.4,
+        "mem_peak_gib": 30.0,
+        "mem_peak_gib_per_rank": [30.0, 29.0, 31.5],
+        "median_step_time_s": 0.5,
+    }
     if comm:
-        facts |= {"comm_step": 1, "comm_measured": comm, "comm_analytic": comm,
-                  "comm_bytes_measured": 4 * 2**20, "comm_bytes_analytic": 4 * 2**20,
-                  "comm_ratio": 1.0}
+        facts |= {
+            "comm_step": 1,
+            "comm_measured": comm,
+            "comm_analytic": comm,
+            "comm_bytes_measured": 4 * 2**20,
+            "comm_bytes_analytic": 4 * 2**20,
+            "comm_ratio": 1.0,
+        }
     return facts
 
 
@@ -60,21 +98,59 @@ def ran(tps: float, shard: int, tp: int, comm: dict | None = COMM) -> dict:
 def sweep(tmp_path):
     """Two completed jobs (one precision differs too), one skipped, one failed, one interrupted."""
     base = ["model=llama3_8b"]
-    fake_job(tmp_path, 0, ["parallel.dp_shard=8", "parallel.tp=2", "precision=bf16", *base],
-             {"status": "skipped", "reason": "parallel.dp_replicate=-1 cannot be inferred: "
-              + "world size 8 is not divisible " * 20,
-              "requested_degrees": {"dp_replicate": -1, "dp_shard": 8, "tp": 2}})
-    fake_job(tmp_path, 1, ["parallel.dp_shard=4", "parallel.tp=2", "precision=fp32", *base],
-             ran(9000.0, 4, 2), steps=4)
-    fake_job(tmp_path, 2, ["parallel.dp_shard=2", "parallel.tp=4", "precision=bf16", *base],
-             {"status": "failed", "layout": "fsdp_tp", "mesh_shape": [1, 2, 4],
-              "world_size": 8, "failed_rank": 3, "error": "torch.OutOfMemoryError: CUDA out"},
-             steps=1)
-    fake_job(tmp_path, 3, ["parallel.dp_shard=8", "parallel.tp=1", "precision=bf16", *base],
-             ran(12000.0, 8, 1), steps=4)
-    fake_job(tmp_path, 4, ["parallel.dp_shard=1", "parallel.tp=8", "precision=bf16", *base],
-             {"status": "interrupted", "layout": "tp", "mesh_shape": [1, 1, 8],
-              "world_size": 8, "interrupted_at_step": 2, "signal": "SIGTERM"}, steps=2)
+    fake_job(
+        tmp_path,
+        0,
+        ["parallel.dp_shard=8", "parallel.tp=2", "precision=bf16", *base],
+        {
+            "status": "skipped",
+            "reason": "parallel.dp_replicate=-1 cannot be inferred: "
+            + "world size 8 is not divisible " * 20,
+            "requested_degrees": {"dp_replicate": -1, "dp_shard": 8, "tp": 2},
+        },
+    )
+    fake_job(
+        tmp_path,
+        1,
+        ["parallel.dp_shard=4", "parallel.tp=2", "precision=fp32", *base],
+        ran(9000.0, 4, 2),
+        steps=4,
+    )
+    fake_job(
+        tmp_path,
+        2,
+        ["parallel.dp_shard=2", "parallel.tp=4", "precision=bf16", *base],
+        {
+            "status": "failed",
+            "layout": "fsdp_tp",
+            "mesh_shape": [1, 2, 4],
+            "world_size": 8,
+            "failed_rank": 3,
+            "error": "torch.OutOfMemoryError: CUDA out",
+        },
+        steps=1,
+    )
+    fake_job(
+        tmp_path,
+        3,
+        ["parallel.dp_shard=8", "parallel.tp=1", "precision=bf16", *base],
+        ran(12000.0, 8, 1),
+        steps=4,
+    )
+    fake_job(
+        tmp_path,
+        4,
+        ["parallel.dp_shard=1", "parallel.tp=8", "precision=bf16", *base],
+        {
+            "status": "interrupted",
+            "layout": "tp",
+            "mesh_shape": [1, 1, 8],
+            "world_size": 8,
+            "interrupted_at_step": 2,
+            "signal": "SIGTERM",
+        },
+        steps=2,
+    )
     return tmp_path
 
 
@@ -99,8 +175,13 @@ def test_html_table_has_the_rows_and_columns_of_compare_md(sweep):
     assert table.count("<th ") == md_rows[0].count(" | ") + 1
     rows = re.findall(r'<tr class="([^"]+)">(.*?)</tr>', table)
     # compare's order: completed by throughput, then interrupted, failed, skipped
-    assert [cls for cls, _ in rows] == ["completed best", "completed", "interrupted", "failed",
-                                        "skipped"]
+    assert [cls for cls, _ in rows] == [
+        "completed best",
+        "completed",
+        "interrupted",
+        "failed",
+        "skipped",
+    ]
     assert ">#3 dp_shard=8 tp=1 precision=bf16 (best)</td>" in rows[0][1]
     assert "failed (rank 3): torch.OutOfMemoryError: CUDA out" in rows[3][1]
     skipped = dict(rows)["skipped"]
@@ -125,8 +206,16 @@ def test_bars_show_min_max_of_throughput_and_of_memory_over_ranks(sweep):
 def test_parallel_coordinates_have_degrees_varying_options_and_figures(sweep):
     fig, note = dashboard_charts.parallel_coordinates(runs.load_jobs(sweep))
     dims = {d.label: d for d in fig.data[0].dimensions}
-    assert list(dims) == ["dp_replicate", "dp_shard", "cp", "tp", "precision",
-                          "tokens/s global", "MFU %", "peak mem GiB"]
+    assert list(dims) == [
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "tp",
+        "precision",
+        "tokens/s global",
+        "MFU %",
+        "peak mem GiB",
+    ]
     assert list(dims["dp_shard"].values) == [8, 4] and list(dims["tp"].values) == [1, 2]
     assert list(dims["cp"].values) == [1, 1]  # summaries from before the cp dim: cp = 1
     assert list(dims["precision"].ticktext) == ["bf16", "fp32"]
@@ -135,10 +224,18 @@ def test_parallel_coordinates_have_degrees_varying_options_and_figures(sweep):
 
 
 def test_a_context_parallel_job_shows_its_cp_degree_in_the_table_and_the_chart(tmp_path):
-    fake_job(tmp_path, 0, ["parallel.cp=2", "parallel.dp_shard=4"],
-             {**ran(8000.0, 4, 1), "layout": "fsdp_cp", "mesh_shape": [1, 4, 2, 1], "cp": 2})
-    fake_job(tmp_path, 1, ["parallel.cp=1", "parallel.dp_shard=8"],
-             {**ran(9000.0, 8, 1), "mesh_shape": [1, 8, 1, 1], "cp": 1})
+    fake_job(
+        tmp_path,
+        0,
+        ["parallel.cp=2", "parallel.dp_shard=4"],
+        {**ran(8000.0, 4, 1), "layout": "fsdp_cp", "mesh_shape": [1, 4, 2, 1], "cp": 2},
+    )
+    fake_job(
+        tmp_path,
+        1,
+        ["parallel.cp=1", "parallel.dp_shard=8"],
+        {**ran(9000.0, 8, 1), "mesh_shape": [1, 8, 1, 1], "cp": 1},
+    )
     fig, _ = dashboard_charts.parallel_coordinates(runs.load_jobs(tmp_path))
     dims = {d.label: d for d in fig.data[0].dimensions}
     assert list(dims["cp"].values) == [1, 2] and "parallel.cp" not in dims  # a degree axis
@@ -151,11 +248,16 @@ def test_curves_overlay_loss_and_step_time_of_every_job_named_on_hover(sweep):
     fig, _ = dashboard_charts.curves(runs.load_jobs(sweep))
     names = [t.name for t in fig.data]
     # two traces per job that logged a step (loss, step time), in job order
-    assert names == [n for n in ["#1 dp_shard=4 tp=2 precision=fp32",
-                                 "#2 dp_shard=2 tp=4 precision=bf16 (failed)",
-                                 "#3 dp_shard=8 tp=1 precision=bf16",
-                                 "#4 dp_shard=1 tp=8 precision=bf16 (interrupted)"]
-                     for _ in (0, 1)]
+    assert names == [
+        n
+        for n in [
+            "#1 dp_shard=4 tp=2 precision=fp32",
+            "#2 dp_shard=2 tp=4 precision=bf16 (failed)",
+            "#3 dp_shard=8 tp=1 precision=bf16",
+            "#4 dp_shard=1 tp=8 precision=bf16 (interrupted)",
+        ]
+        for _ in (0, 1)
+    ]
     assert all(f"<b>{t.name}</b>" in t.hovertemplate for t in fig.data)
     assert fig.data[2].line.dash == "dash" and fig.data[0].line.dash == "solid"
     assert list(fig.data[1].y) == pytest.approx([0.51, 0.52, 0.53, 0.54])
@@ -167,7 +269,8 @@ def test_communication_stacks_each_collective_measured_next_to_the_model(sweep):
     gather = fig.data[0]
     assert [list(level) for level in gather.x] == [
         ["#3 dp_shard=8 tp=1 precision=bf16"] * 2 + ["#1 dp_shard=4 tp=2 precision=fp32"] * 2,
-        ["measured", "model", "measured", "model"]]
+        ["measured", "model", "measured", "model"],
+    ]
     assert list(gather.y) == [3.0] * 4 and list(gather.customdata) == [3] * 4
     assert fig.layout.barmode == "stack" and note == "counted on step 1"
 
@@ -182,18 +285,40 @@ def test_a_single_job_dir_gets_its_own_dashboard(sweep):
 
 def write_plan(path: Path, rows: list[tuple[int, int, float, float | None]]) -> Path:
     """A plan.json with one layout per (dp_shard, tp, tps_per_device, mem_gib)."""
-    layouts = [{"overrides": {"parallel.dp_shard": s, "parallel.tp": t}, "valid": tps is not None,
-                "reason": None if tps else "does not fit", "fits": True, "mem_gib": mem,
-                "step_time_s": 1.0, "tps_per_device": tps, "mfu": 0.4, "dominant": "compute",
-                "rank": i + 1} for i, (s, t, tps, mem) in enumerate(rows)]
-    path.write_text(json.dumps({"version": 1, "model": "llama3_8b", "world_size": 8,
-                                "cluster": {"name": "h100_sxm"}, "layouts": layouts}))
+    layouts = [
+        {
+            "overrides": {"parallel.dp_shard": s, "parallel.tp": t},
+            "valid": tps is not None,
+            "reason": None if tps else "does not fit",
+            "fits": True,
+            "mem_gib": mem,
+            "step_time_s": 1.0,
+            "tps_per_device": tps,
+            "mfu": 0.4,
+            "dominant": "compute",
+            "rank": i + 1,
+        }
+        for i, (s, t, tps, mem) in enumerate(rows)
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "model": "llama3_8b",
+                "world_size": 8,
+                "cluster": {"name": "h100_sxm"},
+                "layouts": layouts,
+            }
+        )
+    )
     return path
 
 
 def test_predictions_match_a_layout_by_every_override_key(sweep, tmp_path_factory):
-    plan = write_plan(tmp_path_factory.mktemp("plan") / "plan.json",
-                      [(8, 1, 1600.0, 28.0), (4, 2, 1000.0, 31.0), (2, 4, None, None)])
+    plan = write_plan(
+        tmp_path_factory.mktemp("plan") / "plan.json",
+        [(8, 1, 1600.0, 28.0), (4, 2, 1000.0, 31.0), (2, 4, None, None)],
+    )
     jobs = runs.load_jobs(sweep)
     found = prediction.predictions_for([j.path for j in jobs], plan)
     by_num = {j.num: found.get(j.path) for j in jobs}
@@ -211,24 +336,35 @@ def test_a_jobs_plan_source_names_its_plan_and_the_page_shows_it(tmp_path):
     plan = write_plan(tmp_path / "plan.json", [(8, 1, 1400.0, 28.0), (4, 2, 1200.0, 31.0)])
     sweep = tmp_path / "sweep"
     for num, (shard, tp, tps) in enumerate([(8, 1, 12000.0), (4, 2, 9000.0)]):
-        fake_job(sweep, num, [f"parallel.dp_shard={shard}", f"parallel.tp={tp}"],
-                 ran(tps, shard, tp), steps=2,
-                 config={"parallel": {"dp_shard": shard, "tp": tp},
-                         "plan": {"source": str(plan)}, "precision": {"name": "bf16"}})
+        fake_job(
+            sweep,
+            num,
+            [f"parallel.dp_shard={shard}", f"parallel.tp={tp}"],
+            ran(tps, shard, tp),
+            steps=2,
+            config={
+                "parallel": {"dp_shard": shard, "tp": tp},
+                "plan": {"source": str(plan)},
+                "precision": {"name": "bf16"},
+            },
+        )
     path = dashboard.write_dashboard(sweep, runs.load_jobs(sweep))
     page = path.read_text()
     assert 'id="chart-predicted"' in page
     assert r"Spearman \u03c1 tokens\u002fs per device: +1.00" in page  # as plotly escapes it
 
 
-@pytest.mark.parametrize("xs, ys, rho", [
-    ([1, 2, 3, 4], [10, 20, 30, 40], 1.0),
-    ([1, 2, 3, 4], [4, 3, 2, 1], -1.0),
-    ([1, 2, 3, 4, 5], [2, 1, 4, 3, 5], 0.8),
-    ([1, 2, 2, 3], [1, 2, 3, 4], 0.9486832980505138),  # a tie takes the average rank
-    ([1, 1, 1], [1, 2, 3], None),  # constant: undefined
-    ([1], [1], None),
-])
+@pytest.mark.parametrize(
+    "xs, ys, rho",
+    [
+        ([1, 2, 3, 4], [10, 20, 30, 40], 1.0),
+        ([1, 2, 3, 4], [4, 3, 2, 1], -1.0),
+        ([1, 2, 3, 4, 5], [2, 1, 4, 3, 5], 0.8),
+        ([1, 2, 2, 3], [1, 2, 3, 4], 0.9486832980505138),  # a tie takes the average rank
+        ([1, 1, 1], [1, 2, 3], None),  # constant: undefined
+        ([1], [1], None),
+    ],
+)
 def test_spearman_rank_correlation(xs, ys, rho):
     assert prediction.spearman(xs, ys) == (None if rho is None else pytest.approx(rho))
 
@@ -243,8 +379,9 @@ def test_page_reloads_itself_only_while_its_sweep_runs(sweep):
     assert "location.reload()" not in dashboard.write_dashboard(sweep, jobs).read_text()
     # a sweep whose process died without marking the end is not taken as running
     state = json.loads((sweep / "sweep_state.json").read_text())
-    (sweep / "sweep_state.json").write_text(json.dumps(state | {"running": True,
-                                                                "pid": 2**22 + 12345}))
+    (sweep / "sweep_state.json").write_text(
+        json.dumps(state | {"running": True, "pid": 2**22 + 12345})
+    )
     assert not dashboard.sweep_running(sweep)
 
 
@@ -281,8 +418,10 @@ def test_callback_failure_is_a_warning_and_the_sweep_goes_on(tmp_path, monkeypat
         callback.on_multirun_end(config)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2
-    assert "could not be written (OSError: [Errno 28] No space left on device); the sweep " \
+    assert (
+        "could not be written (OSError: [Errno 28] No space left on device); the sweep "
         "goes on" in warnings[0]
+    )
 
 
 def test_callback_does_nothing_when_disabled_or_in_another_process(tmp_path, monkeypatch):

@@ -24,18 +24,41 @@ from hsdp_runner.report import runs
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Two layouts of the same 2 ranks: FSDP (1 x 2) and DDP (2 x 1); tiny and short.
-SWEEP = ["-m", "parallel=ddp", "parallel.dp_replicate=1,2", "parallel.dp_shard=-1",
-         "model=llama3_tiny", "model.n_layers=1", "trainer.steps=3", "metrics.warmup_steps=1",
-         "logger=none"]
-VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
-        "track", "wbr"}
+SWEEP = [
+    "-m",
+    "parallel=ddp",
+    "parallel.dp_replicate=1,2",
+    "parallel.dp_shard=-1",
+    "model=llama3_tiny",
+    "model.n_layers=1",
+    "trainer.steps=3",
+    "metrics.warmup_steps=1",
+    "logger=none",
+]
+VOID = {
+    "area",
+    "base",
+    "br",
+    "col",
+    "embed",
+    "hr",
+    "img",
+    "input",
+    "link",
+    "meta",
+    "source",
+    "track",
+    "wbr",
+}
 
 
 def browser() -> str:
     found = next(filter(None, map(shutil.which, BROWSERS)), None)
     if found is None:
-        pytest.skip("no Chromium installed (Debian/Ubuntu: apt-get install -y chromium; "
-                    ".ci/run does it), so compare.html cannot be rendered in a browser")
+        pytest.skip(
+            "no Chromium installed (Debian/Ubuntu: apt-get install -y chromium; "
+            ".ci/run does it), so compare.html cannot be rendered in a browser"
+        )
     return found
 
 
@@ -53,8 +76,11 @@ class RenderedDom(HTMLParser):
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         own = attrs.get("id") or ""
-        region = own if own.startswith(("chart-", "jobs", "js-errors")) else \
-            (self.stack[-1][1] if self.stack else None)
+        region = (
+            own
+            if own.startswith(("chart-", "jobs", "js-errors"))
+            else (self.stack[-1][1] if self.stack else None)
+        )
         if own == region and own:
             self.attrs[own] = attrs
         if region:
@@ -77,10 +103,24 @@ class RenderedDom(HTMLParser):
 def render(chromium: str, page: Path, profile: Path) -> tuple[RenderedDom, list[str]]:
     """(the rendered DOM, the console messages) of ``page`` after its scripts ran."""
     result = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--enable-unsafe-swiftshader",
-         "--use-angle=swiftshader", f"--user-data-dir={profile}", "--enable-logging=stderr",
-         "--v=0", "--window-size=1400,3000", "--virtual-time-budget=15000", "--dump-dom",
-         page.as_uri()], capture_output=True, text=True, timeout=180)
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--enable-unsafe-swiftshader",
+            "--use-angle=swiftshader",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1400,3000",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     dom = RenderedDom()
     dom.feed(result.stdout)
@@ -92,8 +132,7 @@ def render(chromium: str, page: Path, profile: Path) -> tuple[RenderedDom, list[
 def small_sweep(tmp_path_factory):
     """A real 2-job multirun (2 CPU ranks each), run once for the session."""
     sweep_dir = tmp_path_factory.mktemp("dash") / "sweep"
-    result = run_cli(sweep_dir, *SWEEP, f"hydra.sweep.dir={sweep_dir}", pin_dir=False,
-                     timeout=600)
+    result = run_cli(sweep_dir, *SWEEP, f"hydra.sweep.dir={sweep_dir}", pin_dir=False, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result, sweep_dir
 
@@ -115,11 +154,28 @@ def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_swee
     _, sweep_dir = small_sweep
     jobs = runs.load_jobs(sweep_dir)
     plan = tmp_path / "plan.json"  # a plan whose layouts name both jobs by their overrides
-    plan.write_text(json.dumps({"version": 1, "layouts": [
-        {"overrides": {"parallel.dp_replicate": r}, "valid": True, "reason": None,
-         "fits": True, "mem_gib": 0.3, "step_time_s": 0.05, "tps_per_device": tps,
-         "mfu": 0.1, "dominant": "compute", "rank": rank}
-        for r, tps, rank in ((1, 3000.0, 2), (2, 5000.0, 1))]}))
+    plan.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "layouts": [
+                    {
+                        "overrides": {"parallel.dp_replicate": r},
+                        "valid": True,
+                        "reason": None,
+                        "fits": True,
+                        "mem_gib": 0.3,
+                        "step_time_s": 0.05,
+                        "tps_per_device": tps,
+                        "mfu": 0.1,
+                        "dominant": "compute",
+                        "rank": rank,
+                    }
+                    for r, tps, rank in ((1, 3000.0, 2), (2, 5000.0, 1))
+                ],
+            }
+        )
+    )
     assert compare.main([str(sweep_dir), "--plan", str(plan)]) == 0
 
     dom, console = render(chromium, sweep_dir / "compare.html", tmp_path / "profile")
@@ -127,8 +183,7 @@ def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_swee
     assert [m for m in console if "Uncaught" in m or "Error" in m] == []
     assert "hidden" in dom.attrs["js-errors"] and dom.text["js-errors"] == []
     assert dom.count("jobs", "tr") == 1 + len(jobs)  # head + one row per job
-    for chart in ("chart-bars", "chart-parcoords", "chart-curves", "chart-comm",
-                  "chart-predicted"):
+    for chart in ("chart-bars", "chart-parcoords", "chart-curves", "chart-comm", "chart-predicted"):
         assert dom.count(chart, "js-plotly-plot") == 1, f"{chart} was not drawn"
     assert dom.count("chart-bars", "trace", "bars") == 2  # tokens/s, memory
     assert dom.count("chart-bars", "point") == 2 * len(jobs)
@@ -140,8 +195,12 @@ def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_swee
     labels = {j.label for j in jobs}
     assert labels <= set(dom.text["chart-curves"])
     # communication: one stacked bar trace per collective/mesh dim the jobs counted
-    kinds = {k for j in jobs for src in ("comm_measured", "comm_analytic")
-             for k in getattr(j.summary, src)}
+    kinds = {
+        k
+        for j in jobs
+        for src in ("comm_measured", "comm_analytic")
+        for k in getattr(j.summary, src)
+    }
     assert kinds >= {"all_gather/dp_shard", "reduce_scatter/dp_shard", "all_reduce/dp_replicate"}
     assert dom.count("chart-comm", "trace", "bars") == len(kinds)
     assert kinds <= set(dom.text["chart-comm"])

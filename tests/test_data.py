@@ -16,8 +16,15 @@ from hsdp_runner.train.data import (
 
 
 def batches(kind="synthetic", dp_rank=0, dp_size=1, path=None, seed=0):
-    return TokenBatches(NS(kind=kind, path=path), vocab_size=256, seq_len=16, global_batch=8,
-                        dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    return TokenBatches(
+        NS(kind=kind, path=path),
+        vocab_size=256,
+        seq_len=16,
+        global_batch=8,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("kind", ["synthetic", "text"])

@@ -33,15 +33,21 @@ def run_marked(job_dir, *overrides, timeout=240):
     marker = f"HSDP_TEST_JOB={uuid.uuid4().hex}"
     env = cli_env({marker.split("=")[0]: marker.split("=")[1]})
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job_dir}",
-                             *overrides], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job_dir}", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return result, time.monotonic() - start, marker
 
 
 def test_nan_loss_stops_the_run_by_default(job_dir):
-    result = run_cli(job_dir, *TINY, "parallel=fsdp", "fault.rank=1", "fault.step=3",
-                     "fault.kind=nan")
+    result = run_cli(
+        job_dir, *TINY, "parallel=fsdp", "fault.rank=1", "fault.step=3", "fault.kind=nan"
+    )
     assert result.returncode == 1
     assert "step 3: loss nan" in result.stderr and "trainer.on_nan=skip" in result.stderr
     records, summary = read_job(job_dir)
@@ -50,8 +56,15 @@ def test_nan_loss_stops_the_run_by_default(job_dir):
 
 
 def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
-    result = run_cli(job_dir, *TINY, "parallel=fsdp", "fault.rank=1", "fault.step=3",
-                     "fault.kind=nan", "trainer.on_nan=skip")
+    result = run_cli(
+        job_dir,
+        *TINY,
+        "parallel=fsdp",
+        "fault.rank=1",
+        "fault.step=3",
+        "fault.kind=nan",
+        "trainer.on_nan=skip",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     records, summary = read_job(job_dir)
     assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
@@ -60,17 +73,25 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
     # Every rank measured the tensor memory its first steps added (the planner's measured
     # figure): more than the training state, less than the resident set grew, quietly.
     tensor_peaks = summary["mem_tensor_peak_gib_per_rank"]
-    grown = [p - b for p, b in zip(summary["mem_peak_gib_per_rank"],
-                                   summary["mem_baseline_gib_per_rank"])]
+    grown = [
+        p - b
+        for p, b in zip(summary["mem_peak_gib_per_rank"], summary["mem_baseline_gib_per_rank"])
+    ]
     assert len(tensor_peaks) == len(grown) == 4
     assert all(summary["mem_estimate_gib"]["total"] < t < g for t, g in zip(tensor_peaks, grown))
     assert "USDT" not in result.stderr and "unknown size" not in result.stderr
 
 
 def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
-    result, seconds, marker = run_marked(job_dir, *TINY, "parallel=hsdp", "fault.rank=3",
-                                         "fault.step=2", "fault.kind=hang",
-                                         "launcher.timeout_s=6")
+    result, seconds, marker = run_marked(
+        job_dir,
+        *TINY,
+        "parallel=hsdp",
+        "fault.rank=3",
+        "fault.step=2",
+        "fault.kind=hang",
+        "launcher.timeout_s=6",
+    )
     assert result.returncode == 1
     assert "Timed out" in result.stderr and "launcher.timeout_s" in result.stderr
     # Start-up, the 6 s timeout, and torch's fixed 30 s between SIGTERM and SIGKILL for the
@@ -84,8 +105,9 @@ def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
 
 
 def test_sigkilled_rank_ends_the_job_and_leaves_no_orphans(job_dir):
-    result, seconds, marker = run_marked(job_dir, *TINY, "parallel=fsdp", "fault.rank=2",
-                                         "fault.step=2", "fault.kind=sigkill")
+    result, seconds, marker = run_marked(
+        job_dir, *TINY, "parallel=fsdp", "fault.rank=2", "fault.step=2", "fault.kind=sigkill"
+    )
     assert result.returncode == 1 and "rank 2 failed" in result.stderr
     assert "Signal 9" in result.stderr
     assert leftover_processes(marker) == []
@@ -95,18 +117,29 @@ def test_sigkilled_rank_ends_the_job_and_leaves_no_orphans(job_dir):
 # (a terminal's foreground process group, a SLURM step), and a signal goes to every process of
 # it (Ctrl-C, scancel), to the workers alone (`kill <pid of a rank>`) or to the launcher alone.
 
-def start_job(job_dir: Path, *overrides: str, marker: str = "",
-              prefix: list[str] | None = None) -> subprocess.Popen:
+
+def start_job(
+    job_dir: Path, *overrides: str, marker: str = "", prefix: list[str] | None = None
+) -> subprocess.Popen:
     """Start ``python -m hsdp_runner`` (``prefix``: e.g. torchrun's command instead of python)
     in a new session; output goes to files in the job's parent dir (a pipe nobody reads could
     block the job)."""
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     env = cli_env({"HSDP_TEST_JOB": marker} if marker else None)
-    return subprocess.Popen([*(prefix or [sys.executable]), "-m", "hsdp_runner",
-                             f"hydra.run.dir={job_dir}", *overrides], cwd=REPO, env=env,
-                            start_new_session=True,
-                            stdout=open(job_dir.parent / "stdout.txt", "w"),
-                            stderr=open(job_dir.parent / "stderr.txt", "w"))
+    return subprocess.Popen(
+        [
+            *(prefix or [sys.executable]),
+            "-m",
+            "hsdp_runner",
+            f"hydra.run.dir={job_dir}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=open(job_dir.parent / "stdout.txt", "w"),
+        stderr=open(job_dir.parent / "stderr.txt", "w"),
+    )
 
 
 def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout: float = 180):
@@ -218,8 +251,17 @@ def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(t
     # 3's figures would be read once step 4's work is done, so metrics.jsonl ends at step 2.)
     job_dir = tmp_path / "job"
     marker = uuid.uuid4().hex
-    proc = start_job(job_dir, *TINY, "parallel=ddp", "trainer.steps=30", "fault.rank=1",
-                     "fault.step=4", "fault.kind=hang", "launcher.timeout_s=120", marker=marker)
+    proc = start_job(
+        job_dir,
+        *TINY,
+        "parallel=ddp",
+        "trainer.steps=30",
+        "fault.rank=1",
+        "fault.step=4",
+        "fault.kind=hang",
+        "launcher.timeout_s=120",
+        marker=marker,
+    )
     wait_for_steps(job_dir / "metrics.jsonl", 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(2)
@@ -239,8 +281,16 @@ def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(t
 
 
 def test_a_signal_during_the_last_step_completes_the_job(job_dir):
-    result = run_cli(job_dir, *TINY, "parallel=single", "trainer.steps=3",
-                     "checkpoint.enable=true", "fault.rank=0", "fault.step=3", "fault.kind=sigterm")
+    result = run_cli(
+        job_dir,
+        *TINY,
+        "parallel=single",
+        "trainer.steps=3",
+        "checkpoint.enable=true",
+        "fault.rank=0",
+        "fault.step=3",
+        "fault.kind=sigterm",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["last_checkpoint"].endswith("step-3")
@@ -252,11 +302,26 @@ def test_slurm_time_limit_signal_to_every_task_checkpoints_and_requeues(tmp_path
     # goes back to the queue (submitit's local executor restarts it) and resumes.
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hsdp_runner", "launcher=slurm_local", "launcher.nproc_per_node=2",
-         "launcher.requeue=1", "parallel=fsdp", "parallel.dp_shard=-1", *TINY,
-         f"trainer.steps={STEPS}", "checkpoint.enable=true", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, env=cli_env(), start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "stderr.txt", "w"))
+        [
+            sys.executable,
+            "-m",
+            "hsdp_runner",
+            "launcher=slurm_local",
+            "launcher.nproc_per_node=2",
+            "launcher.requeue=1",
+            "parallel=fsdp",
+            "parallel.dp_shard=-1",
+            *TINY,
+            f"trainer.steps={STEPS}",
+            "checkpoint.enable=true",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "stderr.txt", "w"),
+    )
     deadline = time.monotonic() + 180
     while not list(sweep.glob("*/metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline

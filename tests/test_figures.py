@@ -12,9 +12,17 @@ from hsdp_runner.runtime import app
 
 @pytest.mark.multiprocess
 def test_job_records_comm_memory_and_a_profiler_trace(job_dir):
-    result = run_cli(job_dir, *TINY, "parallel=fsdp", "parallel.dp_shard=2", "trainer.steps=3",
-                     "metrics.comm_step=2", "profile.enable=true", "profile.start_step=2",
-                     "profile.steps=2")
+    result = run_cli(
+        job_dir,
+        *TINY,
+        "parallel=fsdp",
+        "parallel.dp_shard=2",
+        "trainer.steps=3",
+        "metrics.comm_step=2",
+        "profile.enable=true",
+        "profile.start_step=2",
+        "profile.steps=2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records, summary = read_job(job_dir)
     # The counted step carries the breakdown; the others do not pay for counting.
@@ -36,18 +44,28 @@ def test_job_records_comm_memory_and_a_profiler_trace(job_dir):
     traces = sorted(p.name for p in (job_dir / "profile").iterdir())
     assert traces == ["rank0_steps2-3.pt.trace.json"]
     trace = json.loads((job_dir / "profile" / traces[0]).read_text())
-    assert any("ProfilerStep" in e.get("name", "") or e.get("ph") == "X"
-               for e in trace["traceEvents"])
+    assert any(
+        "ProfilerStep" in e.get("name", "") or e.get("ph") == "X" for e in trace["traceEvents"]
+    )
 
 
 def test_profile_window_after_the_last_step_is_a_config_error(job_dir, monkeypatch, capsys):
     # In-process: ``python -m hsdp_runner`` exits with what app.main() returns.
-    monkeypatch.setattr("sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY,
-                                     "parallel=single", "trainer.steps=3", "profile.enable=true",
-                                     "profile.start_step=3", "profile.steps=2"])
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "hsdp_runner",
+            f"hydra.run.dir={job_dir}",
+            *TINY,
+            "parallel=single",
+            "trainer.steps=3",
+            "profile.enable=true",
+            "profile.start_step=3",
+            "profile.steps=2",
+        ],
+    )
     GlobalHydra.instance().clear()
     code = app.main()
     err = capsys.readouterr().err
     assert code == 2, err
     assert "profile.start_step=3" in err and "trainer.steps=3" in err
-

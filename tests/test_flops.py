@@ -11,10 +11,10 @@ def test_flops_per_token_matches_hand_count_for_debug_model():
     wq, wo = 256 * 256, 256 * 256
     wk = wv = 256 * (8 * 16)
     ffn = 3 * 256 * 768
-    per_layer = wq + wk + wv + wo + ffn           # 65536*2 + 32768*2 + 589824 = 786432
-    output = 2048 * 256                            # 524288
-    matmul = 6 * per_layer + output                # 5242880
-    attention = 12 * 6 * 256 * 512                 # 9437184
+    per_layer = wq + wk + wv + wo + ffn  # 65536*2 + 32768*2 + 589824 = 786432
+    output = 2048 * 256  # 524288
+    matmul = 6 * per_layer + output  # 5242880
+    attention = 12 * 6 * 256 * 512  # 9437184
     assert per_layer == 786_432 and matmul == 5_242_880
     assert flops_per_token(model) == 6 * matmul + attention == 40_894_464
 

@@ -13,11 +13,15 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _what_a_worker_sees() -> dict:
-    return {"env": os.environ.get("HSDP_TEST_ENV"), "gone": os.environ.get("HSDP_TEST_GONE"),
-            "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"],
-            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "sigusr2_default": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
-            "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+    return {
+        "env": os.environ.get("HSDP_TEST_ENV"),
+        "gone": os.environ.get("HSDP_TEST_GONE"),
+        "rank": os.environ["RANK"],
+        "world": os.environ["WORLD_SIZE"],
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigusr2_default": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
+        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    }
 
 
 def test_a_worker_gets_the_launchers_current_environment_and_default_signals(monkeypatch):

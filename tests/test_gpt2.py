@@ -28,8 +28,9 @@ def test_gpt2_tiny_composes_and_validates_with_every_parallel_preset(layout):
     assert dims.world_size >= 1 and type(model_spec(cfg.model)).__name__ == "GPT2Config"
 
 
-@pytest.mark.parametrize("override", ["model.n_kv_heads=2", "model.rope_theta=1.0",
-                                      "model.norm_eps=tiny"])
+@pytest.mark.parametrize(
+    "override", ["model.n_kv_heads=2", "model.rope_theta=1.0", "model.norm_eps=tiny"]
+)
 def test_gpt2_schema_rejects_llama_keys_and_wrong_types_at_composition(override):
     with pytest.raises(ConfigCompositionException):
         compose([TINY, override])
@@ -75,14 +76,19 @@ def test_export_loads_in_transformers_gpt2_with_the_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     spec, model = _random_tiny()
     folder = tmp_path / "hf"
-    hf.write_folder(hf.to_hf(model.state_dict(), spec, torch.float32),
-                    hf.hf_config(spec, torch.float32), folder, 2**30)
+    hf.write_folder(
+        hf.to_hf(model.state_dict(), spec, torch.float32),
+        hf.hf_config(spec, torch.float32),
+        folder,
+        2**30,
+    )
     theirs = transformers.GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).eval()
     assert not theirs.config.tie_word_embeddings
     # no special-token ids outside the vocabulary (transformers' GPT-2 default is 50256)
     assert theirs.config.bos_token_id is None and theirs.config.eos_token_id is None
-    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len),
-                           generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, spec.vocab_size, (2, spec.seq_len), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
     # And back: the folder reads into our names with the weights unchanged.
@@ -94,8 +100,12 @@ def test_export_loads_in_transformers_gpt2_with_the_same_logits(tmp_path):
 def test_a_llama_folder_is_refused_for_a_gpt2_model(tmp_path):
     llama = model_spec(compose(["model=llama3_tiny"]).model)
     state = {k: torch.zeros(v.shape) for k, v in build_meta_model(llama).state_dict().items()}
-    hf.write_folder(hf.to_hf(state, llama, torch.float32), hf.hf_config(llama, torch.float32),
-                    tmp_path / "llama", 2**30)
+    hf.write_folder(
+        hf.to_hf(state, llama, torch.float32),
+        hf.hf_config(llama, torch.float32),
+        tmp_path / "llama",
+        2**30,
+    )
     spec = model_spec(compose([TINY]).model)
     with pytest.raises(hf.HFFormatError, match="model_type='llama'.*'gpt2'"):
         hf.check_folder(tmp_path / "llama", spec, {})
@@ -115,12 +125,32 @@ def test_initial_weights_are_a_function_of_seed_and_name():
     assert params["h.0.mlp.c_proj.weight"].std() < 0.7 * params["h.0.mlp.c_fc.weight"].std()
 
 
-@pytest.mark.parametrize("model, no_decay", [
-    ("llama3_tiny", {"tok_embeddings.weight", "norm.weight", "layers.0.attention_norm.weight",
-                     "layers.0.ffn_norm.weight"}),
-    (TINY.removeprefix("model="), {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias",
-                                   "h.0.ln_1.weight", "h.0.attn.q_proj.bias", "h.0.mlp.c_proj.bias"}),
-])
+@pytest.mark.parametrize(
+    "model, no_decay",
+    [
+        (
+            "llama3_tiny",
+            {
+                "tok_embeddings.weight",
+                "norm.weight",
+                "layers.0.attention_norm.weight",
+                "layers.0.ffn_norm.weight",
+            },
+        ),
+        (
+            TINY.removeprefix("model="),
+            {
+                "wte.weight",
+                "wpe.weight",
+                "ln_f.weight",
+                "ln_f.bias",
+                "h.0.ln_1.weight",
+                "h.0.attn.q_proj.bias",
+                "h.0.mlp.c_proj.bias",
+            },
+        ),
+    ],
+)
 def test_the_model_spec_keeps_embeddings_norms_and_biases_out_of_weight_decay(model, no_decay):
     from hsdp_runner.train.trainer import build_optimizer
 

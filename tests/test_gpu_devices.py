@@ -33,8 +33,18 @@ def test_peak_table_matches_real_device_names_exactly(name, peak):
     assert lookup_peak_tflops(name, "bfloat16") == peak
 
 
-@pytest.mark.parametrize("name", ["NVIDIA H20", "NVIDIA B100", "NVIDIA GeForce RTX 4090",
-                                  "NVIDIA H100X", "NVIDIA L40G", "Some Future GPU", ""])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA H20",
+        "NVIDIA B100",
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA H100X",
+        "NVIDIA L40G",
+        "Some Future GPU",
+        "",
+    ],
+)
 def test_unknown_or_merely_similar_device_names_get_no_peak(name):
     assert lookup_peak_tflops(name, "bfloat16") is None  # MFU null with a warning, never a guess
 
@@ -47,13 +57,22 @@ def test_fp32_peak_is_the_non_tensor_core_figure():
 
 # --- precision checks a GPU makes matter -----------------------------------------------------
 
+
 def _validate(overrides, tmp_path, gpus=1):
     from test_config import compose
 
     from hsdp_runner.runtime import launch
 
-    cfg = compose(["model=llama3_tiny", "logger=none", "trainer.global_batch_size=8",
-                   "device=cuda", f"launcher.nproc_per_node={gpus}", *overrides])
+    cfg = compose(
+        [
+            "model=llama3_tiny",
+            "logger=none",
+            "trainer.global_batch_size=8",
+            "device=cuda",
+            f"launcher.nproc_per_node={gpus}",
+            *overrides,
+        ]
+    )
     return launch.validate(cfg, tmp_path)
 
 
@@ -63,8 +82,9 @@ def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     # A V100 or T4: torch emulates bf16, is_bf16_supported() alone says True.
-    monkeypatch.setattr("torch.cuda.is_bf16_supported",
-                        lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(
+        "torch.cuda.is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
     with pytest.raises(ConfigError, match="precision=bf16 needs bfloat16"):
         _validate(["parallel=single", "precision=bf16"], tmp_path)
 
@@ -83,11 +103,14 @@ def test_float16_without_a_gradient_scaler_is_refused(key):
 
 # --- device choice: what is visible, and why GPUs go unused ------------------------------------
 
+
 @pytest.fixture
 def cuda(monkeypatch):
     """torch.cuda as a GPU node shows it: ``cuda.visible = n`` GPUs; set_device calls recorded."""
+
     class Cuda:
         visible, current = 8, []
+
     monkeypatch.setattr("torch.cuda.is_available", lambda: Cuda.visible > 0)
     monkeypatch.setattr("torch.cuda.device_count", lambda: Cuda.visible)
     monkeypatch.setattr("torch.cuda.set_device", Cuda.current.append)
@@ -104,20 +127,30 @@ def test_one_visible_gpu_per_task_is_used_whatever_the_local_rank(cuda, monkeypa
 
 
 @pytest.mark.parametrize("slurm", [False, True])  # torchrun alone, or srun torchrun
-def test_one_visible_gpu_under_torchrun_is_not_shared_by_its_ranks(cuda, monkeypatch, tmp_path,
-                                                                     slurm):
+def test_one_visible_gpu_under_torchrun_is_not_shared_by_its_ranks(
+    cuda, monkeypatch, tmp_path, slurm
+):
     from hsdp_runner.core.errors import ConfigError
     from hsdp_runner.distributed.hardware import pick_device
 
     # CUDA_VISIBLE_DEVICES=3 torchrun --nproc-per-node 2: both ranks see the one GPU.
     cuda.visible = 1
     monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
-    env = {"CUDA_VISIBLE_DEVICES": "3", "TORCHELASTIC_RUN_ID": "j", "RANK": "1",
-           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **({"SLURM_PROCID": "0"} if slurm else {})}
+    env = {
+        "CUDA_VISIBLE_DEVICES": "3",
+        "TORCHELASTIC_RUN_ID": "j",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        **({"SLURM_PROCID": "0"} if slurm else {}),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigError, match=r"2 ranks on this node but only 1 GPUs are visible "
-                                          r"\(CUDA_VISIBLE_DEVICES=3\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"2 ranks on this node but only 1 GPUs are visible "
+        r"\(CUDA_VISIBLE_DEVICES=3\)",
+    ):
         _validate(["parallel=ddp"], tmp_path)  # exit 2 before NCCL's "Duplicate GPU detected"
     with pytest.raises(ConfigError, match="2 ranks on this node but only 1 GPUs"):
         pick_device("cuda", 1, 2)
@@ -136,14 +169,18 @@ def test_more_local_ranks_than_visible_gpus_is_a_clear_error(cuda, monkeypatch):
 
     cuda.visible = 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    with pytest.raises(ConfigError, match=r"4 ranks on this node but only 2 GPUs are visible "
-                                          r"\(CUDA_VISIBLE_DEVICES=4,5\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"4 ranks on this node but only 2 GPUs are visible "
+        r"\(CUDA_VISIBLE_DEVICES=4,5\)",
+    ):
         pick_device("auto", 3, 4)
     assert cuda.current == []
 
 
-def test_torchrun_ranks_outnumbering_visible_gpus_exit_2_before_training(cuda, tmp_path,
-                                                                         monkeypatch):
+def test_torchrun_ranks_outnumbering_visible_gpus_exit_2_before_training(
+    cuda, tmp_path, monkeypatch
+):
     from hsdp_runner.core.errors import ConfigError
 
     cuda.visible = 2
@@ -166,8 +203,7 @@ def gpu_node_without_cuda(monkeypatch, tmp_path):
     return tmp_path / "root"
 
 
-def test_auto_device_on_a_gpu_node_with_a_cpu_torch_warns_naming_the_cause(
-        gpu_node_without_cuda):
+def test_auto_device_on_a_gpu_node_with_a_cpu_torch_warns_naming_the_cause(gpu_node_without_cuda):
     from hsdp_runner.distributed.hardware import cuda_fallback_warning
 
     warning = cuda_fallback_warning("auto", gpu_node_without_cuda)
@@ -182,8 +218,9 @@ def test_hidden_gpus_are_named_as_the_cause(gpu_node_without_cuda, monkeypatch):
 
     monkeypatch.setattr("torch.version.cuda", "12.8")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert "CUDA_VISIBLE_DEVICES='' hides them" in cuda_fallback_warning("auto",
-                                                                        gpu_node_without_cuda)
+    assert "CUDA_VISIBLE_DEVICES='' hides them" in cuda_fallback_warning(
+        "auto", gpu_node_without_cuda
+    )
 
 
 def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, tmp_path, capsys):
@@ -191,7 +228,9 @@ def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, t
 
     from hsdp_runner.runtime import launch
 
-    monkeypatch.setattr("hsdp_runner.distributed.hardware.gpus_present", lambda root=None: (8, "NVIDIA"))
+    monkeypatch.setattr(
+        "hsdp_runner.distributed.hardware.gpus_present", lambda root=None: (8, "NVIDIA")
+    )
     monkeypatch.setattr("torch.version.cuda", None)
     monkeypatch.setattr("torch.version.hip", None)
     base = ["model=llama3_tiny", "logger=none", "parallel=fsdp"]
@@ -203,11 +242,13 @@ def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, t
 
 # Torch's warning when CUDA cannot initialise (wording read in c10/cuda/CUDAFunctions.cpp; the
 # C++ sources are not in the wheel and no GPU here has shown it).
-OLD_DRIVER = ("CUDA initialization: The NVIDIA driver on your system is too old (found version "
-              "11040). Please update your GPU driver by downloading and installing a new version "
-              "from the URL: http://www.nvidia.com/Download/index.aspx Alternatively, go to: "
-              "https://pytorch.org to install a PyTorch version that has been compiled with "
-              "your version of the CUDA driver.")
+OLD_DRIVER = (
+    "CUDA initialization: The NVIDIA driver on your system is too old (found version "
+    "11040). Please update your GPU driver by downloading and installing a new version "
+    "from the URL: http://www.nvidia.com/Download/index.aspx Alternatively, go to: "
+    "https://pytorch.org to install a PyTorch version that has been compiled with "
+    "your version of the CUDA driver."
+)
 
 
 @pytest.fixture
@@ -221,6 +262,7 @@ def driver_too_old(monkeypatch):
     def is_available():
         warnings.warn(OLD_DRIVER, stacklevel=1)  # as torch warns: from is_available itself
         return False
+
     monkeypatch.setattr(devices, "_cuda_init_warning", None)
     monkeypatch.setattr("torch.cuda.is_available", is_available)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
@@ -229,8 +271,9 @@ def driver_too_old(monkeypatch):
     monkeypatch.setattr(devices, "gpus_present", lambda root=None: (8, "NVIDIA"))
 
 
-def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(driver_too_old, tmp_path,
-                                                                      capsys):
+def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(
+    driver_too_old, tmp_path, capsys
+):
     from test_config import compose
 
     from hsdp_runner.core.errors import ConfigError
@@ -242,9 +285,12 @@ def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(driver_to
     err = capsys.readouterr().err
     assert "8 NVIDIA GPU(s) present but torch" in err and "(CUDA 12.8) cannot use them" in err
     assert "driver on your system is too old (found version 11040)" in err
-    with pytest.raises(ConfigError, match=r"device=cuda but no GPU is usable: torch .* \(CUDA "
-                                          r"12.8\) cannot use them: CUDA initialization: The "
-                                          r"NVIDIA driver on your system is too old"):
+    with pytest.raises(
+        ConfigError,
+        match=r"device=cuda but no GPU is usable: torch .* \(CUDA "
+        r"12.8\) cannot use them: CUDA initialization: The "
+        r"NVIDIA driver on your system is too old",
+    ):
         launch.validate(compose(base + ["device=cuda", "launcher.nproc_per_node=8"]), tmp_path)
 
 
@@ -261,6 +307,7 @@ def test_a_cpu_torch_with_device_cuda_says_it_is_a_cpu_build(tmp_path, monkeypat
 
 
 # --- peak tensor memory on CUDA: the meter's window, not the whole run --------------------------
+
 
 def test_cuda_tensor_peak_is_read_once_at_the_end_of_its_window(monkeypatch):
     import torch
@@ -285,6 +332,7 @@ def test_cuda_tensor_peak_is_read_once_at_the_end_of_its_window(monkeypatch):
 
 # --- selective activation checkpointing saves attention whichever kernel runs -----------------
 
+
 def test_selective_ac_saves_every_fused_attention_kernel_of_this_torch():
     """The SDPA forward kernels come from torch.ops.aten itself; which of them CUDA picks
     (cuDNN on sm90 in newer torch) was read in torch's sources, not seen here."""
@@ -296,8 +344,13 @@ def test_selective_ac_saves_every_fused_attention_kernel_of_this_torch():
     from hsdp_runner.distributed.parallelize import selective_policy
 
     aten = torch.ops.aten
-    fused = [name for name in dir(aten) if name.startswith("_scaled_dot_product_")
-             and not name.endswith("_backward") and "math" not in name]
+    fused = [
+        name
+        for name in dir(aten)
+        if name.startswith("_scaled_dot_product_")
+        and not name.endswith("_backward")
+        and "math" not in name
+    ]
     assert "_scaled_dot_product_cudnn_attention" in fused  # present in 2.13
     policy = selective_policy()
     ctx = SimpleNamespace(is_recompute=False)
@@ -307,6 +360,7 @@ def test_selective_ac_saves_every_fused_attention_kernel_of_this_torch():
 
 
 # --- CPU threads from the affinity mask -------------------------------------------------------
+
 
 def test_threads_come_from_the_affinity_mask_not_the_node_cpu_count(monkeypatch):
     from hsdp_runner.distributed.hardware import cpu_threads
@@ -337,13 +391,15 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     def start(fn, nproc, *args, **kwargs):
         seen["threads"] = os.environ["OMP_NUM_THREADS"]
         return {0: None}
+
     monkeypatch.setattr(launch, "start_local_workers", start)
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
     from hsdp_runner.core.records import RunInfo
 
-    run_info = RunInfo(output_dir=str(tmp_path), group="g", run_name="r", tags=[],
-                       multirun=False, overrides=[])
+    run_info = RunInfo(
+        output_dir=str(tmp_path), group="g", run_name="r", tags=[], multirun=False, overrides=[]
+    )
     launch._launch_local({"launcher": {"timeout_s": 5}}, dims, run_info)
     assert seen["threads"] == "3"
 

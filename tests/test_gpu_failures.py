@@ -29,8 +29,10 @@ def test_rank_killed_by_nccl_watchdog_is_reported_with_its_cause_not_signal_6(tm
     (logs / "nccl_trace_rank_1").write_bytes(b"\x80")
     failure = SimpleNamespace(message="Signal 6 (SIGABRT) received by PID 4242", exitcode=-6)
     message = _failure_message(failure, logs, 1)
-    assert message.startswith("Signal 6 (SIGABRT) received by PID 4242: Watchdog caught "
-                              "collective operation timeout: WorkNCCL(SeqNum=812")
+    assert message.startswith(
+        "Signal 6 (SIGABRT) received by PID 4242: Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=812"
+    )
     assert f"flight recorder dump: {logs / 'nccl_trace_rank_1'}" in message
     assert "launcher.timeout_s" in message  # the timeout hint now shows
 
@@ -74,12 +76,15 @@ def test_a_rank_failing_after_a_peer_died_in_cpp_names_the_peer(tmp_path):
         log.write(WATCHDOG_LOG)
     facts = failed_facts(tmp_path, 0, own)
     assert facts["failed_rank"] == 1
-    assert facts["error"].startswith("rank 1 died in C++: Watchdog caught collective operation "
-                                     "timeout: WorkNCCL(SeqNum=812")
+    assert facts["error"].startswith(
+        "rank 1 died in C++: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812"
+    )
     assert "launcher.timeout_s" in facts["error"]
     with open(tmp_path / "rank0.log", "a") as log:  # rank 0's own record quoting rank 1
-        log.write("[rank0] 21:45:03 ERROR hsdp_runner: rank 1 failed first: rank 1 died in C++: "
-                  "Fatal Python error: Aborted\n")
+        log.write(
+            "[rank0] 21:45:03 ERROR hsdp_runner: rank 1 failed first: rank 1 died in C++: "
+            "Fatal Python error: Aborted\n"
+        )
     assert failed_facts(tmp_path, 2, own)["failed_rank"] == 1
 
 
@@ -119,12 +124,19 @@ def _rank0(tmp_path, how: str):
     from conftest import REPO, cli_env
 
     # The captured stderr is the console: it ends when both rank 0 and its sidecar closed it.
-    return subprocess.run([sys.executable, "-c", ABORTING_RANK0, str(tmp_path), how], cwd=REPO,
-                          env=cli_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", ABORTING_RANK0, str(tmp_path), how],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_rank0_killed_in_cpp_without_a_launcher_leaves_its_cause_in_log_console_and_summary(
-        tmp_path):
+    tmp_path,
+):
     import json
 
     result = _rank0(tmp_path, "abort")
@@ -132,8 +144,9 @@ def test_rank0_killed_in_cpp_without_a_launcher_leaves_its_cause_in_log_console_
     cause = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3"
     log = (tmp_path / "logs" / "rank0.log").read_text()
     assert cause in log and "Fatal Python error: Aborted" in log
-    assert cause in result.stderr and "hsdp_runner: rank 0 failed: rank 0 died in C++" in \
-        result.stderr
+    assert (
+        cause in result.stderr and "hsdp_runner: rank 0 failed: rank 0 died in C++" in result.stderr
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_rank"] == 0
     assert summary["world_size"] == 2 and cause in summary["error"]
@@ -152,8 +165,9 @@ def test_rank0_ending_on_its_own_gets_its_stderr_back_and_no_failure_record(tmp_
 def test_rank0_aborted_by_the_nccl_watchdog_is_reported_with_its_cause(job_dir):
     from conftest import TINY, read_job, run_cli
 
-    result = run_cli(job_dir, *TINY, "parallel=ddp", "fault.rank=0", "fault.step=2",
-                     "fault.kind=abort")
+    result = run_cli(
+        job_dir, *TINY, "parallel=ddp", "fault.rank=0", "fault.step=2", "fault.kind=abort"
+    )
     assert result.returncode == 1
     cause = "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2"
     assert "rank 0 failed (exit code -6): Signal 6 (SIGABRT)" in result.stderr, result.stderr
@@ -166,9 +180,11 @@ def test_rank0_aborted_by_the_nccl_watchdog_is_reported_with_its_cause(job_dir):
 
 # --- a rank that raises: teardown must not wait for its peers -----------------------------------
 
+
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
-def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(backend, tmp_path,
-                                                                         monkeypatch):
+def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(
+    backend, tmp_path, monkeypatch
+):
     """NCCL's destroy_process_group waits for the peers' communicators (read in torch 2.13's
     distributed_c10d.py, not run: no GPU here), so a failing NCCL rank aborts instead; gloo and
     success keep the orderly destroy."""
@@ -188,10 +204,10 @@ def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(backend
     calls = []
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(worker, "setup_logging",
-                        lambda out, rank: mark_attempt(out / "logs", rank))
-    monkeypatch.setattr(worker.rank0_sidecar, "start",
-                        lambda *a: SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr(worker, "setup_logging", lambda out, rank: mark_attempt(out / "logs", rank))
+    monkeypatch.setattr(
+        worker.rank0_sidecar, "start", lambda *a: SimpleNamespace(stop=lambda: None)
+    )
     monkeypatch.setattr(worker, "faulthandler", SimpleNamespace(enable=lambda **k: None))
     monkeypatch.setattr(worker.StopRequest, "install", lambda self, signals: None)
     monkeypatch.setattr(worker, "set_cpu_threads", lambda n: 1)
@@ -199,16 +215,19 @@ def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(backend
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
-    monkeypatch.setattr("torch.distributed.distributed_c10d._abort_process_group",
-                        lambda *a: calls.append("abort"))
+    monkeypatch.setattr(
+        "torch.distributed.distributed_c10d._abort_process_group", lambda *a: calls.append("abort")
+    )
 
     def train(*args):
         raise oom
+
     monkeypatch.setattr(worker, "_train", train)
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=ddp"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
-    run_info = RunInfo(output_dir=str(tmp_path), group="g", run_name="r", tags=[],
-                       multirun=False, overrides=[])
+    run_info = RunInfo(
+        output_dir=str(tmp_path), group="g", run_name="r", tags=[], multirun=False, overrides=[]
+    )
     with pytest.raises(torch.OutOfMemoryError):
         worker.run_worker(OmegaConf.to_container(cfg, resolve=True), dims, run_info)
     assert calls == ["init", "abort" if backend == "nccl" else "destroy"]
@@ -226,13 +245,15 @@ def test_a_rank_that_finishes_tears_down_in_order_on_nccl_too(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
-    monkeypatch.setattr("torch.distributed.distributed_c10d._abort_process_group",
-                        lambda *a: calls.append("abort"))
+    monkeypatch.setattr(
+        "torch.distributed.distributed_c10d._abort_process_group", lambda *a: calls.append("abort")
+    )
     end_process_group(failed=False)
     assert calls == ["barrier", "destroy"]
 
 
 # --- one NCCL options object per mesh group ---------------------------------------------------
+
 
 def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
     import torch.distributed as dist
@@ -242,8 +263,10 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
 
     class Options:
         _timeout = None
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}),
-                        raising=False)
+
+    monkeypatch.setattr(
+        dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}), raising=False
+    )
     seen = {}
 
     class FakeMesh:
@@ -257,6 +280,7 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
     def fake_init(device_type, shape, mesh_dim_names, backend_override):
         seen.update(backend_override)
         return FakeMesh()
+
     monkeypatch.setattr(device_mesh, "init_device_mesh", fake_init)
     ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=8).build_mesh("cuda", timeout_s=42)
     assert sorted(seen) == ["cp", "dp", "dp_replicate", "dp_shard", "tp"]
@@ -268,6 +292,7 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
 
 # --- initial weights drawn on the device --------------------------------------------------------
 
+
 def test_cpu_initial_weights_are_the_same_values_as_before():
     import torch
     from test_config import compose
@@ -278,12 +303,15 @@ def test_cpu_initial_weights_are_the_same_values_as_before():
     model.init_weights(7)
     params = dict(model.named_parameters())
     # Values the CPU draw gave before weights were drawn on the parameter's device.
-    golden = {"tok_embeddings.weight": ([0.03461545, 0.00616866, 0.0256436], -0.7227687860532548),
-              "layers.1.attention.wo.weight": ([0.00020108, -0.0072222, 0.0139383],
-                                               -0.00870523175035487),
-              "layers.0.feed_forward.w3.weight": ([0.01364315, 0.0242396, -0.0200923],
-                                                  3.9896071250705063),
-              "norm.weight": ([1.0, 1.0, 1.0], 64.0)}
+    golden = {
+        "tok_embeddings.weight": ([0.03461545, 0.00616866, 0.0256436], -0.7227687860532548),
+        "layers.1.attention.wo.weight": ([0.00020108, -0.0072222, 0.0139383], -0.00870523175035487),
+        "layers.0.feed_forward.w3.weight": (
+            [0.01364315, 0.0242396, -0.0200923],
+            3.9896071250705063,
+        ),
+        "norm.weight": ([1.0, 1.0, 1.0], 64.0),
+    }
     for name, (first, total) in golden.items():
         value = params[name].detach()
         assert value.flatten()[:3].tolist() == pytest.approx(first, abs=1e-8), name
@@ -309,6 +337,7 @@ def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator
     def randn(shape, generator, device):
         draws.append((generator.device, generator.seed, torch.device(device)))
         return torch.zeros(shape)
+
     monkeypatch.setattr(torch, "Generator", Generator)
     monkeypatch.setattr(torch, "randn", randn)
     gpu = torch.device("cuda", 3)
@@ -319,6 +348,7 @@ def test_initial_values_are_drawn_on_the_parameters_device_by_a_seeded_generator
 
 
 # --- rank-0 file work outside the collective timeout ----------------------------------------------
+
 
 def _in_threads(*fns):
     """Run each fn in a thread; return their results or exceptions, in order."""
@@ -331,6 +361,7 @@ def _in_threads(*fns):
             out[i] = fn()
         except Exception as err:  # noqa: BLE001 - the test inspects it
             out[i] = err
+
     threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
@@ -350,9 +381,12 @@ def test_other_ranks_learn_rank0s_file_error_at_once():
 
     def fail():
         raise OSError("No space left on device")
+
     start = time.monotonic()
-    got = _in_threads(lambda: run_on_rank0("pruning", fail, 60, rank=0, store=store),
-                      lambda: run_on_rank0("pruning", fail, 60, rank=1, store=store))
+    got = _in_threads(
+        lambda: run_on_rank0("pruning", fail, 60, rank=0, store=store),
+        lambda: run_on_rank0("pruning", fail, 60, rank=1, store=store),
+    )
     assert isinstance(got[0], OSError)
     assert "rank 0 failed while pruning: OSError: No space left on device" in str(got[1])
     assert time.monotonic() - start < 10
@@ -363,8 +397,11 @@ def test_rank0_file_work_is_bounded_by_rank0_wait_s():
 
     from hsdp_runner.checkpoint.rank0_io import run_on_rank0
 
-    with pytest.raises(RuntimeError, match=r"rank 0 did not finish exporting within "
-                                            r"checkpoint.rank0_wait_s=0.2 s"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 0 did not finish exporting within "
+        r"checkpoint.rank0_wait_s=0.2 s",
+    ):
         run_on_rank0("exporting", lambda: None, 0.2, rank=1, store=dist.HashStore())
 
 
@@ -387,9 +424,18 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     from hsdp_runner.runtime.worker import make_checkpointer, make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
-    cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2",
-                   "metrics.peak_tflops=1", "checkpoint.enable=true", "checkpoint.keep_last=1",
-                   f"launcher.timeout_s={COLLECTIVE_TIMEOUT_S}"])
+    cfg = compose(
+        [
+            "model=llama3_tiny",
+            "logger=none",
+            "parallel=fsdp",
+            "parallel.dp_shard=2",
+            "metrics.peak_tflops=1",
+            "checkpoint.enable=true",
+            "checkpoint.keep_last=1",
+            f"launcher.timeout_s={COLLECTIVE_TIMEOUT_S}",
+        ]
+    )
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)

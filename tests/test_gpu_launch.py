@@ -6,6 +6,7 @@ import pytest
 
 # --- single-GPU parts and per-count commands on a multi-GPU node --------------------------------
 
+
 def _gpu_node(monkeypatch, gpus):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
@@ -25,7 +26,8 @@ def _readiness():
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gpu_node(
-        gpus, monkeypatch, tmp_path):
+    gpus, monkeypatch, tmp_path
+):
     from test_config import compose
 
     from hsdp_runner.runtime import launch
@@ -53,6 +55,7 @@ def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
     def is_available():
         warnings.warn(OLD_DRIVER, stacklevel=1)  # as torch warns: from is_available itself
         return False
+
     monkeypatch.setattr(devices, "_cuda_init_warning", None)
     monkeypatch.setattr("torch.cuda.is_available", is_available)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)  # NVML's count
@@ -73,8 +76,10 @@ def test_gpu_readiness_reports_the_nccl_setting_and_the_attention_kernel(monkeyp
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING: unset here" in out
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in out  # torchrun's agent would give 1
     # On this CPU machine SDPA runs CPU's flash kernel, which selective AC saves.
-    assert "attention runs aten._scaled_dot_product_flash_attention_for_cpu: saved by " \
+    assert (
+        "attention runs aten._scaled_dot_product_flash_attention_for_cpu: saved by "
         "parallel.ac=selective" in out
+    )
 
 
 def test_parity_runs_each_layout_on_its_own_rank_count_on_a_gpu_node(monkeypatch, tmp_path):
@@ -82,9 +87,12 @@ def test_parity_runs_each_layout_on_its_own_rank_count_on_a_gpu_node(monkeypatch
     from hsdp_runner.runtime import launch
 
     _gpu_node(monkeypatch, 8)
-    sizes = {layout: launch.validate(parity.compose(layout, ["model=llama3_tiny"]),
-                                     tmp_path / layout).world_size
-             for layout in ("single", "ddp", "tp", "hsdp_tp")}
+    sizes = {
+        layout: launch.validate(
+            parity.compose(layout, ["model=llama3_tiny"]), tmp_path / layout
+        ).world_size
+        for layout in ("single", "ddp", "tp", "hsdp_tp")
+    }
     assert sizes == {"single": 1, "ddp": 2, "tp": 2, "hsdp_tp": 8}
 
 
@@ -102,21 +110,25 @@ def test_parity_tolerance_on_gpu_says_what_it_is_and_why(monkeypatch, tmp_path):
 
 # --- the Makefile replaces torch when TORCH_SPEC changes -----------------------------------------
 
+
 def _make_venv(venv, spec, ok=True):
     import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run(["make", "-s", "-C", str(repo), "venv", f"VENV={venv}",
-                             f"TORCH_SPEC={spec}"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["make", "-s", "-C", str(repo), "venv", f"VENV={venv}", f"TORCH_SPEC={spec}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (result.returncode == 0) == ok, result.stderr
     calls = (venv / "calls.log").read_text().splitlines() if (venv / "calls.log").exists() else []
     (venv / "calls.log").unlink(missing_ok=True)
     return calls
 
 
-def test_make_replaces_torch_when_torch_spec_changes_and_keeps_it_when_the_install_fails(
-        tmp_path):
+def test_make_replaces_torch_when_torch_spec_changes_and_keeps_it_when_the_install_fails(tmp_path):
     import shutil
 
     if shutil.which("make") is None:
@@ -125,8 +137,9 @@ def test_make_replaces_torch_when_torch_spec_changes_and_keeps_it_when_the_insta
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"  # records what make asks of the venv's python
     # ... and fails any install from an index it cannot reach, as pip would.
-    python.write_text(f'#!/bin/sh\necho "$*" >> {venv / "calls.log"}\n'
-                      'case "$*" in *unreachable*) exit 1;; esac\n')
+    python.write_text(
+        f'#!/bin/sh\necho "$*" >> {venv / "calls.log"}\ncase "$*" in *unreachable*) exit 1;; esac\n'
+    )
     python.chmod(0o755)
     cpu, cuda = "torch==2.13.0", "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
     install = "install --quiet --disable-pip-version-check --force-reinstall"
@@ -145,6 +158,7 @@ def test_make_replaces_torch_when_torch_spec_changes_and_keeps_it_when_the_insta
 
 
 # --- NCCL's error handling reaches the workers of the local launcher ----------------------------
+
 
 def _nccl_error_handling() -> str | None:
     import os
@@ -173,13 +187,17 @@ def test_a_users_async_error_handling_reaches_the_agent_unchanged(monkeypatch):
 
     seen = []
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    monkeypatch.setattr(api, "elastic_launch", lambda config, fn: lambda *a: seen.append(
-        _nccl_error_handling()) or {0: None})
+    monkeypatch.setattr(
+        api,
+        "elastic_launch",
+        lambda config, fn: lambda *a: seen.append(_nccl_error_handling()) or {0: None},
+    )
     start_local_workers(_nccl_error_handling, 1)
     assert seen == ["1"] and _nccl_error_handling() == "1"
 
 
 # --- a CUDA context does not survive fork: the forkserver must not hold one ---------------------
+
 
 def test_an_import_that_initialises_cuda_in_the_forkserver_is_named_in_the_worker(monkeypatch):
     from types import SimpleNamespace
@@ -190,21 +208,26 @@ def test_an_import_that_initialises_cuda_in_the_forkserver_is_named_in_the_worke
 
     def import_module(name):  # "cuda_at_import" calls into CUDA at import time
         state["initialised"] |= name == "cuda_at_import"
+
     monkeypatch.setattr(forkserver, "importlib", SimpleNamespace(import_module=import_module))
     monkeypatch.setattr("torch.cuda.is_initialized", lambda: state["initialised"])
     monkeypatch.setattr(forkserver, "_cuda_initialised_by", None)
-    assert forkserver.import_worker_modules(("json", "cuda_at_import", "os")) == \
-        "importing cuda_at_import"
+    assert (
+        forkserver.import_worker_modules(("json", "cuda_at_import", "os"))
+        == "importing cuda_at_import"
+    )
     monkeypatch.setattr(forkserver, "_server_env", {})  # as in a worker forked from the server
     ran = []
-    with pytest.raises(RuntimeError, match=r"CUDA was initialised in the forkserver \(importing "
-                                           r"cuda_at_import\) before this worker was forked"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"CUDA was initialised in the forkserver \(importing "
+        r"cuda_at_import\) before this worker was forked",
+    ):
         forkserver.run_forked({}, ran.append, "trained")
     assert ran == []  # before any device setup
 
 
-def test_a_worker_forked_after_the_server_touched_the_driver_fails_before_device_setup(
-        monkeypatch):
+def test_a_worker_forked_after_the_server_touched_the_driver_fails_before_device_setup(monkeypatch):
     from hsdp_runner.runtime import forkserver
 
     # torch.cuda.is_available() in the server initialises the driver without torch's CUDA

@@ -29,8 +29,17 @@ def _imports(path: Path, known: set[str]) -> set[str]:
 
 
 # Bottom to top. A module may import its own layer and the layers below it, never one above.
-LAYERS = ("core", "models", "config", "distributed", "train", "checkpoint", "report", "planner",
-          "runtime")
+LAYERS = (
+    "core",
+    "models",
+    "config",
+    "distributed",
+    "train",
+    "checkpoint",
+    "report",
+    "planner",
+    "runtime",
+)
 ENTRY_POINTS = {"__main__", "plan", "compare", "export", "parity"}
 
 
@@ -39,8 +48,11 @@ def import_graph() -> dict[str, set[str]]:
     paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     packages = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
     known = set(paths)
-    return {name: _imports(path, known) - {name} - packages
-            for name, path in paths.items() if name not in packages}
+    return {
+        name: _imports(path, known) - {name} - packages
+        for name, path in paths.items()
+        if name not in packages
+    }
 
 
 def layer_of(module: str) -> int:
@@ -62,7 +74,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         path.pop()
@@ -92,20 +104,33 @@ def test_package_imports_form_no_cycle():
 
 def test_every_module_sits_in_a_layer_and_imports_only_its_own_or_lower_layers():
     graph = import_graph()
-    upward = [f"{module} imports {dep}" for module, deps in sorted(graph.items())
-              for dep in sorted(deps) if layer_of(dep) > layer_of(module)]
+    upward = [
+        f"{module} imports {dep}"
+        for module, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if layer_of(dep) > layer_of(module)
+    ]
     assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
 
 
 def test_readers_of_finished_runs_never_import_the_training_side():
     graph = import_graph()
-    training = {"hsdp_runner.train.trainer", "hsdp_runner.runtime.worker",
-                "hsdp_runner.distributed.parallelize"}
+    training = {
+        "hsdp_runner.train.trainer",
+        "hsdp_runner.runtime.worker",
+        "hsdp_runner.distributed.parallelize",
+    }
     # train.figures computes the fixed figures the trainer is handed: it must not need it.
-    for reader in ("hsdp_runner.compare", "hsdp_runner.train.sinks", "hsdp_runner.models.llama",
-                   "hsdp_runner.models.gpt2", "hsdp_runner.distributed.comm_model",
-                   "hsdp_runner.train.figures", "hsdp_runner.core.records",
-                   "hsdp_runner.report.runs"):
+    for reader in (
+        "hsdp_runner.compare",
+        "hsdp_runner.train.sinks",
+        "hsdp_runner.models.llama",
+        "hsdp_runner.models.gpt2",
+        "hsdp_runner.distributed.comm_model",
+        "hsdp_runner.train.figures",
+        "hsdp_runner.core.records",
+        "hsdp_runner.report.runs",
+    ):
         assert not (_reachable(graph, reader) & training), reader
 
 

@@ -21,13 +21,37 @@ def free_port() -> int:
 
 @pytest.mark.multiprocess
 def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_path):
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "two-nodes",
-             "-m", "hsdp_runner", "parallel=hsdp", "logger=wandb",
-             *[o for o in TINY if not o.startswith("logger=")]]
-    procs = [subprocess.Popen(agent, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    agent = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{free_port()}",
+        "--rdzv-id",
+        "two-nodes",
+        "-m",
+        "hsdp_runner",
+        "parallel=hsdp",
+        "logger=wandb",
+        *[o for o in TINY if not o.startswith("logger=")],
+    ]
+    procs = [
+        subprocess.Popen(
+            agent,
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert [d.name for d in (tmp_path / "outputs" / "torchrun").iterdir()] == ["two-nodes"]
@@ -41,16 +65,26 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     # on the two nodes is exactly what the planner's arithmetic prices.
     observed = summary["mesh_placement"]
     assert set(observed) == {*summary["mesh_dim_names"], *VIEWS}
-    planned = ParallelDims(**dict(zip(summary["mesh_dim_names"], summary["mesh_shape"])),
-                           world_size=summary["world_size"],
-                           ranks_per_node=summary["ranks_per_node"])
+    planned = ParallelDims(
+        **dict(zip(summary["mesh_dim_names"], summary["mesh_shape"])),
+        world_size=summary["world_size"],
+        ranks_per_node=summary["ranks_per_node"],
+    )
     for name, facts in observed.items():
         assert facts == placement_of(planned, name).describe(), name
-    assert observed["dp_replicate"] == {"size": 2, "ranks_per_node": 1, "groups_per_node": 2,
-                                        "nodes": 2}
+    assert observed["dp_replicate"] == {
+        "size": 2,
+        "ranks_per_node": 1,
+        "groups_per_node": 2,
+        "nodes": 2,
+    }
     assert observed["dp"] == {"size": 4, "ranks_per_node": 2, "groups_per_node": 1, "nodes": 2}
-    assert observed["dp_shard"] == {"size": 2, "ranks_per_node": 2, "groups_per_node": 1,
-                                    "nodes": 1}
+    assert observed["dp_shard"] == {
+        "size": 2,
+        "ranks_per_node": 2,
+        "groups_per_node": 1,
+        "nodes": 1,
+    }
     assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
     assert len(list((job / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs to W&B
 
@@ -60,27 +94,52 @@ def fake_slurm(tmp_path) -> dict:
     """``sbatch`` and ``srun`` stand-ins on PATH: sbatch keeps the script and refuses the job."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_CAPTURE"\n'
-                                    'echo "sbatch: test stand-in, nothing submitted" >&2\nexit 1\n')
+    (bin_dir / "sbatch").write_text(
+        '#!/bin/sh\ncp "$1" "$SBATCH_CAPTURE"\n'
+        'echo "sbatch: test stand-in, nothing submitted" >&2\nexit 1\n'
+    )
     (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    return {"PATH": f"{bin_dir}:{cli_env()['PATH']}",
-            "SBATCH_CAPTURE": str(tmp_path / "submitted.sh")}
+    return {
+        "PATH": f"{bin_dir}:{cli_env()['PATH']}",
+        "SBATCH_CAPTURE": str(tmp_path / "submitted.sh"),
+    }
 
 
-SLURM_2x2 = ["launcher=slurm", "launcher.nnodes=2", "launcher.nproc_per_node=2",
-             "launcher.partition=gpu", "launcher.account=proj", "launcher.timeout_min=30"]
+SLURM_2x2 = [
+    "launcher=slurm",
+    "launcher.nnodes=2",
+    "launcher.nproc_per_node=2",
+    "launcher.partition=gpu",
+    "launcher.account=proj",
+    "launcher.timeout_min=30",
+]
 
 
 def test_slurm_sweep_becomes_one_job_array_with_a_task_per_rank(tmp_path, fake_slurm):
-    result = run_cli(tmp_path, *SLURM_2x2, "parallel=hsdp,fsdp", *TINY,
-                     f"hydra.sweep.dir={tmp_path / 'sweep'}", pin_dir=False, env=fake_slurm)
+    result = run_cli(
+        tmp_path,
+        *SLURM_2x2,
+        "parallel=hsdp,fsdp",
+        *TINY,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        pin_dir=False,
+        env=fake_slurm,
+    )
     script = Path(fake_slurm["SBATCH_CAPTURE"]).read_text()
-    for line in ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--array=0-1%2",
-                 "--partition=gpu", "--account=proj", "--time=30", "--signal=USR2@120",
-                 "--cpus-per-task=8",
-                 "--mem=128GB"]:  # 64 GB per GPU: SLURM's defaults (often 1 CPU) would starve it
+    for line in [
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=2",
+        "--array=0-1%2",
+        "--partition=gpu",
+        "--account=proj",
+        "--time=30",
+        "--signal=USR2@120",
+        "--cpus-per-task=8",
+        "--mem=128GB",
+    ]:  # 64 GB per GPU: SLURM's defaults (often 1 CPU) would starve it
         assert f"#SBATCH {line}\n" in script, script
     assert "srun " in script and "submitit.core._submit" in script
     # The fsdp job's shard group spans both nodes: warned about before submission.
@@ -89,8 +148,16 @@ def test_slurm_sweep_becomes_one_job_array_with_a_task_per_rank(tmp_path, fake_s
 
 
 def test_slurm_job_with_tp_across_nodes_is_refused_before_submission(tmp_path, fake_slurm):
-    result = run_cli(tmp_path, *SLURM_2x2, "launcher.nproc_per_node=1", "parallel=tp", *TINY,
-                     f"hydra.sweep.dir={tmp_path / 'sweep'}", pin_dir=False, env=fake_slurm)
+    result = run_cli(
+        tmp_path,
+        *SLURM_2x2,
+        "launcher.nproc_per_node=1",
+        "parallel=tp",
+        *TINY,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        pin_dir=False,
+        env=fake_slurm,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "parallel.tp=2 spans nodes" in result.stderr
     assert "parallel.allow_tp_across_nodes=true" in result.stderr
@@ -100,9 +167,17 @@ def test_slurm_job_with_tp_across_nodes_is_refused_before_submission(tmp_path, f
 @pytest.mark.multiprocess
 def test_two_task_job_through_submitit_local_executor_trains_into_one_dir(tmp_path):
     sweep = tmp_path / "sweep"
-    result = run_cli(tmp_path, "launcher=slurm_local", "launcher.nproc_per_node=2",
-                     "parallel=fsdp", "parallel.dp_shard=-1", *TINY, f"hydra.sweep.dir={sweep}",
-                     pin_dir=False, cwd=tmp_path)
+    result = run_cli(
+        tmp_path,
+        "launcher=slurm_local",
+        "launcher.nproc_per_node=2",
+        "parallel=fsdp",
+        "parallel.dp_shard=-1",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        pin_dir=False,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (job,) = [d for d in sweep.iterdir() if d.is_dir() and d.name != ".submitit"]
     records, summary = read_job(job)

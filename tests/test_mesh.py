@@ -16,38 +16,52 @@ def parallel(r=1, s=1, t=1, sp=True, cp=1, **allow):
     return ParallelConfig(dp_replicate=r, dp_shard=s, cp=cp, tp=t, sequence_parallel=sp, **allow)
 
 
-@pytest.mark.parametrize("degrees, world, expected", [
-    ((1, -1, 1), 4, (1, 4, 1)),
-    ((2, -1, 1), 8, (2, 4, 1)),
-    ((-1, 2, 2), 8, (2, 2, 2)),
-    ((1, 1, -1), 2, (1, 1, 2)),
-    ((1, 1, 1), 1, (1, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "degrees, world, expected",
+    [
+        ((1, -1, 1), 4, (1, 4, 1)),
+        ((2, -1, 1), 8, (2, 4, 1)),
+        ((-1, 2, 2), 8, (2, 2, 2)),
+        ((1, 1, -1), 2, (1, 1, 2)),
+        ((1, 1, 1), 1, (1, 1, 1)),
+    ],
+)
 def test_minus_one_is_inferred_from_world_size(degrees, world, expected):
     dims = ParallelDims.from_config(parallel(*degrees), MODEL, world)
     assert dims.shape == (expected[0], expected[1], 1, expected[2])
     assert dims.dp == expected[0] * expected[1]
 
 
-@pytest.mark.parametrize("degrees, mode, layout", [
-    ((1, 1, 1), "none", "single"), ((2, 1, 1), "ddp", "ddp"), ((1, 4, 1), "fsdp", "fsdp"),
-    ((2, 2, 1), "hsdp", "hsdp"), ((1, 1, 2), "none", "tp"), ((1, 2, 2), "fsdp", "fsdp_tp"),
-    ((2, 2, 2), "hsdp", "hsdp_tp"), ((2, 1, 2), "ddp", "ddp_tp"),
-])
+@pytest.mark.parametrize(
+    "degrees, mode, layout",
+    [
+        ((1, 1, 1), "none", "single"),
+        ((2, 1, 1), "ddp", "ddp"),
+        ((1, 4, 1), "fsdp", "fsdp"),
+        ((2, 2, 1), "hsdp", "hsdp"),
+        ((1, 1, 2), "none", "tp"),
+        ((1, 2, 2), "fsdp", "fsdp_tp"),
+        ((2, 2, 2), "hsdp", "hsdp_tp"),
+        ((2, 1, 2), "ddp", "ddp_tp"),
+    ],
+)
 def test_ddp_fsdp_hsdp_are_two_degrees(degrees, mode, layout):
     dims = ParallelDims.from_config(parallel(*degrees), MODEL, degrees[0] * degrees[1] * degrees[2])
     assert (dims.dp_mode, dims.layout) == (mode, layout)
 
 
-@pytest.mark.parametrize("degrees, world, words", [
-    ((2, 2, 1), 8, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "world size is 8", "-1"]),
-    ((0, 1, 1), 1, ["parallel.dp_replicate=0", "positive"]),
-    ((1, -2, 1), 2, ["parallel.dp_shard=-2"]),
-    ((-1, -1, 1), 4, ["parallel.dp_replicate and parallel.dp_shard are all -1"]),
-    ((1, -1, 3), 4, ["parallel.dp_shard=-1 cannot be inferred", "not divisible"]),
-    ((1, 1, 3), 3, ["parallel.tp=3 does not divide model.n_heads=16"]),
-    ((2, 2, 2), 4, ["parallel.cp=1 x parallel.tp=2 = 8, but the world size is 4"]),
-])
+@pytest.mark.parametrize(
+    "degrees, world, words",
+    [
+        ((2, 2, 1), 8, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "world size is 8", "-1"]),
+        ((0, 1, 1), 1, ["parallel.dp_replicate=0", "positive"]),
+        ((1, -2, 1), 2, ["parallel.dp_shard=-2"]),
+        ((-1, -1, 1), 4, ["parallel.dp_replicate and parallel.dp_shard are all -1"]),
+        ((1, -1, 3), 4, ["parallel.dp_shard=-1 cannot be inferred", "not divisible"]),
+        ((1, 1, 3), 3, ["parallel.tp=3 does not divide model.n_heads=16"]),
+        ((2, 2, 2), 4, ["parallel.cp=1 x parallel.tp=2 = 8, but the world size is 4"]),
+    ],
+)
 def test_bad_degrees_name_the_key_and_fix(degrees, world, words):
     with pytest.raises(ConfigError) as err:
         ParallelDims.from_config(parallel(*degrees), MODEL, world)
@@ -90,15 +104,19 @@ def cp_dims(r, s, cp, t, world=None, model=MODEL, node=None, **kw):
     return ParallelDims.from_config(parallel(r, s, t, cp=cp, **kw), model, world, node)
 
 
-@pytest.mark.parametrize("degrees, shape, views, mode, layout", [
-    ((1, 1, 2, 1), (1, 1, 2, 1), (1, 2, 2), "fsdp", "fsdp_cp"),
-    ((1, 2, 2, 1), (1, 2, 2, 1), (2, 4, 4), "fsdp", "fsdp_cp"),
-    ((2, 1, 2, 2), (2, 1, 2, 2), (2, 2, 4), "hsdp", "hsdp_cp_tp"),
-    ((1, -1, 2, 1), (1, 4, 2, 1), (4, 8, 8), "fsdp", "fsdp_cp"),
-    ((1, 1, -1, 2), (1, 1, 4, 2), (1, 4, 4), "fsdp", "fsdp_cp_tp"),
-])
+@pytest.mark.parametrize(
+    "degrees, shape, views, mode, layout",
+    [
+        ((1, 1, 2, 1), (1, 1, 2, 1), (1, 2, 2), "fsdp", "fsdp_cp"),
+        ((1, 2, 2, 1), (1, 2, 2, 1), (2, 4, 4), "fsdp", "fsdp_cp"),
+        ((2, 1, 2, 2), (2, 1, 2, 2), (2, 2, 4), "hsdp", "hsdp_cp_tp"),
+        ((1, -1, 2, 1), (1, 4, 2, 1), (4, 8, 8), "fsdp", "fsdp_cp"),
+        ((1, 1, -1, 2), (1, 1, 4, 2), (1, 4, 4), "fsdp", "fsdp_cp_tp"),
+    ],
+)
 def test_cp_is_a_dim_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_cp(
-        degrees, shape, views, mode, layout):
+    degrees, shape, views, mode, layout
+):
     dims = cp_dims(*degrees, world=8 if -1 in degrees else None)
     assert dims.shape == shape
     assert (dims.dp, dims.dp_shard_cp, dims.dp_cp) == views
@@ -117,23 +135,32 @@ def test_a_view_whose_other_dims_are_size_one_is_that_dims_group():
 
 def test_seq_len_must_split_into_two_chunks_per_cp_rank():
     model = NS(n_heads=16, n_kv_heads=8, seq_len=36)
-    with pytest.raises(ConfigError, match=r"model.seq_len=36 is not divisible by 2 x "
-                                          r"parallel.cp=4.*multiple of 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.seq_len=36 is not divisible by 2 x "
+        r"parallel.cp=4.*multiple of 8",
+    ):
         cp_dims(1, 1, 4, 1, model=model)
     assert cp_dims(1, 1, 2, 1, model=model).cp == 2
 
 
 def test_sequence_parallel_splits_each_cp_ranks_tokens_over_tp():
     model = NS(n_heads=16, n_kv_heads=8, seq_len=24)  # 12 tokens per cp rank: not by 8
-    with pytest.raises(ConfigError, match=r"model.seq_len=24 is not divisible by parallel.cp x "
-                                          r"parallel.tp = 2 x 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.seq_len=24 is not divisible by parallel.cp x "
+        r"parallel.tp = 2 x 8",
+    ):
         cp_dims(1, 1, 2, 8, model=model)
     assert cp_dims(1, 1, 2, 8, model=model, sp=False).tp == 8
 
 
 def test_cp_across_nodes_is_refused_unless_allowed():
-    with pytest.raises(ConfigError, match=r"parallel.cp=4 spans nodes \(2 nodes x 4 ranks per "
-                                          r"node\).*allow_cp_across_nodes=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.cp=4 spans nodes \(2 nodes x 4 ranks per "
+        r"node\).*allow_cp_across_nodes=true",
+    ):
         cp_dims(1, 1, 4, 2, node=4)
     dims = cp_dims(1, 1, 4, 2, node=4, allow_cp_across_nodes=True)
     assert dims.dims_across_nodes() == ["cp"]
@@ -141,8 +168,10 @@ def test_cp_across_nodes_is_refused_unless_allowed():
     # Within a node: dp_shard x cp x tp = 8 per node, only the replicate dim crosses.
     inside = cp_dims(2, 2, 2, 2, node=8)
     assert inside.dims_across_nodes() == ["dp_replicate"]
-    spans = {name: placement(inside.shape, DIM_NAMES, name, 8).spans_nodes
-             for name in ("dp_shard_cp", "dp_cp")}
+    spans = {
+        name: placement(inside.shape, DIM_NAMES, name, 8).spans_nodes
+        for name in ("dp_shard_cp", "dp_cp")
+    }
     assert spans == {"dp_shard_cp": False, "dp_cp": True}
 
 

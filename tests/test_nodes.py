@@ -21,20 +21,24 @@ MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)
 
 
 def dims(shape, ranks_per_node, allow_tp=False):
-    parallel = ParallelConfig(dp_replicate=shape[0], dp_shard=shape[1], tp=shape[2],
-                              allow_tp_across_nodes=allow_tp)
+    parallel = ParallelConfig(
+        dp_replicate=shape[0], dp_shard=shape[1], tp=shape[2], allow_tp_across_nodes=allow_tp
+    )
     world = shape[0] * shape[1] * shape[2]
     return ParallelDims.from_config(parallel, MODEL, world, ranks_per_node)
 
 
-@pytest.mark.parametrize("shape, per_node, crossing", [
-    ((2, 4, 2), 8, ["dp_replicate"]),          # default HSDP+TP: shard x tp fill one node
-    ((2, 2, 1), 2, ["dp_replicate"]),
-    ((4, 2, 1), 4, ["dp_replicate"]),          # replicate groups {0,2,4,6} cross, shard stays
-    ((2, 2, 2), 8, []),                        # one node
-    ((1, 4, 1), 2, ["dp_shard"]),              # FSDP over two nodes
-    ((1, 3, 2), 3, ["dp_shard", "tp"]),        # tp=2 does not divide 3 ranks per node
-])
+@pytest.mark.parametrize(
+    "shape, per_node, crossing",
+    [
+        ((2, 4, 2), 8, ["dp_replicate"]),  # default HSDP+TP: shard x tp fill one node
+        ((2, 2, 1), 2, ["dp_replicate"]),
+        ((4, 2, 1), 4, ["dp_replicate"]),  # replicate groups {0,2,4,6} cross, shard stays
+        ((2, 2, 2), 8, []),  # one node
+        ((1, 4, 1), 2, ["dp_shard"]),  # FSDP over two nodes
+        ((1, 3, 2), 3, ["dp_shard", "tp"]),  # tp=2 does not divide 3 ranks per node
+    ],
+)
 def test_dims_across_nodes_follow_contiguous_rank_placement(shape, per_node, crossing):
     d = dims(shape, per_node, allow_tp=True)
     assert d.dims_across_nodes() == crossing
@@ -72,13 +76,21 @@ def test_one_node_job_records_one_node():
     assert (facts["nodes"], facts["ranks_per_node"], facts["dims_across_nodes"]) == (1, 4, [])
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["launcher=local", "launcher.nnodes=2"], "use torchrun on every node or launcher=slurm"),
-    (["launcher=slurm", "launcher.nproc_per_node=null"], "launcher=slurm needs launcher.nproc_per_node"),
-    (["launcher=slurm", "launcher.nproc_per_node=4", "launcher.gpus_per_node=2"],
-     "launcher.gpus_per_node=2 is less than launcher.nproc_per_node=4"),
-    (["launcher=slurm_local", "launcher.nnodes=2"], "local executor runs one node"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["launcher=local", "launcher.nnodes=2"], "use torchrun on every node or launcher=slurm"),
+        (
+            ["launcher=slurm", "launcher.nproc_per_node=null"],
+            "launcher=slurm needs launcher.nproc_per_node",
+        ),
+        (
+            ["launcher=slurm", "launcher.nproc_per_node=4", "launcher.gpus_per_node=2"],
+            "launcher.gpus_per_node=2 is less than launcher.nproc_per_node=4",
+        ),
+        (["launcher=slurm_local", "launcher.nnodes=2"], "local executor runs one node"),
+    ],
+)
 def test_launcher_settings_are_checked_before_launch(overrides, words, tmp_path):
     with pytest.raises(ConfigError, match=words):
         validate(compose(overrides), tmp_path, submitting=True)
@@ -87,9 +99,18 @@ def test_launcher_settings_are_checked_before_launch(overrides, words, tmp_path)
 def test_slurm_preset_feeds_our_keys_to_the_submitit_launcher():
     compose([])  # registers the schemas and the run-dir resolver
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", return_hydra_config=True, overrides=[
-            "launcher=slurm", "launcher.nnodes=4", "launcher.nproc_per_node=8",
-            "launcher.partition=gpu", "launcher.account=proj", "launcher.timeout_min=30"])
+        cfg = hydra_compose(
+            config_name="config",
+            return_hydra_config=True,
+            overrides=[
+                "launcher=slurm",
+                "launcher.nnodes=4",
+                "launcher.nproc_per_node=8",
+                "launcher.partition=gpu",
+                "launcher.account=proj",
+                "launcher.timeout_min=30",
+            ],
+        )
     validate_config(to_run_config(cfg))
     hl = cfg.hydra.launcher
     assert hl._target_.endswith("CheckedSlurmLauncher") and cfg.hydra.mode.name == "MULTIRUN"
@@ -102,7 +123,7 @@ def test_multi_node_torchrun_needs_a_shared_run_id(monkeypatch):
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert "--rdzv-id" in torchrun_problem(False, default_run_dir())
-    assert torchrun_problem(False, "/shared/runs/a") is None   # hydra.run.dir given
+    assert torchrun_problem(False, "/shared/runs/a") is None  # hydra.run.dir given
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     assert default_run_dir() == "outputs/torchrun/job42"
     assert torchrun_problem(False, default_run_dir()) is None
@@ -119,13 +140,22 @@ def test_a_sweep_inside_torchrun_is_refused(monkeypatch):
 
 
 def test_slurm_task_becomes_a_rank_and_keeps_every_gpu(monkeypatch):
-    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_NTASKS": "8",
-             "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "5",
-             "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
-             "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "77",
+        "SLURM_NTASKS": "8",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
     # Stale values are overwritten (and restored by monkeypatch after the test).
-    stale = dict.fromkeys(["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                           "MASTER_ADDR", "MASTER_PORT"], "stale")
+    stale = dict.fromkeys(
+        ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"],
+        "stale",
+    )
     for key, value in {**slurm, **stale}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("MASTER_PORT")
@@ -141,4 +171,3 @@ def test_slurm_launcher_outside_a_submitit_job_is_a_config_error(monkeypatch):
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     with pytest.raises(ConfigError, match="multirun"):
         join_submitit_job("slurm")
-

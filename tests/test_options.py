@@ -9,13 +9,21 @@ from conftest import TINY, read_job, run_cli
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.parametrize("overrides", [
-    ["parallel=fsdp_tp", "precision=bf16_pure", "parallel.ac=selective",
-     "parallel.reshard_after_forward=false"],
-    ["parallel=single", "precision=bf16"],
-    ["parallel=hsdp", "parallel.ac=full", "trainer.grad_accum_steps=2"],
-    ["parallel=tp", "parallel.sequence_parallel=false", "data=text"],
-], ids=lambda o: ",".join(o))
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "parallel=fsdp_tp",
+            "precision=bf16_pure",
+            "parallel.ac=selective",
+            "parallel.reshard_after_forward=false",
+        ],
+        ["parallel=single", "precision=bf16"],
+        ["parallel=hsdp", "parallel.ac=full", "trainer.grad_accum_steps=2"],
+        ["parallel=tp", "parallel.sequence_parallel=false", "data=text"],
+    ],
+    ids=lambda o: ",".join(o),
+)
 def test_precision_ac_and_accumulation_options_train(overrides, job_dir):
     result = run_cli(job_dir, *TINY, *overrides, "trainer.steps=4")
     assert result.returncode == 0, result.stderr[-3000:]

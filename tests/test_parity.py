@@ -24,10 +24,28 @@ from test_config import compose
 
 from hsdp_runner import parity as parity_cli
 
-WORLD = {"single": 1, "ddp": 2, "fsdp": 4, "hsdp": 4, "tp": 2, "fsdp_tp": 4, "hsdp_tp": 8,
-         "cp": 2, "cp:parallel.tp=2": 4}
-METRIC_KEYS = {"step", "loss", "grad_norm", "step_time_s", "tps_per_device", "tps_global",
-               "tflops", "mfu", "mem_peak_gib"}
+WORLD = {
+    "single": 1,
+    "ddp": 2,
+    "fsdp": 4,
+    "hsdp": 4,
+    "tp": 2,
+    "fsdp_tp": 4,
+    "hsdp_tp": 8,
+    "cp": 2,
+    "cp:parallel.tp=2": 4,
+}
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "step_time_s",
+    "tps_per_device",
+    "tps_global",
+    "tflops",
+    "mfu",
+    "mem_peak_gib",
+}
 # The per-step TP layouts dominate the run's cost; 6 steps at a tiny model's learning rate
 # (LR below; the default suits the 20-step default job) still move the loss by > 0.3.
 STEPS = 6
@@ -49,10 +67,26 @@ def parity(request, tmp_path_factory):
     process, the layouts)."""
     out = tmp_path_factory.mktemp(f"parity_{request.param}")
     layouts = MODELS[request.param]
-    result = subprocess.run([sys.executable, "-m", "hsdp_runner.parity", "--steps", str(STEPS),
-                             "--layouts", ",".join(layouts), "--out", str(out),
-                             f"model={request.param}", *LR], cwd=REPO,
-                            env=cli_env(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hsdp_runner.parity",
+            "--steps",
+            str(STEPS),
+            "--layouts",
+            ",".join(layouts),
+            "--out",
+            str(out),
+            f"model={request.param}",
+            *LR,
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return out, result, layouts
 
 
@@ -69,7 +103,10 @@ def test_every_layout_matches_single_process_within_1e5(parity):
         assert len(records) == STEPS
         assert max(rel_diffs(records, base)) <= 1e-5, layout
         assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, layout
-        assert abs(summary["eval_loss"] - read_job(out / "single")[1]["eval_loss"]) <= 1e-5 * summary["eval_loss"]
+        assert (
+            abs(summary["eval_loss"] - read_job(out / "single")[1]["eval_loss"])
+            <= 1e-5 * summary["eval_loss"]
+        )
 
 
 @pytest.mark.multiprocess
@@ -109,15 +146,30 @@ def _train_cases(cases):
 
     out = {}
     for name, overrides in cases.items():
-        cfg = compose(["model=llama3_tiny", "trainer.global_batch_size=8", "logger=none",
-                       *overrides])
+        cfg = compose(
+            ["model=llama3_tiny", "trainer.global_batch_size=8", "logger=none", *overrides]
+        )
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
-        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
-                            torch.device("cpu"), cfg.trainer.seed)
+        model = build_model(
+            cfg.model,
+            dims,
+            world,
+            cfg.parallel,
+            cfg.precision,
+            torch.device("cpu"),
+            cfg.trainer.seed,
+        )
         cpu = torch.device("cpu")
-        trainer = make_trainer(to_run_config(cfg), dims, world, model, cpu,
-                               compute_run_figures(cfg, dims, model, cpu), sinks=[])
+        trainer = make_trainer(
+            to_run_config(cfg),
+            dims,
+            world,
+            model,
+            cpu,
+            compute_run_figures(cfg, dims, model, cpu),
+            sinks=[],
+        )
         out[name] = (trainer.fit(), dims.describe())
     return out
 
@@ -129,10 +181,17 @@ def four_rank_runs():
     of four workers."""
     ddp = ["parallel=ddp", "parallel.dp_replicate=4", f"trainer.steps={STEPS}"]
     hsdp = ["parallel=hsdp", f"trainer.steps={BF16_STEPS}"]
-    return run_workers(_train_cases, 4, {
-        "ddp_replicate": ddp, "ddp_fully_shard": [*ddp, "parallel.ddp_impl=fully_shard"],
-        "hsdp_fp32": hsdp, "hsdp_bf16": [*hsdp, "precision=bf16"],
-        "hsdp_cp": [*hsdp, "parallel.dp_shard=1", "parallel.cp=2"]})[0]
+    return run_workers(
+        _train_cases,
+        4,
+        {
+            "ddp_replicate": ddp,
+            "ddp_fully_shard": [*ddp, "parallel.ddp_impl=fully_shard"],
+            "hsdp_fp32": hsdp,
+            "hsdp_bf16": [*hsdp, "precision=bf16"],
+            "hsdp_cp": [*hsdp, "parallel.dp_shard=1", "parallel.cp=2"],
+        },
+    )[0]
 
 
 @pytest.mark.multiprocess
@@ -151,8 +210,11 @@ def test_hsdp_over_context_parallel_ranks_equals_hsdp_over_20_steps(four_rank_ru
     against 2 x 2 HSDP, which the parity run shows equals a single process."""
     hsdp_cp, facts = four_rank_runs["hsdp_cp"]
     hsdp, _ = four_rank_runs["hsdp_fp32"]
-    assert (facts["dp_mode"], facts["layout"], facts["mesh_shape"]) == ("hsdp", "hsdp_cp",
-                                                                        [2, 1, 2, 1])
+    assert (facts["dp_mode"], facts["layout"], facts["mesh_shape"]) == (
+        "hsdp",
+        "hsdp_cp",
+        [2, 1, 2, 1],
+    )
     assert len(hsdp_cp) == BF16_STEPS
     assert max(rel_diffs(hsdp_cp, hsdp)) <= 1e-5
     assert max(rel_diffs(hsdp_cp, hsdp, "grad_norm")) <= 1e-5
@@ -168,12 +230,15 @@ def test_bf16_stays_within_2e2_of_fp32(four_rank_runs):
     assert max(rel_diffs(bf16, fp32)) > 0  # bf16 really ran in bf16
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--rtol", "-1"], "--rtol=-1.0 must be a positive number"),
-    (["--rtol", "tight"], "--rtol='tight' is not a number"),
-    (["--layouts", "fsdp,zero3"], "unknown layout(s) zero3"),
-    (["--layouts", "fsdp", "launcher.nproc_per_node=3"], "world size is 3"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--rtol", "-1"], "--rtol=-1.0 must be a positive number"),
+        (["--rtol", "tight"], "--rtol='tight' is not a number"),
+        (["--layouts", "fsdp,zero3"], "unknown layout(s) zero3"),
+        (["--layouts", "fsdp", "launcher.nproc_per_node=3"], "world size is 3"),
+    ],
+)
 def test_bad_parity_input_is_one_clear_error_before_launch(args, words, tmp_path, capsys):
     # In-process: ``python -m hsdp_runner.parity`` exits with what main() returns.
     code = parity_cli.main([*args, "--out", str(tmp_path / "p"), "model=llama3_tiny"])
@@ -184,8 +249,17 @@ def test_bad_parity_input_is_one_clear_error_before_launch(args, words, tmp_path
 
 
 def test_a_layout_the_model_cannot_run_is_reported_as_skipped():
-    rows = [{"layout": "single", "world_size": 1, "passed": True, "note": ""},
-            {"layout": "hsdp_cp_tp", "world_size": "-", "passed": True, "skipped": True,
-             "note": "(the model cannot run it: parallel.cp=2 with parallel.tp=2 ...)"}]
+    rows = [
+        {"layout": "single", "world_size": 1, "passed": True, "note": ""},
+        {
+            "layout": "hsdp_cp_tp",
+            "world_size": "-",
+            "passed": True,
+            "skipped": True,
+            "note": "(the model cannot run it: parallel.cp=2 with parallel.tp=2 ...)",
+        },
+    ]
     table = parity_cli.format_table(rows, 1e-5)
-    assert "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table
+    assert (
+        "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table
+    )

@@ -1,6 +1,5 @@
 """The mesh and parameter placements are what each layout says, and buffers agree on all ranks."""
 
-
 import pytest
 import torch
 from distributed import run_workers
@@ -18,8 +17,9 @@ def _build(overrides):
     cfg = compose(overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
     world = dims.build_mesh("cpu")
-    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision,
-                        torch.device("cpu"), cfg.trainer.seed)
+    model = build_model(
+        cfg.model, dims, world, cfg.parallel, cfg.precision, torch.device("cpu"), cfg.trainer.seed
+    )
     return dims, world, model
 
 
@@ -30,25 +30,38 @@ def _placements(overrides):
     params = {}
     for name, p in model.named_parameters():
         clean = name.replace("_checkpoint_wrapped_module.", "")
-        params[clean] = (tuple(repr(x) for x in p.placements), p.device_mesh.mesh_dim_names,
-                         p.full_tensor().sum().item()) if isinstance(p, DTensor) else (None, None, p.sum().item())
-    return {"mesh": (world.root.mesh_dim_names, tuple(world.root.shape)),
-            "dp_size": world["dp"].size(), "dp_rank": world.local_rank_in("dp"),
-            "params": params,
-            "rope": model.rope_cos.sum().item() if hasattr(model, "rope_cos") else None}
+        params[clean] = (
+            (
+                tuple(repr(x) for x in p.placements),
+                p.device_mesh.mesh_dim_names,
+                p.full_tensor().sum().item(),
+            )
+            if isinstance(p, DTensor)
+            else (None, None, p.sum().item())
+        )
+    return {
+        "mesh": (world.root.mesh_dim_names, tuple(world.root.shape)),
+        "dp_size": world["dp"].size(),
+        "dp_rank": world.local_rank_in("dp"),
+        "params": params,
+        "rope": model.rope_cos.sum().item() if hasattr(model, "rope_cos") else None,
+    }
 
 
 def _eight_rank_layouts():
     """hsdp_tp, fsdp (8), hsdp (2x4) and ddp (8) placements, then hsdp buffers: conftest's
     ``eight_ranks`` workers serve every test below but the single-process reference."""
     tiny = ["model=llama3_tiny"]
-    return {"hsdp_tp": _placements(["parallel=hsdp_tp", *tiny]),
-            "fsdp": _placements(["parallel=fsdp", "parallel.dp_shard=8", *tiny]),
-            "hsdp": _placements(["parallel=hsdp", "parallel.dp_replicate=2",
-                                 "parallel.dp_shard=4", *tiny]),
-            "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=8", *tiny]),
-            "gpt2_hsdp_tp": _placements(["parallel=hsdp_tp", "model=gpt2_tiny"]),
-            "buffers": _buffers_after_build(["parallel=hsdp", "parallel.dp_shard=4", *tiny])}
+    return {
+        "hsdp_tp": _placements(["parallel=hsdp_tp", *tiny]),
+        "fsdp": _placements(["parallel=fsdp", "parallel.dp_shard=8", *tiny]),
+        "hsdp": _placements(
+            ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=4", *tiny]
+        ),
+        "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=8", *tiny]),
+        "gpt2_hsdp_tp": _placements(["parallel=hsdp_tp", "model=gpt2_tiny"]),
+        "buffers": _buffers_after_build(["parallel=hsdp", "parallel.dp_shard=4", *tiny]),
+    }
 
 
 def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eight_ranks):
@@ -62,8 +75,16 @@ def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eig
     colwise = ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
     assert params["layers.0.attention.wq.weight"][:2] == (colwise, names)
     assert params["layers.0.feed_forward.w1.weight"][0] == colwise
-    assert params["layers.0.attention.wo.weight"][0] == ("Replicate()", "Shard(dim=0)", "Shard(dim=1)")
-    assert params["layers.0.attention_norm.weight"][0] == ("Replicate()", "Shard(dim=0)", "Replicate()")
+    assert params["layers.0.attention.wo.weight"][0] == (
+        "Replicate()",
+        "Shard(dim=0)",
+        "Shard(dim=1)",
+    )
+    assert params["layers.0.attention_norm.weight"][0] == (
+        "Replicate()",
+        "Shard(dim=0)",
+        "Replicate()",
+    )
 
 
 def test_gpt2_biases_follow_their_layers_and_positions_split_by_sequence(eight_ranks):
@@ -88,7 +109,10 @@ def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights(eight_ranks)
     key = "layers.1.feed_forward.w2.weight"
     assert single["params"][key][0] is None
     assert fsdp["params"][key][:2] == (("Shard(dim=0)",), ("dp_shard",))
-    assert hsdp["params"][key][:2] == (("Replicate()", "Shard(dim=0)"), ("dp_replicate", "dp_shard"))
+    assert hsdp["params"][key][:2] == (
+        ("Replicate()", "Shard(dim=0)"),
+        ("dp_replicate", "dp_shard"),
+    )
     assert ddp["params"][key][:2] == (("Replicate()",), ("dp_replicate",))
     for layout in (fsdp, hsdp, ddp):
         for name, (_, _, total) in single["params"].items():
@@ -101,6 +125,7 @@ def _buffers_after_build(overrides):
     # A buffer that differs per rank at creation must agree after the model is built.
     torch.manual_seed(dist.get_rank())
     from hsdp_runner.distributed.parallelize import sync_buffers
+
     dims, world, model = _build(overrides)
     model.register_buffer("noise", torch.randn(4))
     before = model.noise.clone()

@@ -20,16 +20,27 @@ from hsdp_runner.report import prediction
 
 # One block: the fake measurement then needs one depth per layout group (fast); the per-block
 # extrapolation has its own test.
-TINY = ["model=llama3_tiny", "model.n_layers=1", "trainer.global_batch_size=8",
-        "cluster.gpus_per_node=4"]
+TINY = [
+    "model=llama3_tiny",
+    "model.n_layers=1",
+    "trainer.global_batch_size=8",
+    "cluster.gpus_per_node=4",
+]
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory, monkeypatch_module):
     """One plan of the tiny model on 4 H100s with an AC axis and a 3-layout sweep."""
     out = tmp_path_factory.mktemp("plan")
-    code = plan.main(TINY + [f"plan.out_dir={out}", "plan.axes.parallel.ac=none,full",
-                             f"plan.write_sweep={out}/planned.yaml", "plan.top_k=3"])
+    code = plan.main(
+        TINY
+        + [
+            f"plan.out_dir={out}",
+            "plan.axes.parallel.ac=none,full",
+            f"plan.write_sweep={out}/planned.yaml",
+            "plan.top_k=3",
+        ]
+    )
     assert code == 0
     return out, json.loads((out / "plan.json").read_text())
 
@@ -43,16 +54,24 @@ def monkeypatch_module(tmp_path_factory):
 
 
 def _dims(rep: int, shard: int, tp: int, world: int, node: int, cp: int = 1) -> ParallelDims:
-    return ParallelDims(dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world,
-                        ranks_per_node=node)
+    return ParallelDims(
+        dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, world_size=world, ranks_per_node=node
+    )
 
 
 def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(planned):
     out, data = planned
     assert data["version"] == 1 and data["world_size"] == 4 and data["model"] == "llama3_tiny"
-    shapes = {(e["overrides"]["parallel.dp_replicate"], e["overrides"]["parallel.dp_shard"],
-               e["overrides"]["parallel.cp"], e["overrides"]["parallel.tp"],
-               e["overrides"]["parallel.ac"]) for e in data["layouts"]}
+    shapes = {
+        (
+            e["overrides"]["parallel.dp_replicate"],
+            e["overrides"]["parallel.dp_shard"],
+            e["overrides"]["parallel.cp"],
+            e["overrides"]["parallel.tp"],
+            e["overrides"]["parallel.ac"],
+        )
+        for e in data["layouts"]
+    }
     # 10 degree tuples of 4 (cp 1, 2 and 4 all split llama3_tiny's 32 tokens) x 2 AC modes
     assert len(shapes) == len(data["layouts"]) == 10 * 2
     valid = [e for e in data["layouts"] if e["valid"]]
@@ -74,9 +93,22 @@ def test_plan_lists_every_layout_and_axis_value_ranked_with_invalid_reasons(plan
 
 def test_full_ac_predicts_less_memory_and_more_compute(planned):
     _, data = planned
-    by = {(tuple(e["overrides"][k] for k in ("parallel.dp_replicate", "parallel.dp_shard",
-                                               "parallel.cp", "parallel.tp")),
-           e["overrides"]["parallel.ac"]): e for e in data["layouts"] if e["valid"]}
+    by = {
+        (
+            tuple(
+                e["overrides"][k]
+                for k in (
+                    "parallel.dp_replicate",
+                    "parallel.dp_shard",
+                    "parallel.cp",
+                    "parallel.tp",
+                )
+            ),
+            e["overrides"]["parallel.ac"],
+        ): e
+        for e in data["layouts"]
+        if e["valid"]
+    }
     none, full = by[((1, 4, 1, 1), "none")], by[((1, 4, 1, 1), "full")]
     assert full["memory"]["activations_gib"] < none["memory"]["activations_gib"]
     assert full["compute_s"] > none["compute_s"]
@@ -88,17 +120,25 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
     its cache)."""
     cfg = plan.compose(TINY)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for shape, micro in (((4, 1, 1, 1), 2), ((2, 2, 1, 1), 2), ((1, 2, 1, 2), 4),
-                         ((2, 1, 1, 2), 4), ((2, 1, 2, 1), 4), ((1, 1, 4, 1), 8)):
-        req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
-                                  shape, micro, 1, 4, 4, 1)
+    for shape, micro in (
+        ((4, 1, 1, 1), 2),
+        ((2, 2, 1, 1), 2),
+        ((1, 2, 1, 2), 4),
+        ((2, 1, 1, 2), 4),
+        ((2, 1, 2, 1), 4),
+        ((1, 1, 4, 1), 8),
+    ):
+        req = plan_memory.request(
+            plain["model"], plain["parallel"], plain["precision"], [], shape, micro, 1, 4, 4, 1
+        )
         measured = plan_memory.measure([req])[0]
         dims = _dims(*shape[:2], shape[3], 4, 4, cp=shape[2])
         exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard_cp, 4)
         assert measured["sharded_param"] == exact["params"], shape
     # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
-    req = plan_memory.request(plain["model"], plain["parallel"], plain["precision"], [],
-                              (1, 1, 1, 2), 8, 1, 2, 2, 1)
+    req = plan_memory.request(
+        plain["model"], plain["parallel"], plain["precision"], [], (1, 1, 1, 2), 8, 1, 2, 2, 1
+    )
     measured = plan_memory.measure([req])[0]
     exact = plan_memory.state_bytes(unit_sizes(cfg.model, _dims(1, 1, 2, 2, 2)), 1, 4)
     assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
@@ -109,12 +149,24 @@ def _one_rank(*cases: tuple[str, int, int]) -> list[dict]:
     per (ac, blocks, micro-batch) case, measured in one child process."""
     requests = []
     for ac, n_layers, micro in cases:
-        cfg = plan.compose(["model=llama3_tiny", "model.seq_len=256", "parallel=single",
-                            f"parallel.ac={ac}"])
+        cfg = plan.compose(
+            ["model=llama3_tiny", "model.seq_len=256", "parallel=single", f"parallel.ac={ac}"]
+        )
         plain = OmegaConf.to_container(cfg, resolve=True)
-        requests.append(plan_memory.request(plain["model"], plain["parallel"],
-                                            plain["precision"], [], (1, 1, 1, 1), micro, 1, 1, 1,
-                                            n_layers))
+        requests.append(
+            plan_memory.request(
+                plain["model"],
+                plain["parallel"],
+                plain["precision"],
+                [],
+                (1, 1, 1, 1),
+                micro,
+                1,
+                1,
+                1,
+                n_layers,
+            )
+        )
     return plan_memory.measure(requests, use_disk_cache=False)
 
 
@@ -133,23 +185,40 @@ def test_selective_ac_block_keeps_every_other_matmul_output_and_loss_temporaries
 
 def test_memory_extrapolates_linearly_per_block():
     one, two = {"act": 10, "sharded_param": 4}, {"act": 16, "sharded_param": 7}
-    assert plan_memory.extrapolate({1: one, 2: two}, 32) == {"act": 10 + 31 * 6,
-                                                            "sharded_param": 4 + 31 * 3}
+    assert plan_memory.extrapolate({1: one, 2: two}, 32) == {
+        "act": 10 + 31 * 6,
+        "sharded_param": 4 + 31 * 3,
+    }
     assert plan_memory.extrapolate({1: one}, 1) == one
 
 
 def _cluster(**kw) -> Cluster:
-    base = dict(name="t", device="H100", gpus_per_node=4, nodes=2, device_memory_gib=80.0,
-                peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
-                nvlink_gbps=100.0, nvlink_efficiency=1.0, nics_per_node=4, nic_gbit=80.0,
-                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=20.0,
-                overlap=1.0, memory_reserve_gib=0.0)
+    base = dict(
+        name="t",
+        device="H100",
+        gpus_per_node=4,
+        nodes=2,
+        device_memory_gib=80.0,
+        peak_tflops=100.0,
+        peak_source="test",
+        compute_efficiency=0.5,
+        nvlink_gbps=100.0,
+        nvlink_efficiency=1.0,
+        nics_per_node=4,
+        nic_gbit=80.0,
+        nic_efficiency=1.0,
+        intra_node_latency_us=10.0,
+        inter_node_latency_us=20.0,
+        overlap=1.0,
+        memory_reserve_gib=0.0,
+    )
     return Cluster(**{**base, **kw})
 
 
 def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
-    cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=8",
-                        "model.seq_len=2048"])
+    cfg = plan.compose(
+        ["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=8", "model.seq_len=2048"]
+    )
     fast = _cluster(nodes=1, gpus_per_node=8)
     fsdp = step_time(cfg, _dims(1, 8, 1, 8, 8), fast)
     assert fsdp["dominant"] == "compute"
@@ -158,19 +227,21 @@ def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     assert slow["dominant"] == "comm:dp_shard" and slow["exposed_comm_s"]["dp_shard"] > 10 * hidden
     no_overlap = step_time(cfg, _dims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
     assert no_overlap["step_time_s"] == pytest.approx(
-        no_overlap["compute_s"] + no_overlap["comm_total_s"])
+        no_overlap["compute_s"] + no_overlap["comm_total_s"]
+    )
     tp = step_time(cfg, _dims(2, 1, 4, 8, 8), fast)
     assert tp["exposed_comm_s"]["tp"] == pytest.approx(
-        sum(v for k, v in _times(cfg, _dims(2, 1, 4, 8, 8), fast).items()
-            if k.endswith("/tp")))
+        sum(v for k, v in _times(cfg, _dims(2, 1, 4, 8, 8), fast).items() if k.endswith("/tp"))
+    )
 
 
 def _times(cfg, dims, cluster):
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.planner.step_time import comm_times
 
-    return comm_times(analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer),
-                      dims, cluster)
+    return comm_times(
+        analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer), dims, cluster
+    )
 
 
 def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
@@ -184,16 +255,19 @@ def test_planned_sweep_composes_to_the_top_layouts_with_plan_source(planned):
     # As `python -m hsdp_runner --config-dir <dir> --config-name planned` finds it.
     with initialize_config_dir(config_dir=str(out), version_base="1.3"):
         for name, entry in zip(names, top):
-            cfg = compose(config_name="planned", overrides=[
-                f"hydra.searchpath=[file://{CONF_DIR}]", f"planned_layouts={name}"])
+            cfg = compose(
+                config_name="planned",
+                overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", f"planned_layouts={name}"],
+            )
             assert cfg.plan.source == str((out / "plan.json").resolve())
             assert cfg.model.name == "llama3_tiny" and cfg.launcher.nproc_per_node == 4
             for key, value in entry["overrides"].items():
                 assert OmegaConf.select(cfg, key) == value
 
 
-def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str,
-         mem: dict | None = None) -> Path:
+def _job(
+    sweep: Path, num: int, overrides: dict, step_s: float, source: str, mem: dict | None = None
+) -> Path:
     job = sweep / f"{num}_job"
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"planned_layouts=r{num}"]))
@@ -202,9 +276,14 @@ def _job(sweep: Path, num: int, overrides: dict, step_s: float, source: str,
         OmegaConf.update(node := OmegaConf.create(config), key, value)
         config = OmegaConf.to_container(node)
     (job / "config_resolved.yaml").write_text(yaml.safe_dump(config))
-    summary = {"status": "completed", "median_step_time_s": step_s, "median_tps_global": 1 / step_s,
-               "min_tps_global": 0.9 / step_s, "max_tps_global": 1.1 / step_s,
-               "mem_peak_gib": 1.0}
+    summary = {
+        "status": "completed",
+        "median_step_time_s": step_s,
+        "median_tps_global": 1 / step_s,
+        "min_tps_global": 0.9 / step_s,
+        "max_tps_global": 1.1 / step_s,
+        "mem_peak_gib": 1.0,
+    }
     summary.update(mem or {})  # the memory fields per rank
     (job / "summary.json").write_text(json.dumps(summary))
     return job
@@ -219,13 +298,22 @@ def test_compare_pairs_jobs_with_their_layouts_and_scores_the_ranking(planned, t
     # Job 0 (from before the tensor meter) recorded peaks and baselines: its busiest rank
     # added predicted / 1.25. Job 1's largest tensor peak is predicted / 1.1 (its peak RSS
     # minus baseline, much larger, is not what the planner predicts). Job 2 recorded nothing.
-    mems = [{"mem_peak_gib_per_rank": [0.5 + top[0]["mem_gib"] / 1.25, 0.6],
-             "mem_baseline_gib_per_rank": [0.5, 0.5]},
-            {"mem_peak_gib_per_rank": [5.0, 5.0], "mem_baseline_gib_per_rank": [0.3, 0.2],
-             "mem_tensor_peak_gib_per_rank": [top[1]["mem_gib"] / 1.2,
-                                              top[1]["mem_gib"] / 1.1]}, None]
-    jobs = [_job(tmp_path, i, e["overrides"], e["step_time_s"] * (1.1 + 0.1 * i), source,
-                 mems[i]) for i, e in enumerate(top)]
+    mems = [
+        {
+            "mem_peak_gib_per_rank": [0.5 + top[0]["mem_gib"] / 1.25, 0.6],
+            "mem_baseline_gib_per_rank": [0.5, 0.5],
+        },
+        {
+            "mem_peak_gib_per_rank": [5.0, 5.0],
+            "mem_baseline_gib_per_rank": [0.3, 0.2],
+            "mem_tensor_peak_gib_per_rank": [top[1]["mem_gib"] / 1.2, top[1]["mem_gib"] / 1.1],
+        },
+        None,
+    ]
+    jobs = [
+        _job(tmp_path, i, e["overrides"], e["step_time_s"] * (1.1 + 0.1 * i), source, mems[i])
+        for i, e in enumerate(top)
+    ]
     found = prediction.predictions_for(jobs)
     assert [found[j]["rank"] for j in jobs] == [e["rank"] for e in top]
     assert compare.main([str(tmp_path)]) == 0
@@ -258,37 +346,74 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
     assert "cluster.calibration=" in report
     plan_calibrate.calibrate(tmp_path)  # a second fit never overwrites the first
     assert (tmp_path / "cluster_calibrated_1.yaml").exists()
-    code = plan.main(TINY + [f"plan.out_dir={tmp_path / 'again'}",
-                             f"cluster.calibration={tmp_path / 'cluster_calibrated.yaml'}"])
+    code = plan.main(
+        TINY
+        + [
+            f"plan.out_dir={tmp_path / 'again'}",
+            f"cluster.calibration={tmp_path / 'cluster_calibrated.yaml'}",
+        ]
+    )
     again = json.loads((tmp_path / "again" / "plan.json").read_text())
     assert code == 0 and again["cluster"]["link_scale"] == pytest.approx(1 / 3, rel=1e-4)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["cluster=nope"], "Could not find 'cluster/nope'"),
-    (["cluster.nodez=2"], "cluster.nodez"),
-    (["plan.axes.parallel.acc=none,full"], "parallel.acc is not a key"),
-    (["plan.layers_measured=[2]"], "plan.layers_measured=[2] needs two"),
-    (["trainer.global_batch_size=3", "cluster.gpus_per_node=2", "model=llama3_tiny",
-      "model.n_heads=3", "model.n_kv_heads=1", "model.dim=48", "model.seq_len=30"],
-     "no layout of 2 ranks"),  # 30 tokens: no cp splits them into 2 x cp chunks either
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["cluster=nope"], "Could not find 'cluster/nope'"),
+        (["cluster.nodez=2"], "cluster.nodez"),
+        (["plan.axes.parallel.acc=none,full"], "parallel.acc is not a key"),
+        (["plan.layers_measured=[2]"], "plan.layers_measured=[2] needs two"),
+        (
+            [
+                "trainer.global_batch_size=3",
+                "cluster.gpus_per_node=2",
+                "model=llama3_tiny",
+                "model.n_heads=3",
+                "model.n_kv_heads=1",
+                "model.dim=48",
+                "model.seq_len=30",
+            ],
+            "no layout of 2 ranks",
+        ),  # 30 tokens: no cp splits them into 2 x cp chunks either
+    ],
+)
 def test_bad_input_exits_2_with_a_message(args, message, capsys):
     assert plan.main(args) == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["plan.axes.parallel.ac=none,sometimes"], ("plan.axes.parallel.ac: parallel.ac='sometimes' "
-     "is not one of none, full, selective; set parallel.ac to one of them")),
-    (["plan.axes.parallel.ddp_impl=replicate,fsdp"], ("plan.axes.parallel.ddp_impl: "
-     "parallel.ddp_impl='fsdp' is not one of replicate, fully_shard")),
-    (["plan.axes.trainer.steps=4,abc"], ("plan.axes.trainer.steps=abc: Error merging override "
-     "trainer.steps=abc: Value 'abc' of type 'str' could not be converted to Integer")),
-    (["plan.axes.trainer.steps=0"], ("plan.axes.trainer.steps=0: trainer.steps=0 must be a "
-     "positive integer")),
-    (["parallel.ac=sometimes"], "parallel.ac='sometimes' is not one of none, full, selective"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["plan.axes.parallel.ac=none,sometimes"],
+            (
+                "plan.axes.parallel.ac: parallel.ac='sometimes' "
+                "is not one of none, full, selective; set parallel.ac to one of them"
+            ),
+        ),
+        (
+            ["plan.axes.parallel.ddp_impl=replicate,fsdp"],
+            (
+                "plan.axes.parallel.ddp_impl: "
+                "parallel.ddp_impl='fsdp' is not one of replicate, fully_shard"
+            ),
+        ),
+        (
+            ["plan.axes.trainer.steps=4,abc"],
+            (
+                "plan.axes.trainer.steps=abc: Error merging override "
+                "trainer.steps=abc: Value 'abc' of type 'str' could not be converted to Integer"
+            ),
+        ),
+        (
+            ["plan.axes.trainer.steps=0"],
+            ("plan.axes.trainer.steps=0: trainer.steps=0 must be a positive integer"),
+        ),
+        (["parallel.ac=sometimes"], "parallel.ac='sometimes' is not one of none, full, selective"),
+    ],
+)
 def test_an_axis_value_is_checked_like_the_same_override_in_one_line(args, message, capsys):
     """Each ``plan.axes.<key>`` value gets the command line's checks (the choice's allowed
     values, Hydra's typing, the cross-field rules): exit 2 and one line naming the axis."""
@@ -302,8 +427,11 @@ def test_model_that_fits_nowhere_is_listed_and_exits_2(monkeypatch_module, tmp_p
     captured = capsys.readouterr()
     assert code == 2 and "fits on no layout" in captured.err
     assert "does not fit" in captured.out
-    assert all(not e["fits"] for e in json.loads((tmp_path / "plan.json").read_text())["layouts"]
-               if e["valid"])
+    assert all(
+        not e["fits"]
+        for e in json.loads((tmp_path / "plan.json").read_text())["layouts"]
+        if e["valid"]
+    )
 
 
 @pytest.mark.parametrize("model", ["llama3_tiny", "gpt2_tiny"])
@@ -342,14 +470,19 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
 
     def fake_measure(ranks):
         calls.append(ranks)
-        return {"peak_tflops": {"float32": 1.0}, "links": {}, "overlap": 0.3,
-                "threads_per_rank": linkbench._threads_per_rank(ranks)}
+        return {
+            "peak_tflops": {"float32": 1.0},
+            "links": {},
+            "overlap": 0.3,
+            "threads_per_rank": linkbench._threads_per_rank(ranks),
+        }
 
     monkeypatch.setattr(linkbench, "measure", fake_measure)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # Taken with one thread per rank, before the overlap was measured: measured again.
-    (tmp_path / "links_8.json").write_text(json.dumps({"peak_tflops": {}, "links": {},
-                                                       "threads_per_rank": 1}))
+    (tmp_path / "links_8.json").write_text(
+        json.dumps({"peak_tflops": {}, "links": {}, "threads_per_rank": 1})
+    )
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]  # cached
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -357,21 +490,39 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
 
 
 def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is_an_error(
-        monkeypatch):
+    monkeypatch,
+):
     from hsdp_runner.core.errors import ConfigError
     from hsdp_runner.planner import cluster as cluster_mod
     from hsdp_runner.planner import linkbench
 
-    monkeypatch.setattr(linkbench, "cached_or_measure", lambda ranks: {
-        "peak_tflops": {"float32": 0.02}, "links": {}, "overlap": 0.32, "memory_gib": 16.0})
+    monkeypatch.setattr(
+        linkbench,
+        "cached_or_measure",
+        lambda ranks: {
+            "peak_tflops": {"float32": 0.02},
+            "links": {},
+            "overlap": 0.32,
+            "memory_gib": 16.0,
+        },
+    )
     node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "cluster" / "this_machine.yaml"))
     assert node["overlap"] is None
     resolved = cluster_mod.resolve(node, "float32")
     assert resolved.overlap == 0.32 and resolved.device_memory_gib == 2.0
     with pytest.raises(ConfigError, match="cluster.overlap is null"):
-        cluster_mod.resolve({**node, "measure": False, "peak_tflops": 1.0,
-                             "device_memory_gib": 80.0, "nvlink_gbps": 450.0,
-                             "nvlink_efficiency": 0.8, "nic_efficiency": 0.96}, "float32")
+        cluster_mod.resolve(
+            {
+                **node,
+                "measure": False,
+                "peak_tflops": 1.0,
+                "device_memory_gib": 80.0,
+                "nvlink_gbps": 450.0,
+                "nvlink_efficiency": 0.8,
+                "nic_efficiency": 0.96,
+            },
+            "float32",
+        )
 
 
 def _overlap_on_two_ranks():

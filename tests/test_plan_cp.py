@@ -14,8 +14,12 @@ from hsdp_runner.planner.cluster import Cluster
 from hsdp_runner.planner.degrees import auto_cp_degrees, cp_degrees, degree_shapes
 from hsdp_runner.planner.step_time import comm_times, step_time
 
-TINY = ["model=llama3_tiny", "model.n_layers=1", "trainer.global_batch_size=8",
-        "cluster.gpus_per_node=4"]
+TINY = [
+    "model=llama3_tiny",
+    "model.n_layers=1",
+    "trainer.global_batch_size=8",
+    "cluster.gpus_per_node=4",
+]
 
 
 def _shapes(layouts: list[dict]) -> set[tuple]:
@@ -52,16 +56,29 @@ def test_enumeration_includes_cp_layouts_and_cp_degrees_1_keeps_the_old_list():
 
 
 def _cluster(**kw) -> Cluster:
-    base = dict(name="t", device="H100", gpus_per_node=8, nodes=1, device_memory_gib=80.0,
-                peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
-                nvlink_gbps=100.0, nvlink_efficiency=1.0, nics_per_node=8, nic_gbit=80.0,
-                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=20.0,
-                overlap=1.0, memory_reserve_gib=0.0)
+    base = dict(
+        name="t",
+        device="H100",
+        gpus_per_node=8,
+        nodes=1,
+        device_memory_gib=80.0,
+        peak_tflops=100.0,
+        peak_source="test",
+        compute_efficiency=0.5,
+        nvlink_gbps=100.0,
+        nvlink_efficiency=1.0,
+        nics_per_node=8,
+        nic_gbit=80.0,
+        nic_efficiency=1.0,
+        intra_node_latency_us=10.0,
+        inter_node_latency_us=20.0,
+        overlap=1.0,
+        memory_reserve_gib=0.0,
+    )
     return Cluster(**{**base, **kw})
 
 
-LONG = ["model=llama3_8b", "precision=bf16", "model.seq_len=32768",
-        "trainer.global_batch_size=1"]
+LONG = ["model=llama3_8b", "precision=bf16", "model.seq_len=32768", "trainer.global_batch_size=1"]
 
 
 @pytest.mark.parametrize("ac, gathers", [("none", 1), ("selective", 1), ("full", 2)])
@@ -71,11 +88,12 @@ def test_cp_moves_the_whole_sequences_keys_and_values_per_block(ac, gathers):
     kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     # keys + values of 32768 tokens x (8 kv heads / tp 2) x head_dim 128 in bf16, per block
     per_block = 2 * 32768 * 4 * 128 * 2
-    assert kv == {"all_gather/cp": {"calls": 32 * gathers, "bytes": 32 * gathers * per_block},
-                  "reduce_scatter/cp": {"calls": 32, "bytes": 32 * per_block}}
+    assert kv == {
+        "all_gather/cp": {"calls": 32 * gathers, "bytes": 32 * gathers * per_block},
+        "reduce_scatter/cp": {"calls": 32, "bytes": 32 * per_block},
+    }
     no_cp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=8, world_size=8)
-    assert context_parallel_comm(cfg.model, no_cp, cfg.parallel, cfg.precision,
-                                 cfg.trainer) == {}
+    assert context_parallel_comm(cfg.model, no_cp, cfg.parallel, cfg.precision, cfg.trainer) == {}
 
 
 def test_cp_exchange_is_exposed_while_fsdp_over_the_same_group_hides_behind_compute():
@@ -94,21 +112,30 @@ def test_cp_exchange_is_exposed_while_fsdp_over_the_same_group_hides_behind_comp
     assert time["exposed_comm_s"]["cp"] > kv_s
     assert time["comm_total_s"] == pytest.approx(sum(comm_times(comm, dims, cluster).values()))
     # The same FSDP collectives over dp_shard hide the same way: only the exchange differs.
-    fsdp = step_time(cfg, ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, world_size=8),
-                     cluster)
+    fsdp = step_time(
+        cfg, ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, world_size=8), cluster
+    )
     assert time["exposed_comm_s"]["cp"] - fsdp["exposed_comm_s"]["dp_shard"] == pytest.approx(
-        kv_s, rel=0.05)
+        kv_s, rel=0.05
+    )
 
 
-def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, monkeypatch,
-                                                                    capsys):
+def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, monkeypatch, capsys):
     """Llama 3 8B, one 64k-token sequence per step on 8 H100s: with one sequence no rank can
     take a batch row of its own, so either TP or cp splits the sequence. TP leaves every rank
     the whole sequence's fp32 loss temporaries and does not fit; cp = 8 does."""
     monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
-    code = plan.main(["model=llama3_8b", "model.seq_len=65536", "precision=bf16",
-                      "trainer.global_batch_size=1", "parallel.ac=full", "plan.cp_degrees=[1,8]",
-                      f"plan.out_dir={tmp_path / 'plan'}"])
+    code = plan.main(
+        [
+            "model=llama3_8b",
+            "model.seq_len=65536",
+            "precision=bf16",
+            "trainer.global_batch_size=1",
+            "parallel.ac=full",
+            "plan.cp_degrees=[1,8]",
+            f"plan.out_dir={tmp_path / 'plan'}",
+        ]
+    )
     assert code == 0
     layouts = json.loads((tmp_path / "plan" / "plan.json").read_text())["layouts"]
     by_cp = {e["overrides"]["parallel.cp"]: e for e in layouts if e["valid"]}
@@ -125,10 +152,15 @@ def test_activation_collectives_move_the_same_bytes_whatever_the_micro_batches()
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, world_size=8)
     per_accum = {}
     for accum in (1, 2):
-        cfg = plan.compose(LONG + ["parallel.ac=full", "trainer.global_batch_size=4",
-                                   f"trainer.grad_accum_steps={accum}"])
-        per_accum[accum] = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision,
-                                         cfg.trainer)
+        cfg = plan.compose(
+            LONG
+            + [
+                "parallel.ac=full",
+                "trainer.global_batch_size=4",
+                f"trainer.grad_accum_steps={accum}",
+            ]
+        )
+        per_accum[accum] = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     for key in ("all_gather/tp", "reduce_scatter/tp", "all_gather/cp", "reduce_scatter/cp"):
         one, two = per_accum[1][key], per_accum[2][key]
         assert two["bytes"] == one["bytes"] and two["calls"] == 2 * one["calls"], key

@@ -19,12 +19,25 @@ import torch
 from distributed import run_workers
 from test_config import compose
 
-BASE = ["model=llama3_tiny", "trainer.global_batch_size=4", "logger=none",
-        "trainer.log_every=100", "metrics.peak_tflops=1"]
+BASE = [
+    "model=llama3_tiny",
+    "trainer.global_batch_size=4",
+    "logger=none",
+    "trainer.log_every=100",
+    "metrics.peak_tflops=1",
+]
 FSDP = ["parallel=fsdp", "parallel.dp_shard=2"]
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "broadcast", "barrier", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 RUNNER = str(Path(__file__).resolve().parents[1] / "hsdp_runner")
 
 
@@ -47,6 +60,7 @@ class Tally:
                 if threading.current_thread() is main:
                     self.reads += 1
                 return original(*args, **kwargs)
+
             return wrapper
 
         def collective(original):
@@ -54,6 +68,7 @@ class Tally:
                 if sys._getframe(1).f_code.co_filename.startswith(RUNNER):
                     self.collectives += 1
                 return original(*args, **kwargs)
+
             return wrapper
 
         for name in HOST_READS:
@@ -98,19 +113,32 @@ def _count_syncs():
     trainer = _trainer(FSDP + ["trainer.steps=4"])
     per_step = []
     with Tally() as tally:
+
         def after_step(step):
             per_step.append((step, tally.reads, tally.collectives))
+
         trainer.fit(after_step=after_step)
     return {"per_step": per_step, "reads": tally.reads, "collectives": tally.collectives}
 
 
 def _nan_skip():
-    trainer = _trainer(FSDP + ["trainer.steps=3", "trainer.on_nan=skip", "fault.kind=nan",
-                        "fault.rank=1", "fault.step=2"])
+    trainer = _trainer(
+        FSDP
+        + [
+            "trainer.steps=3",
+            "trainer.on_nan=skip",
+            "fault.kind=nan",
+            "fault.rank=1",
+            "fault.step=2",
+        ]
+    )
     seen = {}
     trainer.fit(after_step=lambda step: seen.__setitem__(step, _weights(trainer)))
-    return {"seen": seen, "skipped": [r["skipped"] for r in trainer.records],
-            "losses": [r["loss"] for r in trainer.records]}
+    return {
+        "seen": seen,
+        "skipped": [r["skipped"] for r in trainer.records],
+        "losses": [r["loss"] for r in trainer.records],
+    }
 
 
 def _nan_stop():
@@ -123,14 +151,20 @@ def _nan_stop():
     def after_step(step):
         hooked.append(step)
         after_one["weights"] = _weights(trainer)
+
     try:
         trainer.fit(after_step=after_step)
         error = None
     except NonFiniteError as err:
         error = str(err)
-    return {"error": error, "hooked": hooked, "records": [r["step"] for r in trainer.records],
-            "unchanged": all(torch.equal(a, b) for a, b in
-                             zip(_weights(trainer)[0], after_one["weights"][0]))}
+    return {
+        "error": error,
+        "hooked": hooked,
+        "records": [r["step"] for r in trainer.records],
+        "unchanged": all(
+            torch.equal(a, b) for a, b in zip(_weights(trainer)[0], after_one["weights"][0])
+        ),
+    }
 
 
 def _stop_request():
@@ -142,14 +176,22 @@ def _stop_request():
     def after_step(step):
         if step == 1 and dist.get_rank() == 1:  # arrives while step 2 is under way
             stop.signum = signal.SIGTERM
+
     trainer.fit(after_step=after_step, stop=stop)
-    return {"stopped_by": trainer.stopped_by, "last_step": trainer.last_step,
-            "adam_steps": _weights(trainer)[1]}
+    return {
+        "stopped_by": trainer.stopped_by,
+        "last_step": trainer.last_step,
+        "adam_steps": _weights(trainer)[1],
+    }
 
 
 def _scenarios():
-    return {"syncs": _count_syncs(), "skip": _nan_skip(), "stop": _nan_stop(),
-            "signal": _stop_request()}
+    return {
+        "syncs": _count_syncs(),
+        "skip": _nan_skip(),
+        "stop": _nan_stop(),
+        "signal": _stop_request(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +250,7 @@ def _cuda_sync_warnings():
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     try:
-        trainer = _trainer(["parallel=single", "trainer.steps=5", "metrics.comm_step=null"],
-                           device)
+        trainer = _trainer(["parallel=single", "trainer.steps=5", "metrics.comm_step=null"], device)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             # From step 2 on (step 1 holds one-time set-up): any synchronizing CUDA call warns.
@@ -250,16 +291,24 @@ def test_vectorised_synthetic_chain_equals_the_token_by_token_loop():
         successor = torch.randperm(vocab, generator=gen)
         expected = draws.clone()
         for t in range(1, length):
-            expected[:, t] = torch.where(follow[:, t], successor[expected[:, t - 1]],
-                                         expected[:, t])
+            expected[:, t] = torch.where(
+                follow[:, t], successor[expected[:, t - 1]], expected[:, t]
+            )
         assert torch.equal(follow_successors(draws, follow, successor), expected)
 
 
 def test_prefetched_batches_are_the_batches_of_their_step():
     from hsdp_runner.train.data import Prefetcher, TokenBatches
 
-    batches = TokenBatches(NS(kind="synthetic", path=None), vocab_size=256, seq_len=16,
-                           global_batch=8, dp_rank=1, dp_size=2, seed=3)
+    batches = TokenBatches(
+        NS(kind="synthetic", path=None),
+        vocab_size=256,
+        seq_len=16,
+        global_batch=8,
+        dp_rank=1,
+        dp_size=2,
+        seed=3,
+    )
     data = Prefetcher(batches, torch.device("cpu"))
     try:
         for step in (0, 1, 2, 7, 8):  # in order, then a jump (a resume, say)
@@ -285,8 +334,9 @@ def test_cpu_peak_is_measured_once_per_machine_and_thread_count(tmp_path, monkey
 
     monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
     measured = []
-    monkeypatch.setattr(metrics, "measure_cpu_tflops",
-                        lambda dtype: measured.append(dtype) or 0.5 + len(measured))
+    monkeypatch.setattr(
+        metrics, "measure_cpu_tflops", lambda dtype: measured.append(dtype) or 0.5 + len(measured)
+    )
     first = metrics.resolve_peak_tflops(torch.device("cpu"), "float32", None)
     again = metrics.resolve_peak_tflops(torch.device("cpu"), "float32", None)
     assert first[0] == again[0] == 1.5 and len(measured) == 1

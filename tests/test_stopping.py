@@ -60,9 +60,12 @@ def test_stop_signals_add_the_configured_time_limit_signal():
 
 def write_metrics(folder, steps):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": float(i),
-                                                              "grad_norm": 1.0}) + "\n"
-                                                  for i, s in enumerate(steps)))
+    (folder / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss": float(i), "grad_norm": 1.0}) + "\n"
+            for i, s in enumerate(steps)
+        )
+    )
 
 
 def test_a_fresh_start_sets_the_earlier_run_aside(tmp_path):
@@ -98,8 +101,12 @@ def test_pruning_touches_only_what_the_runner_wrote_and_never_fails(tmp_path, ca
     for name in ("step-10.bak", "step-x.y", "step-2.partial", "step-9.deleting"):
         (tmp_path / name).mkdir()
     pruner(tmp_path, keep_last=2)._prune(4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10.bak", "step-3", "step-4",
-                                                          "step-x.y"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-10.bak",
+        "step-3",
+        "step-4",
+        "step-x.y",
+    ]
     (tmp_path / "step-5").mkdir()
     (tmp_path / "step-5" / checkpoint_start.MANIFEST).write_text("{}")
     os.chmod(tmp_path / "step-3", 0o500)  # its manifest cannot be deleted
@@ -115,11 +122,15 @@ def test_pruning_touches_only_what_the_runner_wrote_and_never_fails(tmp_path, ca
 
 
 def test_a_failed_summary_carries_no_figures_of_an_earlier_attempt(tmp_path):
-    RunSummary(status=RunStatus.interrupted, final_loss=3.2, median_tps_global=1e4,
-               interrupted_at_step=7).write(tmp_path)
-    dims = ParallelDims.from_config(ParallelConfig(dp_shard=2),
-                                    OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
-                                                      "dim": 64}), 2, 2)
+    RunSummary(
+        status=RunStatus.interrupted, final_loss=3.2, median_tps_global=1e4, interrupted_at_step=7
+    ).write(tmp_path)
+    dims = ParallelDims.from_config(
+        ParallelConfig(dp_shard=2),
+        OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "dim": 64}),
+        2,
+        2,
+    )
     RunSummary.failed(dims.describe(), 1, "RuntimeError: boom").write(tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_rank"] == 1
@@ -139,8 +150,17 @@ def test_compare_shows_an_interrupted_job_and_counts_it(tmp_path):
     from test_compare import ran
 
     fake_job(tmp_path, 0, ["parallel.tp=1"], ran(100.0, [1, 8, 1]))
-    fake_job(tmp_path, 1, ["parallel.tp=2"], {**ran(50.0, [1, 4, 2]), "status": "interrupted",
-                                              "interrupted_at_step": 7, "signal": "SIGTERM"})
+    fake_job(
+        tmp_path,
+        1,
+        ["parallel.tp=2"],
+        {
+            **ran(50.0, [1, 4, 2]),
+            "status": "interrupted",
+            "interrupted_at_step": 7,
+            "signal": "SIGTERM",
+        },
+    )
     jobs = parity_free_compare(tmp_path)
     assert "interrupted at step 7 (SIGTERM)" in jobs
     assert "2 jobs: 1 completed, 1 interrupted" in (tmp_path / "compare.md").read_text()
@@ -164,14 +184,22 @@ def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypa
         ran_layouts.append(cfg)
         return codes[cfg]
 
-    args = Namespace(layouts=["single", "ddp", "fsdp"], steps=2, rtol=1e-5, rtol_why="", overrides=[],
-                     out=tmp_path)
-    monkeypatch.setattr(parity, "run_job",
-                        lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 130}))
+    args = Namespace(
+        layouts=["single", "ddp", "fsdp"],
+        steps=2,
+        rtol=1e-5,
+        rtol_why="",
+        overrides=[],
+        out=tmp_path,
+    )
+    monkeypatch.setattr(
+        parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 130})
+    )
     assert parity.run_parity(args) == 130 and ran_layouts == ["single", "ddp"]
 
-    monkeypatch.setattr(parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 1,
-                                                                              "fsdp": 0}))
+    monkeypatch.setattr(
+        parity, "run_job", lambda cfg, info: job(cfg, info, {"single": 0, "ddp": 1, "fsdp": 0})
+    )
     for layout in ("single", "fsdp"):
         write_metrics(tmp_path / layout, [1, 2])
         RunSummary(status=RunStatus.completed).write(tmp_path / layout)
@@ -191,13 +219,17 @@ def test_a_sweep_with_an_interrupted_job_exits_with_its_signal_code():
 def _group_timeouts() -> dict:
     import torch
 
-    dims = ParallelDims.from_config(ParallelConfig(dp_shard=2),
-                                    OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
-                                                      "dim": 64}), 2)
+    dims = ParallelDims.from_config(
+        ParallelConfig(dp_shard=2),
+        OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "dim": 64}),
+        2,
+    )
     world = dims.build_mesh("cpu")  # as in-process tests build it: no timeout given
     groups = {name: world[name].get_group() for name in ("dp_shard", "dp")}
-    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for name, g in groups.items()}
+    return {
+        name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for name, g in groups.items()
+    }
 
 
 @pytest.mark.multiprocess
@@ -211,7 +243,9 @@ def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path)
     from hsdp_runner.runtime.worker import _prepare_metrics
 
     cfg = CheckpointConfig()
-    own = checkpoint_start.Start(StartSource.checkpoint, str(tmp_path / "checkpoints" / "step-4"), 4)
+    own = checkpoint_start.Start(
+        StartSource.checkpoint, str(tmp_path / "checkpoints" / "step-4"), 4
+    )
     write_metrics(tmp_path, [1, 2, 3, 4, 5, 6])
     _prepare_metrics(cfg, tmp_path, own)
     assert [r["step"] for r in tracking.read_metrics(tmp_path)] == [1, 2, 3, 4]

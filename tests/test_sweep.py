@@ -13,8 +13,16 @@ from wandb_records import iter_records, read_run
 from hsdp_runner.runtime import sweep
 
 # tests/sweep_conf/four_jobs.yaml: one job per `case`, 2 CPU ranks each (the ddp preset's).
-FOUR_JOBS = ["--config-dir", "tests/sweep_conf", "--config-name", "four_jobs",
-             "model=llama3_tiny", "trainer.steps=4", "metrics.warmup_steps=1", "logger=wandb"]
+FOUR_JOBS = [
+    "--config-dir",
+    "tests/sweep_conf",
+    "--config-name",
+    "four_jobs",
+    "model=llama3_tiny",
+    "trainer.steps=4",
+    "metrics.warmup_steps=1",
+    "logger=wandb",
+]
 
 
 def job_dirs(sweep_dir: Path) -> dict[str, Path]:
@@ -29,8 +37,9 @@ def job_dirs(sweep_dir: Path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def four_jobs(tmp_path_factory):
     sweep_dir = tmp_path_factory.mktemp("sweep") / "four_jobs"
-    result = run_cli(sweep_dir, *FOUR_JOBS, f"hydra.sweep.dir={sweep_dir}", pin_dir=False,
-                     timeout=600)
+    result = run_cli(
+        sweep_dir, *FOUR_JOBS, f"hydra.sweep.dir={sweep_dir}", pin_dir=False, timeout=600
+    )
     return result, sweep_dir, job_dirs(sweep_dir)
 
 
@@ -79,36 +88,55 @@ def test_good_jobs_have_metrics_and_steady_state_figures(four_jobs, case, mesh):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert summary["status"] == "completed" and summary["mesh_shape"] == mesh
     assert summary["world_size"] == 2 and summary["steady_steps"] == 3
-    assert summary["min_tps_per_device"] <= summary["median_tps_per_device"] \
+    assert (
+        summary["min_tps_per_device"]
+        <= summary["median_tps_per_device"]
         <= summary["max_tps_per_device"]
+    )
 
 
 @pytest.mark.multiprocess
 def test_wandb_runs_of_a_sweep_share_one_group(four_jobs):
     _, sweep_dir, jobs = four_jobs
-    runs = {case: [read_run(f) for f in d.glob("wandb/offline-run-*/run-*.wandb")]
-            for case, d in jobs.items()}
-    assert {case: len(found) for case, found in runs.items()} == \
-        {"ddp": 1, "fsdp": 1, "crash": 1, "too_big": 0}  # a skipped job starts no run
+    runs = {
+        case: [read_run(f) for f in d.glob("wandb/offline-run-*/run-*.wandb")]
+        for case, d in jobs.items()
+    }
+    assert {case: len(found) for case, found in runs.items()} == {
+        "ddp": 1,
+        "fsdp": 1,
+        "crash": 1,
+        "too_big": 0,
+    }  # a skipped job starts no run
     for case in ("ddp", "fsdp", "crash"):
         run = runs[case][0]
         assert run["group"] == sweep_dir.name
         assert run["name"].startswith(f"case={case},") and f"case={case}" in run["tags"]
         assert run["config"]["derived"]["world_size"] == 2
     _, summary = read_job(jobs["fsdp"])
-    assert runs["fsdp"][0]["summary"]["median_tps_global"] == \
-        pytest.approx(summary["median_tps_global"])
+    assert runs["fsdp"][0]["summary"]["median_tps_global"] == pytest.approx(
+        summary["median_tps_global"]
+    )
     crash_file = next(jobs["crash"].glob("wandb/offline-run-*/run-*.wandb"))
-    exits = [record.exit.exit_code for record in iter_records(crash_file)
-             if record.WhichOneof("record_type") == "exit"]
+    exits = [
+        record.exit.exit_code
+        for record in iter_records(crash_file)
+        if record.WhichOneof("record_type") == "exit"
+    ]
     assert exits == [1]  # the failed job's run is closed and marked failed, not cut off
 
 
 @pytest.mark.multiprocess
 def test_compare_writes_the_table_and_both_plots(four_jobs):
     _, sweep_dir, _ = four_jobs
-    result = subprocess.run([sys.executable, "-m", "hsdp_runner.compare", str(sweep_dir)],
-                            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "hsdp_runner.compare", str(sweep_dir)],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
     assert len(rows) == 4
@@ -123,11 +151,14 @@ def test_compare_writes_the_table_and_both_plots(four_jobs):
     assert f"wrote {sweep_dir / 'compare.md'}" in result.stdout
 
 
-@pytest.mark.parametrize("codes, expected", [
-    ([0, 2, 0], 0),        # skipped jobs are not failures
-    ([0, 1, 2], 1),        # any failed job fails the multirun
-    ([2, 2], 2),           # nothing ran: a config error in every combination
-])
+@pytest.mark.parametrize(
+    "codes, expected",
+    [
+        ([0, 2, 0], 0),  # skipped jobs are not failures
+        ([0, 1, 2], 1),  # any failed job fails the multirun
+        ([2, 2], 2),  # nothing ran: a config error in every combination
+    ],
+)
 def test_multirun_exit_code_counts_failures_not_skips(codes, expected):
     assert sweep.exit_code(codes) == expected
 
@@ -139,16 +170,26 @@ def sweep_jobs(sweep_file: Path) -> int:
 
 
 @pytest.mark.multiprocess  # a CLI multirun per sweep file (no worker starts)
-@pytest.mark.parametrize("sweep_file", sorted((REPO / "sweeps").glob("*.yaml")),
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "sweep_file", sorted((REPO / "sweeps").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_ready_sweep_composes_every_job_and_skips_only_misfits(sweep_file, tmp_path):
     text = sweep_file.read_text()
     assert text.startswith("# Question:"), "each sweep says which question it answers"
     # A missing corpus is checked after the degrees: jobs with fitting degrees are skipped for
     # it, so every combination is composed and validated without starting a process.
-    result = run_cli(tmp_path, "--config-dir", "sweeps", "--config-name", sweep_file.stem,
-                     "data=text", "data.path=no_such_corpus.txt",
-                     f"hydra.sweep.dir={tmp_path}", pin_dir=False, timeout=120)
+    result = run_cli(
+        tmp_path,
+        "--config-dir",
+        "sweeps",
+        "--config-name",
+        sweep_file.stem,
+        "data=text",
+        "data.path=no_such_corpus.txt",
+        f"hydra.sweep.dir={tmp_path}",
+        pin_dir=False,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-3000:]  # no job ran
     reasons = [read_job(d)[1]["reason"] for d in sorted(tmp_path.iterdir()) if d.is_dir()]
     assert len(reasons) == sweep_jobs(sweep_file)

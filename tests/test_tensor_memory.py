@@ -56,11 +56,12 @@ def test_disabled_meter_measures_nothing():
 def test_the_meter_leaves_stderr_clean():
     """kineto's start/stop lines and c10's one-time warning about older blocks would otherwise
     land in every CPU job's log."""
-    code = ("import torch\nfrom hsdp_runner.train.tensor_memory import TensorMemoryMeter\n"
-            "old = [torch.ones(1000) for _ in range(3)]\n"
-            "m = TensorMemoryMeter(torch.device('cpu'), steps=1); m.start()\n"
-            "x = torch.ones(1000); old.clear(); print(m.stop() > 0)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import torch\nfrom hsdp_runner.train.tensor_memory import TensorMemoryMeter\n"
+        "old = [torch.ones(1000) for _ in range(3)]\n"
+        "m = TensorMemoryMeter(torch.device('cpu'), steps=1); m.start()\n"
+        "x = torch.ones(1000); old.clear(); print(m.stop() > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True" and done.stderr == ""

@@ -21,44 +21,51 @@ from hsdp_runner.planner.step_time import comm_prices, concurrent_time, step_tim
 NAMES = ("dp_replicate", "dp_shard", "tp")  # the 3-D meshes below: the topology is generic
 
 
-@pytest.mark.parametrize("shape, node, name, expected", [
-    # k = 8: FSDP over 4 nodes of 8; one group, all 8 GPUs of every node in it.
-    ((1, 32, 1), 8, "dp_shard", Placement(32, 8, 1, 4)),
-    # k = 1: HSDP's replicate groups, one rank per node, 8 of them on every node.
-    ((4, 8, 1), 8, "dp_replicate", Placement(4, 1, 8, 4)),
-    ((4, 8, 1), 8, "dp_shard", Placement(8, 8, 1, 1)),
-    ((3, 8, 1), 8, "dp_replicate", Placement(3, 1, 8, 3)),      # 3 nodes
-    # k = 2: the shard group strides over TP 4, so each node holds 2 ranks of 4 groups.
-    ((1, 8, 4), 8, "dp_shard", Placement(8, 2, 4, 4)),
-    ((1, 8, 4), 8, "tp", Placement(4, 4, 2, 1)),
-    # k = 4: shard 8 over 2 nodes beside TP 2.
-    ((1, 8, 2), 8, "dp_shard", Placement(8, 4, 2, 2)),
-    # flattened dp and the world group of 2 nodes of 4 ranks.
-    ((2, 2, 2), 4, "dp", Placement(4, 2, 2, 2)),
-    ((2, 2, 2), 4, "world", Placement(8, 4, 1, 2)),
-    # uneven: 3 ranks per node, shard 3 beside tp 2: groups {0,2,4} and {1,3,5}.
-    ((1, 3, 2), 3, "dp_shard", Placement(3, 1, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "shape, node, name, expected",
+    [
+        # k = 8: FSDP over 4 nodes of 8; one group, all 8 GPUs of every node in it.
+        ((1, 32, 1), 8, "dp_shard", Placement(32, 8, 1, 4)),
+        # k = 1: HSDP's replicate groups, one rank per node, 8 of them on every node.
+        ((4, 8, 1), 8, "dp_replicate", Placement(4, 1, 8, 4)),
+        ((4, 8, 1), 8, "dp_shard", Placement(8, 8, 1, 1)),
+        ((3, 8, 1), 8, "dp_replicate", Placement(3, 1, 8, 3)),  # 3 nodes
+        # k = 2: the shard group strides over TP 4, so each node holds 2 ranks of 4 groups.
+        ((1, 8, 4), 8, "dp_shard", Placement(8, 2, 4, 4)),
+        ((1, 8, 4), 8, "tp", Placement(4, 4, 2, 1)),
+        # k = 4: shard 8 over 2 nodes beside TP 2.
+        ((1, 8, 2), 8, "dp_shard", Placement(8, 4, 2, 2)),
+        # flattened dp and the world group of 2 nodes of 4 ranks.
+        ((2, 2, 2), 4, "dp", Placement(4, 2, 2, 2)),
+        ((2, 2, 2), 4, "world", Placement(8, 4, 1, 2)),
+        # uneven: 3 ranks per node, shard 3 beside tp 2: groups {0,2,4} and {1,3,5}.
+        ((1, 3, 2), 3, "dp_shard", Placement(3, 1, 2, 2)),
+    ],
+)
 def test_placement_counts_ranks_per_node_and_groups_per_node(shape, node, name, expected):
     assert placement(shape, NAMES, name, node) == expected
 
 
-@pytest.mark.parametrize("shape, name, expected", [
-    # The runner's 4-D mesh, 2 nodes of 4: FSDP over dp_shard x cp strides over tp 2.
-    ((1, 2, 2, 2), "dp_shard_cp", Placement(4, 2, 2, 2)),
-    ((1, 2, 2, 2), "cp", Placement(2, 2, 2, 1)),
-    ((2, 1, 2, 2), "dp_cp", Placement(4, 2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "shape, name, expected",
+    [
+        # The runner's 4-D mesh, 2 nodes of 4: FSDP over dp_shard x cp strides over tp 2.
+        ((1, 2, 2, 2), "dp_shard_cp", Placement(4, 2, 2, 2)),
+        ((1, 2, 2, 2), "cp", Placement(2, 2, 2, 1)),
+        ((2, 1, 2, 2), "dp_cp", Placement(4, 2, 2, 2)),
+    ],
+)
 def test_placement_of_context_parallel_groups(shape, name, expected):
     assert placement(shape, DIM_NAMES, name, 4) == expected
 
 
 def test_mesh_groups_are_row_major_with_the_last_dim_innermost():
     assert mesh_groups((2, 2, 2), NAMES, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert mesh_groups((2, 2, 2), NAMES, ("dp_replicate",)) == [[0, 4], [1, 5], [2, 6],
-                                                                      [3, 7]]
-    assert mesh_groups((2, 2, 2), NAMES, ("dp_replicate", "dp_shard")) == [[0, 2, 4, 6],
-                                                                                [1, 3, 5, 7]]
+    assert mesh_groups((2, 2, 2), NAMES, ("dp_replicate",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh_groups((2, 2, 2), NAMES, ("dp_replicate", "dp_shard")) == [
+        [0, 2, 4, 6],
+        [1, 3, 5, 7],
+    ]
 
 
 def test_placement_arithmetic_equals_counting_the_enumerated_groups():
@@ -81,16 +88,31 @@ def test_unknown_group_name_is_refused():
 
 def _cluster(**kw) -> Cluster:
     """8 GPUs per node, NVLink 100 GB/s, 4 NICs of 80 Gb/s per node: 5 GB/s per GPU."""
-    base = dict(name="t", device="x", gpus_per_node=8, nodes=4, device_memory_gib=80.0,
-                peak_tflops=100.0, peak_source="test", compute_efficiency=0.5,
-                nvlink_gbps=125.0, nvlink_efficiency=0.8, nics_per_node=4, nic_gbit=80.0,
-                nic_efficiency=1.0, intra_node_latency_us=10.0, inter_node_latency_us=20.0,
-                overlap=1.0, memory_reserve_gib=0.0)
+    base = dict(
+        name="t",
+        device="x",
+        gpus_per_node=8,
+        nodes=4,
+        device_memory_gib=80.0,
+        peak_tflops=100.0,
+        peak_source="test",
+        compute_efficiency=0.5,
+        nvlink_gbps=125.0,
+        nvlink_efficiency=0.8,
+        nics_per_node=4,
+        nic_gbit=80.0,
+        nic_efficiency=1.0,
+        intra_node_latency_us=10.0,
+        inter_node_latency_us=20.0,
+        overlap=1.0,
+        memory_reserve_gib=0.0,
+    )
     return Cluster(**{**base, **kw})
 
 
-@pytest.mark.parametrize("k, bus, link", [(1, 5.0, "nic"), (2, 10.0, "nic"), (4, 20.0, "nic"),
-                                          (8, 40.0, "nic")])
+@pytest.mark.parametrize(
+    "k, bus, link", [(1, 5.0, "nic"), (2, 10.0, "nic"), (4, 20.0, "nic"), (8, 40.0, "nic")]
+)
 def test_ring_across_nodes_gets_k_gpus_share_of_the_nics(k, bus, link):
     c = _cluster()
     where = Placement(size=4 * k, ranks_per_node=k, groups_per_node=8 // k, nodes=4)
@@ -106,7 +128,7 @@ def test_ring_across_nodes_gets_k_gpus_share_of_the_nics(k, bus, link):
 
 def test_ring_across_nodes_is_capped_by_nvlink_and_all_reduce_moves_twice():
     c = _cluster(nics_per_node=8, nic_gbit=400.0, nic_efficiency=0.96)  # 48 GB/s per GPU
-    where = Placement(16, 8, 1, 2)                                      # 8 x 48 > 100
+    where = Placement(16, 8, 1, 2)  # 8 x 48 > 100
     price = c.price("all_reduce", where, calls=1, nbytes=1e9)
     assert price.bus_gbps == 100.0 and price.link == "nvlink"
     assert price.bandwidth_s == pytest.approx(2 * 15 / 16 * 1e9 / 100e9, rel=1e-12)
@@ -118,22 +140,34 @@ def test_ring_across_nodes_is_capped_by_nvlink_and_all_reduce_moves_twice():
 
 def test_collectives_at_once_add_on_a_shared_link_and_overlap_on_separate_ones():
     c = _cluster()
-    shard_in_node = c.price("reduce_scatter", Placement(8, 8, 1, 1), 1, 8e9)   # NVLink only
-    replicate = c.price("all_reduce", Placement(4, 1, 8, 4), 1, 1e9)            # NICs only
-    shard_across = c.price("reduce_scatter", Placement(32, 8, 1, 4), 1, 8e9)   # NICs + NVLink
+    shard_in_node = c.price("reduce_scatter", Placement(8, 8, 1, 1), 1, 8e9)  # NVLink only
+    replicate = c.price("all_reduce", Placement(4, 1, 8, 4), 1, 1e9)  # NICs only
+    shard_across = c.price("reduce_scatter", Placement(32, 8, 1, 4), 1, 8e9)  # NICs + NVLink
     lat = shard_in_node.latency_s + replicate.latency_s
     assert concurrent_time([shard_in_node, replicate], [1.0, 1.0]) == pytest.approx(
-        lat + max(shard_in_node.bandwidth_s, replicate.bandwidth_s), rel=1e-12)
+        lat + max(shard_in_node.bandwidth_s, replicate.bandwidth_s), rel=1e-12
+    )
     assert concurrent_time([shard_across, replicate], [1.0, 0.5]) == pytest.approx(
-        shard_across.latency_s + 0.5 * replicate.latency_s
-        + shard_across.link_s["nic"] + 0.5 * replicate.link_s["nic"], rel=1e-12)
+        shard_across.latency_s
+        + 0.5 * replicate.latency_s
+        + shard_across.link_s["nic"]
+        + 0.5 * replicate.link_s["nic"],
+        rel=1e-12,
+    )
 
 
 @pytest.fixture(scope="module")
 def h100_4_nodes():
     """Llama 3 8B, bf16, batch 32 on 4 nodes of the h100_sxm preset: (config, Cluster)."""
-    cfg = plan.compose(["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=32",
-                        "cluster=h100_sxm", "cluster.nodes=4"])
+    cfg = plan.compose(
+        [
+            "model=llama3_8b",
+            "precision=bf16",
+            "trainer.global_batch_size=32",
+            "cluster=h100_sxm",
+            "cluster.nodes=4",
+        ]
+    )
     return cfg, resolve(cfg.cluster, "bfloat16")
 
 
@@ -146,8 +180,13 @@ def test_hsdp_on_nodes_prices_its_terms_by_where_their_groups_sit(h100_4_nodes):
     assert prices["all_reduce/dp_replicate"].bus_gbps == pytest.approx(48.0)
     assert prices["reduce_scatter/dp_shard"].bus_gbps == pytest.approx(360.0)
     facts = step_time(cfg, dims, cluster)["comm_links"]["all_reduce/dp_replicate"]
-    assert (facts["size"], facts["ranks_per_node"], facts["groups_per_node"],
-            facts["nodes"], facts["link"]) == (4, 1, 8, 4, "nic")
+    assert (
+        facts["size"],
+        facts["ranks_per_node"],
+        facts["groups_per_node"],
+        facts["nodes"],
+        facts["link"],
+    ) == (4, 1, 8, 4, "nic")
 
 
 def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one(h100_4_nodes):
@@ -162,41 +201,80 @@ def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one(h100_4_node
 # step_time_s of llama3_debug (batch 8) on 8 ranks of one node with a measured link table,
 # computed by the planner before links were priced by topology (commit 382ece3): single-node
 # prices on this machine must not move.
-BEFORE = {0.32: {"none:8x1x1": 2.132901434925672, "none:4x2x1": 2.1238758605068666,
-                 "none:2x4x1": 2.1334092553311144, "none:1x8x1": 2.15012084497961,
-                 "none:4x1x2": 2.2147607775993126, "none:2x2x2": 2.2139089691703098,
-                 "none:1x4x2": 2.220668269940768, "none:2x1x4": 2.500644073890232,
-                 "none:1x2x4": 2.5025642491434574},
-          0.0: {"full:8x1x1": 2.9531900665846154, "full:4x2x1": 2.9012249383794875,
-                "full:2x4x1": 2.9562862306871796, "full:1x8x1": 3.0509378819692308,
-                "full:4x1x2": 2.948356835815385, "full:2x2x2": 2.944864528123077,
-                "full:1x4x2": 2.983414928123077, "full:2x1x4": 3.279001799917949,
-                "full:1x2x4": 3.2902670306871795}}
+BEFORE = {
+    0.32: {
+        "none:8x1x1": 2.132901434925672,
+        "none:4x2x1": 2.1238758605068666,
+        "none:2x4x1": 2.1334092553311144,
+        "none:1x8x1": 2.15012084497961,
+        "none:4x1x2": 2.2147607775993126,
+        "none:2x2x2": 2.2139089691703098,
+        "none:1x4x2": 2.220668269940768,
+        "none:2x1x4": 2.500644073890232,
+        "none:1x2x4": 2.5025642491434574,
+    },
+    0.0: {
+        "full:8x1x1": 2.9531900665846154,
+        "full:4x2x1": 2.9012249383794875,
+        "full:2x4x1": 2.9562862306871796,
+        "full:1x8x1": 3.0509378819692308,
+        "full:4x1x2": 2.948356835815385,
+        "full:2x2x2": 2.944864528123077,
+        "full:1x4x2": 2.983414928123077,
+        "full:2x1x4": 3.279001799917949,
+        "full:1x2x4": 3.2902670306871795,
+    },
+}
 
 
 @pytest.mark.parametrize("overlap", [0.32, 0.0])
 def test_single_node_prices_on_this_machine_are_unchanged(overlap):
-    table = {k: {"2": [2e-4, 3e8], "4": [3e-4, 2e8], "8": [5e-4, 1.5e8]}
-             for k in ("all_gather", "reduce_scatter", "all_reduce")}
-    cluster = Cluster(name="m", device="cpu", gpus_per_node=8, nodes=1, device_memory_gib=2.0,
-                      peak_tflops=0.02, peak_source="t", compute_efficiency=0.5,
-                      nvlink_gbps=None, nvlink_efficiency=None, nics_per_node=None,
-                      nic_gbit=None, nic_efficiency=None, intra_node_latency_us=100.0,
-                      inter_node_latency_us=100.0, overlap=overlap, memory_reserve_gib=0.0,
-                      measured_links=table, link_scale=1.3, latency_scale=2.0)
+    table = {
+        k: {"2": [2e-4, 3e8], "4": [3e-4, 2e8], "8": [5e-4, 1.5e8]}
+        for k in ("all_gather", "reduce_scatter", "all_reduce")
+    }
+    cluster = Cluster(
+        name="m",
+        device="cpu",
+        gpus_per_node=8,
+        nodes=1,
+        device_memory_gib=2.0,
+        peak_tflops=0.02,
+        peak_source="t",
+        compute_efficiency=0.5,
+        nvlink_gbps=None,
+        nvlink_efficiency=None,
+        nics_per_node=None,
+        nic_gbit=None,
+        nic_efficiency=None,
+        intra_node_latency_us=100.0,
+        inter_node_latency_us=100.0,
+        overlap=overlap,
+        memory_reserve_gib=0.0,
+        measured_links=table,
+        link_scale=1.3,
+        latency_scale=2.0,
+    )
     ac = next(iter(BEFORE[overlap])).split(":")[0]
-    cfg = plan.compose(["model=llama3_debug", "cluster=this_machine", f"parallel.ac={ac}",
-                        "trainer.global_batch_size=8"])
+    cfg = plan.compose(
+        [
+            "model=llama3_debug",
+            "cluster=this_machine",
+            f"parallel.ac={ac}",
+            "trainer.global_batch_size=8",
+        ]
+    )
     for key, before in BEFORE[overlap].items():
         rep, shard, tp = map(int, key.split(":")[1].split("x"))
-        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=8,
-                            ranks_per_node=8)
+        dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=8, ranks_per_node=8)
         now = step_time(cfg, dims, cluster)["step_time_s"]
         assert now == pytest.approx(before, rel=1e-12), key
 
 
-@pytest.mark.parametrize("old, new", [("intra_node_gbps", "cluster.nvlink_gbps"),
-                                      ("inter_node_gbps", "cluster.nics_per_node")])
+@pytest.mark.parametrize(
+    "old, new",
+    [("intra_node_gbps", "cluster.nvlink_gbps"), ("inter_node_gbps", "cluster.nics_per_node")],
+)
 def test_replaced_cluster_keys_fail_naming_the_new_ones(old, new):
     cfg = plan.compose(["cluster=a100_80gb", f"cluster.{old}=22.0"])
     with pytest.raises(ConfigError, match=f"cluster.{old} was replaced .*{new}"):
@@ -213,8 +291,14 @@ def test_measured_machine_prices_groups_spanning_its_nodes_from_its_own_table():
     """Two torchrun agents on one machine are two "nodes" sharing its memory: a group spanning
     them is priced from the measured table like one inside a node."""
     table = {"all_gather": {"2": [1e-4, 2e8], "4": [2e-4, 1e8]}}
-    c = _cluster(nvlink_gbps=None, nvlink_efficiency=None, nics_per_node=None, nic_gbit=None,
-                 nic_efficiency=None, measured_links=table)
+    c = _cluster(
+        nvlink_gbps=None,
+        nvlink_efficiency=None,
+        nics_per_node=None,
+        nic_gbit=None,
+        nic_efficiency=None,
+        measured_links=table,
+    )
     across = c.price("all_gather", Placement(4, 2, 1, 2), calls=2, nbytes=4e8)
     inside = c.price("all_gather", Placement(4, 4, 1, 1), calls=2, nbytes=4e8)
     assert across == inside and across.link == "measured"
@@ -230,8 +314,9 @@ def test_published_figures_name_their_source_and_role():
 
     import yaml
 
-    data = yaml.safe_load((Path(__file__).parents[1] / "benchmarks" /
-                           "published_figures.yaml").read_text())
+    data = yaml.safe_load(
+        (Path(__file__).parents[1] / "benchmarks" / "published_figures.yaml").read_text()
+    )
     assert data["date_read"]
     cases = data["throughput"] + data["links"]
     for case in cases:

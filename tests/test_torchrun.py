@@ -11,15 +11,24 @@ pytestmark = pytest.mark.multiprocess
 def test_torchrun_fsdp_trains_into_exactly_one_output_dir(tmp_path):
     # Two ranks: each torchrun rank composes the config itself, a full CLI start-up.
     prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    result = run_cli(tmp_path, "parallel=fsdp", "parallel.dp_shard=2", *TINY, prefix=prefix,
-                     pin_dir=False, cwd=tmp_path)
+    result = run_cli(
+        tmp_path,
+        "parallel=fsdp",
+        "parallel.dp_shard=2",
+        *TINY,
+        prefix=prefix,
+        pin_dir=False,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     dirs = list((tmp_path / "outputs" / "torchrun").iterdir())
     assert len(dirs) == 1, dirs
     records, summary = read_job(dirs[0])
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert len(records) == 6
-    assert sorted(p.name for p in (dirs[0] / "logs").iterdir()) == [f"rank{r}.log" for r in range(2)]
+    assert sorted(p.name for p in (dirs[0] / "logs").iterdir()) == [
+        f"rank{r}.log" for r in range(2)
+    ]
     assert not (tmp_path / "outputs").joinpath("2026").exists()
 
 
@@ -62,12 +71,20 @@ def test_rank_aborted_by_the_nccl_watchdog_under_torchrun_is_recorded_with_its_c
     # Rank 1 dies as NCCL's watchdog ends a rank (its message in C++, then SIGABRT); no
     # launcher of ours is there to read its log: rank 0, failing next, names rank 1 and why.
     job_dir = tmp_path / "job"
-    result = run_cli(job_dir, *TINY, "parallel=ddp", "fault.rank=1", "fault.step=2",
-                     "fault.kind=abort", prefix=TORCHRUN)
+    result = run_cli(
+        job_dir,
+        *TINY,
+        "parallel=ddp",
+        "fault.rank=1",
+        "fault.step=2",
+        "fault.kind=abort",
+        prefix=TORCHRUN,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "failed" and summary["failed_rank"] == 1, summary
-    assert summary["error"].startswith("rank 1 died in C++: Watchdog caught collective "
-                                       "operation timeout: WorkNCCL(SeqNum=2")
+    assert summary["error"].startswith(
+        "rank 1 died in C++: Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2"
+    )
     assert "launcher.timeout_s" in summary["error"]  # the timeout hint shows
     assert "rank 1 failed first: rank 1 died in C++" in result.stdout + result.stderr

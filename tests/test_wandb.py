@@ -13,8 +13,14 @@ from hsdp_runner.train.sinks import WandbRun
 @pytest.mark.multiprocess
 def test_offline_wandb_run_has_group_config_and_steps(job_dir):
     overrides = [o for o in TINY if o != "logger=none"]
-    result = run_cli(job_dir, "parallel=ddp", *overrides, "logger=wandb",
-                     "logger.group=my-sweep", "precision=bf16")
+    result = run_cli(
+        job_dir,
+        "parallel=ddp",
+        *overrides,
+        "logger=wandb",
+        "logger.group=my-sweep",
+        "precision=bf16",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_files = list(job_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
@@ -35,8 +41,14 @@ def test_wandb_that_cannot_start_only_warns(job_dir):
     overrides = [o for o in TINY if o != "logger=none"]
     # An entity with a bad character and online mode without credentials: W&B falls back
     # or fails, training must go on regardless.
-    result = run_cli(job_dir, "parallel=single", *overrides, "logger=wandb",
-                     "logger.mode=online", "logger.project=bad/project/name")
+    result = run_cli(
+        job_dir,
+        "parallel=single",
+        *overrides,
+        "logger=wandb",
+        "logger.mode=online",
+        "logger.project=bad/project/name",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed"
@@ -49,18 +61,34 @@ def test_wandb_summary_holds_each_comm_figure_once(tmp_path):
     breakdown = {"all_gather/dp_shard": {"bytes": 4096, "calls": 3}}
     logger = SimpleNamespace(mode="offline", project="test", entity=None)
     run = WandbRun(logger, RunInfo(str(tmp_path), "g", "n", [], False, []), {}, tmp_path)
-    run.log_step({"step": 1, "loss": 2.0, "comm_ratio": 1.0, "comm_measured": breakdown,
-                  "comm_analytic": breakdown})
+    run.log_step(
+        {
+            "step": 1,
+            "loss": 2.0,
+            "comm_ratio": 1.0,
+            "comm_measured": breakdown,
+            "comm_analytic": breakdown,
+        }
+    )
     run.log_step({"step": 2, "loss": 1.5})
-    run.log_summary(RunSummary(status=RunStatus.completed, comm_ratio=1.0,
-                               comm_measured=breakdown, comm_analytic=breakdown))
+    run.log_summary(
+        RunSummary(
+            status=RunStatus.completed,
+            comm_ratio=1.0,
+            comm_measured=breakdown,
+            comm_analytic=breakdown,
+        )
+    )
     run.finish()
     wandb.teardown()  # the service writes the run file behind finish(): let it close the file
     found = read_run(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
     comm = sorted(k for k in found["summary"] if k.startswith("comm_"))
-    assert comm == ["comm_analytic/all_gather/dp_shard/bytes",
-                    "comm_analytic/all_gather/dp_shard/calls",
-                    "comm_measured/all_gather/dp_shard/bytes",
-                    "comm_measured/all_gather/dp_shard/calls", "comm_ratio"]
+    assert comm == [
+        "comm_analytic/all_gather/dp_shard/bytes",
+        "comm_analytic/all_gather/dp_shard/calls",
+        "comm_measured/all_gather/dp_shard/bytes",
+        "comm_measured/all_gather/dp_shard/calls",
+        "comm_ratio",
+    ]
     assert found["summary"]["comm_measured/all_gather/dp_shard/bytes"] == 4096
     assert [h["loss"] for h in found["history"]] == [2.0, 1.5]

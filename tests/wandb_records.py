@@ -27,8 +27,8 @@ def iter_records(path: str | Path):
         if left_in_block < HEADER:
             pos += left_in_block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
             pending = chunk
@@ -59,8 +59,9 @@ def read_run(path: str | Path) -> dict:
     for record in iter_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            out.update(group=record.run.run_group, name=record.run.display_name,
-                       tags=list(record.run.tags))
+            out.update(
+                group=record.run.run_group, name=record.run.display_name, tags=list(record.run.tags)
+            )
             for item in record.run.config.update:
                 out["config"][_key(item)] = json.loads(item.value_json)
         elif kind == "config":

@@ -99,8 +99,13 @@ def data_facts(data_cfg: DataConfig, train: TrainerConfig, seq_len: int) -> dict
     """What decides the batches of a step, as a checkpoint manifest records it (``data``):
     the ``data`` config, ``trainer.seed`` and ``trainer.global_batch_size``, the sequence
     length."""
-    return {"kind": str(data_cfg.kind), "path": data_cfg.path, "seed": train.seed,
-            "global_batch_size": train.global_batch_size, "seq_len": seq_len}
+    return {
+        "kind": str(data_cfg.kind),
+        "path": data_cfg.path,
+        "seed": train.seed,
+        "global_batch_size": train.global_batch_size,
+        "seq_len": seq_len,
+    }
 
 
 def _remove(path: Path) -> bool:
@@ -129,12 +134,23 @@ class Checkpointer:
     ``data`` configs a manifest records.
     """
 
-    def __init__(self, ckpt_cfg: CheckpointConfig, trainer: Trainer, output_dir: Path, *,
-                 model: ModelConfig, precision: PrecisionConfig, data: DataConfig):
+    def __init__(
+        self,
+        ckpt_cfg: CheckpointConfig,
+        trainer: Trainer,
+        output_dir: Path,
+        *,
+        model: ModelConfig,
+        precision: PrecisionConfig,
+        data: DataConfig,
+    ):
         self.ckpt, self.model_cfg = ckpt_cfg, model
         self.dims, self.device = trainer.dims, trainer.device
-        self.model, self.optimizer, self.scheduler = \
-            trainer.model, trainer.optimizer, trainer.scheduler
+        self.model, self.optimizer, self.scheduler = (
+            trainer.model,
+            trainer.optimizer,
+            trainer.scheduler,
+        )
         self.total_steps, self.master_dtype = trainer.train.steps, precision.master_dtype
         self.data, self.fault = data_facts(data, trainer.train, model.seq_len), trainer.fault
         self.folder = checkpoint_dir(ckpt_cfg, output_dir)
@@ -153,11 +169,15 @@ class Checkpointer:
         """Load what ``start`` names into model/optimizer/scheduler/RNG; return the first step."""
         if start.source is StartSource.checkpoint:
             self._load(Path(start.path), start.manifest)
-            unused = [f"checkpoint.{k}" for k in ("load_path", "init_from_hf")
-                      if getattr(self.ckpt, k)]
+            unused = [
+                f"checkpoint.{k}" for k in ("load_path", "init_from_hf") if getattr(self.ckpt, k)
+            ]
             if self.rank == 0 and unused and Path(start.path).parent == self.folder:
-                log.info("%s not used: this job continues from its own checkpoint %s",
-                         " and ".join(unused), start.path)
+                log.info(
+                    "%s not used: this job continues from its own checkpoint %s",
+                    " and ".join(unused),
+                    start.path,
+                )
         elif start.source is StartSource.hf:
             self._load_hf(Path(start.path))
         self.facts.update(start_step=start.step, loaded_from=start.path)
@@ -171,38 +191,70 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, dcp.CheckpointException) as err:
-            raise CheckpointError(f"checkpoint {path} could not be loaded ({load_failure(err)}); "
-                                  "it may be damaged, use an earlier one") from err
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded ({load_failure(err)}); "
+                "it may be damaged, use an earlier one"
+            ) from err
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
         self.scheduler.load_state_dict(state["scheduler"])
-        restored = len(state["rng"]) == self.dims.world_size and \
-            set_rng_state(state["rng"][self.rank], self.device)
+        restored = len(state["rng"]) == self.dims.world_size and set_rng_state(
+            state["rng"][self.rank], self.device
+        )
         if self.rank == 0:
             self._report_carry_over(path, manifest, len(state["rng"]), restored)
 
-    def _report_carry_over(self, path: Path, manifest: dict, rng_ranks: int,
-                           rng_restored: bool) -> None:
+    def _report_carry_over(
+        self, path: Path, manifest: dict, rng_ranks: int, rng_restored: bool
+    ) -> None:
         saved = manifest["layout"]
-        log.info("resumed from %s at step %d (saved under %s on %d ranks, now %s on %d)", path,
-                 manifest["step"], saved["layout"], saved["world_size"], self.dims.layout,
-                 self.dims.world_size)
-        log.info("data position carries over: the batch of step s is a function of "
-                 "(trainer.seed, s) split over the dp ranks, so step %d is the same batch at "
-                 "dp=%d as it was at dp=%d", manifest["step"] + 1, self.dims.dp, saved["dp"])
-        changed = [f"{k} {manifest['data'].get(k)!r} -> {v!r}" for k, v in self.data.items()
-                   if manifest["data"].get(k) != v]
+        log.info(
+            "resumed from %s at step %d (saved under %s on %d ranks, now %s on %d)",
+            path,
+            manifest["step"],
+            saved["layout"],
+            saved["world_size"],
+            self.dims.layout,
+            self.dims.world_size,
+        )
+        log.info(
+            "data position carries over: the batch of step s is a function of "
+            "(trainer.seed, s) split over the dp ranks, so step %d is the same batch at "
+            "dp=%d as it was at dp=%d",
+            manifest["step"] + 1,
+            self.dims.dp,
+            saved["dp"],
+        )
+        changed = [
+            f"{k} {manifest['data'].get(k)!r} -> {v!r}"
+            for k, v in self.data.items()
+            if manifest["data"].get(k) != v
+        ]
         if changed:
-            log.warning("the data differ from the saved run's (%s): the batches from step %d on "
-                        "are not the ones it would have seen", ", ".join(changed), manifest["step"] + 1)
+            log.warning(
+                "the data differ from the saved run's (%s): the batches from step %d on "
+                "are not the ones it would have seen",
+                ", ".join(changed),
+                manifest["step"] + 1,
+            )
         if rng_ranks != self.dims.world_size:
-            log.warning("RNG states not restored: saved for %d ranks, this job has %d (training "
-                        "draws no random numbers, so the losses are unaffected)", rng_ranks,
-                        self.dims.world_size)
+            log.warning(
+                "RNG states not restored: saved for %d ranks, this job has %d (training "
+                "draws no random numbers, so the losses are unaffected)",
+                rng_ranks,
+                self.dims.world_size,
+            )
         elif not rng_restored:
-            log.warning("RNG states not restored: %s holds them in an older, pickled form, "
-                        "which is not read (training draws no random numbers, so the losses "
-                        "are unaffected)", path)
+            log.warning(
+                "RNG states not restored: %s holds them in an older, pickled form, "
+                "which is not read (training draws no random numbers, so the losses "
+                "are unaffected)",
+                path,
+            )
 
     def _load_hf(self, folder: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -210,13 +262,25 @@ class Checkpointer:
         # Rank 0 reads the whole folder; set_model_state_dict broadcasts each tensor and keeps
         # every rank's shard. A row permutation (RoPE order) cannot be applied to sharded
         # DTensors locally, which is why DCP's HuggingFaceStorageReader is not used here.
-        full = run_on_rank0(f"reading the Hugging Face folder {folder}", lambda: hf.read_folder(
-            folder, self.model_cfg, expected_shapes(self.model_cfg)), self._wait_s) or {}
-        set_model_state_dict(self.model, full, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True))
+        full = (
+            run_on_rank0(
+                f"reading the Hugging Face folder {folder}",
+                lambda: hf.read_folder(folder, self.model_cfg, expected_shapes(self.model_cfg)),
+                self._wait_s,
+            )
+            or {}
+        )
+        set_model_state_dict(
+            self.model,
+            full,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
         if self.rank == 0:
-            log.info("weights from Hugging Face folder %s (fine-tuning start; optimizer, LR "
-                     "schedule and step start fresh)", folder)
+            log.info(
+                "weights from Hugging Face folder %s (fine-tuning start; optimizer, LR "
+                "schedule and step start fresh)",
+                folder,
+            )
 
     def after_step(self, step: int) -> None:
         """Save when ``step`` (1-based, just finished) is on the interval or the last one."""
@@ -228,12 +292,13 @@ class Checkpointer:
         """Write ``step-<step>`` crash-safely (see the module docstring); return its path."""
         import torch.distributed.checkpoint as dcp
 
-
         final, partial = self.folder / f"step-{step}", self.folder / f"step-{step}.partial"
 
         def prepare():
             if final.exists():
-                raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+                raise CheckpointError(
+                    f"checkpoint {final} already exists; refusing to overwrite it"
+                )
             shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save of this step
             partial.mkdir(parents=True)
 
@@ -251,19 +316,27 @@ class Checkpointer:
             self._commit(partial, final, step)
             self._prune(step)
 
-        run_on_rank0(f"committing {final} and pruning older checkpoints", commit_and_prune,
-                     self._wait_s)
+        run_on_rank0(
+            f"committing {final} and pruning older checkpoints", commit_and_prune, self._wait_s
+        )
         self.facts["last_checkpoint"] = str(final)
         return final
 
     def _manifest(self, step: int) -> dict:
-        return {"format": FORMAT, "step": step,
-                "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
-                "torch_version": torch.__version__, "layout": self.dims.describe(),
-                "model": model_fields(self.model_cfg),
-                "master_dtype": str(self.master_dtype),
-                "data": {"next_step": step, **self.data,
-                         "loader": "stateless: batch(step) = f(seed, step), sliced by dp rank"}}
+        return {
+            "format": FORMAT,
+            "step": step,
+            "saved_at": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch_version": torch.__version__,
+            "layout": self.dims.describe(),
+            "model": model_fields(self.model_cfg),
+            "master_dtype": str(self.master_dtype),
+            "data": {
+                "next_step": step,
+                **self.data,
+                "loader": "stateless: batch(step) = f(seed, step), sliced by dp rank",
+            },
+        }
 
     def _commit(self, partial: Path, final: Path, step: int) -> None:
         with open(partial / MANIFEST, "w") as f:
@@ -283,7 +356,7 @@ class Checkpointer:
             if m and (m.group(2) == ".deleting" or int(m.group(1)) < newest):
                 _remove(stale)
         keep = self.ckpt.keep_last
-        for _, old in (complete_checkpoints(self.folder)[:-keep] if keep else []):
+        for _, old in complete_checkpoints(self.folder)[:-keep] if keep else []:
             # Renamed first so a crash mid-delete cannot leave a half-deleted "complete" one.
             doomed = old.with_name(old.name + ".deleting")
             try:
@@ -302,13 +375,18 @@ class Checkpointer:
         if not c.export_at_end:
             return
         # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
-        full = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
         def write():
             dtype = torch_dtype(c.export_dtype)
-            hf.write_folder(hf.to_hf(full, self.model_cfg, dtype), hf.hf_config(self.model_cfg, dtype),
-                            self.export_folder, int(c.export_max_shard_gib * 2**30))
+            hf.write_folder(
+                hf.to_hf(full, self.model_cfg, dtype),
+                hf.hf_config(self.model_cfg, dtype),
+                self.export_folder,
+                int(c.export_max_shard_gib * 2**30),
+            )
             log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)
 
         run_on_rank0(f"exporting to {self.export_folder}", write, self._wait_s)

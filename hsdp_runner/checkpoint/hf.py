@@ -38,25 +38,32 @@ def _hf_spec(model_cfg: ModelConfig | dict) -> HFAdapter:
     spec = model_spec(model_cfg)
     adapter = spec.hf_adapter()
     if adapter is None:
-        raise HFFormatError(f"model {spec.name} ({type(spec).__name__}) has no Hugging Face "
-                            "mapping; Hugging Face export and import need one (models/base.py)")
+        raise HFFormatError(
+            f"model {spec.name} ({type(spec).__name__}) has no Hugging Face "
+            "mapping; Hugging Face export and import need one (models/base.py)"
+        )
     return adapter
 
 
-def to_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict, dtype: torch.dtype
-          ) -> dict[str, torch.Tensor]:
+def to_hf(
+    state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Map our full (unsharded) state dict to the family's HF names, layout and ``dtype``."""
     spec = _hf_spec(model_cfg)
     unnamed = [name for name in state if spec.hf_names().to_hf(name) is None]
     if unnamed:
-        raise HFFormatError(f"parameter {unnamed[0]!r} has no Hugging Face "
-                            f"{spec.hf_model_type} name")
-    return {name: tensor.detach().to("cpu", dtype).contiguous()
-            for name, tensor in spec.to_hf(state).items()}
+        raise HFFormatError(
+            f"parameter {unnamed[0]!r} has no Hugging Face {spec.hf_model_type} name"
+        )
+    return {
+        name: tensor.detach().to("cpu", dtype).contiguous()
+        for name, tensor in spec.to_hf(state).items()
+    }
 
 
-def from_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict
-            ) -> dict[str, torch.Tensor]:
+def from_hf(
+    state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict
+) -> dict[str, torch.Tensor]:
     """Map an HF state dict (HF names) back to our names and layout."""
     return _hf_spec(model_cfg).from_hf(state)
 
@@ -69,8 +76,10 @@ def hf_config(model_cfg: ModelConfig | dict, dtype: torch.dtype) -> dict:
 def require_empty_destination(out_dir: Path, what: str) -> None:
     """Raise HFFormatError if ``out_dir`` exists and is not an empty folder (never overwrite)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise HFFormatError(f"{what} {out_dir} already exists and is not empty; refusing to "
-                            "overwrite it. Remove it or choose another folder")
+        raise HFFormatError(
+            f"{what} {out_dir} already exists and is not empty; refusing to "
+            "overwrite it. Remove it or choose another folder"
+        )
 
 
 def _split(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]:
@@ -85,8 +94,9 @@ def _split(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]
     return shards + [current] if current else shards
 
 
-def write_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path,
-                 max_shard_bytes: int) -> list[Path]:
+def write_folder(
+    tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, max_shard_bytes: int
+) -> list[Path]:
     """Write an HF folder: config.json and one or more safetensors files (+ index).
 
     ``tensors`` has HF names. Files go to a temporary sibling folder that is renamed to
@@ -99,16 +109,22 @@ def write_folder(tensors: dict[str, torch.Tensor], config: dict, out_dir: Path,
     tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     shards = _split(tensors, max_shard_bytes)
-    names = [SINGLE_FILE] if len(shards) == 1 else \
-        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     try:
         for name, shard in zip(names, shards):
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
             os.chmod(tmp / name, 0o644)  # safetensors writes 0600 files; exports are for sharing
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                                    for t in tensors.values())},
-                     "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
+            index = {
+                "metadata": {
+                    "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
+                },
+                "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
+            }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     except BaseException:
@@ -128,12 +144,16 @@ def read_config(folder: Path, model_cfg: ModelConfig | dict) -> dict:
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise HFFormatError(f"{path} cannot be read ({err}); a Hugging Face folder needs "
-                            "config.json beside its safetensors files") from None
+        raise HFFormatError(
+            f"{path} cannot be read ({err}); a Hugging Face folder needs "
+            "config.json beside its safetensors files"
+        ) from None
     if config.get("model_type") != spec.hf_model_type:
-        raise HFFormatError(f"{path} has model_type={config.get('model_type')!r}; model "
-                            f"{model_spec(model_cfg).name} loads only model_type "
-                            f"{spec.hf_model_type!r} folders")
+        raise HFFormatError(
+            f"{path} has model_type={config.get('model_type')!r}; model "
+            f"{model_spec(model_cfg).name} loads only model_type "
+            f"{spec.hf_model_type!r} folders"
+        )
     try:
         spec.check_hf_config(config, path)
     except ConfigError as err:
@@ -162,8 +182,9 @@ def weight_files(folder: Path) -> dict[str, Path]:
         raise HFFormatError(f"{single} is not a readable safetensors file ({err})") from None
 
 
-def check_folder(folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
-                 ) -> dict[str, Path]:
+def check_folder(
+    folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
+) -> dict[str, Path]:
     """Check an HF folder against the model without reading the weights.
 
     ``expected_shapes`` maps our parameter names to shapes. Checks config.json (shape and
@@ -176,21 +197,31 @@ def check_folder(folder: Path, model_cfg: ModelConfig | dict, expected_shapes: d
     implied = spec.model_keys_from_hf_config(read_config(folder, model_cfg))
     # Our values as our own config.json would state them (e.g. n_kv_heads=null -> n_heads).
     ours = spec.model_keys_from_hf_config(spec.hf_config(torch.float32))
-    differ = [f"model.{k}={ours[k]} but config.json implies {implied[k]}"
-              for k in implied if ours[k] != implied[k]]
+    differ = [
+        f"model.{k}={ours[k]} but config.json implies {implied[k]}"
+        for k in implied
+        if ours[k] != implied[k]
+    ]
     if differ:
-        raise HFFormatError(f"{folder} was written for another model: {'; '.join(differ)}; set "
-                            "those model.* keys to the folder's values")
+        raise HFFormatError(
+            f"{folder} was written for another model: {'; '.join(differ)}; set "
+            "those model.* keys to the folder's values"
+        )
     files = weight_files(folder)
     # The HF names and shapes: our mapping applied to shape-only (meta) tensors.
-    wanted = {name: tuple(t.shape) for name, t in spec.to_hf(
-        {k: torch.empty(shape, device="meta") for k, shape in expected_shapes.items()}).items()}
+    wanted = {
+        name: tuple(t.shape)
+        for name, t in spec.to_hf(
+            {k: torch.empty(shape, device="meta") for k, shape in expected_shapes.items()}
+        ).items()
+    }
     ignored = spec.hf_ignored
     missing = sorted(set(wanted) - set(files))
     extra = sorted(n for n in set(files) - set(wanted) if not n.endswith(ignored))
     if missing or extra:
-        raise HFFormatError(f"{folder} does not match the model: missing {missing[:3]}, "
-                            f"unexpected {extra[:3]}")
+        raise HFFormatError(
+            f"{folder} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     for hf_name, shape_wanted in wanted.items():
         try:
             with safe_open(str(files[hf_name]), framework="pt") as f:
@@ -198,13 +229,15 @@ def check_folder(folder: Path, model_cfg: ModelConfig | dict, expected_shapes: d
         except Exception as err:  # safetensors raises its own error types for bad files
             raise HFFormatError(f"{files[hf_name]} cannot be read ({err})") from None
         if shape != shape_wanted:
-            raise HFFormatError(f"{files[hf_name]}: {hf_name} has shape {shape}, the model "
-                                f"needs {shape_wanted}")
+            raise HFFormatError(
+                f"{files[hf_name]}: {hf_name} has shape {shape}, the model needs {shape_wanted}"
+            )
     return {hf_name: files[hf_name] for hf_name in wanted}
 
 
-def read_folder(folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
-                ) -> dict[str, torch.Tensor]:
+def read_folder(
+    folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
+) -> dict[str, torch.Tensor]:
     """Check (``check_folder``) and read an HF folder into our names and layout."""
     from safetensors import safe_open
 

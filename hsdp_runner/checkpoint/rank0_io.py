@@ -49,8 +49,10 @@ def run_on_rank0(what: str, fn, wait_s: float, *, rank: int | None = None, store
     try:
         store.wait([key], timedelta(seconds=wait_s))
     except dist.DistStoreError as err:
-        raise RuntimeError(f"rank 0 did not finish {what} within checkpoint.rank0_wait_s="
-                           f"{wait_s:g} s; raise it for a slow filesystem") from err
+        raise RuntimeError(
+            f"rank 0 did not finish {what} within checkpoint.rank0_wait_s="
+            f"{wait_s:g} s; raise it for a slow filesystem"
+        ) from err
     status = store.get(key).decode()
     if status != "ok":
         raise RuntimeError(f"rank 0 failed while {what}: {status.removeprefix('failed: ')}")

@@ -52,15 +52,20 @@ def checkpoint_dir(ckpt_cfg: CheckpointConfig, output_dir: Path) -> Path:
 
 def export_dir(ckpt_cfg: CheckpointConfig, output_dir: Path) -> Path:
     """The folder ``checkpoint.export_at_end`` writes to."""
-    return Path(ckpt_cfg.export_dir).expanduser() if ckpt_cfg.export_dir else Path(output_dir) / "hf"
+    return (
+        Path(ckpt_cfg.export_dir).expanduser() if ckpt_cfg.export_dir else Path(output_dir) / "hf"
+    )
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     """Return [(step, path)] of the complete checkpoints in ``folder``, oldest first."""
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _COMPLETE.match(p.name)) and (p / MANIFEST).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if (m := _COMPLETE.match(p.name)) and (p / MANIFEST).is_file()
+    ]
     return sorted(found)
 
 
@@ -73,16 +78,23 @@ def newest_checkpoint(ckpt_cfg: CheckpointConfig, output_dir: Path) -> str | Non
 def resolve(path: Path, key: str) -> Path:
     """Return the checkpoint ``path`` names: itself if it is one, else the newest inside it."""
     if not path.exists():
-        raise CheckpointError(f"{key}={path} does not exist; point it at a step-N checkpoint "
-                              "folder or at a folder of them")
+        raise CheckpointError(
+            f"{key}={path} does not exist; point it at a step-N checkpoint "
+            "folder or at a folder of them"
+        )
     if (path / MANIFEST).is_file() or path.name.endswith(".partial"):
         return path
     found = complete_checkpoints(path)
     if not found:
-        hint = "; for a Hugging Face folder use checkpoint.init_from_hf" \
-            if (path / hf.CONFIG_FILE).is_file() else ""
-        raise CheckpointError(f"{key}={path} is neither a checkpoint (no {MANIFEST}) nor a folder "
-                              f"holding complete step-N checkpoints{hint}")
+        hint = (
+            "; for a Hugging Face folder use checkpoint.init_from_hf"
+            if (path / hf.CONFIG_FILE).is_file()
+            else ""
+        )
+        raise CheckpointError(
+            f"{key}={path} is neither a checkpoint (no {MANIFEST}) nor a folder "
+            f"holding complete step-N checkpoints{hint}"
+        )
     return found[-1][1]
 
 
@@ -102,41 +114,60 @@ def inspect(path: Path, model_cfg: ModelConfig | None) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     if path.name.endswith(".partial") or not (path / MANIFEST).is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete (no {MANIFEST}): its save was "
-                              "interrupted or it is not an hsdp_runner checkpoint; use an earlier one")
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {MANIFEST}): its save was "
+            "interrupted or it is not an hsdp_runner checkpoint; use an earlier one"
+        )
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # json, pickle and OS errors alike mean a damaged checkpoint
-        raise CheckpointError(f"checkpoint {path} is damaged: its {MANIFEST} or .metadata cannot "
-                              f"be read ({type(err).__name__}: {err}); use an earlier one") from None
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: its {MANIFEST} or .metadata cannot "
+            f"be read ({type(err).__name__}: {err}); use an earlier one"
+        ) from None
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         file = path / name
         have = file.stat().st_size if file.is_file() else None
         if have is None or have < size:
             state = "is missing" if have is None else f"holds {have} bytes"
-            raise CheckpointError(f"checkpoint {path} is truncated: {name} {state}, its .metadata "
-                                  f"expects {size}; use an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint {path} is truncated: {name} {state}, its .metadata "
+                f"expects {size}; use an earlier checkpoint"
+            )
     _check_shapes(path, metadata, manifest, manifest["model"] if model_cfg is None else model_cfg)
     return manifest
 
 
 def _check_shapes(path: Path, metadata, manifest: dict, model_cfg: ModelConfig | dict) -> None:
-    saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and hasattr(v, "size")}
+    saved = {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     wanted = expected_shapes(model_cfg)
-    bad = [f"{k} is {saved.get(k)} there, {shape} here" for k, shape in wanted.items()
-           if saved.get(k) != shape] + [f"{k} is not in this model" for k in saved if k not in wanted]
+    bad = [
+        f"{k} is {saved.get(k)} there, {shape} here"
+        for k, shape in wanted.items()
+        if saved.get(k) != shape
+    ] + [f"{k} is not in this model" for k in saved if k not in wanted]
     if bad:
         theirs, ours = manifest.get("model", {}), model_fields(model_cfg)
-        keys = [f"model.{k}={theirs.get(k)} there, {ours.get(k)} here"
-                for k in theirs if k not in ("name", "_target_") and theirs[k] != ours.get(k)]
-        raise CheckpointError(f"checkpoint {path} holds another model shape: {'; '.join(bad[:3])}"
-                              f" ({'; '.join(keys) or 'see its ' + MANIFEST}); load it with the "
-                              "model config it was saved with")
+        keys = [
+            f"model.{k}={theirs.get(k)} there, {ours.get(k)} here"
+            for k in theirs
+            if k not in ("name", "_target_") and theirs[k] != ours.get(k)
+        ]
+        raise CheckpointError(
+            f"checkpoint {path} holds another model shape: {'; '.join(bad[:3])}"
+            f" ({'; '.join(keys) or 'see its ' + MANIFEST}); load it with the "
+            "model config it was saved with"
+        )
 
 
 def plan_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: Path) -> Start:
@@ -148,25 +179,36 @@ def plan_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: P
     """
     c = ckpt_cfg
     found = complete_checkpoints(checkpoint_dir(c, output_dir)) if c.resume == Resume.auto else []
-    path = found[-1][1] if found else (resolve(Path(c.load_path).expanduser(), "checkpoint.load_path")
-                                       if c.load_path else None)
+    path = (
+        found[-1][1]
+        if found
+        else (
+            resolve(Path(c.load_path).expanduser(), "checkpoint.load_path") if c.load_path else None
+        )
+    )
     if path is not None:
         manifest = inspect(path, model_cfg)
         return Start(StartSource.checkpoint, str(path), int(manifest["step"]), manifest)
     if c.init_from_hf:
         folder = Path(c.init_from_hf).expanduser()
         if not folder.is_dir() or (folder / MANIFEST).is_file():
-            what = "is an hsdp_runner checkpoint (use checkpoint.load_path)" if folder.is_dir() \
+            what = (
+                "is an hsdp_runner checkpoint (use checkpoint.load_path)"
+                if folder.is_dir()
                 else "does not exist or is not a folder"
-            raise CheckpointError(f"checkpoint.init_from_hf={folder} {what}; point it at a Hugging "
-                                  "Face safetensors folder")
+            )
+            raise CheckpointError(
+                f"checkpoint.init_from_hf={folder} {what}; point it at a Hugging "
+                "Face safetensors folder"
+            )
         hf.check_folder(folder, model_cfg, expected_shapes(model_cfg))
         return Start(StartSource.hf, str(folder))
     return Start(StartSource.fresh)
 
 
-def validate(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, steps: int,
-             output_dir: Path) -> Start:
+def validate(
+    ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, steps: int, output_dir: Path
+) -> Start:
     """Check the ``checkpoint`` keys and paths before any worker starts; return the Start.
 
     Takes the ``checkpoint`` and ``model`` configs, the run's ``trainer.steps`` and the output
@@ -180,24 +222,29 @@ def validate(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, steps: int,
     if c.rank0_wait_s <= 0:
         raise ConfigError(f"checkpoint.rank0_wait_s={c.rank0_wait_s} must be positive (seconds)")
     if c.export_max_shard_gib <= 0:
-        raise ConfigError(f"checkpoint.export_max_shard_gib={c.export_max_shard_gib} must be positive")
+        raise ConfigError(
+            f"checkpoint.export_max_shard_gib={c.export_max_shard_gib} must be positive"
+        )
     folder = checkpoint_dir(c, output_dir)
     if c.enable and c.resume == Resume.never and complete_checkpoints(folder):
-        raise CheckpointError(f"checkpoint.dir={folder} already holds checkpoints and "
-                              "checkpoint.resume=never would write beside them; continue with "
-                              "checkpoint.resume=auto or choose an empty checkpoint.dir")
+        raise CheckpointError(
+            f"checkpoint.dir={folder} already holds checkpoints and "
+            "checkpoint.resume=never would write beside them; continue with "
+            "checkpoint.resume=auto or choose an empty checkpoint.dir"
+        )
     start = plan_start(c, model_cfg, output_dir)
     if start.step >= steps:
-        raise CheckpointError(f"checkpoint {start.path} is at step {start.step}, nothing is left "
-                              f"to train with trainer.steps={steps}; raise "
-                              "trainer.steps or start elsewhere")
+        raise CheckpointError(
+            f"checkpoint {start.path} is at step {start.step}, nothing is left "
+            f"to train with trainer.steps={steps}; raise "
+            "trainer.steps or start elsewhere"
+        )
     if c.export_at_end:
         hf.require_empty_destination(export_dir(c, output_dir), "checkpoint.export_dir")
     return start
 
 
-def agree_on_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: Path
-                   ) -> Start:
+def agree_on_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: Path) -> Start:
     """Rank 0 plans the start (``plan_start``) and every rank receives the same Start."""
     box = [plan_start(ckpt_cfg, model_cfg, output_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

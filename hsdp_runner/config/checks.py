@@ -41,8 +41,10 @@ def _field_types(schema, prefix: str = "") -> dict[str, type]:
 SCHEMA_TYPES = _field_types(RunConfig)
 # The schema's Enum fields, and fault.kind: a str in the schema (see FaultConfig), same check.
 CHOICE_FIELDS: dict[str, type[Choice]] = {
-    key: kind for key, kind in SCHEMA_TYPES.items()
-    if isinstance(kind, type) and issubclass(kind, Choice)} | {"fault.kind": FaultKind}
+    key: kind
+    for key, kind in SCHEMA_TYPES.items()
+    if isinstance(kind, type) and issubclass(kind, Choice)
+} | {"fault.kind": FaultKind}
 
 
 def check_choice(key: str, value) -> None:
@@ -50,8 +52,9 @@ def check_choice(key: str, value) -> None:
     choices = CHOICE_FIELDS[key]
     if isinstance(value, choices) or value in choices.names():
         return
-    raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices.names())}; set {key} "
-                      "to one of them")
+    raise ConfigError(
+        f"{key}={value!r} is not one of {', '.join(choices.names())}; set {key} to one of them"
+    )
 
 
 def bad_choice_override(argv: list[str]) -> str | None:
@@ -103,48 +106,75 @@ def validate_config(cfg: RunConfig) -> None:
     for key in ("param_dtype", "reduce_dtype", "master_dtype"):
         if getattr(c.precision, key) == Dtype.float16:
             # fp16 gradients underflow without loss scaling, and the trainer has no scaler.
-            raise ConfigError(f"precision.{key}=float16 needs a gradient scaler, which the "
-                              "runner does not have; use bfloat16 (precision=bf16 or bf16_pure)")
-    for key in ("trainer.steps", "trainer.global_batch_size", "trainer.grad_accum_steps",
-                "trainer.log_every", "model.dim", "model.n_layers", "model.n_heads",
-                "model.vocab_size", "model.seq_len",
-                "launcher.nnodes", "launcher.timeout_s"):
+            raise ConfigError(
+                f"precision.{key}=float16 needs a gradient scaler, which the "
+                "runner does not have; use bfloat16 (precision=bf16 or bf16_pure)"
+            )
+    for key in (
+        "trainer.steps",
+        "trainer.global_batch_size",
+        "trainer.grad_accum_steps",
+        "trainer.log_every",
+        "model.dim",
+        "model.n_layers",
+        "model.n_heads",
+        "model.vocab_size",
+        "model.seq_len",
+        "launcher.nnodes",
+        "launcher.timeout_s",
+    ):
         section, field = key.split(".")
         _require_positive(key, getattr(getattr(c, section), field))
     if c.launcher.requeue and not c.checkpoint.enable:
-        raise ConfigError(f"launcher.requeue={c.launcher.requeue} needs checkpoint.enable=true: a "
-                          "requeued job resumes from its checkpoint (without one it starts over)")
+        raise ConfigError(
+            f"launcher.requeue={c.launcher.requeue} needs checkpoint.enable=true: a "
+            "requeued job resumes from its checkpoint (without one it starts over)"
+        )
     if c.launcher.nproc_per_node is not None:
         _require_positive("launcher.nproc_per_node", c.launcher.nproc_per_node)
     if c.trainer.eval_batches < 0:
-        raise ConfigError(f"trainer.eval_batches={c.trainer.eval_batches} must be >= 0 (0 = no eval)")
+        raise ConfigError(
+            f"trainer.eval_batches={c.trainer.eval_batches} must be >= 0 (0 = no eval)"
+        )
     _validate_launcher(c.launcher)
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
     if c.metrics.memory_steps < 0:
-        raise ConfigError(f"metrics.memory_steps={c.metrics.memory_steps} must be >= 0 (0 turns "
-                          "the tensor-memory measurement off)")
+        raise ConfigError(
+            f"metrics.memory_steps={c.metrics.memory_steps} must be >= 0 (0 turns "
+            "the tensor-memory measurement off)"
+        )
     if c.metrics.comm_step is not None and not 1 <= c.metrics.comm_step <= c.trainer.steps:
-        raise ConfigError(f"metrics.comm_step={c.metrics.comm_step} is not a step of this run "
-                          f"(1..trainer.steps={c.trainer.steps}); pick one in range or null")
+        raise ConfigError(
+            f"metrics.comm_step={c.metrics.comm_step} is not a step of this run "
+            f"(1..trainer.steps={c.trainer.steps}); pick one in range or null"
+        )
     if c.profile.enable:
         _require_positive("profile.start_step", c.profile.start_step)
         _require_positive("profile.steps", c.profile.steps)
         last = c.profile.start_step + c.profile.steps - 1
         if last > c.trainer.steps:
-            raise ConfigError(f"profile.start_step={c.profile.start_step} + profile.steps="
-                              f"{c.profile.steps} ends at step {last}, after trainer.steps="
-                              f"{c.trainer.steps}; start earlier or profile fewer steps")
+            raise ConfigError(
+                f"profile.start_step={c.profile.start_step} + profile.steps="
+                f"{c.profile.steps} ends at step {last}, after trainer.steps="
+                f"{c.trainer.steps}; start earlier or profile fewer steps"
+            )
     if c.metrics.peak_tflops is not None and c.metrics.peak_tflops <= 0:
-        raise ConfigError(f"metrics.peak_tflops={c.metrics.peak_tflops} must be a positive number "
-                          "(TFLOP/s of one device) or null to look it up")
+        raise ConfigError(
+            f"metrics.peak_tflops={c.metrics.peak_tflops} must be a positive number "
+            "(TFLOP/s of one device) or null to look it up"
+        )
     if c.model.dim % c.model.n_heads:
-        raise ConfigError(f"model.dim={c.model.dim} is not divisible by model.n_heads="
-                          f"{c.model.n_heads}; pick a head count that divides the width")
+        raise ConfigError(
+            f"model.dim={c.model.dim} is not divisible by model.n_heads="
+            f"{c.model.n_heads}; pick a head count that divides the width"
+        )
     model_spec(c.model).validate()  # the family's own checks
     if c.data.kind == DataKind.text and c.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "
-                          "tokenizer of data.kind=text; it needs at least 256")
+        raise ConfigError(
+            f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "
+            "tokenizer of data.kind=text; it needs at least 256"
+        )
     if not 0.0 <= c.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
     if c.optim.lr <= 0:
@@ -156,17 +186,23 @@ def _validate_launcher(launcher: LauncherConfig) -> None:
         try:
             parse_signal(launcher.signal)
         except ValueError as err:
-            raise ConfigError(f"launcher.signal={launcher.signal!r}: {err}; use a signal name "
-                              "such as USR2 (submitit's default) or USR1") from None
+            raise ConfigError(
+                f"launcher.signal={launcher.signal!r}: {err}; use a signal name "
+                "such as USR2 (submitit's default) or USR1"
+            ) from None
     if launcher.requeue < 0 or launcher.signal_delay_s < 1:
-        raise ConfigError(f"launcher.requeue={launcher.requeue} must be >= 0 and "
-                          f"launcher.signal_delay_s={launcher.signal_delay_s} >= 1")
+        raise ConfigError(
+            f"launcher.requeue={launcher.requeue} must be >= 0 and "
+            f"launcher.signal_delay_s={launcher.signal_delay_s} >= 1"
+        )
     if not LauncherName(launcher.name).submitit:
         return
     choice = f"launcher={launcher.name}"
     if launcher.nproc_per_node is None:
-        raise ConfigError(f"{choice} needs launcher.nproc_per_node (SLURM tasks = ranks per node); "
-                          "set it, e.g. launcher.nproc_per_node=8")
+        raise ConfigError(
+            f"{choice} needs launcher.nproc_per_node (SLURM tasks = ranks per node); "
+            "set it, e.g. launcher.nproc_per_node=8"
+        )
     _require_positive("launcher.timeout_min", launcher.timeout_min)
     for key in ("cpus_per_task", "mem_gb"):
         if getattr(launcher, key) is not None:
@@ -175,11 +211,14 @@ def _validate_launcher(launcher: LauncherConfig) -> None:
         raise ConfigError(
             f"launcher.gpus_per_node={launcher.gpus_per_node} is less than launcher.nproc_per_node="
             f"{launcher.nproc_per_node}; each rank needs its own GPU: raise gpus_per_node, lower "
-            "nproc_per_node, or set launcher.gpus_per_node=null on a CPU partition")
+            "nproc_per_node, or set launcher.gpus_per_node=null on a CPU partition"
+        )
     if launcher.name == LauncherName.slurm_local and launcher.nnodes != 1:
-        raise ConfigError(f"launcher.nnodes={launcher.nnodes} with launcher=slurm_local: "
-                          "submitit's local executor runs one node; set launcher.nnodes=1 or "
-                          "use launcher=slurm")
+        raise ConfigError(
+            f"launcher.nnodes={launcher.nnodes} with launcher=slurm_local: "
+            "submitit's local executor runs one node; set launcher.nnodes=1 or "
+            "use launcher=slurm"
+        )
 
 
 def _schema_keys(node: dict, prefix: str = "") -> list[str]:
@@ -206,9 +245,11 @@ def _reject_unknown_keys(cfg: dict) -> None:
             continue  # reported at its first unknown level
         near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {near[0]}? " if near else ""
-        raise ConfigError(f"unknown config key {key} (added with +); nothing reads it: {hint}"
-                          "fix or drop the override (python -m hsdp_runner --cfg job lists "
-                          "every key)")
+        raise ConfigError(
+            f"unknown config key {key} (added with +); nothing reads it: {hint}"
+            "fix or drop the override (python -m hsdp_runner --cfg job lists "
+            "every key)"
+        )
 
 
 def validate_batch(trainer: TrainerConfig, dp_size: int) -> int:
@@ -221,5 +262,6 @@ def validate_batch(trainer: TrainerConfig, dp_size: int) -> int:
     if gbs % (dp_size * accum):
         raise ConfigError(
             f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size "
-            f"{dp_size} x trainer.grad_accum_steps={accum}; use a multiple of {dp_size * accum}")
+            f"{dp_size} x trainer.grad_accum_steps={accum}; use a multiple of {dp_size * accum}"
+        )
     return gbs // (dp_size * accum)

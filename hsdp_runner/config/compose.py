@@ -60,7 +60,6 @@ def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
         return hydra_compose(config_name=config_name, overrides=overrides)
 
 
-
 def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     """The typed config: the schema dataclasses (``RunConfig``, the model as its family's
     dataclass), built once where a config arrives (a worker, the launcher, a pre-submit check).
@@ -71,9 +70,13 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     """
     # Section by section: a sweep job's ``hydra`` node holds interpolations that resolve only
     # inside Hydra's own job context.
-    plain = {key: OmegaConf.to_container(cfg[key], resolve=True)
-             if OmegaConf.is_config(cfg[key]) else copy.deepcopy(cfg[key])
-             for key in cfg if key != "hydra"}
+    plain = {
+        key: OmegaConf.to_container(cfg[key], resolve=True)
+        if OmegaConf.is_config(cfg[key])
+        else copy.deepcopy(cfg[key])
+        for key in cfg
+        if key != "hydra"
+    }
     check_plain_config(plain)
     model = model_fields(plain.pop("model"))
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)

@@ -187,9 +187,9 @@ class ClusterConfig:
     device_memory_gib: Optional[float] = None
     peak_tflops: Optional[float] = None
     compute_efficiency: float = MISSING
-    nvlink_gbps: Optional[float] = None     # null: measured (cluster.measure=true)
+    nvlink_gbps: Optional[float] = None  # null: measured (cluster.measure=true)
     nvlink_efficiency: Optional[float] = None  # null only when measured
-    nics_per_node: Optional[int] = None     # null: no inter-node link of its own
+    nics_per_node: Optional[int] = None  # null: no inter-node link of its own
     nic_gbit: Optional[float] = None
     nic_efficiency: Optional[float] = None
     # Replaced by the datasheet figures above; set, resolving the cluster names the new keys.

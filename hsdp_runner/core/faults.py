@@ -14,8 +14,10 @@ from hsdp_runner.core.choices import FaultKind, FaultPhase
 
 
 def _raise(rank: int, step: int, phase: FaultPhase) -> bool:
-    raise RuntimeError(f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
-                       + (" while saving its checkpoint" if phase == FaultPhase.save else ""))
+    raise RuntimeError(
+        f"injected fault (fault.kind=exception) on rank {rank} at step {step}"
+        + (" while saving its checkpoint" if phase == FaultPhase.save else "")
+    )
 
 
 def _hang(rank: int, step: int, phase: FaultPhase) -> bool:
@@ -42,17 +44,27 @@ def _abort_like_nccl_watchdog(rank: int, step: int) -> None:
     """End this rank as NCCL's watchdog ends one whose collective timed out, with torch 2.13's
     wording: the cause written to stderr from C++ (file descriptor 2, unbuffered, not Python's
     ``sys.stderr``), then SIGABRT. On CPU this is the only way to see that path."""
-    os.write(2, (f"[rank{rank}]:[E ProcessGroupNCCL.cpp:685] [Rank {rank}] Watchdog caught "
-                 f"collective operation timeout: WorkNCCL(SeqNum={step}, OpType=ALLREDUCE, "
-                 "NumelIn=1, NumelOut=1, Timeout(ms)=300000) ran for 300047 milliseconds before "
-                 "timing out (simulated by fault.kind=abort)\n").encode())
+    os.write(
+        2,
+        (
+            f"[rank{rank}]:[E ProcessGroupNCCL.cpp:685] [Rank {rank}] Watchdog caught "
+            f"collective operation timeout: WorkNCCL(SeqNum={step}, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=300000) ran for 300047 milliseconds before "
+            "timing out (simulated by fault.kind=abort)\n"
+        ).encode(),
+    )
     os.abort()
 
 
 # What each fault.kind does; True: the caller poisons this step's loss.
-_FAULTS = {FaultKind.exception: _raise, FaultKind.hang: _hang, FaultKind.sigkill: _kill,
-           FaultKind.sigterm: _sigterm, FaultKind.abort: _abort,
-           FaultKind.nan: lambda rank, step, phase: True}
+_FAULTS = {
+    FaultKind.exception: _raise,
+    FaultKind.hang: _hang,
+    FaultKind.sigkill: _kill,
+    FaultKind.sigterm: _sigterm,
+    FaultKind.abort: _abort,
+    FaultKind.nan: lambda rank, step, phase: True,
+}
 
 
 def inject_fault(fault_cfg, rank: int, step: int, phase: FaultPhase = FaultPhase.step) -> bool:

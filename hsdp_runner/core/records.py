@@ -147,9 +147,13 @@ class RunSummary:
     def to_dict(self) -> dict:
         """The JSON form: see the class docstring for which None fields are written."""
         trained = self.steps is not None
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None or f.name == "error"
-                or (trained and f.metadata.get("trained"))}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+            or f.name == "error"
+            or (trained and f.metadata.get("trained"))
+        }
 
     def write(self, output_dir: str | Path) -> Path:
         """Write ``summary.json`` atomically (temp file + rename); return its path."""
@@ -171,18 +175,28 @@ class RunSummary:
         return cls(status=RunStatus.failed, failed_rank=rank, error=error, **layout, **facts)
 
     @classmethod
-    def interrupted_at_once(cls, layout: dict, signal: str, step: int,
-                            last_checkpoint: Optional[str]) -> RunSummary:
+    def interrupted_at_once(
+        cls, layout: dict, signal: str, step: int, last_checkpoint: Optional[str]
+    ) -> RunSummary:
         """A run a repeated stop signal ended mid-step (no figures: the step was cut off)."""
-        return cls(status=RunStatus.interrupted, signal=signal, interrupted_at_step=step,
-                   stopped_at_once=True, last_checkpoint=last_checkpoint, **layout)
+        return cls(
+            status=RunStatus.interrupted,
+            signal=signal,
+            interrupted_at_step=step,
+            stopped_at_once=True,
+            last_checkpoint=last_checkpoint,
+            **layout,
+        )
 
     @classmethod
-    def skipped(cls, reason: str, overrides: list[str], requested_degrees: dict
-                ) -> RunSummary:
+    def skipped(cls, reason: str, overrides: list[str], requested_degrees: dict) -> RunSummary:
         """A sweep's job that cannot run (a config error): why, and what it asked for."""
-        return cls(status=RunStatus.skipped, reason=reason, overrides=list(overrides),
-                   requested_degrees=dict(requested_degrees))
+        return cls(
+            status=RunStatus.skipped,
+            reason=reason,
+            overrides=list(overrides),
+            requested_degrees=dict(requested_degrees),
+        )
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(RunSummary))

@@ -17,8 +17,11 @@ def parse_signal(name: str) -> signal.Signals:
     or if it cannot serve as a stop signal."""
     text = str(name).strip().upper()
     try:
-        sig = signal.Signals(int(text)) if text.isdigit() \
+        sig = (
+            signal.Signals(int(text))
+            if text.isdigit()
             else signal.Signals["SIG" + text.removeprefix("SIG")]
+        )
     except (KeyError, ValueError):
         raise ValueError(f"{name!r} is not a signal name") from None
     if sig.name in UNUSABLE:

@@ -73,6 +73,7 @@ def _group(group) -> dist.ProcessGroup:
         return dist.ProcessGroup.unbox(group)
     if isinstance(group, str):
         from torch.distributed.distributed_c10d import _resolve_process_group
+
         return _resolve_process_group(group)
     return group
 
@@ -96,7 +97,8 @@ class CommCounter(TorchDispatchMode):
         if key not in self._dims:
             ranks = tuple(sorted(dist.get_process_group_ranks(group)))
             self._dims[key] = self._names.get(
-                ranks, "world" if len(ranks) == dist.get_world_size() else f"ranks{list(ranks)}")
+                ranks, "world" if len(ranks) == dist.get_world_size() else f"ranks{list(ranks)}"
+            )
         return self._dims[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -107,8 +109,11 @@ class CommCounter(TorchDispatchMode):
             # sees those (a mode runs before subclasses, and is off while its handler runs).
             return NotImplemented
         kwargs = kwargs or {}
-        entry = None if isinstance(func, torch._ops.HigherOrderOperator) \
+        entry = (
+            None
+            if isinstance(func, torch._ops.HigherOrderOperator)
             else COLLECTIVES.get(func._overloadpacket)
+        )
         if entry is not None:
             kind, tensor_arg, times_group = entry
             bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
@@ -123,4 +128,3 @@ class CommCounter(TorchDispatchMode):
     def result(self) -> dict[str, dict[str, int]]:
         """Return the counts as a plain dict sorted by key."""
         return {key: dict(self.totals[key]) for key in sorted(self.totals)}
-

@@ -63,8 +63,9 @@ def _dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
-def unit_sizes(model_cfg: ModelConfig, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
-               ) -> dict[str, tuple[int, int]]:
+def unit_sizes(
+    model_cfg: ModelConfig, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
+) -> dict[str, tuple[int, int]]:
     """Elements per FSDP unit ('<blocks>.<i>', e.g. 'layers.0', or 'root'): (all parameters,
     trainable ones).
 
@@ -98,9 +99,13 @@ class _Tally:
             self.counts[key]["bytes"] += nbytes
 
 
-def analytic_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: ParallelConfig,
-                  precision: PrecisionConfig, trainer: TrainerConfig
-                  ) -> dict[str, dict[str, int]]:
+def analytic_comm(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+) -> dict[str, dict[str, int]]:
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
     Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes and the job's
@@ -112,12 +117,26 @@ def analytic_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: Parallel
     _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum)
     compute = _dtype_bytes(precision.param_dtype)
     if dims.cp > 1:
-        _context_parallel(tally, model_cfg, dims, trainer.global_batch_size // dims.dp,
-                          compute, accum, parallel.ac == AC.full)
+        _context_parallel(
+            tally,
+            model_cfg,
+            dims,
+            trainer.global_batch_size // dims.dp,
+            compute,
+            accum,
+            parallel.ac == AC.full,
+        )
     if dims.tp > 1:
         tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp
-        _tensor_parallel(tally, model_cfg, tokens, parallel.sequence_parallel,
-                         compute, accum, parallel.ac == AC.full)
+        _tensor_parallel(
+            tally,
+            model_cfg,
+            tokens,
+            parallel.sequence_parallel,
+            compute,
+            accum,
+            parallel.ac == AC.full,
+        )
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
@@ -126,64 +145,98 @@ def analytic_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: Parallel
 def world_dim(dims: ParallelDims) -> str:
     """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
     flattened ``dp``) spanning every rank, else ``world``."""
-    return next((name for name in GROUP_NAMES if dims.group_size(name) == dims.world_size),
-                "world")
+    return next((name for name in GROUP_NAMES if dims.group_size(name) == dims.world_size), "world")
 
 
-def context_parallel_comm(model_cfg: ModelConfig, dims: ParallelDims, parallel: ParallelConfig,
-                          precision: PrecisionConfig, trainer: TrainerConfig
-                          ) -> dict[str, dict[str, int]]:
+def context_parallel_comm(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+) -> dict[str, dict[str, int]]:
     """Return the part of ``analytic_comm`` that is context parallel's key/value exchange
     ({'all_gather/cp', 'reduce_scatter/cp': {'calls', 'bytes'}}; empty when cp = 1). Same
     arguments as ``analytic_comm``. The planner prices it apart from FSDP's collectives, which
     share the 'cp' keys when dp_shard = 1."""
     tally = _Tally()
     if dims.cp > 1:
-        _context_parallel(tally, model_cfg, dims, trainer.global_batch_size // dims.dp,
-                          _dtype_bytes(precision.param_dtype), trainer.grad_accum_steps,
-                          parallel.ac == AC.full)
+        _context_parallel(
+            tally,
+            model_cfg,
+            dims,
+            trainer.global_batch_size // dims.dp,
+            _dtype_bytes(precision.param_dtype),
+            trainer.grad_accum_steps,
+            parallel.ac == AC.full,
+        )
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
 
 
-def _data_parallel(tally: _Tally, units: dict, dims: ParallelDims, reshard: bool,
-                   precision: PrecisionConfig, accum: int) -> None:
+def _data_parallel(
+    tally: _Tally,
+    units: dict,
+    dims: ParallelDims,
+    reshard: bool,
+    precision: PrecisionConfig,
+    accum: int,
+) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
     if dims.dp_shard_cp > 1:
         shard_dim = dims.same_group("dp_shard_cp")
         blocks = [sizes[0] for unit, sizes in units.items() if unit != "root"]
-        tally.add(f"all_gather/{shard_dim}", len(units) * accum,
-                  sum(sizes[0] for sizes in units.values()) * gather * accum)
+        tally.add(
+            f"all_gather/{shard_dim}",
+            len(units) * accum,
+            sum(sizes[0] for sizes in units.values()) * gather * accum,
+        )
         if reshard:
-            tally.add(f"all_gather/{shard_dim}", len(blocks) * accum,
-                      sum(blocks) * gather * accum)
-        tally.add(f"reduce_scatter/{shard_dim}", len(trainable),
-                  sum(trainable.values()) * reduce)
+            tally.add(f"all_gather/{shard_dim}", len(blocks) * accum, sum(blocks) * gather * accum)
+        tally.add(f"reduce_scatter/{shard_dim}", len(trainable), sum(trainable.values()) * reduce)
     if dims.dp_replicate > 1:
         shard = sum(trainable.values()) // dims.dp_shard_cp
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
 
 
-def _context_parallel(tally: _Tally, model_cfg: ModelConfig, dims: ParallelDims, rows: int, compute: int,
-                      accum: int, recompute: bool) -> None:
+def _context_parallel(
+    tally: _Tally,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    rows: int,
+    compute: int,
+    accum: int,
+    recompute: bool,
+) -> None:
     """The K/V all-gather of every block (again under full AC) and its gradients'
     reduce-scatter, for ``rows`` sequences a step (over the micro-batches)."""
     layers = model_cfg.n_layers
     kv_width = model_spec(model_cfg).kv_dim() // dims.tp  # the rank's K/V heads under TP
     gathered = 2 * rows * model_cfg.seq_len * kv_width * compute  # keys and values, all S
     passes = 2 if recompute else 1
-    tally.add(f"all_gather/{dims.same_group('cp')}", passes * layers * accum,
-              passes * layers * gathered)
+    tally.add(
+        f"all_gather/{dims.same_group('cp')}", passes * layers * accum, passes * layers * gathered
+    )
     tally.add(f"reduce_scatter/{dims.same_group('cp')}", layers * accum, layers * gathered)
 
 
-def _tensor_parallel(tally: _Tally, model_cfg: ModelConfig, tokens: int, sequence_parallel: bool,
-                     compute: int, accum: int, recompute: bool = False) -> None:
+def _tensor_parallel(
+    tally: _Tally,
+    model_cfg: ModelConfig,
+    tokens: int,
+    sequence_parallel: bool,
+    compute: int,
+    accum: int,
+    recompute: bool = False,
+) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
-        again = {"all_gather/tp": 2, "reduce_scatter/tp": 1} if sequence_parallel \
+        again = (
+            {"all_gather/tp": 2, "reduce_scatter/tp": 1}
+            if sequence_parallel
             else {"all_reduce/tp": 1}
+        )
         for kind, per_block in again.items():
             tally.add(kind, per_block * layers * accum, per_block * layers * act)
     tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
@@ -204,6 +257,11 @@ def comm_report(measured: dict, analytic: dict, step: int) -> dict:
     """Summary facts: per-step totals, their ratio and both breakdowns, for one measured step."""
     total_m = sum(e["bytes"] for e in measured.values())
     total_a = sum(e["bytes"] for e in analytic.values())
-    return {"comm_step": step, "comm_bytes_measured": total_m, "comm_bytes_analytic": total_a,
-            "comm_ratio": total_m / total_a if total_a else None,
-            "comm_measured": measured, "comm_analytic": analytic}
+    return {
+        "comm_step": step,
+        "comm_bytes_measured": total_m,
+        "comm_bytes_analytic": total_a,
+        "comm_ratio": total_m / total_a if total_a else None,
+        "comm_measured": measured,
+        "comm_analytic": analytic,
+    }

@@ -53,16 +53,18 @@ class SequenceShard:
         self.mesh, self.cp, self.rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
         self.local_len = seq_len // self.cp
         self._positions = head_tail_positions(seq_len, self.cp, self.rank)
-        self._order = torch.cat([head_tail_positions(seq_len, self.cp, r)
-                                 for r in range(self.cp)]).argsort()
+        self._order = torch.cat(
+            [head_tail_positions(seq_len, self.cp, r) for r in range(self.cp)]
+        ).argsort()
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         # Each of the rank's two chunks attends to the keys up to its end: (query chunk start,
         # key count, bias). The biases are made here: torch's CausalBias, a tensor subclass,
         # cannot be created while a TorchDispatchMode is active (the communication counter).
         chunk = self.local_len // 2
-        self._chunks = [(part * chunk, (index + 1) * chunk,
-                         _causal_lower_right(chunk, (index + 1) * chunk))
-                        for part, index in enumerate((self.rank, 2 * self.cp - 1 - self.rank))]
+        self._chunks = [
+            (part * chunk, (index + 1) * chunk, _causal_lower_right(chunk, (index + 1) * chunk))
+            for part, index in enumerate((self.rank, 2 * self.cp - 1 - self.rank))
+        ]
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's positions, the gathered tokens' order by position) on ``device``."""
@@ -72,8 +74,10 @@ class SequenceShard:
 
     def _check_length(self, local_len: int) -> None:
         if local_len != self.local_len:
-            raise ValueError(f"context parallel was set up for {self.local_len} tokens per cp "
-                             f"rank (model.seq_len / parallel.cp), got {local_len}")
+            raise ValueError(
+                f"context parallel was set up for {self.local_len} tokens per cp "
+                f"rank (model.seq_len / parallel.cp), got {local_len}"
+            )
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """This rank's positions in the full sequence of its ``local_len`` tokens, in the order
@@ -98,16 +102,30 @@ class SequenceShard:
         gathered = all_gather_single(torch.stack((k, v)).contiguous(), 0, self.mesh)
         gathered = gathered.view(self.cp, 2, bsz, kv_heads, seq, head_dim)
         order = self._tables(q.device)[1]
-        k_all, v_all = (gathered[:, i].permute(1, 2, 0, 3, 4).reshape(
-            bsz, kv_heads, self.cp * seq, head_dim).index_select(2, order) for i in range(2))
+        k_all, v_all = (
+            gathered[:, i]
+            .permute(1, 2, 0, 3, 4)
+            .reshape(bsz, kv_heads, self.cp * seq, head_dim)
+            .index_select(2, order)
+            for i in range(2)
+        )
         repeat = q.shape[1] // kv_heads
         if repeat > 1:
             k_all = k_all.repeat_interleave(repeat, dim=1)
             v_all = v_all.repeat_interleave(repeat, dim=1)
         chunk = seq // 2
-        return torch.cat([F.scaled_dot_product_attention(
-            q[:, :, start:start + chunk], k_all[:, :, :end], v_all[:, :, :end], attn_mask=bias)
-            for start, end, bias in self._chunks], dim=2)
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[:, :, start : start + chunk],
+                    k_all[:, :, :end],
+                    v_all[:, :, :end],
+                    attn_mask=bias,
+                )
+                for start, end, bias in self._chunks
+            ],
+            dim=2,
+        )
 
 
 def _causal_lower_right(q_len: int, kv_len: int):

@@ -58,9 +58,12 @@ def cache_dir(env=None) -> Path:
     if env.get(CACHE_ENV):
         return Path(env[CACHE_ENV]).expanduser()
     if env.get(DEPRECATED_CACHE_ENV):
-        warnings.warn(f"{DEPRECATED_CACHE_ENV} is deprecated; set {CACHE_ENV} instead (same "
-                      "meaning: the folder of hsdp_runner's per-machine measurements)",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{DEPRECATED_CACHE_ENV} is deprecated; set {CACHE_ENV} instead (same "
+            "meaning: the folder of hsdp_runner's per-machine measurements)",
+            FutureWarning,
+            stacklevel=2,
+        )
         return Path(env[DEPRECATED_CACHE_ENV]).expanduser()
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsdp_runner"
 
@@ -79,8 +82,10 @@ def check_torch_apis() -> None:
     if not hasattr(DeviceMesh, "_flatten"):
         missing.append("DeviceMesh._flatten (torch>=2.6)")
     if missing:
-        raise ConfigError(f"torch {torch.__version__} lacks {', '.join(missing)}; install "
-                          f"torch>={MIN_TORCH} (the project is tested with torch==2.13.0)")
+        raise ConfigError(
+            f"torch {torch.__version__} lacks {', '.join(missing)}; install "
+            f"torch>={MIN_TORCH} (the project is tested with torch==2.13.0)"
+        )
 
 
 def gpu_bound_per_task(env=None) -> bool:
@@ -93,8 +98,7 @@ def gpu_bound_per_task(env=None) -> bool:
     return "SLURM_PROCID" in env and "TORCHELASTIC_RUN_ID" not in env
 
 
-def check_visible_gpus(local_world_size: int, visible: int, per_task: bool | None = None
-                       ) -> None:
+def check_visible_gpus(local_world_size: int, visible: int, per_task: bool | None = None) -> None:
     """Raise ConfigError when ``local_world_size`` ranks on a node cannot each get a GPU.
 
     ``visible``: GPUs this process sees. One visible GPU is fine for any number of local ranks
@@ -108,7 +112,8 @@ def check_visible_gpus(local_world_size: int, visible: int, per_task: bool | Non
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run at "
             f"most {visible} ranks per node (launcher.nproc_per_node / torchrun "
             "--nproc-per-node), or with launcher=slurm bind one GPU per task "
-            "(--gpus-per-task=1): two ranks on one GPU fail in NCCL")
+            "(--gpus-per-task=1): two ranks on one GPU fail in NCCL"
+        )
 
 
 def pick_device(choice: Device, local_rank: int, local_world_size: int = 1) -> torch.device:
@@ -128,8 +133,10 @@ def pick_device(choice: Device, local_rank: int, local_world_size: int = 1) -> t
     elif local_rank < visible:
         index = local_rank
     else:
-        raise ConfigError(f"local rank {local_rank} has no GPU: only {visible} are visible to "
-                          "this process; run fewer ranks per node")
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU: only {visible} are visible to "
+            "this process; run fewer ranks per node"
+        )
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -140,8 +147,9 @@ def gpus_present(root: Path = Path("/")) -> tuple[int, str]:
     NVIDIA: ``/proc/driver/nvidia/gpus/*`` (or ``/dev/nvidia<N>``); AMD: ``/dev/kfd`` plus
     ``/dev/dri/renderD*`` nodes. ``root`` exists for tests.
     """
-    nvidia = list((root / "proc/driver/nvidia/gpus").glob("*")) or \
-        [p for p in (root / "dev").glob("nvidia*") if p.name[6:].isdigit()]
+    nvidia = list((root / "proc/driver/nvidia/gpus").glob("*")) or [
+        p for p in (root / "dev").glob("nvidia*") if p.name[6:].isdigit()
+    ]
     if nvidia:
         return len(nvidia), "NVIDIA"
     if (root / "dev/kfd").exists():
@@ -177,10 +185,12 @@ def cuda_unusable_cause(root: Path = Path("/")) -> str:
     driver older than the wheel's CUDA). ``root`` exists for tests."""
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not (torch.version.cuda or torch.version.hip):
-        return (f"this torch {torch.__version__} is a CPU-only build; install a CUDA build, e.g. "
-                "`make TORCH_SPEC='torch==2.13.0 --index-url "
-                "https://download.pytorch.org/whl/<variant>' venv` with the variant your "
-                "driver supports (docs/gpu.md, 'Installing torch')")
+        return (
+            f"this torch {torch.__version__} is a CPU-only build; install a CUDA build, e.g. "
+            "`make TORCH_SPEC='torch==2.13.0 --index-url "
+            "https://download.pytorch.org/whl/<variant>' venv` with the variant your "
+            "driver supports (docs/gpu.md, 'Installing torch')"
+        )
     if hidden is not None and hidden.strip() in ("", "-1", "NoDevFiles"):
         return f"CUDA_VISIBLE_DEVICES={hidden!r} hides them"
     count, _ = gpus_present(root)
@@ -189,9 +199,11 @@ def cuda_unusable_cause(root: Path = Path("/")) -> str:
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
     if _cuda_init_warning:
         return f"torch {torch.__version__} ({build}) cannot use them: {_cuda_init_warning}"
-    return (f"torch {torch.__version__} ({build}) cannot initialise them (a driver older than "
-            "this build's CUDA? nvidia-smi's 'CUDA Version' is the newest the driver supports); "
-            "`python -c 'import torch; torch.cuda.init()'` says why")
+    return (
+        f"torch {torch.__version__} ({build}) cannot initialise them (a driver older than "
+        "this build's CUDA? nvidia-smi's 'CUDA Version' is the newest the driver supports); "
+        "`python -c 'import torch; torch.cuda.init()'` says why"
+    )
 
 
 def usable_gpus(choice: str) -> int:
@@ -204,8 +216,10 @@ def usable_gpus(choice: str) -> int:
         return 0
     count = torch.cuda.device_count() if cuda_available() else 0
     if count == 0 and choice is Device.cuda:
-        raise ConfigError(f"device=cuda but no GPU is usable: {cuda_unusable_cause()}; fix that "
-                          "or set device=cpu (or auto)")
+        raise ConfigError(
+            f"device=cuda but no GPU is usable: {cuda_unusable_cause()}; fix that "
+            "or set device=cpu (or auto)"
+        )
     return count
 
 
@@ -219,9 +233,11 @@ def cuda_fallback_warning(choice: str, root: Path = Path("/")) -> str | None:
     count, vendor = gpus_present(root)
     if not count:
         return None
-    return (f"device=auto: {count} {vendor} GPU(s) present but {cuda_unusable_cause(root)}. "
-            "Every rank runs on the CPU; set device=cuda to fail instead, or device=cpu if that "
-            "is what you want")
+    return (
+        f"device=auto: {count} {vendor} GPU(s) present but {cuda_unusable_cause(root)}. "
+        "Every rank runs on the CPU; set device=cuda to fail instead, or device=cpu if that "
+        "is what you want"
+    )
 
 
 def cpu_threads(local_world_size: int, mask: set | None = None, env=None) -> int:

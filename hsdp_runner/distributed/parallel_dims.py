@@ -30,8 +30,11 @@ from hsdp_runner.models.base import ModelConfig
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 # Flattened views of adjacent mesh dims: name -> the dims it joins (see the module docstring).
-VIEWS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-         "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
 # Every named group, mesh dims first: a group two names share (same ranks) goes by the first.
 GROUP_ORDER = DIM_NAMES + tuple(VIEWS)
 
@@ -49,8 +52,13 @@ class ParallelDims:
     ranks_per_node: Optional[int] = None  # None: the whole job is on one node
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig, model: Optional[ModelConfig],
-                    world_size: int, ranks_per_node: Optional[int] = None) -> ParallelDims:
+    def from_config(
+        cls,
+        parallel: ParallelConfig,
+        model: Optional[ModelConfig],
+        world_size: int,
+        ranks_per_node: Optional[int] = None,
+    ) -> ParallelDims:
         """Infer -1 degrees from ``world_size`` and validate against the model shape and nodes.
 
         Takes the typed ``parallel`` and ``model`` configs (model None: no shape checks), the
@@ -58,16 +66,22 @@ class ParallelDims:
         ParallelDims or raises ConfigError naming keys and a fix.
         """
         # cp may be absent from configs written before it existed (it defaults to 1).
-        degrees = {name: _get(parallel, name, 1) if name == "cp" else getattr(parallel, name)
-                   for name in DIM_NAMES}
+        degrees = {
+            name: _get(parallel, name, 1) if name == "cp" else getattr(parallel, name)
+            for name in DIM_NAMES
+        }
         if world_size < 1:
-            raise ConfigError(f"world size {world_size} must be >= 1; check launcher.nnodes and "
-                              "launcher.nproc_per_node")
+            raise ConfigError(
+                f"world size {world_size} must be >= 1; check launcher.nnodes and "
+                "launcher.nproc_per_node"
+            )
         check_degree_values(degrees)
         unknown = [n for n, v in degrees.items() if v == -1]
         if len(unknown) > 1:
-            raise ConfigError(f"{' and '.join('parallel.' + n for n in unknown)} are all -1; "
-                              "at most one degree can be inferred, set the others explicitly")
+            raise ConfigError(
+                f"{' and '.join('parallel.' + n for n in unknown)} are all -1; "
+                "at most one degree can be inferred, set the others explicitly"
+            )
         known = 1
         for value in degrees.values():
             known *= value if value != -1 else 1
@@ -76,7 +90,8 @@ class ParallelDims:
                 raise ConfigError(
                     f"parallel.{unknown[0]}=-1 cannot be inferred: world size {world_size} is not "
                     f"divisible by the other degrees' product {known}; change the other degrees "
-                    "or the world size")
+                    "or the world size"
+                )
             degrees[unknown[0]] = world_size // known
         dims = cls(world_size=world_size, ranks_per_node=ranks_per_node, **degrees)
         dims._check_product()
@@ -91,7 +106,8 @@ class ParallelDims:
             raise ConfigError(
                 f"{named} = {product}, but the world size is {self.world_size}; make "
                 "the product match (set one degree to -1 to infer it) or change "
-                "launcher.nproc_per_node / launcher.nnodes")
+                "launcher.nproc_per_node / launcher.nnodes"
+            )
 
     def _check_model(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
         if model is None:
@@ -101,41 +117,53 @@ class ParallelDims:
         n_kv_heads = getattr(model, "n_kv_heads", None) or n_heads
         for key, value in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
             if value % self.tp:
-                raise ConfigError(f"parallel.tp={self.tp} does not divide {key}={value}; choose a "
-                                  f"tp degree that divides {value}")
+                raise ConfigError(
+                    f"parallel.tp={self.tp} does not divide {key}={value}; choose a "
+                    f"tp degree that divides {value}"
+                )
         seq_len = model.seq_len
         if self.cp > 1 and seq_len % (2 * self.cp):
             raise ConfigError(
                 f"model.seq_len={seq_len} is not divisible by 2 x parallel.cp={self.cp}: context "
                 f"parallel cuts each sequence into {2 * self.cp} chunks and gives every cp rank "
                 "one from each end (load balancing under the causal mask); use a multiple of "
-                f"{2 * self.cp} or another parallel.cp")
+                f"{2 * self.cp} or another parallel.cp"
+            )
         if self.tp > 1 and parallel.sequence_parallel and seq_len % (self.cp * self.tp):
-            what = f"parallel.tp={self.tp}" if self.cp == 1 else \
-                f"parallel.cp x parallel.tp = {self.cp} x {self.tp} (each cp rank's tokens are " \
+            what = (
+                f"parallel.tp={self.tp}"
+                if self.cp == 1
+                else f"parallel.cp x parallel.tp = {self.cp} x {self.tp} (each cp rank's tokens are "
                 "split again over the tp ranks)"
-            raise ConfigError(f"model.seq_len={seq_len} is not divisible by {what} "
-                              "with parallel.sequence_parallel=true; change the sequence length "
-                              "or set parallel.sequence_parallel=false")
+            )
+            raise ConfigError(
+                f"model.seq_len={seq_len} is not divisible by {what} "
+                "with parallel.sequence_parallel=true; change the sequence length "
+                "or set parallel.sequence_parallel=false"
+            )
 
     def _check_nodes(self, parallel: ParallelConfig) -> None:
         node = self.node_size
         if node < 1 or self.world_size % node:
-            raise ConfigError(f"world size {self.world_size} is not a multiple of the {node} ranks "
-                              "per node; give every node the same launcher.nproc_per_node "
-                              "(torchrun --nproc-per-node)")
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of the {node} ranks "
+                "per node; give every node the same launcher.nproc_per_node "
+                "(torchrun --nproc-per-node)"
+            )
         crossing = self.dims_across_nodes()
         if "tp" in crossing and not parallel.allow_tp_across_nodes:
             raise ConfigError(
                 f"parallel.tp={self.tp} spans nodes ({self._nodes_phrase()}): every TP layer's "
                 "all-reduce/all-gather would cross the slow inter-node link; use a parallel.tp "
-                f"that divides {node}, or set parallel.allow_tp_across_nodes=true to run it anyway")
+                f"that divides {node}, or set parallel.allow_tp_across_nodes=true to run it anyway"
+            )
         if "cp" in crossing and not _get(parallel, "allow_cp_across_nodes", False):
             raise ConfigError(
                 f"parallel.cp={self.cp} spans nodes ({self._nodes_phrase()}): every layer's "
                 "key/value all-gather (and its gradients' reduce-scatter) would cross the slow "
                 f"inter-node link; make parallel.cp x parallel.tp divide {node}, or set "
-                "parallel.allow_cp_across_nodes=true to run it anyway")
+                "parallel.allow_cp_across_nodes=true to run it anyway"
+            )
 
     def _nodes_phrase(self) -> str:
         return f"{self.nodes} nodes x {self.node_size} ranks per node"
@@ -155,8 +183,11 @@ class ParallelDims:
 
         Assumes contiguous placement: global rank r lives on node r // ranks_per_node.
         """
-        return [name for i, name in enumerate(DIM_NAMES)
-                if _group_spans_nodes(self.shape, i, self.node_size)]
+        return [
+            name
+            for i, name in enumerate(DIM_NAMES)
+            if _group_spans_nodes(self.shape, i, self.node_size)
+        ]
 
     def node_warnings(self) -> list[str]:
         """Messages for shard or TP groups that span nodes (their collectives run every layer)."""
@@ -167,13 +198,15 @@ class ParallelDims:
                 f"parallel.dp_shard={self.dp_shard} spans nodes ({self._nodes_phrase()}): FSDP's "
                 "per-layer all-gather and reduce-scatter cross the slow inter-node link; for "
                 f"HSDP make parallel.dp_shard x parallel.cp x parallel.tp divide {node} and put "
-                "the rest in parallel.dp_replicate")
+                "the rest in parallel.dp_replicate"
+            )
         for name, key in (("tp", "allow_tp_across_nodes"), ("cp", "allow_cp_across_nodes")):
             if name in crossing:
                 warnings.append(
                     f"parallel.{name}={getattr(self, name)} spans nodes ({self._nodes_phrase()}; "
                     f"allowed by parallel.{key}): its per-layer collectives cross the slow "
-                    "inter-node link")
+                    "inter-node link"
+                )
         return warnings
 
     @property
@@ -238,10 +271,18 @@ class ParallelDims:
 
     def describe(self) -> dict:
         """Return the derived facts as a plain dict for logs, W&B and summary.json."""
-        return {"world_size": self.world_size, "mesh_shape": list(self.shape),
-                "mesh_dim_names": list(DIM_NAMES), "dp": self.dp, "dp_mode": self.dp_mode.value,
-                "layout": self.layout, **self.degrees, "nodes": self.nodes,
-                "ranks_per_node": self.node_size, "dims_across_nodes": self.dims_across_nodes()}
+        return {
+            "world_size": self.world_size,
+            "mesh_shape": list(self.shape),
+            "mesh_dim_names": list(DIM_NAMES),
+            "dp": self.dp,
+            "dp_mode": self.dp_mode.value,
+            "layout": self.layout,
+            **self.degrees,
+            "nodes": self.nodes,
+            "ranks_per_node": self.node_size,
+            "dims_across_nodes": self.dims_across_nodes(),
+        }
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
         """Build the world mesh once (all ranks must call this together); return a WorldMesh.
@@ -256,20 +297,31 @@ class ParallelDims:
             timeout_s = default_group_timeout_s(device_type)
         # One options object per group, as torch builds them: NCCL's communicator split
         # writes into the options it is given, so groups must not share one.
-        per_dim = {name: _backend_with_timeout(device_type, timeout_s) for name in DIM_NAMES} \
-            if timeout_s is not None else None
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES,
-                                backend_override=per_dim)
+        per_dim = (
+            {name: _backend_with_timeout(device_type, timeout_s) for name in DIM_NAMES}
+            if timeout_s is not None
+            else None
+        )
+        mesh = init_device_mesh(
+            device_type, self.shape, mesh_dim_names=DIM_NAMES, backend_override=per_dim
+        )
         # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
         # flattened dim back out of the root mesh is deprecated, so the views are kept here.
         # A view whose other dims are all of size 1 is that dim's mesh (no new group).
         views = {}
         for name, dims in VIEWS.items():
             same = self.same_group(name)
-            views[name] = views[same] if same in views else mesh[same] if same in DIM_NAMES \
-                else mesh[dims]._flatten(name, backend_override=_backend_with_timeout(
-                    device_type, timeout_s))
+            views[name] = (
+                views[same]
+                if same in views
+                else mesh[same]
+                if same in DIM_NAMES
+                else mesh[dims]._flatten(
+                    name, backend_override=_backend_with_timeout(device_type, timeout_s)
+                )
+            )
         return WorldMesh(mesh, views)
+
 
 def default_group_timeout_s(device_type: str) -> float | None:
     """The collective timeout the default process group was created with (None without one)."""
@@ -300,7 +352,7 @@ def _backend_with_timeout(device_type: str, timeout_s: float | None):
 
 def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool:
     """True if some process group along ``dim`` of a row-major mesh holds ranks of two nodes."""
-    size, stride = shape[dim], prod(shape[dim + 1:])
+    size, stride = shape[dim], prod(shape[dim + 1 :])
     if size == 1:
         return False
     for first in range(prod(shape)):
@@ -354,12 +406,15 @@ def check_degree_values(degrees: dict) -> None:
     """Raise ConfigError for a degree that is neither positive nor -1 ({name: value})."""
     for name, value in degrees.items():
         if value == 0 or value < -1:
-            raise ConfigError(f"parallel.{name}={value} is invalid; use a positive degree, "
-                              "or -1 to fill the rest of the world size")
+            raise ConfigError(
+                f"parallel.{name}={value} is invalid; use a positive degree, "
+                "or -1 to fill the rest of the world size"
+            )
 
 
-def infer_world_size(launcher: LauncherConfig, parallel: ParallelConfig,
-                     device_count: Optional[int]) -> int:
+def infer_world_size(
+    launcher: LauncherConfig, parallel: ParallelConfig, device_count: Optional[int]
+) -> int:
     """Return the world size a launch will have, before any process starts.
 
     ``launcher.nnodes x launcher.nproc_per_node``; ``nproc_per_node`` defaults to the number of
@@ -367,8 +422,10 @@ def infer_world_size(launcher: LauncherConfig, parallel: ParallelConfig,
     (a single run passes its own degrees; a sweep its ``parallel`` preset's, so that every
     combination runs on the same ranks and misfits are skipped).
     """
-    degrees = [_get(parallel, name, 1) if name == "cp" else _get(parallel, name, None)
-               for name in DIM_NAMES]
+    degrees = [
+        _get(parallel, name, 1) if name == "cp" else _get(parallel, name, None)
+        for name in DIM_NAMES
+    ]
     check_degree_values(dict(zip(DIM_NAMES, degrees)))
     nproc = launcher.nproc_per_node
     if nproc is None:
@@ -379,9 +436,12 @@ def infer_world_size(launcher: LauncherConfig, parallel: ParallelConfig,
                 raise ConfigError(
                     "a parallel degree is -1 but on CPU the world size comes from the degrees; "
                     "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4) or give every "
-                    "degree explicitly")
+                    "degree explicitly"
+                )
             nproc = prod(degrees) // launcher.nnodes
             if nproc < 1:
-                raise ConfigError(f"launcher.nnodes={launcher.nnodes} exceeds the product of the "
-                                  "parallel degrees; set launcher.nproc_per_node explicitly")
+                raise ConfigError(
+                    f"launcher.nnodes={launcher.nnodes} exceeds the product of the "
+                    "parallel degrees; set launcher.nproc_per_node explicitly"
+                )
     return launcher.nnodes * nproc

@@ -26,10 +26,13 @@ from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
 
+
 def _new_replicate():
     """Return torch's FSDP-based ``replicate`` if this torch has it, else None."""
     try:
-        return importlib.import_module("torch.distributed._composable.replicate_with_fsdp").replicate
+        return importlib.import_module(
+            "torch.distributed._composable.replicate_with_fsdp"
+        ).replicate
     except (ImportError, AttributeError):
         return None
 
@@ -38,8 +41,10 @@ def mixed_precision_policy(precision: PrecisionConfig):
     """Build the MixedPrecisionPolicy for the ``precision`` config node."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=torch_dtype(precision.param_dtype),
-                                reduce_dtype=torch_dtype(precision.reduce_dtype))
+    return MixedPrecisionPolicy(
+        param_dtype=torch_dtype(precision.param_dtype),
+        reduce_dtype=torch_dtype(precision.reduce_dtype),
+    )
 
 
 def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
@@ -59,11 +64,13 @@ def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
 # prefer cuDNN on sm90; not seen here, no GPU), CPU's flash, and the overrideable one of other
 # accelerators (XPU, out-of-tree backends).
 # One missing here is recomputed in backward, and the planner's recompute figure is wrong.
-SDPA_FORWARD_OPS = ("_scaled_dot_product_flash_attention",
-                    "_scaled_dot_product_efficient_attention",
-                    "_scaled_dot_product_cudnn_attention",
-                    "_scaled_dot_product_flash_attention_for_cpu",
-                    "_scaled_dot_product_fused_attention_overrideable")
+SDPA_FORWARD_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
 
 
 def selective_policy():
@@ -83,8 +90,11 @@ def selective_policy():
     # TP's collectives and context parallel's K/V all-gather: recomputing them would repeat
     # the block's forward communication in backward; their outputs are activations of the
     # rank's tokens (of the whole sequence's keys and values under cp).
-    save |= {funcol.all_gather_into_tensor.default, funcol.reduce_scatter_tensor.default,
-             funcol.all_reduce.default}
+    save |= {
+        funcol.all_gather_into_tensor.default,
+        funcol.reduce_scatter_tensor.default,
+        funcol.all_reduce.default,
+    }
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs):
@@ -94,6 +104,7 @@ def selective_policy():
         else:
             keep = op in save
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
     return policy
 
 
@@ -106,8 +117,11 @@ def _selective_contexts():
 
 
 # parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).
-_AC_WRAPPER_KWARGS = {AC.none: None, AC.full: dict,
-                      AC.selective: lambda: {"context_fn": _selective_contexts}}
+_AC_WRAPPER_KWARGS = {
+    AC.none: None,
+    AC.full: dict,
+    AC.selective: lambda: {"context_fn": _selective_contexts},
+}
 
 
 def apply_ac(model: ParallelModule, mode: AC) -> None:
@@ -140,9 +154,14 @@ def apply_compile(model: ParallelModule, tp: int) -> None:
         block.compile()
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh,
-                        precision: PrecisionConfig, reshard_after_forward: bool,
-                        ddp_impl: DDPImpl = DDPImpl.replicate) -> None:
+def apply_data_parallel(
+    model: nn.Module,
+    dims: ParallelDims,
+    world: WorldMesh,
+    precision: PrecisionConfig,
+    reshard_after_forward: bool,
+    ddp_impl: DDPImpl = DDPImpl.replicate,
+) -> None:
     """Wrap each block then the root in the data-parallel mode the degrees call for.
 
     fsdp: ``fully_shard`` on the 1-D ``dp_shard_cp`` mesh (``dp_shard`` when cp = 1: context-
@@ -166,15 +185,22 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, world: WorldMesh,
         wanted = DDPImpl(ddp_impl) is DDPImpl.replicate
         replicate = _new_replicate() if wanted else None
         if wanted and replicate is None:
-            log.warning("this torch has no FSDP-based replicate; parallel.ddp_impl=fully_shard "
-                        "is used instead (same computation)")
+            log.warning(
+                "this torch has no FSDP-based replicate; parallel.ddp_impl=fully_shard "
+                "is used instead (same computation)"
+            )
         if replicate is not None:
             wrap, mesh_kw = replicate, {"mesh": world["dp_replicate"]}
         else:
             wrap, mesh_kw = fully_shard, {"mesh": world["dp_replicate", "dp_shard"]}
     else:
-        wrap, mesh_kw = fully_shard, {"mesh": world.fsdp_mesh(replicate=mode is DPMode.hsdp),
-                                      "reshard_after_forward": reshard_after_forward}
+        wrap, mesh_kw = (
+            fully_shard,
+            {
+                "mesh": world.fsdp_mesh(replicate=mode is DPMode.hsdp),
+                "reshard_after_forward": reshard_after_forward,
+            },
+        )
     blocks = model.blocks().values() if hasattr(model, "blocks") else ()
     for block in blocks:
         wrap(block, mp_policy=mp_policy, **mesh_kw)
@@ -202,8 +228,14 @@ def sync_buffers(model: nn.Module) -> int:
     return count
 
 
-def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh,
-                parallel: ParallelConfig, precision: PrecisionConfig, seq_len: int) -> None:
+def parallelize(
+    model: ParallelModule,
+    dims: ParallelDims,
+    world: WorldMesh,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    seq_len: int,
+) -> None:
     """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
     checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
@@ -213,13 +245,21 @@ def parallelize(model: ParallelModule, dims: ParallelDims, world: WorldMesh,
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp)
-    apply_data_parallel(model, dims, world, precision, parallel.reshard_after_forward,
-                        parallel.ddp_impl)
+    apply_data_parallel(
+        model, dims, world, precision, parallel.reshard_after_forward, parallel.ddp_impl
+    )
 
 
-def build_model(model_cfg: ModelConfig, dims: ParallelDims, world: WorldMesh,
-                parallel: ParallelConfig, precision: PrecisionConfig, device: torch.device,
-                seed: int, freeze=()) -> ParallelModule:
+def build_model(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    world: WorldMesh,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    device: torch.device,
+    seed: int,
+    freeze=(),
+) -> ParallelModule:
     """Create the model on the meta device, parallelize it, then materialise and initialise.
 
     Returns the sharded model on ``device`` with identical weights in every layout and

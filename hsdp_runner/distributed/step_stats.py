@@ -31,8 +31,9 @@ STATS_FLOATS = SIGNALS + signal.NSIG
 STATS_BYTES = 4 * STATS_FLOATS
 
 
-def pack(local_loss: torch.Tensor, grad_norm: torch.Tensor, counts_loss: bool,
-         signum: int | None) -> torch.Tensor:
+def pack(
+    local_loss: torch.Tensor, grad_norm: torch.Tensor, counts_loss: bool, signum: int | None
+) -> torch.Tensor:
     """Return this rank's fp32 stats vector (see the module docstring) on the loss's device.
 
     ``local_loss``: the rank's loss (0-dim tensor); ``grad_norm``: the clipped-gradient norm
@@ -81,8 +82,16 @@ class PendingStep:
     comm counter that watched it (or None). Starts the copy to the host at once.
     """
 
-    def __init__(self, step: int, lr: float, stats: torch.Tensor, grad_norm: torch.Tensor,
-                 marks: list, counter, dp: int):
+    def __init__(
+        self,
+        step: int,
+        lr: float,
+        stats: torch.Tensor,
+        grad_norm: torch.Tensor,
+        marks: list,
+        counter,
+        dp: int,
+    ):
         # dp: how many ranks' losses the stats vector sums (the dp x cp ranks).
         self.step, self.lr, self.marks, self.counter, self.dp = step, lr, marks, counter, dp
         values = torch.cat([stats, grad_norm.reshape(1).float()])
@@ -99,9 +108,13 @@ class PendingStep:
         if self.ready is not None:
             self.ready.synchronize()
         v = self.values.tolist()
-        signals = [s for s, count in enumerate(v[SIGNALS:SIGNALS + signal.NSIG]) if count > 0]
-        return StepValues(loss=v[LOSS] / self.dp, grad_norm=v[-1], nonfinite=v[NONFINITE] > 0,
-                          signum=max(signals) if signals else None)
+        signals = [s for s, count in enumerate(v[SIGNALS : SIGNALS + signal.NSIG]) if count > 0]
+        return StepValues(
+            loss=v[LOSS] / self.dp,
+            grad_norm=v[-1],
+            nonfinite=v[NONFINITE] > 0,
+            signum=max(signals) if signals else None,
+        )
 
     def seconds(self) -> float:
         """Time the step's two halves took (call after ``read``): the device's time on CUDA,

@@ -37,10 +37,10 @@ WORLD = "world"
 class Placement:
     """Where the groups of one mesh dim sit: see the module docstring."""
 
-    size: int               # ranks in one group
-    ranks_per_node: int     # k: the fewest ranks one group has on a node it uses
-    groups_per_node: int    # groups of this dim with ranks on one node (the most on any node)
-    nodes: int              # nodes one group spans (the most of any group)
+    size: int  # ranks in one group
+    ranks_per_node: int  # k: the fewest ranks one group has on a node it uses
+    groups_per_node: int  # groups of this dim with ranks on one node (the most on any node)
+    nodes: int  # nodes one group spans (the most of any group)
 
     @property
     def spans_nodes(self) -> bool:
@@ -63,15 +63,18 @@ def group_dims(name: str, dim_names: Sequence[str]) -> tuple[str, ...]:
         return tuple(dim_names)
     if name in FLATTENED and set(FLATTENED[name]) <= set(dim_names):
         return FLATTENED[name]
-    raise ValueError(f"{name!r} is neither a mesh dim of {tuple(dim_names)}, a flattened view "
-                     f"({', '.join(FLATTENED)}) nor {WORLD!r}")
+    raise ValueError(
+        f"{name!r} is neither a mesh dim of {tuple(dim_names)}, a flattened view "
+        f"({', '.join(FLATTENED)}) nor {WORLD!r}"
+    )
 
 
-def mesh_groups(shape: Sequence[int], dim_names: Sequence[str], group: Sequence[str]
-                ) -> list[list[int]]:
+def mesh_groups(
+    shape: Sequence[int], dim_names: Sequence[str], group: Sequence[str]
+) -> list[list[int]]:
     """Every process group (its global ranks, ascending) along the dims ``group`` of a row-major
     mesh of ``shape``: ranks that differ only in those dims' coordinates."""
-    strides = [prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = [prod(shape[i + 1 :]) for i in range(len(shape))]
     inside = [i for i, name in enumerate(dim_names) if name in group]
     groups: dict[tuple, list[int]] = {}
     for rank in range(prod(shape)):
@@ -91,17 +94,22 @@ def placement_of_groups(groups: Sequence[Sequence[int]], node_of: dict[int, obje
             per_node.setdefault(node_of[rank], set()).add(index)
         k = min(counts.values()) if k is None else min(k, min(counts.values()))
         spans = max(spans, len(counts))
-    return Placement(size=len(groups[0]), ranks_per_node=k,
-                     groups_per_node=max(len(g) for g in per_node.values()), nodes=spans)
+    return Placement(
+        size=len(groups[0]),
+        ranks_per_node=k,
+        groups_per_node=max(len(g) for g in per_node.values()),
+        nodes=spans,
+    )
 
 
 @lru_cache(maxsize=4096)
-def _placement(shape: tuple[int, ...], dim_names: tuple[str, ...], name: str,
-               node_size: int) -> Placement:
+def _placement(
+    shape: tuple[int, ...], dim_names: tuple[str, ...], name: str, node_size: int
+) -> Placement:
     group = group_dims(name, dim_names)
     # A rank's group is named by its rank with the group's coordinates zeroed; counting
     # (group, node) pairs in integer arithmetic keeps 1,024-rank plans fast.
-    inside = [(prod(shape[i + 1:]), shape[i]) for i, n in enumerate(dim_names) if n in group]
+    inside = [(prod(shape[i + 1 :]), shape[i]) for i, n in enumerate(dim_names) if n in group]
     counts: dict[tuple[int, int], int] = {}
     for rank in range(prod(shape)):
         first = rank - sum((rank // stride) % size * stride for stride, size in inside)
@@ -111,12 +119,17 @@ def _placement(shape: tuple[int, ...], dim_names: tuple[str, ...], name: str,
     for first, node in counts:
         per_group[first] = per_group.get(first, 0) + 1
         per_node[node] = per_node.get(node, 0) + 1
-    return Placement(size=prod(size for _, size in inside), ranks_per_node=min(counts.values()),
-                     groups_per_node=max(per_node.values()), nodes=max(per_group.values()))
+    return Placement(
+        size=prod(size for _, size in inside),
+        ranks_per_node=min(counts.values()),
+        groups_per_node=max(per_node.values()),
+        nodes=max(per_group.values()),
+    )
 
 
-def placement(shape: Sequence[int], dim_names: Sequence[str], name: str,
-              node_size: int) -> Placement:
+def placement(
+    shape: Sequence[int], dim_names: Sequence[str], name: str, node_size: int
+) -> Placement:
     """The Placement of the groups called ``name`` (a dim, a flattened view or 'world') of a
     row-major mesh ``shape`` with dims ``dim_names`` and ``node_size`` contiguous ranks per node.
 
@@ -143,9 +156,12 @@ def observed_placements(world_mesh, names: Sequence[str]) -> dict[str, dict]:
     """
     import torch.distributed as dist
 
-    mine = {"node": node_id(),
-            "groups": {name: dist.get_process_group_ranks(world_mesh[name].get_group())
-                       for name in names}}
+    mine = {
+        "node": node_id(),
+        "groups": {
+            name: dist.get_process_group_ranks(world_mesh[name].get_group()) for name in names
+        },
+    }
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     node_of = {rank: facts["node"] for rank, facts in enumerate(every)}

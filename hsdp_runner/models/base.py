@@ -160,7 +160,10 @@ def model_fields(model_cfg: ModelConfig | dict) -> dict:
     plain dict (a checkpoint manifest's or a planner request's copy)."""
     if isinstance(model_cfg, ModelConfig):  # a built spec: its class is its target
         cls = type(model_cfg)
-        fields = {**dataclasses.asdict(model_cfg), "_target_": f"{cls.__module__}.{cls.__qualname__}"}
+        fields = {
+            **dataclasses.asdict(model_cfg),
+            "_target_": f"{cls.__module__}.{cls.__qualname__}",
+        }
     else:
         fields = dict(model_cfg)
     if not fields.get("_target_") or fields["_target_"] == MISSING:
@@ -226,8 +229,12 @@ def family_schemas() -> dict[str, type]:
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         for value in vars(module).values():
-            if (isinstance(value, type) and issubclass(value, ModelConfig)
-                    and value is not ModelConfig and value.__module__ == module.__name__):
+            if (
+                isinstance(value, type)
+                and issubclass(value, ModelConfig)
+                and value is not ModelConfig
+                and value.__module__ == module.__name__
+            ):
                 found[f"{info.name}_schema"] = value
     return found
 

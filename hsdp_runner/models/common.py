@@ -28,8 +28,9 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def initial_value(name: str, shape: tuple, seed: int, std: float, device: torch.device
-                  ) -> torch.Tensor:
+def initial_value(
+    name: str, shape: tuple, seed: int, std: float, device: torch.device
+) -> torch.Tensor:
     """The full fp32 value N(0, std^2) of parameter ``name``, drawn on ``device`` from a
     ``device`` generator seeded by (seed, clean name): every layout starts from equal weights."""
     gen = torch.Generator(device=device).manual_seed(name_seed(seed, name))
@@ -61,9 +62,12 @@ class ReplicatedParams(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def to_dtensor(mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-                         for x in inputs)
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
 
         def to_local(mod, outputs, mesh):
             return outputs.to_local() if isinstance(outputs, DTensor) else outputs

@@ -48,7 +48,9 @@ class GPT2Config(ModelConfig):
     def validate(self) -> None:
         """Raise ConfigError for a GPT-2-specific bad value (naming the key)."""
         if not self.norm_eps > 0:
-            raise ConfigError(f"model.norm_eps={self.norm_eps} must be positive (LayerNorm epsilon)")
+            raise ConfigError(
+                f"model.norm_eps={self.norm_eps} must be positive (LayerNorm epsilon)"
+            )
 
     def build(self) -> GPT2:
         """The model on the current default device."""
@@ -73,8 +75,11 @@ class GPT2Config(ModelConfig):
         block = attn + mlp + 4 * d  # two LayerNorms with weight and bias
         embedding = self.vocab_size * d + self.seq_len * d
         output = self.vocab_size * d
-        return {"total": embedding + layers * block + 2 * d + output, "embedding": embedding,
-                "matmul": layers * 12 * d * d + output}
+        return {
+            "total": embedding + layers * block + 2 * d + output,
+            "embedding": embedding,
+            "matmul": layers * 12 * d * d + output,
+        }
 
     def flops_per_token(self) -> float:
         """6 x matmul weights + 12 x layers x dim x seq_len (attention), as Llama's count."""
@@ -82,7 +87,9 @@ class GPT2Config(ModelConfig):
 
     def block_forward_flops_per_token(self) -> float:
         """2 x the blocks' matmul weights + the forward attention term."""
-        return 2.0 * 12 * self.n_layers * self.dim ** 2 + 4.0 * self.n_layers * self.dim * self.seq_len
+        return (
+            2.0 * 12 * self.n_layers * self.dim**2 + 4.0 * self.n_layers * self.dim * self.seq_len
+        )
 
     def kv_dim(self) -> int:
         """The width: multi-head attention has as many key/value heads as query heads."""
@@ -96,19 +103,21 @@ class GPT2Config(ModelConfig):
             raise ConfigError(
                 f"parallel.cp={cp} with parallel.tp={tp} and parallel.sequence_parallel=true is "
                 "not supported for GPT-2 (its learned position table is split by position over "
-                "the tp ranks); set parallel.sequence_parallel=false or parallel.tp=1")
+                "the tp ranks); set parallel.sequence_parallel=false or parallel.tp=1"
+            )
 
     def selective_recompute_flops_per_token(self) -> float:
         """k_proj and attention's c_proj of every block (called 2nd and 4th; dim^2 weights
         each), 2 FLOPs per weight. The 6th, the MLP's c_proj, is not recomputed: nothing
         backward needs comes after it, and torch's checkpoint stops recomputing there."""
-        return 2.0 * self.n_layers * 2 * self.dim ** 2
+        return 2.0 * self.n_layers * 2 * self.dim**2
 
     def no_weight_decay(self, name: str) -> bool:
         """The token and position embeddings, the LayerNorms and every bias get no weight
         decay (GPT-2's matmul weights alone are decayed)."""
-        return name in ("wte.weight", "wpe.weight") or name.endswith(".bias") \
-            or ".ln_" in f".{name}"
+        return (
+            name in ("wte.weight", "wpe.weight") or name.endswith(".bias") or ".ln_" in f".{name}"
+        )
 
     def hf_adapter(self) -> GPT2Config:
         """This config is its own HF mapping (the methods below)."""
@@ -155,37 +164,58 @@ class GPT2Config(ModelConfig):
         No special tokens: our data has none, and transformers' GPT-2 defaults (50256, the
         end-of-text id of OpenAI's 50,257-token vocabulary) do not exist in a smaller one."""
         return {
-            "bos_token_id": None, "eos_token_id": None,
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": self.vocab_size, "n_positions": self.seq_len, "n_embd": self.dim,
-            "n_layer": self.n_layers, "n_head": self.n_heads, "n_inner": None,
-            "activation_function": "gelu_new", "layer_norm_epsilon": self.norm_eps,
-            "initializer_range": self.init_std, "tie_word_embeddings": False,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "torch_dtype": str(dtype).removeprefix("torch."),
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": self.vocab_size,
+            "n_positions": self.seq_len,
+            "n_embd": self.dim,
+            "n_layer": self.n_layers,
+            "n_head": self.n_heads,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": self.norm_eps,
+            "initializer_range": self.init_std,
+            "tie_word_embeddings": False,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "torch_dtype": str(dtype).removeprefix("torch."),
         }
 
     def model_keys_from_hf_config(self, config: dict) -> dict:
         """Our ``model.*`` values (shape and numerics) an HF GPT-2 ``config.json`` implies."""
-        return {"dim": config["n_embd"], "n_layers": config["n_layer"], "n_heads": config["n_head"],
-                "vocab_size": config["vocab_size"], "seq_len": config["n_positions"],
-                "norm_eps": config.get("layer_norm_epsilon", 1e-5)}
+        return {
+            "dim": config["n_embd"],
+            "n_layers": config["n_layer"],
+            "n_heads": config["n_head"],
+            "vocab_size": config["vocab_size"],
+            "seq_len": config["n_positions"],
+            "norm_eps": config.get("layer_norm_epsilon", 1e-5),
+        }
 
     def check_hf_config(self, config: dict, path) -> None:
         """Refuse HF GPT-2 options this model does not compute (ConfigError naming ``path``)."""
         n_inner = config.get("n_inner")
-        differ = {"activation_function": config.get("activation_function", "gelu_new")
-                  not in ("gelu_new", "gelu_pytorch_tanh"),
-                  "n_inner": n_inner not in (None, 4 * config["n_embd"]),
-                  "tie_word_embeddings": config.get("tie_word_embeddings", True),
-                  "scale_attn_by_inverse_layer_idx": config.get("scale_attn_by_inverse_layer_idx"),
-                  "reorder_and_upcast_attn": config.get("reorder_and_upcast_attn")}
+        differ = {
+            "activation_function": config.get("activation_function", "gelu_new")
+            not in ("gelu_new", "gelu_pytorch_tanh"),
+            "n_inner": n_inner not in (None, 4 * config["n_embd"]),
+            "tie_word_embeddings": config.get("tie_word_embeddings", True),
+            "scale_attn_by_inverse_layer_idx": config.get("scale_attn_by_inverse_layer_idx"),
+            "reorder_and_upcast_attn": config.get("reorder_and_upcast_attn"),
+        }
         bad = [f"{key}={config.get(key)!r}" for key, differs in differ.items() if differs]
         if bad:
-            raise ConfigError(f"{path} sets {', '.join(bad)}; hsdp_runner's GPT-2 computes a tanh "
-                              "GELU MLP of 4 x n_embd with an untied lm_head and plain attention "
-                              "scaling, so these weights would compute something else")
+            raise ConfigError(
+                f"{path} sets {', '.join(bad)}; hsdp_runner's GPT-2 computes a tanh "
+                "GELU MLP of 4 x n_embd with an untied lm_head and plain attention "
+                "scaling, so these weights would compute something else"
+            )
 
 
 class Attention(nn.Module):
@@ -202,8 +232,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under TP each rank holds n_heads / tp of them.
-        q, k, v = (proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = self.attend(q, k, v)
         return self.c_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -280,8 +312,11 @@ class GPT2(nn.Module):
         tp_plan(self, tp_mesh, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = None if self.sequence_shard is None else \
-            self.sequence_shard.positions(tokens.shape[1], tokens.device)
+        positions = (
+            None
+            if self.sequence_shard is None
+            else self.sequence_shard.positions(tokens.shape[1], tokens.device)
+        )
         h = self.wpe(self.wte(tokens), positions)
         if self.clone_embedding_output:
             h = h.clone()
@@ -321,8 +356,9 @@ class PositionParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def partition(name, mod, mesh):
             for pname, param in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(pname, nn.Parameter(
-                    distribute_tensor(param, mesh, [self.placement])))
+                mod.register_parameter(
+                    pname, nn.Parameter(distribute_tensor(param, mesh, [self.placement]))
+                )
 
         return distribute_module(module, device_mesh, partition_fn=partition)
 
@@ -331,9 +367,14 @@ class PositionParallel(ParallelStyle):
 # parallel weights and their biases on 0, row-parallel weights on 1 (their biases stay whole:
 # added once, after the partial sums are reduced), the embedding over the vocab (0). The
 # position table (``wpe.weight``) is split on 0 only with sequence parallel (``tp_split_dim``).
-TP_SPLIT_DIM = {"wte.weight": 0, "lm_head.weight": 0, "c_fc.weight": 0, "c_fc.bias": 0,
-                "c_proj.weight": 1, **{f"{p}_proj.{kind}": 0 for p in "qkv"
-                                       for kind in ("weight", "bias")}}
+TP_SPLIT_DIM = {
+    "wte.weight": 0,
+    "lm_head.weight": 0,
+    "c_fc.weight": 0,
+    "c_fc.bias": 0,
+    "c_proj.weight": 1,
+    **{f"{p}_proj.{kind}": 0 for p in "qkv" for kind in ("weight", "bias")},
+}
 
 
 def tp_plan(model: GPT2, tp_mesh, sequence_parallel: bool) -> None:
@@ -345,37 +386,57 @@ def tp_plan(model: GPT2, tp_mesh, sequence_parallel: bool) -> None:
     """
     stream = Shard(1) if sequence_parallel else Replicate()
     norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
-    parallelize_module(model, tp_mesh, {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "wpe": PositionParallel(sequence_parallel),
-        "ln_f": norm_style(),
-        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            "wpe": PositionParallel(sequence_parallel),
+            "ln_f": norm_style(),
+            "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        },
+    )
     for block in model.h.values():
-        parallelize_module(block, tp_mesh, {
-            "ln_1": norm_style(),
-            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.c_proj": RowwiseParallel(output_layouts=stream),
-            "ln_2": norm_style(),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(output_layouts=stream),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "ln_1": norm_style(),
+                "attn": PrepareModuleInput(
+                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+                ),
+                "attn.q_proj": ColwiseParallel(),
+                "attn.k_proj": ColwiseParallel(),
+                "attn.v_proj": ColwiseParallel(),
+                "attn.c_proj": RowwiseParallel(output_layouts=stream),
+                "ln_2": norm_style(),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+                ),
+                "mlp.c_fc": ColwiseParallel(),
+                "mlp.c_proj": RowwiseParallel(output_layouts=stream),
+            },
+        )
 
 
 # --- Hugging Face names -------------------------------------------------------------------------
 
-_PAIRS = [("wte.weight", "transformer.wte.weight"), ("wpe.weight", "transformer.wpe.weight"),
-          ("ln_f.weight", "transformer.ln_f.weight"), ("ln_f.bias", "transformer.ln_f.bias"),
-          ("lm_head.weight", "lm_head.weight")]
+_PAIRS = [
+    ("wte.weight", "transformer.wte.weight"),
+    ("wpe.weight", "transformer.wpe.weight"),
+    ("ln_f.weight", "transformer.ln_f.weight"),
+    ("ln_f.bias", "transformer.ln_f.bias"),
+    ("lm_head.weight", "lm_head.weight"),
+]
 for _kind in ("weight", "bias"):
-    _PAIRS += [(f"h.{{i}}.{m}.{_kind}", f"transformer.h.{{i}}.{m}.{_kind}")
-               for m in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
-    _PAIRS += [(f"h.{{i}}.attn.{p}_proj.{_kind}", f"transformer.h.{{i}}.attn.c_attn.{_kind}")
-               for p in "qkv"]
+    _PAIRS += [
+        (f"h.{{i}}.{m}.{_kind}", f"transformer.h.{{i}}.{m}.{_kind}")
+        for m in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    _PAIRS += [
+        (f"h.{{i}}.attn.{p}_proj.{_kind}", f"transformer.h.{{i}}.attn.c_attn.{_kind}")
+        for p in "qkv"
+    ]
 HF_NAMES = HFNames(tuple(_PAIRS))
 _QKV = re.compile(r"^h\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
 _C_ATTN = re.compile(r"^transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)$")

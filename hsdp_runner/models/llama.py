@@ -44,14 +44,20 @@ class LlamaConfig(ModelConfig):
     def validate(self) -> None:
         """Raise ConfigError for a Llama-specific bad value (naming the key)."""
         if self.ffn_hidden_dim < 1:
-            raise ConfigError(f"model.ffn_hidden_dim={self.ffn_hidden_dim} must be a positive "
-                              "integer; set model.ffn_hidden_dim>=1")
+            raise ConfigError(
+                f"model.ffn_hidden_dim={self.ffn_hidden_dim} must be a positive "
+                "integer; set model.ffn_hidden_dim>=1"
+            )
         n_kv = self.n_kv_heads or self.n_heads
         if self.n_heads % n_kv:
-            raise ConfigError(f"model.n_kv_heads={n_kv} does not divide model.n_heads={self.n_heads}")
+            raise ConfigError(
+                f"model.n_kv_heads={n_kv} does not divide model.n_heads={self.n_heads}"
+            )
         if (self.dim // self.n_heads) % 2:
-            raise ConfigError(f"model.dim/model.n_heads={self.dim // self.n_heads} must be even "
-                              "for rotary embeddings")
+            raise ConfigError(
+                f"model.dim/model.n_heads={self.dim // self.n_heads} must be even "
+                "for rotary embeddings"
+            )
 
     def build(self) -> Llama:
         """The model on the current default device."""
@@ -132,34 +138,49 @@ class LlamaConfig(ModelConfig):
     def hf_config(self, dtype: torch.dtype) -> dict:
         """The ``config.json`` of a LlamaForCausalLM with this shape."""
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": self.dim, "intermediate_size": self.ffn_hidden_dim,
-            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads or self.n_heads,
-            "head_dim": self.dim // self.n_heads, "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.seq_len, "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta, "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": False,
-            "initializer_range": self.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
+            "head_dim": self.dim // self.n_heads,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "initializer_range": self.init_std,
+            "torch_dtype": str(dtype).removeprefix("torch."),
         }
 
     def model_keys_from_hf_config(self, config: dict) -> dict:
         """Our ``model.*`` values (shape and numerics) an HF Llama ``config.json`` implies."""
         rope = config.get("rope_parameters") or {}
-        return {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"],
-                "n_heads": config["num_attention_heads"],
-                "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
-                "vocab_size": config["vocab_size"], "ffn_hidden_dim": config["intermediate_size"],
-                "norm_eps": config.get("rms_norm_eps", 1e-6),
-                "rope_theta": config.get("rope_theta", rope.get("rope_theta", 10000.0))}
+        return {
+            "dim": config["hidden_size"],
+            "n_layers": config["num_hidden_layers"],
+            "n_heads": config["num_attention_heads"],
+            "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+            "vocab_size": config["vocab_size"],
+            "ffn_hidden_dim": config["intermediate_size"],
+            "norm_eps": config.get("rms_norm_eps", 1e-6),
+            "rope_theta": config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        }
 
     def check_hf_config(self, config: dict, path) -> None:
         """Refuse RoPE scaling, which this model does not apply (ConfigError naming ``path``)."""
         scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind != "default":
-            raise ConfigError(f"{path} asks for rope_type={kind!r}; hsdp_runner's model applies "
-                              "plain RoPE only, so these weights would compute something else")
+            raise ConfigError(
+                f"{path} asks for rope_type={kind!r}; hsdp_runner's model applies "
+                "plain RoPE only, so these weights would compute something else"
+            )
 
 
 class RMSNorm(nn.Module):
@@ -304,8 +325,9 @@ class Llama(nn.Module):
                     scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
                     full = initial_value(name, tuple(param.shape), seed, scale, local.device)
                 copy_full_into(param, full)
-            cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len,
-                                   self.cfg.rope_theta)
+            cos, sin = rope_tables(
+                self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len, self.cfg.rope_theta
+            )
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -321,8 +343,11 @@ def count_params(cfg: LlamaConfig) -> dict:
     embedding = cfg.vocab_size * cfg.dim
     output = cfg.vocab_size * cfg.dim
     matmul = cfg.n_layers * (attn + ffn) + output
-    return {"total": embedding + cfg.n_layers * block + cfg.dim + output,
-            "embedding": embedding, "matmul": matmul}
+    return {
+        "total": embedding + cfg.n_layers * block + cfg.dim + output,
+        "embedding": embedding,
+        "matmul": matmul,
+    }
 
 
 def flops_per_token(cfg: LlamaConfig) -> float:
@@ -338,8 +363,17 @@ def flops_per_token(cfg: LlamaConfig) -> float:
 # The dim each weight is split on by ``tp_plan`` (column-parallel: 0, row-parallel: 1; the
 # embedding is row-parallel over the vocab, i.e. dim 0). Weights not listed (the norms) stay
 # whole on every TP rank. The communication model (hsdp_runner/distributed/comm_model.py) reads it.
-TP_SPLIT_DIM = {"tok_embeddings": 0, "output": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
-                "w1": 0, "w3": 0, "w2": 1}
+TP_SPLIT_DIM = {
+    "tok_embeddings": 0,
+    "output": 0,
+    "wq": 0,
+    "wk": 0,
+    "wv": 0,
+    "wo": 1,
+    "w1": 0,
+    "w3": 0,
+    "w2": 1,
+}
 
 
 def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
@@ -359,14 +393,16 @@ def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(stream, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward": PrepareModuleInput(input_layouts=(stream,),
-                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+            ),
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=stream),
             "feed_forward.w3": ColwiseParallel(),
@@ -384,20 +420,22 @@ def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
 # ``wk`` are permuted within each head on export and back on import, exactly as HF's own
 # ``convert_llama_weights_to_hf.py`` does for Meta checkpoints.
 
-HF_NAMES = HFNames((
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-))
+HF_NAMES = HFNames(
+    (
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+        ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+        ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+        ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+        ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+        ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+    )
+)
 
 
 def _rope_rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

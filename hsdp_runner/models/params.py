@@ -34,8 +34,9 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
     if isinstance(param, DTensor):
         mesh = param.device_mesh
-        replicated = DTensor.from_local(full.to(param.device, param.dtype), mesh,
-                                        [Replicate()] * mesh.ndim, run_check=False)
+        replicated = DTensor.from_local(
+            full.to(param.device, param.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
         param.to_local().copy_(replicated.redistribute(mesh, param.placements).to_local())
     else:
         param.copy_(full.to(param.device, param.dtype))
@@ -52,8 +53,10 @@ def frozen_names(names, patterns) -> list[str]:
     for pattern in patterns:
         matched = fnmatch.filter(names, pattern)
         if not matched:
-            raise ConfigError(f"trainer.freeze pattern {pattern!r} matches no parameter; names "
-                              f"look like {names[0]!r}, {names[1]!r}")
+            raise ConfigError(
+                f"trainer.freeze pattern {pattern!r} matches no parameter; names "
+                f"look like {names[0]!r}, {names[1]!r}"
+            )
         frozen.update(matched)
     return sorted(frozen)
 

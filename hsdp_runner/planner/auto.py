@@ -76,8 +76,9 @@ def preset_for_device(device_name: str) -> str | None:
     return None
 
 
-def cluster_node(cfg: DictConfig, world_size: int, ranks_per_node: int,
-                 device_name: str | None) -> DictConfig:
+def cluster_node(
+    cfg: DictConfig, world_size: int, ranks_per_node: int, device_name: str | None
+) -> DictConfig:
     """The ``cluster`` node to plan for (see the module docstring), typed by ``ClusterConfig``,
     with the job's node count and ranks per node. ConfigError for a GPU without a preset."""
     if cfg.cluster is not None:
@@ -91,9 +92,12 @@ def cluster_node(cfg: DictConfig, world_size: int, ranks_per_node: int,
                 raise ConfigError(
                     f"parallel=auto: no cluster preset has device {device_name!r} (torch's name "
                     f"for this GPU); pass the nearest with cluster=<preset> ({presets}), or add "
-                    "conf/cluster/<name>.yaml with that device and its link figures")
-        node = OmegaConf.merge(OmegaConf.structured(ClusterConfig),
-                               OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml"))
+                    "conf/cluster/<name>.yaml with that device and its link figures"
+                )
+        node = OmegaConf.merge(
+            OmegaConf.structured(ClusterConfig),
+            OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml"),
+        )
     node.nodes, node.gpus_per_node = world_size // ranks_per_node, ranks_per_node
     return node
 
@@ -105,8 +109,14 @@ def choose(rows: list[dict]) -> tuple[dict | None, dict | None]:
     return (fitting[0] if fitting else None), (fitting[1] if len(fitting) > 1 else None)
 
 
-def plan_job(cfg: DictConfig, world_size: int, ranks_per_node: int, device_name: str | None,
-             out_dir: Path, overrides: list[str]) -> AutoChoice:
+def plan_job(
+    cfg: DictConfig,
+    world_size: int,
+    ranks_per_node: int,
+    device_name: str | None,
+    out_dir: Path,
+    overrides: list[str],
+) -> AutoChoice:
     """Plan the auto job ``cfg`` on its cluster, write plan.md / plan.json into ``out_dir``
     (an earlier attempt's are replaced), write the choice into ``cfg`` (degrees,
     ``plan.source``, ``cluster``) and return it. ConfigError when nothing fits (with what
@@ -132,12 +142,12 @@ def plan_job(cfg: DictConfig, world_size: int, ranks_per_node: int, device_name:
     for key, value in best["overrides"].items():
         OmegaConf.update(cfg, key, value, merge=False)
     cfg.plan.source = str(plan_json)
-    return AutoChoice(best, runner_up, cluster.describe(), plan_json,
-                      time.perf_counter() - start)
+    return AutoChoice(best, runner_up, cluster.describe(), plan_json, time.perf_counter() - start)
 
 
-def _write_plan(out_dir: Path, cfg: DictConfig, cluster: Cluster, rows: list[dict],
-                overrides: list[str]) -> Path:
+def _write_plan(
+    out_dir: Path, cfg: DictConfig, cluster: Cluster, rows: list[dict], overrides: list[str]
+) -> Path:
     """plan.md and plan.json of the job in ``out_dir``; return plan.json's absolute path."""
     for name in (plan_report.PLAN_JSON, plan_report.PLAN_MD):
         (out_dir / name).unlink(missing_ok=True)  # a rerun of this job plans afresh
@@ -153,19 +163,30 @@ def describe(choice: AutoChoice) -> str:
     c = choice.cluster
 
     def row(entry: dict) -> str:
-        return (f"{_degrees(entry)} ({entry['layout']}): step {entry['step_time_s']:.4g} s, "
-                f"{entry['tps_per_device']:,.0f} tokens/s/device, {entry['mem_gib']:.3g} GiB "
-                f"per rank (dominant: {entry['dominant']})")
-    second = f"runner-up {row(choice.runner_up)}" if choice.runner_up else \
-        "no runner-up: no other planned layout fits"
-    return (f"parallel=auto chose {row(choice.chosen)} on cluster {c['name']} ({c['nodes']} x "
-            f"{c['gpus_per_node']} ranks, {c['device_memory_gib']:.3g} GiB each; planned in "
-            f"{choice.seconds:.1f} s)\n  {second}; plan: {choice.plan_json.parent}")
+        return (
+            f"{_degrees(entry)} ({entry['layout']}): step {entry['step_time_s']:.4g} s, "
+            f"{entry['tps_per_device']:,.0f} tokens/s/device, {entry['mem_gib']:.3g} GiB "
+            f"per rank (dominant: {entry['dominant']})"
+        )
+
+    second = (
+        f"runner-up {row(choice.runner_up)}"
+        if choice.runner_up
+        else "no runner-up: no other planned layout fits"
+    )
+    return (
+        f"parallel=auto chose {row(choice.chosen)} on cluster {c['name']} ({c['nodes']} x "
+        f"{c['gpus_per_node']} ranks, {c['device_memory_gib']:.3g} GiB each; planned in "
+        f"{choice.seconds:.1f} s)\n  {second}; plan: {choice.plan_json.parent}"
+    )
 
 
 def _degrees(entry: dict) -> str:
-    return " ".join(f"{k.removeprefix('parallel.')}={v}" for k, v in entry["overrides"].items()
-                    if k.removeprefix("parallel.") in DIM_NAMES)
+    return " ".join(
+        f"{k.removeprefix('parallel.')}={v}"
+        for k, v in entry["overrides"].items()
+        if k.removeprefix("parallel.") in DIM_NAMES
+    )
 
 
 def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
@@ -176,18 +197,23 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
     yet (FSDPMemTracker refuses a second forward in one tracking window)."""
     tried: list[tuple[str, Scenario]] = []
     order = [AC.none, AC.selective, AC.full]
-    for ac in order[order.index(AC(cfg.parallel.ac)) + 1:]:
+    for ac in order[order.index(AC(cfg.parallel.ac)) + 1 :]:
         variant = cfg.copy()
         variant.parallel.ac = ac
         tried.append((f"parallel.ac={ac.value}", Scenario(variant, cluster, {}, fixed)))
     if cfg.trainer.global_batch_size % 2 == 0:
         variant = cfg.copy()
         variant.trainer.global_batch_size = cfg.trainer.global_batch_size // 2
-        tried.append((f"trainer.global_batch_size={variant.trainer.global_batch_size}",
-                      Scenario(variant, cluster, {}, fixed)))
+        tried.append(
+            (
+                f"trainer.global_batch_size={variant.trainer.global_batch_size}",
+                Scenario(variant, cluster, {}, fixed),
+            )
+        )
     more = dataclasses.replace(cluster, nodes=cluster.nodes * 2)
-    tried.append((f"launcher.nnodes={more.nodes} ({more.world_size} ranks)",
-                  Scenario(cfg, more, {}, fixed)))
+    tried.append(
+        (f"launcher.nnodes={more.nodes} ({more.world_size} ranks)", Scenario(cfg, more, {}, fixed))
+    )
     results = plan_scenarios([s for _, s in tried], on_error=lambda scenario, err: None)
     return [(label, choose(rows or [])[0]) for (label, _), rows in zip(tried, results)]
 
@@ -195,12 +221,23 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
 def fits_nowhere(cfg: DictConfig, cluster: Cluster, fixed: dict, plan_json: Path) -> str:
     """The error for a job that fits on no layout: the smallest need, and what would fit."""
     found = remedies(cfg, cluster, fixed)
-    fits = [f"{label} ({_degrees(row)}: {row['mem_gib']:.3g} GiB per rank, step "
-            f"{row['step_time_s']:.3g} s)" for label, row in found if row is not None]
+    fits = [
+        f"{label} ({_degrees(row)}: {row['mem_gib']:.3g} GiB per rank, step "
+        f"{row['step_time_s']:.3g} s)"
+        for label, row in found
+        if row is not None
+    ]
     tried = ", ".join(label for label, _ in found)
-    advice = ("would fit: " + "; ".join(fits)) if fits else \
-        (f"none of {tried} fits either; use devices with more memory (cluster=<preset>) or a "
-         "smaller model")
-    return (f"parallel=auto: model {cfg.model.name} fits on no layout of {cluster.world_size} "
-            f"ranks x {cluster.device_memory_gib:.3g} GiB (cluster {cluster.name}; every layout "
-            f"is in {plan_json.parent / plan_report.PLAN_MD}); {advice}")
+    advice = (
+        ("would fit: " + "; ".join(fits))
+        if fits
+        else (
+            f"none of {tried} fits either; use devices with more memory (cluster=<preset>) or a "
+            "smaller model"
+        )
+    )
+    return (
+        f"parallel=auto: model {cfg.model.name} fits on no layout of {cluster.world_size} "
+        f"ranks x {cluster.device_memory_gib:.3g} GiB (cluster {cluster.name}; every layout "
+        f"is in {plan_json.parent / plan_report.PLAN_MD}); {advice}"
+    )

@@ -27,8 +27,10 @@ from hsdp_runner.report.prediction import predictions_for
 def _solve(rows: list[list[float]], ys: list[float], cols: tuple[int, ...]) -> list[float] | None:
     """Least squares on the columns ``cols`` (normal equations, Gaussian elimination)."""
     n = len(cols)
-    a = [[sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * y for r, y in zip(rows, ys))]
-         for i in cols]
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in cols] + [sum(r[i] * y for r, y in zip(rows, ys))]
+        for i in cols
+    ]
     scale = max(abs(a[k][k]) for k in range(n)) or 1.0
     for k in range(n):
         pivot = max(range(k, n), key=lambda r: abs(a[r][k]))
@@ -79,37 +81,53 @@ def calibrate(sweep_dir: Path, plan_file: Path | None = None) -> str:
     """
     from hsdp_runner.report.runs import load_jobs
 
-    jobs = [j for j in load_jobs(sweep_dir) if j.status is RunStatus.completed
-            and j.summary.median_step_time_s] if sweep_dir.is_dir() else []
+    jobs = (
+        [
+            j
+            for j in load_jobs(sweep_dir)
+            if j.status is RunStatus.completed and j.summary.median_step_time_s
+        ]
+        if sweep_dir.is_dir()
+        else []
+    )
     found = predictions_for([j.path for j in jobs], plan_file)
     pairs = [(found[j.path], j.summary.median_step_time_s) for j in jobs if j.path in found]
     if len(pairs) < 2:
-        raise ConfigError(f"--calibrate {sweep_dir}: {len(pairs)} completed job(s) with a "
-                          "prediction (plan.source, or --plan FILE); run a sweep written by "
-                          "plan.write_sweep with at least 2 layouts first")
+        raise ConfigError(
+            f"--calibrate {sweep_dir}: {len(pairs)} completed job(s) with a "
+            "prediction (plan.source, or --plan FILE); run a sweep written by "
+            "plan.write_sweep with at least 2 layouts first"
+        )
     a, b, c = fit_nonnegative([_terms(e) for e, _ in pairs], [m for _, m in pairs])
     if a <= 0:
-        raise ConfigError(f"--calibrate {sweep_dir}: the measured times do not grow with "
-                          "compute; the sweep cannot calibrate the efficiency")
+        raise ConfigError(
+            f"--calibrate {sweep_dir}: the measured times do not grow with "
+            "compute; the sweep cannot calibrate the efficiency"
+        )
     source = plan_file or next(j.config["plan"]["source"] for j in jobs if j.path in found)
     plan = json.loads(Path(source).read_text())
     cluster = plan["cluster"]
     # A term the fit drops (coefficient 0) keeps its old figure rather than becoming free.
-    fitted = {"compute_efficiency": cluster["compute_efficiency"] / a,
-              "link_scale": cluster["link_scale"] / b if b > 0 else cluster["link_scale"],
-              "latency_scale": cluster["latency_scale"] * c if c > 0 else
-              cluster["latency_scale"]}
+    fitted = {
+        "compute_efficiency": cluster["compute_efficiency"] / a,
+        "link_scale": cluster["link_scale"] / b if b > 0 else cluster["link_scale"],
+        "latency_scale": cluster["latency_scale"] * c if c > 0 else cluster["latency_scale"],
+    }
     path = _fresh(sweep_dir / "cluster_calibrated.yaml")
-    header = (f"# Fitted by python -m hsdp_runner.plan --calibrate {sweep_dir} to {len(pairs)} "
-              f"jobs on cluster {cluster['name']}\n# use: python -m hsdp_runner.plan "
-              f"cluster={cluster['name']} cluster.calibration={path.resolve()}\n")
+    header = (
+        f"# Fitted by python -m hsdp_runner.plan --calibrate {sweep_dir} to {len(pairs)} "
+        f"jobs on cluster {cluster['name']}\n# use: python -m hsdp_runner.plan "
+        f"cluster={cluster['name']} cluster.calibration={path.resolve()}\n"
+    )
     path.write_text(header + yaml.safe_dump(fitted, sort_keys=False))
-    return (f"calibrate: compute x {a:.3g}, bandwidth time x {b:.3g}, latency time x {c:.3g} "
-            f"over {len(pairs)} jobs -> "
-            f"compute_efficiency {fitted['compute_efficiency']:.3g}, link_scale "
-            f"{fitted['link_scale']:.3g}, latency_scale {fitted['latency_scale']:.3g}; wrote "
-            f"{path}\nuse it: python -m hsdp_runner.plan cluster={cluster['name']} "
-            f"cluster.calibration={path.resolve()}")
+    return (
+        f"calibrate: compute x {a:.3g}, bandwidth time x {b:.3g}, latency time x {c:.3g} "
+        f"over {len(pairs)} jobs -> "
+        f"compute_efficiency {fitted['compute_efficiency']:.3g}, link_scale "
+        f"{fitted['link_scale']:.3g}, latency_scale {fitted['latency_scale']:.3g}; wrote "
+        f"{path}\nuse it: python -m hsdp_runner.plan cluster={cluster['name']} "
+        f"cluster.calibration={path.resolve()}"
+    )
 
 
 def _fresh(path: Path) -> Path:

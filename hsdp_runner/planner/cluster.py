@@ -40,13 +40,20 @@ from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.distributed.topology import Placement
 from hsdp_runner.train.metrics import lookup_peak_tflops
 
-CALIBRATED_KEYS = ("compute_efficiency", "nvlink_efficiency", "nic_efficiency",
-                   "intra_node_latency_us", "inter_node_latency_us", "link_scale",
-                   "latency_scale")
+CALIBRATED_KEYS = (
+    "compute_efficiency",
+    "nvlink_efficiency",
+    "nic_efficiency",
+    "intra_node_latency_us",
+    "inter_node_latency_us",
+    "link_scale",
+    "latency_scale",
+)
 # Keys earlier presets had, and what replaced them.
-REPLACED_KEYS = {"intra_node_gbps": "cluster.nvlink_gbps and cluster.nvlink_efficiency",
-                 "inter_node_gbps": "cluster.nics_per_node, cluster.nic_gbit and "
-                                    "cluster.nic_efficiency"}
+REPLACED_KEYS = {
+    "intra_node_gbps": "cluster.nvlink_gbps and cluster.nvlink_efficiency",
+    "inter_node_gbps": "cluster.nics_per_node, cluster.nic_gbit and cluster.nic_efficiency",
+}
 INTRA, INTER = "nvlink", "nic"  # the link names of Price.link_s
 
 
@@ -62,10 +69,10 @@ class Price:
     """What ``calls`` collectives of one kind over one group cost, and on which links."""
 
     latency_s: float
-    link_s: dict                # {link name: seconds the traffic occupies that link}
-    bus_gbps: float             # the bus bandwidth assumed (GB/s)
-    link: str                   # the bottleneck: 'nvlink', 'nic' or 'measured'
-    algorithm: str              # 'ring'
+    link_s: dict  # {link name: seconds the traffic occupies that link}
+    bus_gbps: float  # the bus bandwidth assumed (GB/s)
+    link: str  # the bottleneck: 'nvlink', 'nic' or 'measured'
+    algorithm: str  # 'ring'
 
     @property
     def bandwidth_s(self) -> float:
@@ -93,10 +100,10 @@ class Cluster:
     peak_tflops: float
     peak_source: str
     compute_efficiency: float
-    nvlink_gbps: float | None       # per GPU and direction, datasheet (None: measured)
+    nvlink_gbps: float | None  # per GPU and direction, datasheet (None: measured)
     nvlink_efficiency: float | None
-    nics_per_node: int | None       # None: no inter-node link of its own (this_machine)
-    nic_gbit: float | None          # line rate of one NIC, Gb/s
+    nics_per_node: int | None  # None: no inter-node link of its own (this_machine)
+    nic_gbit: float | None  # line rate of one NIC, Gb/s
     nic_efficiency: float | None
     intra_node_latency_us: float
     inter_node_latency_us: float
@@ -104,8 +111,8 @@ class Cluster:
     memory_reserve_gib: float
     # this_machine: {kind: {group size: [latency s, bytes/s]}} from the micro-benchmark.
     measured_links: dict = field(default_factory=dict)
-    link_scale: float = 1.0       # calibrated multiplier of every bandwidth
-    latency_scale: float = 1.0    # calibrated multiplier of every latency
+    link_scale: float = 1.0  # calibrated multiplier of every bandwidth
+    latency_scale: float = 1.0  # calibrated multiplier of every latency
     calibrated_from: str | None = None
 
     @property
@@ -121,8 +128,14 @@ class Cluster:
     @property
     def nic_share_gbps(self) -> float:
         """One GPU's share of its node's NICs, as NCCL reaches it (GB/s)."""
-        return (self.nics_per_node * self.nic_gbit / 8 * self.nic_efficiency
-                / self.gpus_per_node * self.link_scale)
+        return (
+            self.nics_per_node
+            * self.nic_gbit
+            / 8
+            * self.nic_efficiency
+            / self.gpus_per_node
+            * self.link_scale
+        )
 
     def price(self, kind: str, where: Placement, calls: int, nbytes: float) -> Price:
         """What ``calls`` collectives ``kind`` moving ``nbytes`` (full tensors, summed) cost
@@ -132,27 +145,44 @@ class Cluster:
         traffic = ring_factor(kind, where.size) * nbytes
         table = self.measured_links.get(kind)
         if not table and self.nvlink_gbps is None:
-            raise ConfigError(f"cluster {self.name!r} is measured but its link table has no "
-                              f"{kind}; delete its cache in {cache_dir()} to measure it "
-                              "again")
+            raise ConfigError(
+                f"cluster {self.name!r} is measured but its link table has no "
+                f"{kind}; delete its cache in {cache_dir()} to measure it "
+                "again"
+            )
         if table:
             # Measured per group size on this machine (JSON keys are strings); the nearest
             # size stands in. "Nodes" on one machine share its memory: the same table.
             latency, bandwidth = table[min(table, key=lambda k: abs(int(k) - where.size))]
             bandwidth *= self.link_scale
-            return Price(calls * latency * self.latency_scale, {INTRA: traffic / bandwidth},
-                         bandwidth / 1e9, "measured", "ring")
+            return Price(
+                calls * latency * self.latency_scale,
+                {INTRA: traffic / bandwidth},
+                bandwidth / 1e9,
+                "measured",
+                "ring",
+            )
         if not where.spans_nodes:
             bus = self.intra_node_bus_gbps
-            return Price(calls * self.intra_node_latency_us * 1e-6 * self.latency_scale,
-                         {INTRA: traffic / (bus * 1e9)}, bus, INTRA, "ring")
+            return Price(
+                calls * self.intra_node_latency_us * 1e-6 * self.latency_scale,
+                {INTRA: traffic / (bus * 1e9)},
+                bus,
+                INTRA,
+                "ring",
+            )
         nic = where.ranks_per_node * self.nic_share_gbps
         link_s = {INTER: traffic / (nic * 1e9)}
         if where.ranks_per_node > 1:
             link_s[INTRA] = traffic / (self.intra_node_bus_gbps * 1e9)
         bus = min(nic, self.intra_node_bus_gbps) if where.ranks_per_node > 1 else nic
-        return Price(calls * self.inter_node_latency_us * 1e-6 * self.latency_scale, link_s,
-                     bus, INTER if bus == nic else INTRA, "ring")
+        return Price(
+            calls * self.inter_node_latency_us * 1e-6 * self.latency_scale,
+            link_s,
+            bus,
+            INTER if bus == nic else INTRA,
+            "ring",
+        )
 
     def describe(self) -> dict:
         """Plain dict for plan.json (the measured table included)."""
@@ -168,8 +198,10 @@ def resolve(node, compute_dtype: str) -> Cluster:
     c = dict(node)
     for old, new in REPLACED_KEYS.items():
         if c.pop(old, None) is not None:
-            raise ConfigError(f"cluster.{old} was replaced by the datasheet figures {new} "
-                              "(see conf/cluster/h100_sxm.yaml); set those instead")
+            raise ConfigError(
+                f"cluster.{old} was replaced by the datasheet figures {new} "
+                "(see conf/cluster/h100_sxm.yaml); set those instead"
+            )
     for key in ("gpus_per_node", "nodes"):
         if c[key] < 1:
             raise ConfigError(f"cluster.{key}={c[key]} must be >= 1")
@@ -190,8 +222,10 @@ def resolve(node, compute_dtype: str) -> Cluster:
     elif c["peak_tflops"] is None:
         c["peak_tflops"] = lookup_peak_tflops(c["device"], compute_dtype)
         if c["peak_tflops"] is None:
-            raise ConfigError(f"cluster.device={c['device']!r} has no {compute_dtype} peak in "
-                              "metrics.PEAK_TFLOPS; set cluster.peak_tflops=<TFLOP/s>")
+            raise ConfigError(
+                f"cluster.device={c['device']!r} has no {compute_dtype} peak in "
+                "metrics.PEAK_TFLOPS; set cluster.peak_tflops=<TFLOP/s>"
+            )
         source = f"table: {c['device']} {compute_dtype}"
     else:
         source = "config cluster.peak_tflops"
@@ -199,19 +233,31 @@ def resolve(node, compute_dtype: str) -> Cluster:
     if c["device_memory_gib"] is None:
         raise ConfigError("cluster.device_memory_gib is null; set the memory of one device")
     if c["overlap"] is None:
-        raise ConfigError("cluster.overlap is null, which only a measured cluster (cluster.measure"
-                          "=true) fills in; set the fraction of compute collectives hide behind, "
-                          "e.g. cluster.overlap=1.0")
-    cluster = Cluster(name=c["name"], device=c["device"], gpus_per_node=c["gpus_per_node"],
-                      nodes=c["nodes"], device_memory_gib=c["device_memory_gib"],
-                      peak_tflops=c["peak_tflops"], peak_source=source,
-                      compute_efficiency=c["compute_efficiency"],
-                      nvlink_gbps=c["nvlink_gbps"], nvlink_efficiency=c["nvlink_efficiency"],
-                      nics_per_node=c["nics_per_node"], nic_gbit=c["nic_gbit"],
-                      nic_efficiency=c["nic_efficiency"],
-                      intra_node_latency_us=c["intra_node_latency_us"],
-                      inter_node_latency_us=c["inter_node_latency_us"], overlap=c["overlap"],
-                      memory_reserve_gib=c["memory_reserve_gib"], measured_links=measured)
+        raise ConfigError(
+            "cluster.overlap is null, which only a measured cluster (cluster.measure"
+            "=true) fills in; set the fraction of compute collectives hide behind, "
+            "e.g. cluster.overlap=1.0"
+        )
+    cluster = Cluster(
+        name=c["name"],
+        device=c["device"],
+        gpus_per_node=c["gpus_per_node"],
+        nodes=c["nodes"],
+        device_memory_gib=c["device_memory_gib"],
+        peak_tflops=c["peak_tflops"],
+        peak_source=source,
+        compute_efficiency=c["compute_efficiency"],
+        nvlink_gbps=c["nvlink_gbps"],
+        nvlink_efficiency=c["nvlink_efficiency"],
+        nics_per_node=c["nics_per_node"],
+        nic_gbit=c["nic_gbit"],
+        nic_efficiency=c["nic_efficiency"],
+        intra_node_latency_us=c["intra_node_latency_us"],
+        inter_node_latency_us=c["inter_node_latency_us"],
+        overlap=c["overlap"],
+        memory_reserve_gib=c["memory_reserve_gib"],
+        measured_links=measured,
+    )
     if c.get("calibration"):
         apply_calibration(cluster, Path(c["calibration"]))
     return cluster
@@ -223,24 +269,32 @@ def _check_links(c: dict) -> None:
         return  # the measured table prices every group
     for key in ("nvlink_efficiency", "nic_efficiency"):
         if c[key] is None or not 0.0 < c[key] <= 1.0:
-            raise ConfigError(f"cluster.{key}={c[key]} must lie in (0, 1]: the fraction of the "
-                              "line rate NCCL's bus bandwidth reaches")
+            raise ConfigError(
+                f"cluster.{key}={c[key]} must lie in (0, 1]: the fraction of the "
+                "line rate NCCL's bus bandwidth reaches"
+            )
     if not c["nvlink_gbps"] or c["nvlink_gbps"] <= 0:
-        raise ConfigError(f"cluster.nvlink_gbps={c['nvlink_gbps']} must be > 0: the NVLink "
-                          "bandwidth of one GPU in one direction (GB/s, e.g. 450 for H100 SXM)")
+        raise ConfigError(
+            f"cluster.nvlink_gbps={c['nvlink_gbps']} must be > 0: the NVLink "
+            "bandwidth of one GPU in one direction (GB/s, e.g. 450 for H100 SXM)"
+        )
     if c["nodes"] > 1:
         for key, example in (("nics_per_node", "8"), ("nic_gbit", "400")):
             if not c[key] or c[key] <= 0:
-                raise ConfigError(f"cluster.{key}={c[key]} must be > 0 for cluster.nodes="
-                                  f"{c['nodes']}: the compute NICs of one node and the line rate "
-                                  f"of each (e.g. cluster.{key}={example})")
+                raise ConfigError(
+                    f"cluster.{key}={c[key]} must be > 0 for cluster.nodes="
+                    f"{c['nodes']}: the compute NICs of one node and the line rate "
+                    f"of each (e.g. cluster.{key}={example})"
+                )
 
 
 def apply_calibration(cluster: Cluster, path: Path) -> None:
     """Lay the fitted figures of a calibration file (``--calibrate``) over ``cluster``."""
     if not path.is_file():
-        raise ConfigError(f"cluster.calibration={path} does not exist; write one with "
-                          "python -m hsdp_runner.plan --calibrate <sweep dir>")
+        raise ConfigError(
+            f"cluster.calibration={path} does not exist; write one with "
+            "python -m hsdp_runner.plan --calibrate <sweep dir>"
+        )
     fitted = yaml.safe_load(path.read_text()) or {}
     for key in CALIBRATED_KEYS:
         if key in fitted:

@@ -19,18 +19,23 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def auto_cp_degrees(seq_len: int, world: int, ranks_per_node: int,
-                    allow_across_nodes: bool) -> list[int]:
+def auto_cp_degrees(
+    seq_len: int, world: int, ranks_per_node: int, allow_across_nodes: bool
+) -> list[int]:
     """Context-parallel degrees worth enumerating: divisors of ``world`` that split ``seq_len``
     into ``2 x cp`` equal chunks and (unless ``allow_across_nodes``) fit inside one node of
     ``ranks_per_node`` ranks. Always holds 1."""
     node = ranks_per_node or world
-    return [cp for cp in divisors(world) if cp == 1 or (
-        seq_len % (2 * cp) == 0 and (allow_across_nodes or node % cp == 0))]
+    return [
+        cp
+        for cp in divisors(world)
+        if cp == 1 or (seq_len % (2 * cp) == 0 and (allow_across_nodes or node % cp == 0))
+    ]
 
 
-def cp_degrees(asked, seq_len: int, world: int, ranks_per_node: int,
-               allow_across_nodes: bool) -> list[int]:
+def cp_degrees(
+    asked, seq_len: int, world: int, ranks_per_node: int, allow_across_nodes: bool
+) -> list[int]:
     """The cp degrees to enumerate: ``asked`` (``plan.cp_degrees``, a list) as given, or the
     automatic ones when it is None. Raises ConfigError for a degree that does not divide the
     world size."""
@@ -39,10 +44,12 @@ def cp_degrees(asked, seq_len: int, world: int, ranks_per_node: int,
     values = sorted({int(cp) for cp in asked})
     bad = [cp for cp in values if cp < 1 or world % cp]
     if bad or not values:
-        raise ConfigError(f"plan.cp_degrees={list(asked)}: each context-parallel degree must be "
-                          f">= 1 and divide the world size {world}; e.g. "
-                          f"plan.cp_degrees=[{','.join(map(str, divisors(world)[:3]))}], or "
-                          "null for every degree the model and cluster allow")
+        raise ConfigError(
+            f"plan.cp_degrees={list(asked)}: each context-parallel degree must be "
+            f">= 1 and divide the world size {world}; e.g. "
+            f"plan.cp_degrees=[{','.join(map(str, divisors(world)[:3]))}], or "
+            "null for every degree the model and cluster allow"
+        )
     return values
 
 

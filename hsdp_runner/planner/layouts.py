@@ -49,8 +49,10 @@ def check_plan_options(cfg: DictConfig) -> None:
     """Raise ConfigError for ``plan.*`` options the planner cannot work with."""
     layers = list(cfg.plan.layers_measured)
     if len(set(layers)) < 2 or min(layers) < 1:
-        raise ConfigError(f"plan.layers_measured={layers} needs two different block counts >= 1 "
-                          "to extrapolate per block, e.g. plan.layers_measured=[1,2]")
+        raise ConfigError(
+            f"plan.layers_measured={layers} needs two different block counts >= 1 "
+            "to extrapolate per block, e.g. plan.layers_measured=[1,2]"
+        )
     if cfg.plan.top_k < 1:
         raise ConfigError(f"plan.top_k={cfg.plan.top_k} must be >= 1")
 
@@ -58,10 +60,14 @@ def check_plan_options(cfg: DictConfig) -> None:
 def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
     """Raise ConfigError for an axis key that is not a key of the job config, or a degree."""
     for key in axes:
-        if key.split(".")[0] in ("cluster", "plan") or OmegaConf.select(cfg, key,
-                                                                      default="<absent>") == "<absent>":
-            raise ConfigError(f"plan.axes.{key}: {key} is not a key of the job config; "
-                              "axes take dotted keys such as plan.axes.parallel.ac=none,selective")
+        if (
+            key.split(".")[0] in ("cluster", "plan")
+            or OmegaConf.select(cfg, key, default="<absent>") == "<absent>"
+        ):
+            raise ConfigError(
+                f"plan.axes.{key}: {key} is not a key of the job config; "
+                "axes take dotted keys such as plan.axes.parallel.ac=none,selective"
+            )
         if key.split(".")[-1] in DIM_NAMES:
             raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
 
@@ -92,8 +98,13 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, Dic
 def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
     """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` (cp over
     ``planner.degrees.cp_degrees``): dims or the reason it is invalid."""
-    cps = cp_degrees(cfg.plan.cp_degrees, cfg.model.seq_len, world, ranks_per_node,
-                     cfg.parallel.allow_cp_across_nodes)
+    cps = cp_degrees(
+        cfg.plan.cp_degrees,
+        cfg.model.seq_len,
+        world,
+        ranks_per_node,
+        cfg.parallel.allow_cp_across_nodes,
+    )
     out = []
     for shape in degree_shapes(world, cps):
         parallel = OmegaConf.merge(cfg.parallel, dict(zip(DIM_NAMES, shape)))
@@ -113,34 +124,49 @@ def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     """The layouts whose degrees equal ``fixed``; ConfigError naming the keys if none does."""
     if not fixed:
         return layouts
-    kept = [e for e in layouts if all(dict(zip(DIM_NAMES, e["shape"]))[name] == degree
-                                      for name, degree in fixed.items())]
+    kept = [
+        e
+        for e in layouts
+        if all(dict(zip(DIM_NAMES, e["shape"]))[name] == degree for name, degree in fixed.items())
+    ]
     if not kept:
         asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
-        raise ConfigError(f"{asked}: no layout of {world} ranks has that degree (each degree "
-                          f"must divide the world size {world}); change it or drop it")
+        raise ConfigError(
+            f"{asked}: no layout of {world} ranks has that degree (each degree "
+            f"must divide the world size {world}); change it or drop it"
+        )
     return kept
 
 
 def _prepare(scenario: Scenario) -> list:
     """Validated (axis values, config, layouts) per axis combination of ``scenario``."""
     cluster = scenario.cluster
-    variants = [(chosen, variant, with_degrees(
-                    enumerate_layouts(variant, cluster.world_size, cluster.gpus_per_node),
-                    scenario.fixed, cluster.world_size))
-                for chosen, variant in axis_configs(scenario.cfg, scenario.axes)]
+    variants = [
+        (
+            chosen,
+            variant,
+            with_degrees(
+                enumerate_layouts(variant, cluster.world_size, cluster.gpus_per_node),
+                scenario.fixed,
+                cluster.world_size,
+            ),
+        )
+        for chosen, variant in axis_configs(scenario.cfg, scenario.axes)
+    ]
     if not any(e["dims"] for _, _, layouts in variants for e in layouts):
         reasons = sorted({e["reason"] for _, _, layouts in variants for e in layouts})
-        raise ConfigError(f"no layout of {cluster.world_size} ranks (cluster.nodes="
-                          f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
-                          f"valid for this config: {'; '.join(reasons[:3])}; change the world "
-                          "size or the batch/model")
+        raise ConfigError(
+            f"no layout of {cluster.world_size} ranks (cluster.nodes="
+            f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
+            f"valid for this config: {'; '.join(reasons[:3])}; change the world "
+            "size or the batch/model"
+        )
     return variants
 
 
-def plan_scenarios(scenarios: list[Scenario],
-                   on_error: Callable[[Scenario, ConfigError], None] | None = None
-                   ) -> list[list[dict] | None]:
+def plan_scenarios(
+    scenarios: list[Scenario], on_error: Callable[[Scenario, ConfigError], None] | None = None
+) -> list[list[dict] | None]:
     """Plan every scenario; return, per scenario, its rows ranked (``plan_report.rank``).
 
     The fake memory measurements of all scenarios run in one batch. A scenario with no valid
@@ -159,8 +185,9 @@ def plan_scenarios(scenarios: list[Scenario],
         if variants is None:
             groups_of.append(None)
             continue
-        reqs, groups = _memory_requests(variants, scenario.cluster,
-                                        list(scenario.cfg.plan.layers_measured))
+        reqs, groups = _memory_requests(
+            variants, scenario.cluster, list(scenario.cfg.plan.layers_measured)
+        )
         for group in groups.values():  # indices into the batch of every scenario's requests
             group["index"] = {d: i + len(requests) for d, i in group["index"].items()}
         requests += reqs
@@ -173,15 +200,19 @@ def plan_scenarios(scenarios: list[Scenario],
         if variants is None:
             out.append(None)
             continue
-        entries = [_entry(chosen, variant, layout, groups, measured, scenario.cluster, step_time)
-                   for chosen, variant, layouts in variants for layout in layouts]
+        entries = [
+            _entry(chosen, variant, layout, groups, measured, scenario.cluster, step_time)
+            for chosen, variant, layouts in variants
+            for layout in layouts
+        ]
         plan_report.rank(entries)
         out.append(entries)
     return out
 
 
-def plan_layouts(cfg: DictConfig, cluster: Cluster, axes: dict | None = None,
-                 fixed: dict | None = None) -> list[dict]:
+def plan_layouts(
+    cfg: DictConfig, cluster: Cluster, axes: dict | None = None, fixed: dict | None = None
+) -> list[dict]:
     """Rows of every layout of ``cfg`` on ``cluster`` (times ``axes``, degrees ``fixed`` held),
     ranked; ConfigError when none is valid."""
     return plan_scenarios([Scenario(cfg, cluster, axes or {}, fixed or {})])[0]
@@ -210,10 +241,20 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         for depth in group["depths"]:
             group.setdefault("index", {})[depth] = len(requests)
-            requests.append(plan_memory.request(
-                plain["model"], plain["parallel"], plain["precision"], plain["trainer"]["freeze"],
-                group["shape"], key[-1], cfg.trainer.grad_accum_steps, cluster.world_size,
-                cluster.gpus_per_node, depth))
+            requests.append(
+                plan_memory.request(
+                    plain["model"],
+                    plain["parallel"],
+                    plain["precision"],
+                    plain["trainer"]["freeze"],
+                    group["shape"],
+                    key[-1],
+                    cfg.trainer.grad_accum_steps,
+                    cluster.world_size,
+                    cluster.gpus_per_node,
+                    depth,
+                )
+            )
     return requests, groups
 
 
@@ -224,9 +265,11 @@ def _state(cfg, dims: ParallelDims, cache: dict | None = None) -> dict:
     if cache is not None and key in cache:
         return cache[key]
     master = torch_dtype(cfg.precision.master_dtype).itemsize
-    state = plan_memory.state_bytes(unit_sizes(cfg.model, dims, cfg.trainer.freeze,
-                                                  cfg.parallel.sequence_parallel),
-                                    dims.dp_shard_cp, master)
+    state = plan_memory.state_bytes(
+        unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel),
+        dims.dp_shard_cp,
+        master,
+    )
     if cache is not None:
         cache[key] = state
     return state
@@ -242,24 +285,51 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
     overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
-        return {"overrides": overrides, "valid": False, "reason": layout["reason"], "fits": None,
-                "mem_gib": None, "step_time_s": None, "tps_per_device": None, "mfu": None,
-                "dominant": None, "rank": None}
+        return {
+            "overrides": overrides,
+            "valid": False,
+            "reason": layout["reason"],
+            "fits": None,
+            "mem_gib": None,
+            "step_time_s": None,
+            "tps_per_device": None,
+            "mfu": None,
+            "dominant": None,
+            "rank": None,
+        }
     group = groups[layout["mem_key"]]
-    cats = plan_memory.extrapolate({d: measured[i] for d, i in group["index"].items()},
-                                   cfg.model.n_layers)
-    ref = ParallelDims(**dict(zip(DIM_NAMES, group["shape"])), world_size=dims.world_size,
-                       ranks_per_node=dims.ranks_per_node)
-    memory = plan_memory.layout_memory(cats, _state(cfg, ref, group.setdefault("states", {})),
-                                       _state(cfg, dims, group["states"]),
-                                       cluster.memory_reserve_gib)
+    cats = plan_memory.extrapolate(
+        {d: measured[i] for d, i in group["index"].items()}, cfg.model.n_layers
+    )
+    ref = ParallelDims(
+        **dict(zip(DIM_NAMES, group["shape"])),
+        world_size=dims.world_size,
+        ranks_per_node=dims.ranks_per_node,
+    )
+    memory = plan_memory.layout_memory(
+        cats,
+        _state(cfg, ref, group.setdefault("states", {})),
+        _state(cfg, dims, group["states"]),
+        cluster.memory_reserve_gib,
+    )
     time = step_time(cfg, dims, cluster)
-    return {"overrides": overrides, "valid": True, "reason": None,
-            "fits": memory["peak_gib"] <= cluster.device_memory_gib,
-            "mem_gib": memory["peak_gib"], "step_time_s": time["step_time_s"],
-            "tps_per_device": time["tps_per_device"], "mfu": time["mfu"],
-            "dominant": time["dominant"], "rank": None, "layout": dims.layout,
-            "memory": memory, "compute_s": time["compute_s"],
-            "exposed_comm_s": time["exposed_comm_s"], "comm_total_s": time["comm_total_s"],
-            "comm_latency_s": time["comm_latency_s"], "comm_links": time["comm_links"],
-            "dims_across_nodes": dims.dims_across_nodes()}
+    return {
+        "overrides": overrides,
+        "valid": True,
+        "reason": None,
+        "fits": memory["peak_gib"] <= cluster.device_memory_gib,
+        "mem_gib": memory["peak_gib"],
+        "step_time_s": time["step_time_s"],
+        "tps_per_device": time["tps_per_device"],
+        "mfu": time["mfu"],
+        "dominant": time["dominant"],
+        "rank": None,
+        "layout": dims.layout,
+        "memory": memory,
+        "compute_s": time["compute_s"],
+        "exposed_comm_s": time["exposed_comm_s"],
+        "comm_total_s": time["comm_total_s"],
+        "comm_latency_s": time["comm_latency_s"],
+        "comm_links": time["comm_links"],
+        "dims_across_nodes": dims.dims_across_nodes(),
+    }

@@ -46,8 +46,11 @@ def cached_or_measure(ranks: int) -> dict:
         cached = json.loads(path.read_text())
         if cached.get("threads_per_rank") == _threads_per_rank(ranks) and "overlap" in cached:
             return cached
-    print(f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
-          f"cached in {path}", flush=True)
+    print(
+        f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
+        f"cached in {path}",
+        flush=True,
+    )
     result = measure(ranks)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
@@ -89,8 +92,9 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
     # The thread count a job's ranks get: with torch's default (every CPU per process) the
     # ranks oversubscribe the cores and the peak comes out several times too low.
     set_cpu_threads(ranks)
-    dist.init_process_group("gloo", rank=rank, world_size=ranks,
-                            store=dist.FileStore(store_path, ranks))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=ranks, store=dist.FileStore(store_path, ranks)
+    )
     try:
         peaks = {}
         for name in ("float32", "bfloat16"):
@@ -114,8 +118,9 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
         mean = {k: sum(_gather_float(v)) / ranks for k, v in peaks.items()}
         if rank == 0:
             overlap = mean.pop("overlap")
-            Path(out).write_text(json.dumps({"peak_tflops": mean, "links": links,
-                                             "overlap": overlap}))
+            Path(out).write_text(
+                json.dumps({"peak_tflops": mean, "links": links, "overlap": overlap})
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()

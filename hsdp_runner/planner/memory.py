@@ -58,14 +58,31 @@ GIB = 2**30
 CACHE_VERSION = 4  # bump when what a measurement holds changes (4: cp attention, two calls)
 
 
-def request(model: dict, parallel: dict, precision: dict, freeze: list, shape: tuple,
-            micro_batch: int, accum: int, world_size: int, ranks_per_node: int,
-            n_layers: int) -> dict:
+def request(
+    model: dict,
+    parallel: dict,
+    precision: dict,
+    freeze: list,
+    shape: tuple,
+    micro_batch: int,
+    accum: int,
+    world_size: int,
+    ranks_per_node: int,
+    n_layers: int,
+) -> dict:
     """Describe one fake measurement as a plain dict (what the child process needs)."""
-    return {"model": {**model, "n_layers": n_layers}, "parallel": parallel,
-            "precision": precision, "freeze": list(freeze), "shape": list(shape),
-            "micro_batch": micro_batch, "accum": min(accum, 2), "world_size": world_size,
-            "ranks_per_node": ranks_per_node, "v": CACHE_VERSION}
+    return {
+        "model": {**model, "n_layers": n_layers},
+        "parallel": parallel,
+        "precision": precision,
+        "freeze": list(freeze),
+        "shape": list(shape),
+        "micro_batch": micro_batch,
+        "accum": min(accum, 2),
+        "world_size": world_size,
+        "ranks_per_node": ranks_per_node,
+        "v": CACHE_VERSION,
+    }
 
 
 def _key(req: dict) -> str:
@@ -117,8 +134,7 @@ def _measure_all(requests: list[dict]) -> list[dict]:
         if req["world_size"] != world:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            dist.init_process_group("fake", rank=0, world_size=req["world_size"],
-                                    store=FakeStore())
+            dist.init_process_group("fake", rank=0, world_size=req["world_size"], store=FakeStore())
             world = req["world_size"]
         out.append(_measure_one(req))
     dist.destroy_process_group()
@@ -144,8 +160,9 @@ def _measure_one(req: dict) -> dict:
     degrees = dict(zip(DIM_NAMES, req["shape"]))
     for name, degree in degrees.items():
         parallel[name] = degree
-    dims = ParallelDims(**degrees, world_size=req["world_size"],
-                        ranks_per_node=req["ranks_per_node"])
+    dims = ParallelDims(
+        **degrees, world_size=req["world_size"], ranks_per_node=req["ranks_per_node"]
+    )
     world = dims.build_mesh("cpu")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(precision.master_dtype))
@@ -227,20 +244,31 @@ def layout_memory(cats: dict, measured_state: dict, state: dict, reserve_gib: fl
     scale_g = state["grads"] / measured_state["grads"] if measured_state["grads"] else 1.0
     params = cats.get("sharded_param", 0) * scale_p
     grads_at_peak = cats.get("sharded_grad", 0) * scale_g
-    transient = sum(v for k, v in cats.items()
-                    if k not in ("sharded_param", "sharded_grad", "total"))
+    transient = sum(
+        v for k, v in cats.items() if k not in ("sharded_param", "sharded_grad", "total")
+    )
     fwd_bwd = params + grads_at_peak + transient + state["optimizer"]
     # The optimizer step: everything but activations is live, plus one shard-sized temporary.
-    opt_step = state["params"] + state["grads"] + state["optimizer"] + state["grads"] \
+    opt_step = (
+        state["params"]
+        + state["grads"]
+        + state["optimizer"]
+        + state["grads"]
         + cats.get("buffer", 0)
+    )
     peak = max(fwd_bwd, opt_step) + reserve_gib * GIB
-    return {"peak_gib": peak / GIB, "params_gib": state["params"] / GIB,
-            "grads_gib": state["grads"] / GIB, "optimizer_gib": state["optimizer"] / GIB,
-            "activations_gib": cats.get("act", 0) / GIB,
-            "unsharded_params_gib": (cats.get("unsharded_param", 0)
-                                     + cats.get("unsharded_grad", 0)) / GIB,
-            "temp_gib": (cats.get("temp", 0) + cats.get("all_gather", 0)
-                         + cats.get("reduce_scatter", 0)) / GIB,
-            "reserve_gib": reserve_gib, "peak_phase": "optimizer" if opt_step > fwd_bwd
-            else "forward/backward"}
-
+    return {
+        "peak_gib": peak / GIB,
+        "params_gib": state["params"] / GIB,
+        "grads_gib": state["grads"] / GIB,
+        "optimizer_gib": state["optimizer"] / GIB,
+        "activations_gib": cats.get("act", 0) / GIB,
+        "unsharded_params_gib": (cats.get("unsharded_param", 0) + cats.get("unsharded_grad", 0))
+        / GIB,
+        "temp_gib": (
+            cats.get("temp", 0) + cats.get("all_gather", 0) + cats.get("reduce_scatter", 0)
+        )
+        / GIB,
+        "reserve_gib": reserve_gib,
+        "peak_phase": "optimizer" if opt_step > fwd_bwd else "forward/backward",
+    }

@@ -54,20 +54,27 @@ def _dominant(entry: dict) -> str:
 
 def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
-    head = ("| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device "
-            "| MFU | compute s | exposed comm s | dominant |")
+    head = (
+        "| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device "
+        "| MFU | compute s | exposed comm s | dominant |"
+    )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in entries:
         if not e["valid"]:
-            rows.append(f"| — | {_degrees(e)} | {_axes(e)} | invalid: "
-                        f"{e['reason'].replace('|', '/')} | | | | | | |")
+            rows.append(
+                f"| — | {_degrees(e)} | {_axes(e)} | invalid: "
+                f"{e['reason'].replace('|', '/')} | | | | | | |"
+            )
             continue
-        mem = f"{e['mem_gib']:.2f}" + ("" if e["fits"] else
-                                        f" (does not fit {cluster['device_memory_gib']:.1f})")
+        mem = f"{e['mem_gib']:.2f}" + (
+            "" if e["fits"] else f" (does not fit {cluster['device_memory_gib']:.1f})"
+        )
         comm = sum(e["exposed_comm_s"].values())
-        rows.append(f"| {e['rank']} | {_degrees(e)} | {_axes(e)} | {mem} | "
-                    f"{e['step_time_s']:.4g} | {e['tps_per_device']:,.0f} | {e['mfu']:.1%} | "
-                    f"{e['compute_s']:.4g} | {comm:.3g} | {_dominant(e)} |")
+        rows.append(
+            f"| {e['rank']} | {_degrees(e)} | {_axes(e)} | {mem} | "
+            f"{e['step_time_s']:.4g} | {e['tps_per_device']:,.0f} | {e['mfu']:.1%} | "
+            f"{e['compute_s']:.4g} | {comm:.3g} | {_dominant(e)} |"
+        )
     return "\n".join(rows)
 
 
@@ -78,8 +85,8 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
         f" ranks, {cluster['device_memory_gib']:.1f} GiB each, peak {cluster['peak_tflops']:.4g}"
         f" TFLOP/s ({cluster['peak_source']}), compute efficiency "
         f"{cluster['compute_efficiency']:.3g}, overlap {cluster['overlap']:.2g}"
-        + (f", calibrated from {cluster['calibrated_from']}" if cluster["calibrated_from"]
-           else "") + ".",
+        + (f", calibrated from {cluster['calibrated_from']}" if cluster["calibrated_from"] else "")
+        + ".",
         f"- Memory: the runner's model and sharding under a fake process group, tracked by "
         f"FSDPMemTracker with {', '.join(map(str, layers))} block(s) and extrapolated per block "
         f"to {cfg.model.n_layers}; flash attention forced (no seq x seq scores, as on GPU); "
@@ -96,74 +103,120 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
 def _cp_line(cfg, entries: list[dict]) -> str:
     """Which context-parallel degrees were enumerated, and how they were predicted."""
     cps = sorted({e["overrides"].get("parallel.cp", 1) for e in entries})
-    how = "the value of plan.cp_degrees" if cfg.plan.cp_degrees is not None else \
-        f"every one that splits model.seq_len={cfg.model.seq_len} into 2 x cp chunks inside a node"
-    return (f"- Context parallel: cp = {', '.join(map(str, cps))} ({how}); each cp rank measured "
-            "on seq_len / cp tokens, its key/value exchange exposed in the step time.")
+    how = (
+        "the value of plan.cp_degrees"
+        if cfg.plan.cp_degrees is not None
+        else f"every one that splits model.seq_len={cfg.model.seq_len} into 2 x cp chunks inside a node"
+    )
+    return (
+        f"- Context parallel: cp = {', '.join(map(str, cps))} ({how}); each cp rank measured "
+        "on seq_len / cp tokens, its key/value exchange exposed in the step time."
+    )
 
 
 def _links_line(cluster: dict) -> str:
     if cluster["measured_links"] or cluster["nvlink_gbps"] is None:
-        return ("measured on this machine per collective and group size (linkbench); groups "
-                "spanning \"nodes\" of this one machine use the same table.")
-    line = (f"inside a node NVLink, {cluster['nvlink_gbps']:g} GB/s per GPU and direction x "
-            f"{cluster['nvlink_efficiency']:g} = "
-            f"{cluster['nvlink_gbps'] * cluster['nvlink_efficiency'] * cluster['link_scale']:.4g}"
-            " GB/s bus bandwidth.")
+        return (
+            "measured on this machine per collective and group size (linkbench); groups "
+            'spanning "nodes" of this one machine use the same table.'
+        )
+    line = (
+        f"inside a node NVLink, {cluster['nvlink_gbps']:g} GB/s per GPU and direction x "
+        f"{cluster['nvlink_efficiency']:g} = "
+        f"{cluster['nvlink_gbps'] * cluster['nvlink_efficiency'] * cluster['link_scale']:.4g}"
+        " GB/s bus bandwidth."
+    )
     if cluster["nics_per_node"]:
-        share = (cluster["nics_per_node"] * cluster["nic_gbit"] / 8 * cluster["nic_efficiency"]
-                 / cluster["gpus_per_node"] * cluster["link_scale"])
-        line += (f" Across nodes: {cluster['nics_per_node']} NICs x {cluster['nic_gbit']:g} Gb/s"
-                 f" x {cluster['nic_efficiency']:g} per node / {cluster['gpus_per_node']} GPUs = "
-                 f"{share:.4g} GB/s per GPU; a ring whose group has k ranks on each node gets "
-                 "min(k x that, NVLink).")
+        share = (
+            cluster["nics_per_node"]
+            * cluster["nic_gbit"]
+            / 8
+            * cluster["nic_efficiency"]
+            / cluster["gpus_per_node"]
+            * cluster["link_scale"]
+        )
+        line += (
+            f" Across nodes: {cluster['nics_per_node']} NICs x {cluster['nic_gbit']:g} Gb/s"
+            f" x {cluster['nic_efficiency']:g} per node / {cluster['gpus_per_node']} GPUs = "
+            f"{share:.4g} GB/s per GPU; a ring whose group has k ranks on each node gets "
+            "min(k x that, NVLink)."
+        )
     return line
 
 
 def links_table(entry: dict) -> str:
     """Per communication term of one layout: the group's shape on the nodes, the link and
     algorithm assumed, the bus bandwidth and the seconds (none hidden)."""
-    rows = ["| term | ranks per group | k (ranks/node) | groups per node | nodes per group | "
-            "link | algorithm | bus GB/s | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| term | ranks per group | k (ranks/node) | groups per node | nodes per group | "
+        "link | algorithm | bus GB/s | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, f in sorted(entry.get("comm_links", {}).items()):
-        rows.append(f"| {key} | {f['size']} | {f['ranks_per_node']} | {f['groups_per_node']} | "
-                    f"{f['nodes']} | {f['link']} | {f['algorithm']} | {f['bus_gbps']:.4g} | "
-                    f"{f['seconds']:.4g} |")
+        rows.append(
+            f"| {key} | {f['size']} | {f['ranks_per_node']} | {f['groups_per_node']} | "
+            f"{f['nodes']} | {f['link']} | {f['algorithm']} | {f['bus_gbps']:.4g} | "
+            f"{f['seconds']:.4g} |"
+        )
     return "\n".join(rows)
 
 
-def write(out_dir: Path, cfg: RunConfig, cluster: dict, entries: list[dict],
-          overrides: list[str], axes: dict) -> list[Path]:
+def write(
+    out_dir: Path,
+    cfg: RunConfig,
+    cluster: dict,
+    entries: list[dict],
+    overrides: list[str],
+    axes: dict,
+) -> list[Path]:
     """Write plan.md, plan.json (and the sweep with ``plan.write_sweep``); return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_json = (out_dir / PLAN_JSON).resolve()
     for path in (plan_json, out_dir / PLAN_MD):
         if path.exists():
             raise FileExistsError(f"{path} exists; pick another plan.out_dir")
-    data = {"version": 1, "model": cfg.model.name, "world_size": cluster["world_size"],
-            "cluster": cluster, "overrides": overrides, "axes": axes, "layouts": entries}
+    data = {
+        "version": 1,
+        "model": cfg.model.name,
+        "world_size": cluster["world_size"],
+        "cluster": cluster,
+        "overrides": overrides,
+        "axes": axes,
+        "layouts": entries,
+    }
     plan_json.write_text(json.dumps(data, indent=1, default=str))
-    md = (f"# Plan: {cfg.model.name} on {cluster['world_size']} ranks ({cluster['name']})\n\n"
-          f"Command-line overrides: `{' '.join(overrides) or '(none)'}`\n\n"
-          f"{_assumptions(cfg, cluster)}\n{_cp_line(cfg, entries)}\n\n"
-          f"{table(entries, cluster)}\n")
+    md = (
+        f"# Plan: {cfg.model.name} on {cluster['world_size']} ranks ({cluster['name']})\n\n"
+        f"Command-line overrides: `{' '.join(overrides) or '(none)'}`\n\n"
+        f"{_assumptions(cfg, cluster)}\n{_cp_line(cfg, entries)}\n\n"
+        f"{table(entries, cluster)}\n"
+    )
     best = next((e for e in entries if e["valid"] and e.get("comm_links")), None)
     if best is not None:
-        md += (f"\n## Links of rank {best['rank']} ({f'{_degrees(best)} {_axes(best)}'.strip()})"
-               "\n\n"
-               f"{links_table(best)}\n")
+        md += (
+            f"\n## Links of rank {best['rank']} ({f'{_degrees(best)} {_axes(best)}'.strip()})"
+            "\n\n"
+            f"{links_table(best)}\n"
+        )
     (out_dir / PLAN_MD).write_text(md)
     paths = [out_dir / PLAN_MD, plan_json]
     if cfg.plan.write_sweep:
-        paths += write_sweep(Path(cfg.plan.write_sweep), cfg, cluster, entries, overrides,
-                             plan_json)
+        paths += write_sweep(
+            Path(cfg.plan.write_sweep), cfg, cluster, entries, overrides, plan_json
+        )
     return paths
 
 
-def write_sweep(path: Path, cfg: RunConfig, cluster: dict, entries: list[dict],
-                overrides: list[str], plan_json: Path) -> list[Path]:
+def write_sweep(
+    path: Path,
+    cfg: RunConfig,
+    cluster: dict,
+    entries: list[dict],
+    overrides: list[str],
+    plan_json: Path,
+) -> list[Path]:
     """Write a Hydra sweep of the top-k fitting layouts: ``path`` plus ``<stem>_layouts/``."""
-    top = [e for e in entries if e["valid"] and e["fits"]][:cfg.plan.top_k]
+    top = [e for e in entries if e["valid"] and e["fits"]][: cfg.plan.top_k]
     group = f"{path.stem}_layouts"
     layout_dir = path.parent / group
     if path.exists() or layout_dir.exists():
@@ -179,26 +232,40 @@ def write_sweep(path: Path, cfg: RunConfig, cluster: dict, entries: list[dict],
         (layout_dir / f"{name}.yaml").write_text(
             "# @package _global_\n" + f"# predicted rank {entry['rank']}: step "
             f"{entry['step_time_s']:.4g} s, {entry['mem_gib']:.2f} GiB per rank\n"
-            + yaml.safe_dump(body, sort_keys=False))
+            + yaml.safe_dump(body, sort_keys=False)
+        )
         names.append(name)
     choices = [item.split("=", 1) for item in overrides if "=" in item]
-    defaults = ["config", {group: names[0]}] + [{f"override {key}": value}
-                                                for key, value in choices if key in GROUPS]
+    defaults = ["config", {group: names[0]}] + [
+        {f"override {key}": value} for key, value in choices if key in GROUPS
+    ]
     defaults.append("_self_")
-    body = OmegaConf.create({"plan": {"source": str(plan_json)},
-                             "launcher": {"nnodes": cluster["nodes"],
-                                          "nproc_per_node": cluster["gpus_per_node"]}})
+    body = OmegaConf.create(
+        {
+            "plan": {"source": str(plan_json)},
+            "launcher": {"nnodes": cluster["nodes"], "nproc_per_node": cluster["gpus_per_node"]},
+        }
+    )
     for item in overrides:
         key, _, value = item.partition("=")
         if "." in key and key.split(".")[0] not in ("cluster", "plan", "hydra", "launcher"):
             OmegaConf.update(body, key, yaml.safe_load(value), merge=True)
-    text = (f"# Planned by python -m hsdp_runner.plan {' '.join(overrides)}\n"
-            f"# The {len(names)} best layouts that fit, predicted in {plan_json}.\n"
-            f"#   python -m hsdp_runner --config-dir {path.parent} --config-name {path.stem}\n"
-            + yaml.safe_dump({"defaults": defaults}, sort_keys=False)
-            + yaml.safe_dump(OmegaConf.to_container(body), sort_keys=False)
-            + yaml.safe_dump({"hydra": {"mode": "MULTIRUN", "sweep": {
-                "dir": "multirun/${now:%Y-%m-%d_%H-%M-%S}_" + path.stem},
-                "sweeper": {"params": {group: ",".join(names)}}}}, sort_keys=False))
+    text = (
+        f"# Planned by python -m hsdp_runner.plan {' '.join(overrides)}\n"
+        f"# The {len(names)} best layouts that fit, predicted in {plan_json}.\n"
+        f"#   python -m hsdp_runner --config-dir {path.parent} --config-name {path.stem}\n"
+        + yaml.safe_dump({"defaults": defaults}, sort_keys=False)
+        + yaml.safe_dump(OmegaConf.to_container(body), sort_keys=False)
+        + yaml.safe_dump(
+            {
+                "hydra": {
+                    "mode": "MULTIRUN",
+                    "sweep": {"dir": "multirun/${now:%Y-%m-%d_%H-%M-%S}_" + path.stem},
+                    "sweeper": {"params": {group: ",".join(names)}},
+                }
+            },
+            sort_keys=False,
+        )
+    )
     path.write_text(text)
     return [path, layout_dir]

@@ -43,8 +43,9 @@ from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.planner.cluster import Cluster, Price
 
 
-def step_flops(model_cfg: ModelConfig, trainer: TrainerConfig, ac: AC, world_size: int
-               ) -> tuple[float, float]:
+def step_flops(
+    model_cfg: ModelConfig, trainer: TrainerConfig, ac: AC, world_size: int
+) -> tuple[float, float]:
     """(model FLOPs per rank per step, FLOPs the hardware executes incl. recompute)."""
     spec = model_spec(model_cfg)
     tokens = trainer.global_batch_size * model_cfg.seq_len
@@ -75,8 +76,10 @@ def comm_prices(comm: dict, dims: ParallelDims, cluster: Cluster) -> dict[str, P
 def comm_times(comm: dict, dims: ParallelDims, cluster: Cluster, split: bool = False) -> dict:
     """{'<kind>/<dim>': seconds} of every collective of one step, none hidden; with ``split``
     the values are (latency part, bandwidth part)."""
-    return {key: (p.latency_s, p.bandwidth_s) if split else p.seconds
-            for key, p in comm_prices(comm, dims, cluster).items()}
+    return {
+        key: (p.latency_s, p.bandwidth_s) if split else p.seconds
+        for key, p in comm_prices(comm, dims, cluster).items()
+    }
 
 
 def concurrent_time(prices: list[Price], shares: list[float]) -> float:
@@ -96,8 +99,13 @@ def link_facts(prices: dict[str, Price], dims: ParallelDims) -> dict[str, dict]:
     out = {}
     for key, price in prices.items():
         where = placement_of(dims, key.split("/")[1])
-        out[key] = {**where.describe(), "link": price.link, "algorithm": price.algorithm,
-                    "bus_gbps": price.bus_gbps, "seconds": price.seconds}
+        out[key] = {
+            **where.describe(),
+            "link": price.link,
+            "algorithm": price.algorithm,
+            "bus_gbps": price.bus_gbps,
+            "seconds": price.seconds,
+        }
     return out
 
 
@@ -135,8 +143,9 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     # all-gathers: forward gathers every unit, backward (with reshard) the blocks again.
     ag_fwd_share = total / (total + (total * (1 - root) if reshard else 0))
     ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
-    grad_sync = {k: v for k, v in times.items()
-                 if k in (f"reduce_scatter/{fsdp}", "all_reduce/dp_replicate")}
+    grad_sync = {
+        k: v for k, v in times.items() if k in (f"reduce_scatter/{fsdp}", "all_reduce/dp_replicate")
+    }
     exposed: dict[str, float] = {}
 
     def expose(dim: str, seconds: float) -> None:
@@ -148,8 +157,7 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     expose(fsdp, spill)
     hidden_bwd = {fsdp: ag_bwd * (1 - 1 / blocks)}
     # What of each price runs hidden in backward, to find the links they share.
-    running = [(prices[f"all_gather/{fsdp}"], (1 - ag_fwd_share) * (1 - 1 / blocks))] \
-        if ag else []
+    running = [(prices[f"all_gather/{fsdp}"], (1 - ag_fwd_share) * (1 - 1 / blocks))] if ag else []
     expose(fsdp, ag_bwd / blocks)
     for key, seconds in grad_sync.items():
         dim = key.split("/")[1]
@@ -170,12 +178,18 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     terms = {"compute": compute, **{f"comm:{d}": s for d, s in exposed.items()}}
     tokens = cfg.trainer.global_batch_size * cfg.model.seq_len
     tps = tokens / step / dims.world_size
-    return {"step_time_s": step, "compute_s": compute,
-            "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
-            "comm_total_s": sum(times.values()) + sum(p.seconds for p in kv_prices.values()),
-            "tps_per_device": tps,
-            "comm_latency_s": sum(p.latency_s for p in (*prices.values(), *kv_prices.values())),
-            "comm_links": {**link_facts(prices, dims),
-                           **{f"{k} (K/V)": v for k, v in link_facts(kv_prices, dims).items()}},
-            "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
-            "dominant": max(terms, key=terms.get), "comm": comm}
+    return {
+        "step_time_s": step,
+        "compute_s": compute,
+        "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
+        "comm_total_s": sum(times.values()) + sum(p.seconds for p in kv_prices.values()),
+        "tps_per_device": tps,
+        "comm_latency_s": sum(p.latency_s for p in (*prices.values(), *kv_prices.values())),
+        "comm_links": {
+            **link_facts(prices, dims),
+            **{f"{k} (K/V)": v for k, v in link_facts(kv_prices, dims).items()},
+        },
+        "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
+        "dominant": max(terms, key=terms.get),
+        "comm": comm,
+    }

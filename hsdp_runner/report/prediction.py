@@ -56,8 +56,11 @@ def predictions_for(job_dirs: list[Path], plan_file: Path | None = None) -> dict
         config = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
         source = plan_file or _select(config, "plan.source")
         plan = _load_plan(Path(source), cache) if source else None
-        entry = layout_of(plan, _job_values(config, (RunSummary.read(job) or RunSummary())
-                                            .mesh_shape)) if plan else None
+        entry = (
+            layout_of(plan, _job_values(config, (RunSummary.read(job) or RunSummary()).mesh_shape))
+            if plan
+            else None
+        )
         if entry is not None:
             out[job] = entry
     return out
@@ -83,19 +86,37 @@ def job_prediction(config: dict, summary: RunSummary) -> dict | None:
     entry = layout_of(plan, _job_values(config, summary.mesh_shape)) if plan else None
     if entry is None or not entry.get("valid"):
         return None
-    measured = {"step_time_s": summary.median_step_time_s,
-                "tps_per_device": summary.median_tps_per_device,
-                "mem_gib": measured_memory_gib(summary)}
-    figures = {name: {"predicted": entry[name], "measured": value,
-                      "error": entry[name] / value - 1 if value else None}
-               for name, value in measured.items()}
-    out = {"source": str(path), "cluster": plan["cluster"]["name"], "rank": entry["rank"],
-           "layout": entry.get("layout"), "dominant": entry["dominant"], "figures": figures}
+    measured = {
+        "step_time_s": summary.median_step_time_s,
+        "tps_per_device": summary.median_tps_per_device,
+        "mem_gib": measured_memory_gib(summary),
+    }
+    figures = {
+        name: {
+            "predicted": entry[name],
+            "measured": value,
+            "error": entry[name] / value - 1 if value else None,
+        }
+        for name, value in measured.items()
+    }
+    out = {
+        "source": str(path),
+        "cluster": plan["cluster"]["name"],
+        "rank": entry["rank"],
+        "layout": entry.get("layout"),
+        "dominant": entry["dominant"],
+        "figures": figures,
+    }
     if _select(config, "parallel.auto"):
         fitting = [e for e in plan["layouts"] if e["valid"] and e["fits"] and e is not entry]
-        out["runner_up"] = {k: fitting[0][k] for k in ("overrides", "layout", "step_time_s",
-                                                       "tps_per_device", "mem_gib")} \
-            if fitting else None
+        out["runner_up"] = (
+            {
+                k: fitting[0][k]
+                for k in ("overrides", "layout", "step_time_s", "tps_per_device", "mem_gib")
+            }
+            if fitting
+            else None
+        )
     return out
 
 
@@ -113,6 +134,7 @@ def _job_values(config: dict, shape: list | None):
         if found is None and degree == "cp":  # a job config from before the cp dim
             return 1
         return found
+
     return value
 
 
@@ -151,9 +173,13 @@ def evaluate(pairs: list[tuple[str, dict, float]]) -> dict:
     errors = [(p - m) / m for p, m in zip(predicted, measured)]
     best = min(range(len(pairs)), key=lambda i: measured[i]) if pairs else None
     top2 = sorted(range(len(pairs)), key=lambda i: predicted[i])[:2]
-    return {"jobs": len(pairs), "spearman": spearman(predicted, measured),
-            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
-            "best_in_predicted_top2": best in top2 if pairs else None, "errors": errors}
+    return {
+        "jobs": len(pairs),
+        "spearman": spearman(predicted, measured),
+        "median_abs_error": statistics.median(abs(e) for e in errors) if errors else None,
+        "best_in_predicted_top2": best in top2 if pairs else None,
+        "errors": errors,
+    }
 
 
 def measured_memory_gib(summary: RunSummary) -> float | None:
@@ -177,22 +203,29 @@ def memory_figures(pairs: list[tuple[str, float, float | None]]) -> dict:
     within ``MEMORY_TARGET``."""
     errors = [None if not m else p / m - 1 for _, p, m in pairs]
     known = [abs(e) for e in errors if e is not None]
-    return {"errors": errors, "jobs": len(known),
-            "median_abs_error": statistics.median(known) if known else None,
-            "max_abs_error": max(known) if known else None,
-            "within_target": sum(e <= MEMORY_TARGET for e in known)}
+    return {
+        "errors": errors,
+        "jobs": len(known),
+        "median_abs_error": statistics.median(known) if known else None,
+        "max_abs_error": max(known) if known else None,
+        "within_target": sum(e <= MEMORY_TARGET for e in known),
+    }
 
 
 def memory_summary(figures: dict) -> str:
     """One sentence on the memory figures against the target."""
     if not figures["jobs"]:
-        return ("Memory: no job recorded its tensor peak (mem_tensor_peak_gib_per_rank) or its "
-                "baseline before the model was built; rerun the jobs to compare memory.")
-    return (f"Memory per rank (predicted vs measured tensor peak since the model was built): "
-            f"median |error| "
-            f"{figures['median_abs_error']:.0%}, largest {figures['max_abs_error']:.0%}; "
-            f"{figures['within_target']} of {figures['jobs']} jobs within "
-            f"{MEMORY_TARGET:.0%} (target: all).")
+        return (
+            "Memory: no job recorded its tensor peak (mem_tensor_peak_gib_per_rank) or its "
+            "baseline before the model was built; rerun the jobs to compare memory."
+        )
+    return (
+        f"Memory per rank (predicted vs measured tensor peak since the model was built): "
+        f"median |error| "
+        f"{figures['median_abs_error']:.0%}, largest {figures['max_abs_error']:.0%}; "
+        f"{figures['within_target']} of {figures['jobs']} jobs within "
+        f"{MEMORY_TARGET:.0%} (target: all)."
+    )
 
 
 def comparison_section(jobs, plan_file: Path | None = None) -> str:
@@ -202,34 +235,53 @@ def comparison_section(jobs, plan_file: Path | None = None) -> str:
     when no job has a prediction.
     """
     found = predictions_for([j.path for j in jobs], plan_file)
-    pairs = [(j.label, found[j.path], j.summary.median_step_time_s) for j in jobs
-             if j.path in found and j.status is RunStatus.completed
-             and j.summary.median_step_time_s]
+    pairs = [
+        (j.label, found[j.path], j.summary.median_step_time_s)
+        for j in jobs
+        if j.path in found and j.status is RunStatus.completed and j.summary.median_step_time_s
+    ]
     if not found:
         return ""
     figures = evaluate(pairs)
     summaries = {j.label: j.summary for j in jobs}
-    mem_pairs = [(label, entry["mem_gib"], measured_memory_gib(summaries[label]))
-                 for label, entry, _ in pairs]
+    mem_pairs = [
+        (label, entry["mem_gib"], measured_memory_gib(summaries[label]))
+        for label, entry, _ in pairs
+    ]
     memory = memory_figures(mem_pairs)
-    measured_rank = {label: i + 1 for i, (label, _, _) in
-                     enumerate(sorted(pairs, key=lambda p: p[2]))}
-    rows = ["| job | predicted rank | measured rank | predicted step s | measured step s "
-            "| error | predicted mem GiB | measured mem GiB (tensor peak) | mem error "
-            "| dominant (predicted) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    measured_rank = {
+        label: i + 1 for i, (label, _, _) in enumerate(sorted(pairs, key=lambda p: p[2]))
+    }
+    rows = [
+        "| job | predicted rank | measured rank | predicted step s | measured step s "
+        "| error | predicted mem GiB | measured mem GiB (tensor peak) | mem error "
+        "| dominant (predicted) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (label, entry, measured), error, (_, _, mem), mem_error in zip(
-            pairs, figures["errors"], mem_pairs, memory["errors"]):
-        rows.append(f"| {label} | {entry['rank']} | {measured_rank[label]} | "
-                    f"{entry['step_time_s']:.4g} | {measured:.4g} | {error:+.0%} | "
-                    f"{entry['mem_gib']:.3g} | {'n/a' if mem is None else f'{mem:.3g}'} | "
-                    f"{'n/a' if mem_error is None else f'{mem_error:+.0%}'} | "
-                    f"{entry['dominant']} |")
+        pairs, figures["errors"], mem_pairs, memory["errors"]
+    ):
+        rows.append(
+            f"| {label} | {entry['rank']} | {measured_rank[label]} | "
+            f"{entry['step_time_s']:.4g} | {measured:.4g} | {error:+.0%} | "
+            f"{entry['mem_gib']:.3g} | {'n/a' if mem is None else f'{mem:.3g}'} | "
+            f"{'n/a' if mem_error is None else f'{mem_error:+.0%}'} | "
+            f"{entry['dominant']} |"
+        )
     rho, med = figures["spearman"], figures["median_abs_error"]
-    summary = (f"Spearman's rank correlation (predicted vs measured step time): "
-               f"{'n/a' if rho is None else f'{rho:.2f}'}; measured best in the predicted top 2: "
-               f"{figures['best_in_predicted_top2']}; median absolute step-time error: "
-               f"{'n/a' if med is None else f'{med:.0%}'} ({figures['jobs']} completed jobs with "
-               "a prediction).")
-    return ("## Predicted vs measured\n\n" + "\n".join(rows) + "\n\n" + summary + "\n\n"
-            + memory_summary(memory) + "\n")
+    summary = (
+        f"Spearman's rank correlation (predicted vs measured step time): "
+        f"{'n/a' if rho is None else f'{rho:.2f}'}; measured best in the predicted top 2: "
+        f"{figures['best_in_predicted_top2']}; median absolute step-time error: "
+        f"{'n/a' if med is None else f'{med:.0%}'} ({figures['jobs']} completed jobs with "
+        "a prediction)."
+    )
+    return (
+        "## Predicted vs measured\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + summary
+        + "\n\n"
+        + memory_summary(memory)
+        + "\n"
+    )

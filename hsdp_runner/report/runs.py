@@ -54,11 +54,16 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
     for path in sorted({p.parent for p in sweep_dir.rglob(".hydra")}):
         parts = path.relative_to(sweep_dir).parts  # () when sweep_dir is one job's dir
         prefix = parts[0].split("_", 1)[0] if parts else ""
-        jobs.append(Job(path=path, num=int(prefix) if prefix.isdigit() else len(jobs),
-                        overrides=_read_yaml(path / ".hydra" / "overrides.yaml") or [],
-                        config=_read_yaml(path / tracking.RESOLVED_CONFIG_FILE) or {},
-                        summary=RunSummary.read(path) or RunSummary(),
-                        records=tracking.read_metrics(path)))
+        jobs.append(
+            Job(
+                path=path,
+                num=int(prefix) if prefix.isdigit() else len(jobs),
+                overrides=_read_yaml(path / ".hydra" / "overrides.yaml") or [],
+                config=_read_yaml(path / tracking.RESOLVED_CONFIG_FILE) or {},
+                summary=RunSummary.read(path) or RunSummary(),
+                records=tracking.read_metrics(path),
+            )
+        )
     _label(jobs)
     jobs.sort(key=lambda j: (j.status.rank, -(j.tps_global or 0.0), j.num))
     return jobs
@@ -87,7 +92,7 @@ def _spread(summary: RunSummary, key: str) -> str:
 
 def _first_line(text: str, limit: int = 240) -> str:
     line = next((s.strip() for s in str(text).splitlines() if s.strip()), "")
-    return line if len(line) <= limit else line[:limit - 1] + "…"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _mfu(job: Job) -> str:
@@ -148,17 +153,32 @@ COLUMNS: tuple[Column, ...] = (
     ("degrees (rep×shard×cp×tp)", lambda j: degrees(j)[1], lambda j: degrees(j)[1]),
     ("world", lambda j: degrees(j)[2], lambda j: j.summary.world_size),
     ("precision", _precision, _precision),
-    ("comm MiB/step/rank (measured ÷ model)", lambda j: _comm(j.summary),
-     lambda j: j.summary.comm_bytes_measured),
-    ("tok/s/device (min–max)", lambda j: _spread(j.summary, "tps_per_device"),
-     lambda j: j.summary.median_tps_per_device),
-    ("tok/s global (min–max)", lambda j: _spread(j.summary, "tps_global"),
-     lambda j: j.summary.median_tps_global),
+    (
+        "comm MiB/step/rank (measured ÷ model)",
+        lambda j: _comm(j.summary),
+        lambda j: j.summary.comm_bytes_measured,
+    ),
+    (
+        "tok/s/device (min–max)",
+        lambda j: _spread(j.summary, "tps_per_device"),
+        lambda j: j.summary.median_tps_per_device,
+    ),
+    (
+        "tok/s global (min–max)",
+        lambda j: _spread(j.summary, "tps_global"),
+        lambda j: j.summary.median_tps_global,
+    ),
     ("MFU", _mfu, lambda j: j.summary.median_mfu if j.status is RunStatus.completed else None),
-    ("peak mem GiB", lambda j: _num(j.summary.mem_peak_gib, ".2f"),
-     lambda j: j.summary.mem_peak_gib),
-    ("step s", lambda j: _num(j.summary.median_step_time_s, ".3g"),
-     lambda j: j.summary.median_step_time_s),
+    (
+        "peak mem GiB",
+        lambda j: _num(j.summary.mem_peak_gib, ".2f"),
+        lambda j: j.summary.mem_peak_gib,
+    ),
+    (
+        "step s",
+        lambda j: _num(j.summary.median_step_time_s, ".3g"),
+        lambda j: j.summary.median_step_time_s,
+    ),
     ("status", _status, lambda j: j.status.rank),
 )
 

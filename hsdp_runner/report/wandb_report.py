@@ -26,8 +26,10 @@ def missing_requirements() -> list[str]:
     except ImportError:
         missing.append(f"the wandb-workspaces package: {EXTRA}")
     if os.environ.get("WANDB_MODE", "online") in ("offline", "disabled", "dryrun"):
-        missing.append(f"W&B online: WANDB_MODE is {os.environ['WANDB_MODE']!r}; unset it or "
-                       "set WANDB_MODE=online")
+        missing.append(
+            f"W&B online: WANDB_MODE is {os.environ['WANDB_MODE']!r}; unset it or "
+            "set WANDB_MODE=online"
+        )
     if not tracking.wandb_credentials_present():
         missing.append("W&B credentials: set WANDB_API_KEY or run `wandb login`")
     return missing
@@ -41,23 +43,45 @@ def build_report(project: str, entity: str | None, group: str, title: str):
     """
     import wandb_workspaces.reports.v2 as wr
 
-    runset = wr.Runset(project=project, name=group, filters=f"Group = '{group}'",
-                       **({"entity": entity} if entity else {}))
-    degrees = [wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}"))
-               for name in DIM_NAMES]
-    figures = [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(name))
-               for name in ("median_tps_global", "median_mfu", "mem_peak_gib")]
-    grid = wr.PanelGrid(runsets=[runset], panels=[
-        wr.BarPlot(title="tokens/s, global (median after warm-up)",
-                   metrics=["median_tps_global"], orientation="h"),
-        wr.BarPlot(title="peak memory, rank 0 (GiB)", metrics=["mem_peak_gib"], orientation="h"),
-        wr.ParallelCoordinatesPlot(title="degrees vs throughput, MFU, memory",
-                                   columns=degrees + figures),
-        wr.LinePlot(title="loss", x="step", y=["loss"]),
-    ])
-    return wr.Report(project=project, title=title, blocks=[
-        wr.P(f"Runs of the W&B group {group}: one per job of the sweep (hsdp_runner)."), grid],
-        **({"entity": entity} if entity else {}))
+    runset = wr.Runset(
+        project=project,
+        name=group,
+        filters=f"Group = '{group}'",
+        **({"entity": entity} if entity else {}),
+    )
+    degrees = [
+        wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}")) for name in DIM_NAMES
+    ]
+    figures = [
+        wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(name))
+        for name in ("median_tps_global", "median_mfu", "mem_peak_gib")
+    ]
+    grid = wr.PanelGrid(
+        runsets=[runset],
+        panels=[
+            wr.BarPlot(
+                title="tokens/s, global (median after warm-up)",
+                metrics=["median_tps_global"],
+                orientation="h",
+            ),
+            wr.BarPlot(
+                title="peak memory, rank 0 (GiB)", metrics=["mem_peak_gib"], orientation="h"
+            ),
+            wr.ParallelCoordinatesPlot(
+                title="degrees vs throughput, MFU, memory", columns=degrees + figures
+            ),
+            wr.LinePlot(title="loss", x="step", y=["loss"]),
+        ],
+    )
+    return wr.Report(
+        project=project,
+        title=title,
+        blocks=[
+            wr.P(f"Runs of the W&B group {group}: one per job of the sweep (hsdp_runner)."),
+            grid,
+        ],
+        **({"entity": entity} if entity else {}),
+    )
 
 
 def publish(project: str, entity: str | None, group: str, runs_were_offline: bool) -> int:
@@ -67,13 +91,17 @@ def publish(project: str, entity: str | None, group: str, runs_were_offline: boo
     """
     missing = missing_requirements()
     if missing:
-        print("compare: --wandb-report needs " + "; ".join(missing) + ".\n"
-              "The sweep's runs must be on the server too: upload offline runs with "
-              "`wandb sync <sweep dir>/*/wandb/offline-run-*`.")
+        print(
+            "compare: --wandb-report needs " + "; ".join(missing) + ".\n"
+            "The sweep's runs must be on the server too: upload offline runs with "
+            "`wandb sync <sweep dir>/*/wandb/offline-run-*`."
+        )
         return EXIT_CONFIG
     if runs_were_offline:
-        print("compare: the sweep logged offline; the report shows its runs once they are "
-              "uploaded with `wandb sync <sweep dir>/*/wandb/offline-run-*`")
+        print(
+            "compare: the sweep logged offline; the report shows its runs once they are "
+            "uploaded with `wandb sync <sweep dir>/*/wandb/offline-run-*`"
+        )
     report = build_report(project, entity, group, title=f"hsdp_runner sweep {group}")
     report.save()
     print(f"compare: W&B report: {report.url}")

@@ -38,15 +38,22 @@ def torchrun_problem(multirun: bool, run_dir: str) -> str | None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     if multirun:
-        return ("a Hydra sweep (-m) cannot run inside torchrun: start one torchrun per job "
-                "(docs/many_nodes.md) or use launcher=slurm")
+        return (
+            "a Hydra sweep (-m) cannot run inside torchrun: start one torchrun per job "
+            "(docs/many_nodes.md) or use launcher=slurm"
+        )
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    if nodes == 1 or os.environ["TORCHELASTIC_RUN_ID"] not in ("", "none") \
-            or run_dir != default_run_dir():
+    if (
+        nodes == 1
+        or os.environ["TORCHELASTIC_RUN_ID"] not in ("", "none")
+        or run_dir != default_run_dir()
+    ):
         return None
-    return (f"torchrun runs {nodes} nodes without --rdzv-id, so each node would name its own "
-            "output dir; pass the same --rdzv-id on every node (e.g. --rdzv-id exp17, or "
-            "$SLURM_JOB_ID in an allocation) or hydra.run.dir=<a folder every node sees>")
+    return (
+        f"torchrun runs {nodes} nodes without --rdzv-id, so each node would name its own "
+        "output dir; pass the same --rdzv-id on every node (e.g. --rdzv-id exp17, or "
+        "$SLURM_JOB_ID in an allocation) or hydra.run.dir=<a folder every node sees>"
+    )
 
 
 def run_info_from_hydra(cfg: DictConfig) -> RunInfo:
@@ -57,12 +64,20 @@ def run_info_from_hydra(cfg: DictConfig) -> RunInfo:
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     group = cfg.logger.group or (Path(hc.sweep.dir).name if multirun else hc.job.name)
     return RunInfo(
-        output_dir=hc.runtime.output_dir, group=group,
-        run_name=overrides or "+".join(f"{k}={v}" for k, v in sorted(choices.items())
-                                       if k in ("parallel", "model", "precision")),
-        tags=[f"{k}={v}" for k, v in sorted(choices.items())], multirun=multirun,
-        overrides=list(hc.overrides.task), sweep_dir=hc.sweep.dir if multirun else None,
-        size_degrees=preset_degrees(choices.get("parallel")) if multirun else None)
+        output_dir=hc.runtime.output_dir,
+        group=group,
+        run_name=overrides
+        or "+".join(
+            f"{k}={v}"
+            for k, v in sorted(choices.items())
+            if k in ("parallel", "model", "precision")
+        ),
+        tags=[f"{k}={v}" for k, v in sorted(choices.items())],
+        multirun=multirun,
+        overrides=list(hc.overrides.task),
+        sweep_dir=hc.sweep.dir if multirun else None,
+        size_degrees=preset_degrees(choices.get("parallel")) if multirun else None,
+    )
 
 
 def preset_degrees(choice: str | None) -> dict | None:
@@ -74,8 +89,10 @@ def preset_degrees(choice: str | None) -> dict | None:
     """
     if choice is None:
         return None
-    preset = OmegaConf.merge(OmegaConf.structured(ParallelConfig),
-                             hydra.compose(config_name=f"parallel/{choice}").parallel)
+    preset = OmegaConf.merge(
+        OmegaConf.structured(ParallelConfig),
+        hydra.compose(config_name=f"parallel/{choice}").parallel,
+    )
     return {name: preset[name] for name in DIM_NAMES}
 
 
@@ -105,9 +122,13 @@ def unwritable_output_dir(argv: list[str]) -> str | None:
             path.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=path).close()
         except OSError as err:
-            where = f"{key}={path}" if key else f"the working directory {path} (outputs/ goes there)"
-            return (f"{where} is not writable ({err.strerror}); "
-                    "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder")
+            where = (
+                f"{key}={path}" if key else f"the working directory {path} (outputs/ goes there)"
+            )
+            return (
+                f"{where} is not writable ({err.strerror}); "
+                "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder"
+            )
     return None
 
 

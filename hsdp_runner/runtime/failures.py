@@ -52,31 +52,39 @@ TRACE_PREFIX = "nccl_trace_rank_"
 # Lines a dying rank's log may hold, most telling first.
 _CAUSES = (
     re.compile(r"Watchdog caught collective operation timeout.*"),
-    re.compile(r"(NCCL error|ncclRemoteError|ncclSystemError|ncclUnhandledCudaError|"
-               r"ncclInternalError|ncclInvalidUsage).*"),
+    re.compile(
+        r"(NCCL error|ncclRemoteError|ncclSystemError|ncclUnhandledCudaError|"
+        r"ncclInternalError|ncclInvalidUsage).*"
+    ),
     re.compile(r"CUDA error: .*"),
     re.compile(r"(?<=what\(\):).*\S.*"),
     re.compile(r"Fatal Python error: .*"),
 )
 # faulthandler's first line when a fatal signal ends the process (worker.py enables it).
-_FATAL_SIGNAL = re.compile(r"Fatal Python error: (Aborted|Segmentation fault|Bus error|"
-                           r"Floating-point exception|Illegal instruction)")
+_FATAL_SIGNAL = re.compile(
+    r"Fatal Python error: (Aborted|Segmentation fault|Bus error|"
+    r"Floating-point exception|Illegal instruction)"
+)
 _ATTEMPT_MARK = "==== hsdp_runner: this attempt's log starts"
 # A record of the runner's own logging (worker.setup_logging's format): it may quote another
 # rank's cause ("rank 1 failed first: ..."), so it is never read as this rank's.
 _OWN_RECORD = re.compile(r"^\[rank\d+\] \d\d:\d\d:\d\d [A-Z]+ ")
 # torch's elastic failure record when the rank wrote no error file (killed, or died in C++).
-_SIGNAL_ONLY = re.compile(r"^(Signal \d+ \(\w+\) received by PID \d+|exit code -?\d+|"
-                          r"To enable traceback see: \S+)$")
+_SIGNAL_ONLY = re.compile(
+    r"^(Signal \d+ \(\w+\) received by PID \d+|exit code -?\d+|"
+    r"To enable traceback see: \S+)$"
+)
 
 
 def nccl_failure_env(log_dir: Path) -> dict[str, str]:
     """The ``TORCH_NCCL_*`` variables a rank sets before creating NCCL groups (see the module
     docstring); callers keep any the user already set. Takes the job's ``logs/`` dir."""
-    return {NCCL_ERROR_HANDLING[0]: NCCL_ERROR_HANDLING[1],
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_BUFFER_ENTRIES),
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(log_dir / TRACE_PREFIX)}
+    return {
+        NCCL_ERROR_HANDLING[0]: NCCL_ERROR_HANDLING[1],
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_BUFFER_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(log_dir / TRACE_PREFIX),
+    }
 
 
 def signal_only(message: str) -> bool:
@@ -114,12 +122,16 @@ def _attempt_lines(path: Path, wait_s: float) -> list[str]:
     except OSError:
         return []
     start = text.rfind(_ATTEMPT_MARK)
-    return [line for line in (text[start:] if start >= 0 else text).splitlines()
-            if not _OWN_RECORD.match(line)]
+    return [
+        line
+        for line in (text[start:] if start >= 0 else text).splitlines()
+        if not _OWN_RECORD.match(line)
+    ]
 
 
-def cause_from_log(log_dir: Path, rank: int, max_chars: int = 400,
-                   wait_s: float = 5.0) -> str | None:
+def cause_from_log(
+    log_dir: Path, rank: int, max_chars: int = 400, wait_s: float = 5.0
+) -> str | None:
     """Return the most telling cause line in this attempt's part of ``logs/rank<rank>.log``
     (a watchdog timeout, an NCCL or CUDA error, a C++ exception's ``what()``), plus the
     flight-recorder dump's path if there is one; None when the log holds no such line.
@@ -154,8 +166,9 @@ def peer_lost(err: BaseException) -> bool:
     return bool(_PEER_LOST.search(str(err)))
 
 
-def died_in_cpp(log_dir: Path, exclude: int | None = None,
-                wait_s: float = 1.0) -> tuple[int, str] | None:
+def died_in_cpp(
+    log_dir: Path, exclude: int | None = None, wait_s: float = 1.0
+) -> tuple[int, str] | None:
     """Find a rank that died of a fatal signal in this attempt (``faulthandler`` wrote "Fatal
     Python error: Aborted" or the like to its log as it died): return (its rank, its cause),
     the earliest such log first; None when no rank's log says so. ``exclude``: the caller's
@@ -183,8 +196,9 @@ def first_failure(failures: dict) -> tuple[int, object]:
     of the earliest stamp comes first.
     """
     earliest = min(f.timestamp for f in failures.values())
-    killed = [r for r, f in sorted(failures.items())
-              if f.exitcode < 0 and f.timestamp <= earliest + 1]
+    killed = [
+        r for r, f in sorted(failures.items()) if f.exitcode < 0 and f.timestamp <= earliest + 1
+    ]
     rank = killed[0] if killed else min(failures, key=lambda r: failures[r].timestamp)
     return rank, failures[rank]
 
@@ -192,8 +206,10 @@ def first_failure(failures: dict) -> tuple[int, object]:
 def with_timeout_hint(message: str) -> str:
     """``message``, plus what a collective timeout means when it mentions one."""
     if re.search(r"timed out|timeout", message, re.IGNORECASE):
-        message += (" (a collective waited launcher.timeout_s without its peers: another rank "
-                    "hung or died; see the rank logs)")
+        message += (
+            " (a collective waited launcher.timeout_s without its peers: another rank "
+            "hung or died; see the rank logs)"
+        )
     return message
 
 
@@ -204,8 +220,11 @@ def failed_facts(log_dir: Path, rank: int, err: BaseException) -> dict:
     is then only the dead peer's echo ("Connection closed by peer", a timeout)."""
     found = died_in_cpp(log_dir, exclude=rank)
     if found is None:
-        return {"status": RunStatus.failed, "failed_rank": rank,
-                "error": f"{type(err).__name__}: {err}".strip()}
+        return {
+            "status": RunStatus.failed,
+            "failed_rank": rank,
+            "error": f"{type(err).__name__}: {err}".strip(),
+        }
     dead, cause = found
     error = with_timeout_hint(f"rank {dead} died in C++: {cause or 'no cause in its log'}")
     return {"status": RunStatus.failed, "failed_rank": dead, "error": error}
@@ -244,21 +263,29 @@ def end_recorded(output_dir: str | Path, since: float | None = None) -> bool:
         return False
 
 
-def record_rank_failure(output_dir: str | Path, layout: dict, rank: int, err: BaseException,
-                        last_checkpoint: str | None) -> RunSummary:
+def record_rank_failure(
+    output_dir: str | Path, layout: dict, rank: int, err: BaseException, last_checkpoint: str | None
+) -> RunSummary:
     """A rank whose Python code raised ``err``: record the job as failed (naming a peer that
     died in C++ first, see ``failed_facts``) unless a peer of this attempt recorded its end
     already. Takes the job dir, ``ParallelDims.describe()``, the rank, its error and the
     newest checkpoint; returns the summary this rank would write."""
     facts = failed_facts(Path(output_dir) / "logs", rank, err)
-    summary = RunSummary.failed(layout, facts["failed_rank"], facts["error"],
-                                last_checkpoint=last_checkpoint)
+    summary = RunSummary.failed(
+        layout, facts["failed_rank"], facts["error"], last_checkpoint=last_checkpoint
+    )
     record_end(output_dir, summary)
     return summary
 
 
-def record_stopped_at_once(output_dir: str | Path, layout: dict, signal: str, step: int,
-                           last_checkpoint: str | None, first_only: bool = True) -> RunSummary:
+def record_stopped_at_once(
+    output_dir: str | Path,
+    layout: dict,
+    signal: str,
+    step: int,
+    last_checkpoint: str | None,
+    first_only: bool = True,
+) -> RunSummary:
     """A repeated stop signal ended the job mid-step: record it as interrupted after ``step``
     (the last step in metrics.jsonl). ``first_only``: only if no process of this attempt
     recorded its end (a rank); False: replace summary.json (the launcher, after its ranks)."""
@@ -270,8 +297,9 @@ def record_stopped_at_once(output_dir: str | Path, layout: dict, signal: str, st
     return summary
 
 
-def record_launcher_failure(output_dir: str | Path, layout: dict, rank: int,
-                            message: str) -> RunSummary:
+def record_launcher_failure(
+    output_dir: str | Path, layout: dict, rank: int, message: str
+) -> RunSummary:
     """The local launcher saw rank ``rank`` fail with ``message``: replace summary.json (figures
     of an earlier attempt must not appear under 'failed'); return the record."""
     summary = RunSummary.failed(layout, rank, message)
@@ -289,8 +317,13 @@ def record_if_missing(output_dir: Path, layout: dict, started: float) -> RunSumm
     rank, cause = 0, cause_from_log(logs, 0, wait_s=0)
     if cause is None and (found := died_in_cpp(logs, exclude=0, wait_s=0)) is not None:
         rank, cause = found
-    error = with_timeout_hint(f"rank {rank} died in C++: {cause}") if cause else \
-        ("rank 0 ended without recording why (killed by a signal it could not handle, e.g. "
-         "its launcher's SIGKILL after a shutdown timeout); no cause in logs/rank*.log")
+    error = (
+        with_timeout_hint(f"rank {rank} died in C++: {cause}")
+        if cause
+        else (
+            "rank 0 ended without recording why (killed by a signal it could not handle, e.g. "
+            "its launcher's SIGKILL after a shutdown timeout); no cause in logs/rank*.log"
+        )
+    )
     summary = RunSummary.failed(layout, rank, error)
     return summary if record_end(output_dir, summary) else None

@@ -31,16 +31,30 @@ import signal
 
 START_METHOD = "forkserver"
 SERVER_MODULE = "hsdp_runner.runtime.forkserver_server"
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                signal.SIGUSR2)
+STOP_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 
 # What every worker imports, at module level or on first use (FSDP2 pulls in torch._dynamo and
 # sympy): ~2 CPU-seconds a worker when each imports them after the fork.
-WORKER_IMPORTS = ("hsdp_runner.runtime.worker", "torch.distributed.fsdp", "torch._dynamo",
-                  "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-                  "torch.distributed.tensor.parallel", "torch.utils.flop_counter",
-                  "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
-                  "hsdp_runner.models.llama", "hsdp_runner.models.gpt2", "safetensors.torch")
+WORKER_IMPORTS = (
+    "hsdp_runner.runtime.worker",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.tensor.parallel",
+    "torch.utils.flop_counter",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+    "hsdp_runner.models.llama",
+    "hsdp_runner.models.gpt2",
+    "safetensors.torch",
+)
 
 # The environment the server started with; set only inside the server (and so in every worker
 # forked from it), None in any other process.
@@ -79,13 +93,16 @@ def check_cuda_untouched() -> None:
 
     if not (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
         return
-    cause = _cuda_initialised_by or ("a CUDA call while it imported its modules, e.g. "
-                                     "torch.cuda.is_available(), which initialises the driver")
+    cause = _cuda_initialised_by or (
+        "a CUDA call while it imported its modules, e.g. "
+        "torch.cuda.is_available(), which initialises the driver"
+    )
     raise RuntimeError(
         f"CUDA was initialised in the forkserver ({cause}) before this worker was forked from "
         f"it; a CUDA context does not survive fork, so no rank could use its GPU. Keep CUDA "
         f"calls out of module import time in {SERVER_MODULE}'s imports (forkserver."
-        "WORKER_IMPORTS)")
+        "WORKER_IMPORTS)"
+    )
 
 
 def use_server() -> str:
@@ -110,6 +127,7 @@ def run_forked(launcher_env: dict[str, str], fn, *args):
         os.environ.update(launcher_env)
         os.environ.update(rank_env)
         for signum in STOP_SIGNALS:
-            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
-                          else signal.SIG_DFL)
+            signal.signal(
+                signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            )
     return fn(*args)

@@ -67,8 +67,13 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def validate(cfg: RunConfig | DictConfig, output_dir: Path, submitting: bool = False,
-             size_degrees: dict | None = None, overrides: list[str] = ()) -> ParallelDims:
+def validate(
+    cfg: RunConfig | DictConfig,
+    output_dir: Path,
+    submitting: bool = False,
+    size_degrees: dict | None = None,
+    overrides: list[str] = (),
+) -> ParallelDims:
     """Run every pre-launch check; return the job's ParallelDims or raise ConfigError.
 
     Takes the typed config, or a composed one (the app, parity, the tests), converted here.
@@ -105,10 +110,15 @@ def validate(cfg: RunConfig | DictConfig, output_dir: Path, submitting: bool = F
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
     model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
     validate_batch(cfg.trainer, dims.dp)
-    if gpus and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype) \
-            and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ConfigError(f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
-                          "support; use precision=fp32")
+    if (
+        gpus
+        and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype)
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ConfigError(
+            f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
+            "support; use precision=fp32"
+        )
     if cfg.data.kind == DataKind.text:
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     if cfg.trainer.freeze:
@@ -129,27 +139,36 @@ def _check_auto_launch(cfg: RunConfig, gpus: int, submitting: bool) -> None:
             "parallel=auto plans in the process that starts the workers (launcher=local), and "
             "each torchrun or SLURM rank would plan on its own; plan first (python -m "
             "hsdp_runner.plan ... plan.write_sweep=<file>) and run its degrees, or use "
-            "launcher=local")
+            "launcher=local"
+        )
     degrees = [getattr(cfg.parallel, name) for name in DIM_NAMES]
     if not gpus and cfg.launcher.nproc_per_node is None and -1 in degrees:
-        raise ConfigError("parallel=auto on CPU needs the number of ranks to plan for and start: "
-                          "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4)")
+        raise ConfigError(
+            "parallel=auto on CPU needs the number of ranks to plan for and start: "
+            "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4)"
+        )
 
 
-def _plan_auto(cfg: DictConfig, world_size: int, ranks_per_node: int, gpus: int, output_dir: Path,
-               overrides: list[str]) -> None:
+def _plan_auto(
+    cfg: DictConfig,
+    world_size: int,
+    ranks_per_node: int,
+    gpus: int,
+    output_dir: Path,
+    overrides: list[str],
+) -> None:
     """Plan the auto job on its cluster, write the chosen degrees into ``cfg`` and say which
     layout was chosen and which came second (ConfigError when nothing fits)."""
     from hsdp_runner.planner import auto as plan_auto
 
     device_name = torch.cuda.get_device_name(0) if gpus else None
-    choice = plan_auto.plan_job(cfg, world_size, ranks_per_node, device_name,
-                                output_dir / plan_auto.PLAN_DIR, overrides)
+    choice = plan_auto.plan_job(
+        cfg, world_size, ranks_per_node, device_name, output_dir / plan_auto.PLAN_DIR, overrides
+    )
     print(f"hsdp_runner: {plan_auto.describe(choice)}", flush=True)
 
 
-def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None
-                  ) -> tuple[int, int]:
+def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None) -> tuple[int, int]:
     """Return (world size, ranks per node): from torchrun's / SLURM's environment in a rank,
     else from ``launcher.nnodes`` x ``launcher.nproc_per_node`` (on CPU without it, from the
     degrees: a sweep's ``size_degrees``, else the job's own)."""
@@ -157,15 +176,19 @@ def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None
         world_size = int(os.environ["WORLD_SIZE"])
         return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if cfg.launcher.nnodes > 1 and cfg.launcher.name == LauncherName.local:
-        raise ConfigError(f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
-                          "ranks on this node only; use torchrun on every node or launcher=slurm "
-                          "(docs/many_nodes.md), or keep launcher.nnodes=1")
+        raise ConfigError(
+            f"launcher.nnodes={cfg.launcher.nnodes}: the built-in launcher starts "
+            "ranks on this node only; use torchrun on every node or launcher=slurm "
+            "(docs/many_nodes.md), or keep launcher.nnodes=1"
+        )
     sizing = dataclasses.replace(cfg.parallel, **size_degrees) if size_degrees else cfg.parallel
     world_size = infer_world_size(cfg.launcher, sizing, gpus)
     nproc = world_size // cfg.launcher.nnodes
     if gpus and nproc > gpus:
-        raise ConfigError(f"launcher.nproc_per_node={nproc} exceeds the {gpus} visible GPUs; "
-                          f"use at most {gpus} ranks per node or set device=cpu")
+        raise ConfigError(
+            f"launcher.nproc_per_node={nproc} exceeds the {gpus} visible GPUs; "
+            f"use at most {gpus} ranks per node or set device=cpu"
+        )
     return world_size, nproc
 
 
@@ -176,8 +199,10 @@ def _check_writable(output_dir: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"output dir {output_dir} is not writable ({err.strerror}); set "
-                          "hydra.run.dir (or hydra.sweep.dir) to a writable folder") from None
+        raise ConfigError(
+            f"output dir {output_dir} is not writable ({err.strerror}); set "
+            "hydra.run.dir (or hydra.sweep.dir) to a writable folder"
+        ) from None
 
 
 def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
@@ -189,8 +214,9 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
     try:
         if LauncherName(cfg.launcher.name).submitit:
             join_submitit_job(cfg.launcher.name)
-        dims = validate(cfg, output_dir, size_degrees=run_info.size_degrees,
-                        overrides=run_info.overrides)
+        dims = validate(
+            cfg, output_dir, size_degrees=run_info.size_degrees, overrides=run_info.overrides
+        )
         run = to_run_config(cfg)  # after validate: parallel=auto wrote its degrees into cfg
     except ConfigError as err:
         if run_info.multirun:  # a sweep skips a combination that cannot run, goes on
@@ -204,20 +230,26 @@ def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
         begin_attempt(output_dir)
     if under_torchrun():
         from hsdp_runner.runtime.worker import run_worker
+
         summary = run_worker(cfg_dict, dims, run_info)
     else:
         code, summary = _launch_local(run, cfg_dict, dims, run_info)
         if code != EXIT_OK:
             return code
     if summary is not None and summary.status is RunStatus.interrupted:
-        print(f"hsdp_runner: interrupted by {summary.signal} after step "
-              f"{summary.interrupted_at_step}; last checkpoint: "
-              f"{summary.last_checkpoint or 'none (checkpoint.enable=false)'}; rerun the "
-              f"same command to resume. Outputs in {output_dir}", file=sys.stderr)
+        print(
+            f"hsdp_runner: interrupted by {summary.signal} after step "
+            f"{summary.interrupted_at_step}; last checkpoint: "
+            f"{summary.last_checkpoint or 'none (checkpoint.enable=false)'}; rerun the "
+            f"same command to resume. Outputs in {output_dir}",
+            file=sys.stderr,
+        )
         return 128 + signal.Signals[summary.signal].value
     if summary is not None:
-        print(f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
-              f"{summary.final_loss:.4f}); outputs in {output_dir}")
+        print(
+            f"hsdp_runner: done ({dims.layout}, {dims.world_size} ranks, final loss "
+            f"{summary.final_loss:.4f}); outputs in {output_dir}"
+        )
     return EXIT_OK
 
 
@@ -234,13 +266,20 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
             validate(to_run_config(cfg), sweep_dir, submitting=True)
         except ConfigError as err:
             job = " ".join(overrides) or "no overrides"
-            print(f"hsdp_runner: config error in job #{num} ({job}): {err}; nothing was submitted",
-                  file=sys.stderr)
+            print(
+                f"hsdp_runner: config error in job #{num} ({job}): {err}; nothing was submitted",
+                file=sys.stderr,
+            )
             raise SystemExit(EXIT_CONFIG) from None
 
 
-def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
-                        agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT") -> dict:
+def start_local_workers(
+    fn,
+    nproc: int,
+    *args,
+    shutdown_timeout: int = 30,
+    agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+) -> dict:
     """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
     forked from a server that imported torch once (``forkserver``).
 
@@ -253,10 +292,18 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        start_method=forkserver.use_server(), monitor_interval=0.1,
-        shutdown_timeout=shutdown_timeout, signals_to_handle=agent_signals)
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method=forkserver.use_server(),
+        monitor_interval=0.1,
+        shutdown_timeout=shutdown_timeout,
+        signals_to_handle=agent_signals,
+    )
     # torch's agent writes TORCH_NCCL_ASYNC_ERROR_HANDLING into every worker's environment,
     # its own default (1) unless the launching process has one (local_elastic_agent.py), so
     # a worker cannot set ours; the launcher can, for the launch only. A user's value wins.
@@ -271,8 +318,9 @@ def start_local_workers(fn, nproc: int, *args, shutdown_timeout: int = 30,
             os.environ.pop(key, None)
 
 
-def _launch_local(cfg: RunConfig, cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
-                  ) -> tuple[int, RunSummary | None]:
+def _launch_local(
+    cfg: RunConfig, cfg_dict: dict, dims: ParallelDims, run_info: RunInfo
+) -> tuple[int, RunSummary | None]:
     """Start ``dims.world_size`` workers on this node, each given ``cfg_dict`` (the plain form
     of ``cfg``), and wait; return (exit code, summary)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -291,13 +339,21 @@ def _launch_local(cfg: RunConfig, cfg_dict: dict, dims: ParallelDims, run_info: 
     signals = LauncherSignals()
     signals.install(stop_signals(cfg.launcher.signal))
     try:
-        results = start_local_workers(run_worker, dims.world_size, cfg_dict, dims,
-                                      dataclasses.replace(run_info, local_launch=True),
-                                      shutdown_timeout=cfg.launcher.timeout_s,
-                                      agent_signals="SIGHUP,SIGQUIT")
+        results = start_local_workers(
+            run_worker,
+            dims.world_size,
+            cfg_dict,
+            dims,
+            dataclasses.replace(run_info, local_launch=True),
+            shutdown_timeout=cfg.launcher.timeout_s,
+            agent_signals="SIGHUP,SIGQUIT",
+        )
     except SignalException as err:  # a stop signal while no worker was running
-        print(f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} while no worker was "
-              "running", file=sys.stderr)
+        print(
+            f"hsdp_runner: stopped by {signal.Signals(err.sigval).name} while no worker was "
+            "running",
+            file=sys.stderr,
+        )
         return 128 + err.sigval, None
     except ChildFailedError as err:
         rank, failure = first_failure(err.failures)
@@ -305,8 +361,11 @@ def _launch_local(cfg: RunConfig, cfg_dict: dict, dims: ParallelDims, run_info: 
         if stopped:
             return _stopped_at_once(cfg.checkpoint, dims, run_info.output_dir, stopped), None
         message = _failure_message(failure, Path(run_info.output_dir) / "logs", rank)
-        print(f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
-              f"rank logs: {Path(run_info.output_dir) / 'logs'}", file=sys.stderr)
+        print(
+            f"hsdp_runner: rank {rank} failed (exit code {failure.exitcode}): {message}\n"
+            f"rank logs: {Path(run_info.output_dir) / 'logs'}",
+            file=sys.stderr,
+        )
         record_launcher_failure(run_info.output_dir, dims.describe(), rank, message)
         return EXIT_FAILED, None
     finally:
@@ -319,16 +378,20 @@ def _stop_exit_signal(exitcode: int) -> int | None:
     return exitcode - 128 if exitcode - 128 in {int(s) for s in BASE_SIGNALS} else None
 
 
-def _stopped_at_once(ckpt: CheckpointConfig, dims: ParallelDims, output_dir: str,
-                     signum: int) -> int:
+def _stopped_at_once(
+    ckpt: CheckpointConfig, dims: ParallelDims, output_dir: str, signum: int
+) -> int:
     """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
     last_ckpt = checkpoint_start.newest_checkpoint(ckpt, Path(output_dir))
     step = tracking.last_step(output_dir)
-    record_stopped_at_once(output_dir, dims.describe(), signal_name(signum), step, last_ckpt,
-                           first_only=False)
-    print(f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
-          f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
-          file=sys.stderr)
+    record_stopped_at_once(
+        output_dir, dims.describe(), signal_name(signum), step, last_ckpt, first_only=False
+    )
+    print(
+        f"hsdp_runner: stopped at once by a repeated {signal_name(signum)} during step "
+        f"{step + 1}; last checkpoint: {last_ckpt or 'none'}. Outputs in {output_dir}",
+        file=sys.stderr,
+    )
     return 128 + signum
 
 
@@ -352,8 +415,10 @@ def _record_skipped(cfg: DictConfig, run_info: RunInfo, reason: str) -> None:
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        RunSummary.skipped(reason, run_info.overrides,
-                           {name: cfg.parallel[name] for name in DIM_NAMES}).write(output_dir)
+        RunSummary.skipped(
+            reason, run_info.overrides, {name: cfg.parallel[name] for name in DIM_NAMES}
+        ).write(output_dir)
     except OSError as err:  # e.g. the reason itself is an unwritable output dir
-        print(f"hsdp_runner: could not record the skipped job in {output_dir}: {err}",
-              file=sys.stderr)
+        print(
+            f"hsdp_runner: could not record the skipped job in {output_dir}: {err}", file=sys.stderr
+        )

@@ -82,18 +82,29 @@ def start(output_dir: Path, layout: dict | None, timeout_s: float) -> Sidecar:
     read_end, write_end = os.pipe()
     # Not inherited by rank 0's own children: its end closes exactly when rank 0 ends.
     control, sidecar_end = socket.socketpair()
-    spec = {"output_dir": str(output_dir), "layout": layout, "timeout_s": timeout_s,
-            "started": time.time(), "control": sidecar_end.fileno()}
+    spec = {
+        "output_dir": str(output_dir),
+        "layout": layout,
+        "timeout_s": timeout_s,
+        "started": time.time(),
+        "control": sidecar_end.fileno(),
+    }
     saved = os.dup(2)
     package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [package_root,
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+    }
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "hsdp_runner.runtime.sidecar",
-                                 json.dumps(spec)], stdin=read_end, stdout=saved, stderr=saved,
-                                pass_fds=(sidecar_end.fileno(),), env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsdp_runner.runtime.sidecar", json.dumps(spec)],
+            stdin=read_end,
+            stdout=saved,
+            stderr=saved,
+            pass_fds=(sidecar_end.fileno(),),
+            env=env,
+            start_new_session=True,
+        )
     finally:
         os.close(read_end)
         sidecar_end.close()
@@ -106,7 +117,7 @@ def start(output_dir: Path, layout: dict | None, timeout_s: float) -> Sidecar:
 def _write_all(fd: int, data: bytes) -> None:
     try:
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
     except OSError:  # a closed console must not stop the copy to the log
         pass
 
@@ -146,15 +157,22 @@ def _copy_rest(log_fd: int, timeout_s: float) -> None:
 def main(argv: list[str]) -> int:
     """The sidecar process: ``python -m hsdp_runner.runtime.sidecar '<json spec>'`` with rank
     0's stderr pipe as stdin and the original stderr as stdout (see ``start``)."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                signal.SIGUSR2):
+    for sig in (
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    ):
         signal.signal(sig, signal.SIG_IGN)
     spec = json.loads(argv[1])
     output_dir = Path(spec["output_dir"])
     control = socket.socket(fileno=spec["control"])
     (output_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log_fd = os.open(output_dir / "logs" / "rank0.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                     0o644)
+    log_fd = os.open(
+        output_dir / "logs" / "rank0.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+    )
     fcntl.flock(log_fd, fcntl.LOCK_EX)  # readers wait for the copy (failures._attempt_lines)
     clean, at_eof = _copy_until_rank0_ends(log_fd, control)
     fcntl.flock(log_fd, fcntl.LOCK_UN)
@@ -163,8 +181,11 @@ def main(argv: list[str]) -> int:
     elif spec["layout"] is not None:
         summary = record_if_missing(output_dir, spec["layout"], spec["started"])
         if summary is not None:
-            _write_all(1, f"hsdp_runner: rank {summary.failed_rank} failed: {summary.error}\n"
-                          f"rank logs: {output_dir / 'logs'}\n".encode())
+            _write_all(
+                1,
+                f"hsdp_runner: rank {summary.failed_rank} failed: {summary.error}\n"
+                f"rank logs: {output_dir / 'logs'}\n".encode(),
+            )
     control.close()
     if not at_eof:
         _copy_rest(log_fd, spec["timeout_s"])

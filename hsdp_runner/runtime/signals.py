@@ -32,6 +32,8 @@ from hsdp_runner.core.signal_names import parse_signal, signal_name
 # directly and forwarded by an agent); a later one is a user insisting.
 DUPLICATE_WINDOW_S = 1.0
 BASE_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+
+
 def stop_signals(extra: str | None = None) -> tuple[signal.Signals, ...]:
     """SIGTERM, SIGINT and SIGUSR2 (submitit's time-limit signal), plus ``extra`` (the name in
     ``launcher.signal``) when given."""
@@ -111,8 +113,10 @@ class LauncherSignals(StopRequest):
         if not pids:
             from torch.distributed.elastic.multiprocessing.api import SignalException
 
-            raise SignalException(f"got {signal_name(signum)} before the workers started",
-                                  sigval=signal.Signals(signum))
+            raise SignalException(
+                f"got {signal_name(signum)} before the workers started",
+                sigval=signal.Signals(signum),
+            )
         _send(pids, signum)
 
     def on_insist(self, signum: int) -> None:
@@ -138,8 +142,7 @@ def worker_pids(parent: int | None = None) -> list[int]:
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append((int(proc.name),
-                                                  (proc / "cmdline").read_bytes()))
+            children.setdefault(ppid, []).append((int(proc.name), (proc / "cmdline").read_bytes()))
         except (OSError, IndexError, ValueError):
             continue
     found = []

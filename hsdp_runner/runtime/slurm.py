@@ -51,9 +51,11 @@ def join_submitit_job(launcher_name: str) -> None:
     the job's environment with submitit's helper; raises ConfigError outside a submitit job.
     """
     if not in_submitit_job():
-        raise ConfigError(f"launcher={launcher_name} runs jobs through hydra-submitit-launcher, "
-                          "which Hydra uses only in multirun mode; drop hydra.mode=RUN / "
-                          "hydra/launcher overrides, or use launcher=local")
+        raise ConfigError(
+            f"launcher={launcher_name} runs jobs through hydra-submitit-launcher, "
+            "which Hydra uses only in multirun mode; drop hydra.mode=RUN / "
+            "hydra/launcher overrides, or use launcher=local"
+        )
     from submitit.helpers import TorchDistributedEnvironment
 
     # Every GPU of the node stays visible (the rank picks cuda:LOCAL_RANK). overwrite: a RANK
@@ -77,8 +79,12 @@ def requeue_if_asked(launcher: LauncherConfig, stop: StopRequest, summary: RunSu
     handler = stop.previous.get(JobEnvironment._usr_sig())
     if stop.signum not in time_limit or not callable(handler):
         return
-    log.warning("%s after step %d: requeueing the job through submitit; it resumes from %s",
-                summary.signal, summary.interrupted_at_step, summary.last_checkpoint)
+    log.warning(
+        "%s after step %d: requeueing the job through submitit; it resumes from %s",
+        summary.signal,
+        summary.interrupted_at_step,
+        summary.last_checkpoint,
+    )
     try:
         handler(stop.signum, None)  # requeues and exits the process
     except Exception as err:  # e.g. submitit's "timed-out too many times"

@@ -17,8 +17,11 @@ from __future__ import annotations
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 
-STATUS = {EXIT_OK: RunStatus.completed, EXIT_FAILED: RunStatus.failed,
-          EXIT_CONFIG: RunStatus.skipped}
+STATUS = {
+    EXIT_OK: RunStatus.completed,
+    EXIT_FAILED: RunStatus.failed,
+    EXIT_CONFIG: RunStatus.skipped,
+}
 
 _tally: dict = {"sweep_dir": None, "codes": []}
 
@@ -50,6 +53,8 @@ def finish() -> int:
     counts = ", ".join(f"{codes.count(code)} {name}" for code, name in STATUS.items())
     if any(code > 128 for code in codes):
         counts += f", {sum(code > 128 for code in codes)} {RunStatus.interrupted}"
-    print(f"hsdp_runner: sweep done ({len(codes)} jobs: {counts}); results in {sweep_dir}\n"
-          f"compare them: python -m hsdp_runner.compare {sweep_dir}")
+    print(
+        f"hsdp_runner: sweep done ({len(codes)} jobs: {counts}); results in {sweep_dir}\n"
+        f"compare them: python -m hsdp_runner.compare {sweep_dir}"
+    )
     return exit_code(codes)

@@ -75,8 +75,9 @@ def setup_logging(output_dir: Path, rank: int) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    fmt = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S")
+    fmt = logging.Formatter(
+        f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -107,9 +108,13 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     setup_logging(output_dir, rank)
     # Rank 0's stderr goes through a process that outlives it (its C++ last words reach its
     # log; under torchrun / SLURM it records a rank 0 that died without a word).
-    sidecar = rank0_sidecar.start(output_dir, None if run_info.local_launch
-                                  else dims.describe(), cfg.launcher.timeout_s) \
-        if rank == 0 else None
+    sidecar = (
+        rank0_sidecar.start(
+            output_dir, None if run_info.local_launch else dims.describe(), cfg.launcher.timeout_s
+        )
+        if rank == 0
+        else None
+    )
     faulthandler.enable(all_threads=True)  # a rank killed in C++ leaves its Python stack in its log
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     set_cpu_threads(local_world_size)
@@ -120,10 +125,20 @@ def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSumm
             os.environ.setdefault(key, value)  # the user's own TORCH_NCCL_* settings win
         key, ours = NCCL_ERROR_HANDLING
         if rank == 0 and os.environ[key] != ours:  # torchrun's agent default, or the user's
-            log.warning("%s=%s, not the runner's %s: under torchrun the agent sets 1 unless "
-                        "you export %s=%s (docs/gpu.md)", key, os.environ[key], ours, key, ours)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launcher.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+            log.warning(
+                "%s=%s, not the runner's %s: under torchrun the agent sets 1 unless "
+                "you export %s=%s (docs/gpu.md)",
+                key,
+                os.environ[key],
+                ours,
+                key,
+                ours,
+            )
+    dist.init_process_group(
+        backend,
+        timeout=timedelta(seconds=cfg.launcher.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
         summary = _train(cfg, dims, run_info, device, output_dir, rank, stop)
     except BaseException as err:
@@ -167,15 +182,21 @@ def end_process_group(failed: bool) -> None:
     dist.destroy_process_group()
 
 
-def _record_failure(ckpt_cfg: CheckpointConfig, dims: ParallelDims, output_dir: Path,
-                    rank: int, err: BaseException) -> None:
+def _record_failure(
+    ckpt_cfg: CheckpointConfig, dims: ParallelDims, output_dir: Path, rank: int, err: BaseException
+) -> None:
     """Log why this rank ends early and, if it is the first rank of this attempt to end so,
     write summary.json: ``interrupted`` for a stop-at-once signal, else ``failed``."""
     last_ckpt = checkpoint_start.newest_checkpoint(ckpt_cfg, output_dir)
     if isinstance(err, StopNow):
         log.warning("rank %d stopped at once on a repeated %s", rank, signal_name(err.signum))
-        record_stopped_at_once(output_dir, dims.describe(), signal_name(err.signum),
-                               tracking.last_step(output_dir), last_ckpt)
+        record_stopped_at_once(
+            output_dir,
+            dims.describe(),
+            signal_name(err.signum),
+            tracking.last_step(output_dir),
+            last_ckpt,
+        )
         return
     log.exception("rank %d failed", rank)
     summary = record_rank_failure(output_dir, dims.describe(), rank, err, last_ckpt)
@@ -183,11 +204,23 @@ def _record_failure(ckpt_cfg: CheckpointConfig, dims: ParallelDims, output_dir: 
         log.error("rank %d failed first: %s", summary.failed_rank, summary.error)
 
 
-def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.device,
-           output_dir: Path, rank: int, stop: StopRequest) -> RunSummary | None:
+def _train(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    run_info: RunInfo,
+    device: torch.device,
+    output_dir: Path,
+    rank: int,
+    stop: StopRequest,
+) -> RunSummary | None:
     world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
-    log.info("mesh %s over %s (%s, %d ranks)", dict(zip(world.root.mesh_dim_names, dims.shape)),
-             device.type, dims.layout, dims.world_size)
+    log.info(
+        "mesh %s over %s (%s, %d ranks)",
+        dict(zip(world.root.mesh_dim_names, dims.shape)),
+        device.type,
+        dims.layout,
+        dims.world_size,
+    )
     # How the real process groups of every dim sit on the nodes: recorded so that it can be
     # checked against the planner's arithmetic. A collective: every rank calls it.
     placements = observed_placements(world, (*DIM_NAMES, *FLATTENED))
@@ -196,8 +229,16 @@ def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.
     mem_baseline = metrics.current_memory_gib(device)
     meter = TensorMemoryMeter(device, cfg.metrics.memory_steps, enabled=not cfg.profile.enable)
     meter.start()
-    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device,
-                        cfg.trainer.seed, cfg.trainer.freeze)
+    model = build_model(
+        cfg.model,
+        dims,
+        world,
+        cfg.parallel,
+        cfg.precision,
+        device,
+        cfg.trainer.seed,
+        cfg.trainer.freeze,
+    )
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
     # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
@@ -214,16 +255,17 @@ def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.
     try:
         first = ckpt.restore(start)
         profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)
-        records = trainer.fit(
-            first, meter.wrap(profiler.wrap(ckpt.after_step, first), first), stop)
+        records = trainer.fit(first, meter.wrap(profiler.wrap(ckpt.after_step, first), first), stop)
         meter.stop()  # a run of fewer steps than the meter covers
         # A signal during the last step stops nothing: training is complete (saved as usual).
         stopped = trainer.stopped_by if trainer.last_step < cfg.trainer.steps else None
         if stopped:
             _save_on_stop(cfg.checkpoint, ckpt, trainer.last_step)
         elif trainer.stopped_by and rank == 0:
-            log.warning("%s arrived during the last step: training is complete, finishing the "
-                        "job", signal_name(trainer.stopped_by))
+            log.warning(
+                "%s arrived during the last step: training is complete, finishing the job",
+                signal_name(trainer.stopped_by),
+            )
     except BaseException:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
@@ -239,16 +281,33 @@ def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.
     memory = _memory_facts(device, figures.memory_estimate, mem_baseline, meter.peak_gib)
     if rank != 0:
         return None
-    interrupted = {"status": RunStatus.interrupted, "interrupted_at_step": trainer.last_step,
-                   "signal": signal_name(stopped)} if stopped else {}
-    summary = RunSummary(**{
-        "status": RunStatus.completed, **facts, "steps": len(records),
-        "skipped_steps": trainer.skipped_steps,
-        "final_loss": records[-1]["loss"] if records else None, "eval_loss": eval_loss,
-        "peak_tflops": figures.peak_tflops, "peak_tflops_source": figures.peak_source,
-        "flops_per_token": figures.flops_per_token,
-        **metrics.steady_state(records, cfg.metrics.warmup_steps), **ckpt.facts, **memory,
-        **trainer.comm_facts, **interrupted})
+    interrupted = (
+        {
+            "status": RunStatus.interrupted,
+            "interrupted_at_step": trainer.last_step,
+            "signal": signal_name(stopped),
+        }
+        if stopped
+        else {}
+    )
+    summary = RunSummary(
+        **{
+            "status": RunStatus.completed,
+            **facts,
+            "steps": len(records),
+            "skipped_steps": trainer.skipped_steps,
+            "final_loss": records[-1]["loss"] if records else None,
+            "eval_loss": eval_loss,
+            "peak_tflops": figures.peak_tflops,
+            "peak_tflops_source": figures.peak_source,
+            "flops_per_token": figures.flops_per_token,
+            **metrics.steady_state(records, cfg.metrics.warmup_steps),
+            **ckpt.facts,
+            **memory,
+            **trainer.comm_facts,
+            **interrupted,
+        }
+    )
     summary.prediction = prediction.job_prediction(config, summary)
     for sink in sinks:
         sink.log_summary(summary)
@@ -256,72 +315,121 @@ def _train(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo, device: torch.
     return summary
 
 
-def make_trainer(cfg: RunConfig, dims: ParallelDims, world: WorldMesh, model: torch.nn.Module,
-                 device: torch.device, figures: RunFigures, sinks: list[tracking.Tracker]
-                 ) -> Trainer:
+def make_trainer(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    world: WorldMesh,
+    model: torch.nn.Module,
+    device: torch.device,
+    figures: RunFigures,
+    sinks: list[tracking.Tracker],
+) -> Trainer:
     """Build the Trainer from the typed config: the sections it uses, this rank's batches and
     the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
     batches = TokenBatches(
-        cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.trainer.global_batch_size,
-        dp_rank=world.local_rank_in("dp"), dp_size=dims.dp, seed=cfg.trainer.seed,
-        cp_rank=world.local_rank_in("cp"), cp_size=dims.cp)
-    return Trainer(model, dims, world, device, batches, figures, spec=model_spec(cfg.model),
-                   optim=cfg.optim, train=cfg.trainer, metrics=cfg.metrics, fault=cfg.fault,
-                   sinks=sinks)
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+        cfg.trainer.global_batch_size,
+        dp_rank=world.local_rank_in("dp"),
+        dp_size=dims.dp,
+        seed=cfg.trainer.seed,
+        cp_rank=world.local_rank_in("cp"),
+        cp_size=dims.cp,
+    )
+    return Trainer(
+        model,
+        dims,
+        world,
+        device,
+        batches,
+        figures,
+        spec=model_spec(cfg.model),
+        optim=cfg.optim,
+        train=cfg.trainer,
+        metrics=cfg.metrics,
+        fault=cfg.fault,
+        sinks=sinks,
+    )
 
 
 def make_checkpointer(cfg: RunConfig, output_dir: Path, trainer: Trainer) -> Checkpointer:
     """Build the Checkpointer over the trainer's model, optimizer and LR scheduler."""
-    return Checkpointer(cfg.checkpoint, trainer, output_dir, model=cfg.model,
-                        precision=cfg.precision, data=cfg.data)
+    return Checkpointer(
+        cfg.checkpoint, trainer, output_dir, model=cfg.model, precision=cfg.precision, data=cfg.data
+    )
 
 
 def _log_figures(figures: RunFigures) -> None:
     mem = figures.memory_estimate
     log.info("peak %s TFLOP/s per device (%s)", _fmt(figures.peak_tflops), figures.peak_source)
-    log.info("memory estimate per rank: params %.3f + grads %.3f + optimizer %.3f = %.3f GiB "
-             "(activations and gathered parameters come on top)", mem["params"], mem["grads"],
-             mem["optimizer"], mem["total"])
+    log.info(
+        "memory estimate per rank: params %.3f + grads %.3f + optimizer %.3f = %.3f GiB "
+        "(activations and gathered parameters come on top)",
+        mem["params"],
+        mem["grads"],
+        mem["optimizer"],
+        mem["total"],
+    )
 
 
-def _prepare_metrics(ckpt_cfg: CheckpointConfig, output_dir: Path,
-                     start: checkpoint_start.Start) -> None:
+def _prepare_metrics(
+    ckpt_cfg: CheckpointConfig, output_dir: Path, start: checkpoint_start.Start
+) -> None:
     """Rank 0, before the first step: a job resuming its own checkpoint keeps each step up to
     it once in metrics.jsonl; any other start sets an earlier run's files aside."""
-    own = start.source is StartSource.checkpoint and \
-        Path(start.path).parent == checkpoint_start.checkpoint_dir(ckpt_cfg, output_dir)
+    own = start.source is StartSource.checkpoint and Path(
+        start.path
+    ).parent == checkpoint_start.checkpoint_dir(ckpt_cfg, output_dir)
     if own:
         tracking.truncate_metrics(output_dir, start.step)
     elif (aside := tracking.set_aside_earlier_run(output_dir)) is not None:
-        log.warning("this run starts afresh; the earlier run's metrics.jsonl and summary.json "
-                    "in this dir were moved to %s", aside)
+        log.warning(
+            "this run starts afresh; the earlier run's metrics.jsonl and summary.json "
+            "in this dir were moved to %s",
+            aside,
+        )
 
 
 def _save_on_stop(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, step: int) -> None:
     """After a stop request, save the step just finished unless it was saved already
     (``ckpt_cfg``: the ``checkpoint`` config)."""
     if not ckpt_cfg.enable:
-        log.warning("stopped after step %d; checkpointing is off (checkpoint.enable=false), so "
-                    "a rerun starts over", step)
+        log.warning(
+            "stopped after step %d; checkpointing is off (checkpoint.enable=false), so "
+            "a rerun starts over",
+            step,
+        )
         return
     if ckpt.facts["last_checkpoint"] != str(ckpt.folder / f"step-{step}"):
         ckpt.save(step)
-    log.warning("stopped after step %d; checkpoint %s; rerun the same command to resume",
-                step, ckpt.facts["last_checkpoint"])
+    log.warning(
+        "stopped after step %d; checkpoint %s; rerun the same command to resume",
+        step,
+        ckpt.facts["last_checkpoint"],
+    )
 
 
-def _memory_facts(device: torch.device, estimate: dict, baseline: float,
-                  tensor_peak: float | None) -> dict:
+def _memory_facts(
+    device: torch.device, estimate: dict, baseline: float, tensor_peak: float | None
+) -> dict:
     """Every rank's peak memory (allocated; reserved on CUDA), its memory before the model
     was built (``baseline``, GiB), the peak of tensor memory added since then
     (``tensor_peak``, GiB, None when not measured) and the state estimate."""
-    mine = (metrics.peak_memory_gib(device), metrics.peak_reserved_gib(device), baseline,
-            tensor_peak)
+    mine = (
+        metrics.peak_memory_gib(device),
+        metrics.peak_reserved_gib(device),
+        baseline,
+        tensor_peak,
+    )
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    facts = {"mem_peak_gib_per_rank": [m[0] for m in every],
-             "mem_baseline_gib_per_rank": [m[2] for m in every],
-             "mem_tensor_peak_gib_per_rank": [m[3] for m in every], "mem_estimate_gib": estimate}
+    facts = {
+        "mem_peak_gib_per_rank": [m[0] for m in every],
+        "mem_baseline_gib_per_rank": [m[2] for m in every],
+        "mem_tensor_peak_gib_per_rank": [m[3] for m in every],
+        "mem_estimate_gib": estimate,
+    }
     if device.type == "cuda":
         facts["mem_reserved_gib_per_rank"] = [m[1] for m in every]
     return facts
@@ -329,9 +437,18 @@ def _memory_facts(device: torch.device, estimate: dict, baseline: float,
 
 def run_facts(dims: ParallelDims, device: torch.device) -> dict:
     """Derived facts recorded with every run: mesh, device, versions."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {**dims.describe(), "device": device.type, "device_name": name,
-            "torch_version": torch.__version__, "hostname": platform.node()}
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
+    return {
+        **dims.describe(),
+        "device": device.type,
+        "device_name": name,
+        "torch_version": torch.__version__,
+        "hostname": platform.node(),
+    }
 
 
 def _fmt(value) -> str:

@@ -53,18 +53,23 @@ def load_corpus(path: str | None, min_tokens: int) -> torch.Tensor:
     else:
         file = Path(path).expanduser()
         if not file.is_file():
-            raise ConfigError(f"data.path={path!r} does not exist or is not a file; point it at a "
-                              "UTF-8 text file, or set data.path=null for the built-in corpus")
+            raise ConfigError(
+                f"data.path={path!r} does not exist or is not a file; point it at a "
+                "UTF-8 text file, or set data.path=null for the built-in corpus"
+            )
         text = file.read_text(encoding="utf-8", errors="replace")
     tokens = encode_bytes(text)
     if tokens.numel() < min_tokens:
-        raise ConfigError(f"data.path={path!r} holds {tokens.numel()} bytes, fewer than one "
-                          f"sequence of model.seq_len+1={min_tokens}; use a larger file")
+        raise ConfigError(
+            f"data.path={path!r} holds {tokens.numel()} bytes, fewer than one "
+            f"sequence of model.seq_len+1={min_tokens}; use a larger file"
+        )
     return tokens
 
 
-def follow_successors(draws: torch.Tensor, follow: torch.Tensor, successor: torch.Tensor
-                      ) -> torch.Tensor:
+def follow_successors(
+    draws: torch.Tensor, follow: torch.Tensor, successor: torch.Tensor
+) -> torch.Tensor:
     """Apply the chain rule left to right: where ``follow[:, t]`` (t >= 1), token t becomes
     ``successor[token t-1]`` (of the already chained token), else it keeps ``draws[:, t]``.
 
@@ -92,14 +97,25 @@ def follow_successors(draws: torch.Tensor, follow: torch.Tensor, successor: torc
 class TokenBatches:
     """Yields this rank's (inputs, targets) for a step; see the module docstring."""
 
-    def __init__(self, data_cfg: DataConfig, vocab_size: int, seq_len: int, global_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, cp_rank: int = 0, cp_size: int = 1):
+    def __init__(
+        self,
+        data_cfg: DataConfig,
+        vocab_size: int,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+    ):
         self.kind = DataKind(data_cfg.kind)
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
         self.cp_rank, self.cp_size = cp_rank, cp_size
-        self.corpus = load_corpus(data_cfg.path, seq_len + 1) \
-            if self.kind is DataKind.text else None
+        self.corpus = (
+            load_corpus(data_cfg.path, seq_len + 1) if self.kind is DataKind.text else None
+        )
         if self.kind is DataKind.synthetic:
             # Fixed per seed: a Zipf unigram law and a random successor for every token. A token
             # follows its predecessor's successor half the time, else is drawn from the Zipf law,
@@ -114,8 +130,9 @@ class TokenBatches:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n, length = self.global_batch, self.seq_len + 1
         if self.kind is DataKind.synthetic:
-            draws = torch.multinomial(self.unigram, n * length, replacement=True,
-                                      generator=gen).view(n, length)
+            draws = torch.multinomial(
+                self.unigram, n * length, replacement=True, generator=gen
+            ).view(n, length)
             follow = torch.rand(n, length, generator=gen) < 0.5
             return follow_successors(draws, follow, self.successor)
         offsets = torch.randint(0, self.corpus.numel() - length + 1, (n,), generator=gen)
@@ -124,7 +141,7 @@ class TokenBatches:
     def local_rows(self, step: int) -> torch.Tensor:
         """Return this dp rank's rows of the step's batch, (rows, seq_len + 1) int64, on CPU."""
         rows = self.global_batch // self.dp_size
-        return self.global_batch_at(step)[self.dp_rank * rows:(self.dp_rank + 1) * rows]
+        return self.global_batch_at(step)[self.dp_rank * rows : (self.dp_rank + 1) * rows]
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return this rank's part of the step's batch as (inputs, targets): its dp rows, and
@@ -135,8 +152,10 @@ class TokenBatches:
         """(inputs, targets) of ``local_rows``' (rows, seq_len + 1) tokens, each cut to this cp
         rank's positions (a target stays beside its input token)."""
         inputs, targets = rows[:, :-1], rows[:, 1:]
-        return (shard_sequence(inputs, self.cp_size, self.cp_rank),
-                shard_sequence(targets, self.cp_size, self.cp_rank))
+        return (
+            shard_sequence(inputs, self.cp_size, self.cp_rank),
+            shard_sequence(targets, self.cp_size, self.cp_rank),
+        )
 
 
 class Prefetcher:

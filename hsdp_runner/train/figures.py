@@ -31,14 +31,23 @@ class RunFigures:
     memory_estimate: dict  # GiB: params, grads, optimizer, total (metrics.memory_breakdown)
 
 
-def compute_run_figures(cfg: RunConfig, dims: ParallelDims, model: torch.nn.Module,
-                        device: torch.device) -> RunFigures:
+def compute_run_figures(
+    cfg: RunConfig, dims: ParallelDims, model: torch.nn.Module, device: torch.device
+) -> RunFigures:
     """Compute the fixed figures of a run from its resolved config, ParallelDims, the sharded
     model (for the memory estimate) and the rank's device; every rank calls it."""
-    peak, source = metrics.resolve_peak_tflops(device, cfg.precision.param_dtype,
-                                               cfg.metrics.peak_tflops)
-    comm = None if cfg.metrics.comm_step is None else analytic_comm(
-        cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
-    return RunFigures(peak_tflops=peak, peak_source=source,
-                      flops_per_token=model_spec(cfg.model).flops_per_token(), analytic_comm=comm,
-                      memory_estimate=metrics.memory_breakdown(model, cfg.precision.master_dtype))
+    peak, source = metrics.resolve_peak_tflops(
+        device, cfg.precision.param_dtype, cfg.metrics.peak_tflops
+    )
+    comm = (
+        None
+        if cfg.metrics.comm_step is None
+        else analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    )
+    return RunFigures(
+        peak_tflops=peak,
+        peak_source=source,
+        flops_per_token=model_spec(cfg.model).flops_per_token(),
+        analytic_comm=comm,
+        memory_estimate=metrics.memory_breakdown(model, cfg.precision.master_dtype),
+    )

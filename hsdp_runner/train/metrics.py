@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # an fp32 matmul gets with TF32 off (torch's default); left out where the datasheet gives none.
 _H100_SXM = {"bfloat16": 989.5, "float16": 989.5, "float32": 67.0}  # H100 SXM: 1,979 sparse
 _H100_PCIE = {"bfloat16": 756.5, "float16": 756.5, "float32": 51.0}  # H100 PCIe: 1,513 sparse
-_H100_NVL = {"bfloat16": 835.5, "float16": 835.5, "float32": 60.0}   # H100/H200 NVL: 1,671 sparse
+_H100_NVL = {"bfloat16": 835.5, "float16": 835.5, "float32": 60.0}  # H100/H200 NVL: 1,671 sparse
 PEAK_TFLOPS = (
     (r"NVIDIA H100( 80GB HBM3)?", _H100_SXM),
     (r"NVIDIA H100 PCIe", _H100_PCIE),
@@ -43,22 +43,23 @@ PEAK_TFLOPS = (
     (r"NVIDIA H800( 80GB HBM3)?", _H100_SXM),
     (r"NVIDIA H800 PCIe", _H100_PCIE),
     (r"NVIDIA H200( 141GB HBM3e)?", _H100_SXM),  # H200 SXM datasheet: 1,979 sparse, FP32 67
-    (r"NVIDIA H200 NVL", _H100_NVL),             # H200 NVL datasheet: 1,671 sparse, FP32 60
+    (r"NVIDIA H200 NVL", _H100_NVL),  # H200 NVL datasheet: 1,671 sparse, FP32 60
     (r"NVIDIA GH200( \d+GB( HBM3e?)?)?", _H100_SXM),  # GH200 datasheet: 1,979 sparse, FP32 67
     # HGX B200: 36 PFLOPS FP16/BF16 sparse for 8 GPUs; GB200 NVL72: 360 PFLOPS for 72 GPUs.
     (r"NVIDIA B200", {"bfloat16": 2250.0, "float16": 2250.0}),
     (r"NVIDIA GB200", {"bfloat16": 2500.0, "float16": 2500.0}),
     # A100 SXM4 and PCIe, 40 and 80 GB: 624 sparse, FP32 19.5.
-    (r"NVIDIA A100([- ](SXM4|PCIE)?-?\d+GB( PCIe)?)?", {"bfloat16": 312.0, "float16": 312.0,
-                                                        "float32": 19.5}),
+    (
+        r"NVIDIA A100([- ](SXM4|PCIE)?-?\d+GB( PCIe)?)?",
+        {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    ),
     (r"NVIDIA L40S", {"bfloat16": 362.05, "float16": 362.05, "float32": 91.6}),  # 733 sparse
-    (r"NVIDIA L40", {"bfloat16": 181.05, "float16": 181.05, "float32": 90.5}),   # 362.1 sparse
-    (r"NVIDIA L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),      # 242 sparse
+    (r"NVIDIA L40", {"bfloat16": 181.05, "float16": 181.05, "float32": 90.5}),  # 362.1 sparse
+    (r"NVIDIA L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),  # 242 sparse
     # AMD Instinct datasheets (dense matrix figures; FP32 matrix).
     (r"AMD Instinct MI300X( VF)?", {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}),
     (r"AMD Instinct MI325X( VF)?", {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}),
-    (r"AMD Instinct MI250X( ?/ ?MI250)?", {"bfloat16": 383.0, "float16": 383.0,
-                                           "float32": 95.7}),
+    (r"AMD Instinct MI250X( ?/ ?MI250)?", {"bfloat16": 383.0, "float16": 383.0, "float32": 95.7}),
 )
 
 
@@ -99,13 +100,17 @@ def _cpu_key(dtype: str) -> str:
     model = platform.processor()
     try:
         with open("/proc/cpuinfo") as info:
-            model = next((line.split(":", 1)[1].strip() for line in info
-                          if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                model,
+            )
     except OSError:
         pass
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return (f"{platform.node()}|{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
-            f"|{ranks} ranks|{dtype}|torch {torch.__version__}")
+    return (
+        f"{platform.node()}|{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
+        f"|{ranks} ranks|{dtype}|torch {torch.__version__}"
+    )
 
 
 def cached_cpu_tflops(dtype: str) -> tuple[float, str]:
@@ -128,16 +133,22 @@ def cached_cpu_tflops(dtype: str) -> tuple[float, str]:
     try:  # ranks of one job write at once: each writes a whole file and renames it into place
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**(cached if isinstance(cached, dict) else {}), key: peak},
-                                  indent=1, sort_keys=True))
+        tmp.write_text(
+            json.dumps(
+                {**(cached if isinstance(cached, dict) else {}), key: peak},
+                indent=1,
+                sort_keys=True,
+            )
+        )
         os.replace(tmp, path)
     except OSError as err:
         log.warning("could not cache the CPU peak in %s: %s", path, err)
     return peak, "measured now"
 
 
-def resolve_peak_tflops(device: torch.device, compute_dtype: str, override: float | None
-                        ) -> tuple[float | None, str]:
+def resolve_peak_tflops(
+    device: torch.device, compute_dtype: str, override: float | None
+) -> tuple[float | None, str]:
     """Return (peak TFLOP/s per device or None, where the figure came from)."""
     if override is not None:
         return override, "config metrics.peak_tflops"
@@ -145,8 +156,12 @@ def resolve_peak_tflops(device: torch.device, compute_dtype: str, override: floa
         name = torch.cuda.get_device_name(device)
         peak = lookup_peak_tflops(name, compute_dtype)
         if peak is None:
-            log.warning("no peak FLOP/s known for %s in %s; MFU is reported as null. Set "
-                        "metrics.peak_tflops=<TFLOP/s> to enable it", name, compute_dtype)
+            log.warning(
+                "no peak FLOP/s known for %s in %s; MFU is reported as null. Set "
+                "metrics.peak_tflops=<TFLOP/s> to enable it",
+                name,
+                compute_dtype,
+            )
             return None, f"unknown device {name}"
         return peak, f"table: {name} {compute_dtype}"
     peak, when = cached_cpu_tflops(compute_dtype)
@@ -195,23 +210,42 @@ def memory_breakdown(model: torch.nn.Module, master_dtype: str) -> dict:
         n = (param.to_local() if hasattr(param, "to_local") else param).numel()
         local += n
         trainable += n if param.requires_grad else 0
-    gib = {"params": local * size / 2**30, "grads": trainable * size / 2**30,
-           "optimizer": 2 * trainable * size / 2**30}
+    gib = {
+        "params": local * size / 2**30,
+        "grads": trainable * size / 2**30,
+        "optimizer": 2 * trainable * size / 2**30,
+    }
     return {**gib, "total": sum(gib.values())}
 
 
-def step_record(step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
-                tokens_global: int, world_size: int, flops_per_token: float,
-                peak_tflops: float | None, mem_peak_gib: float) -> dict:
+def step_record(
+    step: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    step_time_s: float,
+    tokens_global: int,
+    world_size: int,
+    flops_per_token: float,
+    peak_tflops: float | None,
+    mem_peak_gib: float,
+) -> dict:
     """Build one metrics.jsonl record from a step's measurements."""
     tps_global = tokens_global / step_time_s
     tps_per_device = tps_global / world_size
     tflops = flops_per_token * tps_per_device / 1e12
-    return {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "step_time_s": step_time_s, "tps_per_device": tps_per_device,
-            "tps_global": tps_global, "tflops": tflops,
-            "mfu": None if peak_tflops is None else tflops / peak_tflops,
-            "mem_peak_gib": mem_peak_gib}
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "step_time_s": step_time_s,
+        "tps_per_device": tps_per_device,
+        "tps_global": tps_global,
+        "tflops": tflops,
+        "mfu": None if peak_tflops is None else tflops / peak_tflops,
+        "mem_peak_gib": mem_peak_gib,
+    }
 
 
 def steady_state(records: list[dict], warmup_steps: int) -> dict:

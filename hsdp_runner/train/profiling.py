@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 class StepProfiler:
     """Starts torch.profiler before the window's first step and stops it after its last."""
 
-    def __init__(self, profile_cfg: ProfileConfig, rank: int, output_dir: Path,
-                 device: torch.device):
+    def __init__(
+        self, profile_cfg: ProfileConfig, rank: int, output_dir: Path, device: torch.device
+    ):
         self.cfg = profile_cfg
         self.active = profile_cfg.enable and (profile_cfg.all_ranks or rank == 0)
         self.first = profile_cfg.start_step
@@ -46,6 +47,7 @@ class StepProfiler:
             if after_step is not None:
                 after_step(step)
             self._maybe_start(step + 1)
+
         return hook
 
     def _maybe_start(self, next_step: int) -> None:
@@ -59,7 +61,11 @@ class StepProfiler:
         self.prof.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.prof.export_chrome_trace(str(self.path))
-        log.info("profile of steps %d-%d written to %s (open in https://ui.perfetto.dev)\n%s",
-                 self.first, self.last, self.path,
-                 self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+        log.info(
+            "profile of steps %d-%d written to %s (open in https://ui.perfetto.dev)\n%s",
+            self.first,
+            self.last,
+            self.path,
+            self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10),
+        )
         self.prof = None

@@ -58,8 +58,9 @@ def set_aside_earlier_run(output_dir: str | Path) -> Path | None:
     ``summary.json``, move them into ``earlier_runs/<n>/`` (n = 1, 2, ...), so the new run's
     files hold only its own steps and nothing is lost. Returns that folder, or None."""
     output_dir = Path(output_dir)
-    files = [output_dir / name for name in (METRICS_FILE, SUMMARY_FILE)
-             if (output_dir / name).exists()]
+    files = [
+        output_dir / name for name in (METRICS_FILE, SUMMARY_FILE) if (output_dir / name).exists()
+    ]
     if not files:
         return None
     earlier = output_dir / EARLIER_RUNS_DIR
@@ -113,16 +114,21 @@ class MetricsFile:
 class WandbRun:
     """A W&B run for rank 0, or a no-op when disabled or when W&B cannot start."""
 
-    def __init__(self, logger_cfg: LoggerConfig, run_info: RunInfo, config: dict,
-                 output_dir: str | Path):
+    def __init__(
+        self, logger_cfg: LoggerConfig, run_info: RunInfo, config: dict, output_dir: str | Path
+    ):
         self.run = None
         if logger_cfg.mode == WandbMode.disabled:
             return
         try:
             self.run = self._start(logger_cfg, run_info, config, Path(output_dir))
         except Exception as err:  # any W&B failure must not stop training
-            log.warning("W&B could not start (%s: %s); training goes on, metrics are in %s",
-                        type(err).__name__, err, output_dir)
+            log.warning(
+                "W&B could not start (%s: %s); training goes on, metrics are in %s",
+                type(err).__name__,
+                err,
+                output_dir,
+            )
 
     @staticmethod
     def _start(logger_cfg: LoggerConfig, run_info: RunInfo, config: dict, output_dir: Path):
@@ -131,18 +137,27 @@ class WandbRun:
 
         mode = WandbMode(logger_cfg.mode)
         if mode is WandbMode.online and not wandb_credentials_present():
-            log.warning("logger.mode=online but no W&B credentials (WANDB_API_KEY or `wandb "
-                        "login`); logging offline instead. Sync later with `wandb sync %s`",
-                        output_dir / "wandb")
+            log.warning(
+                "logger.mode=online but no W&B credentials (WANDB_API_KEY or `wandb "
+                "login`); logging offline instead. Sync later with `wandb sync %s`",
+                output_dir / "wandb",
+            )
             mode = WandbMode.offline
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run = wandb.init(
-                project=logger_cfg.project, entity=logger_cfg.entity, mode=mode.value,
-                dir=str(output_dir), group=run_info.group, name=run_info.run_name,
-                tags=list(run_info.tags), config=config, job_type="train",
+                project=logger_cfg.project,
+                entity=logger_cfg.entity,
+                mode=mode.value,
+                dir=str(output_dir),
+                group=run_info.group,
+                name=run_info.run_name,
+                tags=list(run_info.tags),
+                config=config,
+                job_type="train",
                 settings=wandb.Settings(console="off", init_timeout=60, silent=True),
-                reinit="finish_previous")
+                reinit="finish_previous",
+            )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         return run
@@ -171,8 +186,11 @@ class WandbRun:
         try:
             action()
         except Exception as err:
-            log.warning("W&B failed (%s: %s); it is turned off for the rest of this run",
-                        type(err).__name__, err)
+            log.warning(
+                "W&B failed (%s: %s); it is turned off for the rest of this run",
+                type(err).__name__,
+                err,
+            )
             self.run = None
 
 
@@ -182,8 +200,11 @@ def wandb_summary(summary: RunSummary) -> dict:
     measured and analytic bytes per collective kind and mesh dim (``comm_<source>/<kind>/<dim>/
     bytes``, ...) and, for a planned job, predicted vs measured
     (``prediction/<figure>/<predicted|measured|error>``, ``prediction/rank``)."""
-    out = {"status": summary.status and summary.status.value, "final_loss": summary.final_loss,
-           "skipped_steps": summary.skipped_steps}
+    out = {
+        "status": summary.status and summary.status.value,
+        "final_loss": summary.final_loss,
+        "skipped_steps": summary.skipped_steps,
+    }
     out |= {f"mem_estimate_gib/{k}": v for k, v in (summary.mem_estimate_gib or {}).items()}
     if summary.mem_peak_gib_per_rank:
         out["mem_peak_gib_max_rank"] = max(summary.mem_peak_gib_per_rank)
@@ -196,21 +217,31 @@ def wandb_summary(summary: RunSummary) -> dict:
         out |= {f"prediction/{name}/{side}": value for side, value in figure.items()}
     if prediction:
         out["prediction/rank"] = prediction["rank"]
-    scalars = ("steady_steps", "warmup_steps_excluded", "mem_peak_gib", "comm_bytes_measured",
-               "comm_bytes_analytic", "comm_ratio", "comm_step")
+    scalars = (
+        "steady_steps",
+        "warmup_steps_excluded",
+        "mem_peak_gib",
+        "comm_bytes_measured",
+        "comm_bytes_analytic",
+        "comm_ratio",
+        "comm_step",
+    )
     for key, value in summary.to_dict().items():
         if key in scalars or key.startswith(("median_", "min_", "max_")):
             out[key] = value
     return out
 
 
-def open_trackers(logger_cfg: LoggerConfig, run_info: RunInfo, config: dict,
-                  output_dir: str | Path) -> list[Tracker]:
+def open_trackers(
+    logger_cfg: LoggerConfig, run_info: RunInfo, config: dict, output_dir: str | Path
+) -> list[Tracker]:
     """Rank 0's sinks for ``logger.name``: the job's files always, W&B with ``logger=wandb``.
 
     ``config``: the resolved config as a plain dict (W&B's run config)."""
-    extra = {Logger.none: lambda: [],
-             Logger.wandb: lambda: [WandbRun(logger_cfg, run_info, config, output_dir)]}
+    extra = {
+        Logger.none: lambda: [],
+        Logger.wandb: lambda: [WandbRun(logger_cfg, run_info, config, output_dir)],
+    }
     return [MetricsFile(output_dir), *extra[Logger(logger_cfg.name)]()]
 
 

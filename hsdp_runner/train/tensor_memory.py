@@ -56,7 +56,8 @@ class TensorMemoryMeter:
             return
         older = torch.empty(1)  # freed while profiling: spends c10's one-time warning quietly
         self._prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
         with _quiet_stderr():
             self._prof.start()
             del older
@@ -71,6 +72,7 @@ class TensorMemoryMeter:
                 after_step(step)
             if step >= last:
                 self.stop()
+
         return hook
 
     def stop(self) -> float | None:
@@ -96,8 +98,11 @@ class TensorMemoryMeter:
 def peak_of(events) -> int:
     """The peak, in bytes, of the running sum of the CPU memory events among kineto
     ``events`` (an allocation has positive ``nbytes``, a free negative)."""
-    changes = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == MEMORY_EVENT and e.device_type() == CPU)
+    changes = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == MEMORY_EVENT and e.device_type() == CPU
+    )
     live = peak = 0
     for _, nbytes in changes:
         live += nbytes

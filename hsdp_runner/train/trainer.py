@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 EVAL_STEP_OFFSET = 1 << 40
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig,
-                    no_weight_decay: Callable[[str], bool]) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, optim_cfg: OptimConfig, no_weight_decay: Callable[[str], bool]
+) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters of ``model`` with ``optim_cfg``'s settings; the
     parameters ``no_weight_decay`` names (the model spec's rule, called with clean names) get
     no weight decay."""
@@ -50,21 +51,26 @@ def build_optimizer(model: torch.nn.Module, optim_cfg: OptimConfig,
         if not param.requires_grad:
             continue
         (no_decay if no_weight_decay(clean_name(name)) else decay).append(param)
-    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": optim_cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     # fused: one kernel per device and dtype, and it takes ``found_inf``, which lets the trainer
     # skip a non-finite step's update on the device without reading anything on the host.
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             eps=optim_cfg.eps, fused=True)
+    return torch.optim.AdamW(
+        groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, fused=True
+    )
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
     """Return step -> LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio``."""
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     return factor
 
 
@@ -95,8 +101,15 @@ def progress_bar(steps: int, start_step: int, rank: int, console=None) -> tqdm:
     report progress alone. tqdm's own ``disable=None`` tests the bar's stream, stderr, which
     on rank 0 is the sidecar's pipe even on a terminal, so it cannot tell."""
     console = sys.stdout if console is None else console
-    return tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                disable=rank != 0 or not console.isatty(), leave=False)
+    return tqdm(
+        total=steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=rank != 0 or not console.isatty(),
+        leave=False,
+    )
 
 
 class Trainer:
@@ -109,10 +122,22 @@ class Trainer:
     ``fault`` sections; and rank 0's sinks (an empty list elsewhere).
     """
 
-    def __init__(self, model: torch.nn.Module, dims: ParallelDims, world: WorldMesh,
-                 device: torch.device, batches: TokenBatches, figures: RunFigures, *,
-                 spec: ModelSpec, optim: OptimConfig, train: TrainerConfig,
-                 metrics: MetricsConfig, fault: FaultConfig, sinks: list[Tracker] = ()):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dims: ParallelDims,
+        world: WorldMesh,
+        device: torch.device,
+        batches: TokenBatches,
+        figures: RunFigures,
+        *,
+        spec: ModelSpec,
+        optim: OptimConfig,
+        train: TrainerConfig,
+        metrics: MetricsConfig,
+        fault: FaultConfig,
+        sinks: list[Tracker] = (),
+    ):
         self.model, self.dims, self.world, self.device = model, dims, world, device
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
@@ -120,7 +145,8 @@ class Trainer:
         self.sinks = list(sinks)
         self.optimizer = build_optimizer(model, optim, spec.no_weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio))
+            self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio)
+        )
         # Ranks holding distinct tokens: dp ranks read different rows, cp ranks different
         # parts of each sequence (equal token counts), so the loss is their mean.
         self.dp_cp_group = world["dp_cp"].get_group()
@@ -140,8 +166,9 @@ class Trainer:
         logits = self.model(inputs.to(self.device))
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
 
-    def _forward_backward(self, step: int, data: Prefetcher, signum: int | None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_backward(
+        self, step: int, data: Prefetcher, signum: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue step ``step``'s micro-batches, the clipping and the stats all-reduce.
 
         Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
@@ -160,8 +187,7 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = _plain(
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True))
+        grad_norm = _plain(torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True))
         stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
@@ -218,7 +244,8 @@ class Trainer:
                 marks = [step_stats.mark(self.device)]
                 with _counting(counter):
                     stats, grad_norm = self._forward_backward(
-                        step, data, stop.signum if stop is not None else None)
+                        step, data, stop.signum if stop is not None else None
+                    )
                 marks.append(step_stats.mark(self.device))
                 if pending is not None and self._finish(pending, after_step, bar):
                     pending = None
@@ -229,8 +256,9 @@ class Trainer:
                 with _counting(counter):
                     self._update(stats)
                 marks.append(step_stats.mark(self.device))
-                pending = step_stats.PendingStep(step, lr, stats, grad_norm, marks, counter,
-                                                 self.dims.dp_cp)
+                pending = step_stats.PendingStep(
+                    step, lr, stats, grad_norm, marks, counter, self.dims.dp_cp
+                )
             if pending is not None:
                 self._finish(pending, after_step, bar)
         finally:
@@ -250,16 +278,30 @@ class Trainer:
                 raise NonFiniteError(
                     f"step {step}: loss {values.loss} / grad norm {values.grad_norm} is not "
                     "finite; the run stops (trainer.on_nan=stop). Lower optim.lr, check the "
-                    "data, or set trainer.on_nan=skip to drop such steps")
+                    "data, or set trainer.on_nan=skip to drop such steps"
+                )
             self.skipped_steps += 1
-            log.warning("step %d: non-finite loss %s / grad norm %s; update skipped "
-                        "(trainer.on_nan=skip, %d skipped so far)", step, values.loss,
-                        values.grad_norm, self.skipped_steps)
+            log.warning(
+                "step %d: non-finite loss %s / grad norm %s; update skipped "
+                "(trainer.on_nan=skip, %d skipped so far)",
+                step,
+                values.loss,
+                values.grad_norm,
+                self.skipped_steps,
+            )
         tokens = self.batches.global_batch * self.batches.seq_len
         record = metrics.step_record(
-            step, values.loss, values.grad_norm, pending.lr, pending.seconds(), tokens,
-            self.dims.world_size, self.figures.flops_per_token, self.figures.peak_tflops,
-            metrics.peak_memory_gib(self.device))
+            step,
+            values.loss,
+            values.grad_norm,
+            pending.lr,
+            pending.seconds(),
+            tokens,
+            self.dims.world_size,
+            self.figures.flops_per_token,
+            self.figures.peak_tflops,
+            metrics.peak_memory_gib(self.device),
+        )
         record["skipped"] = values.nonfinite
         self.last_step = step
         if pending.counter is not None:
@@ -278,9 +320,13 @@ class Trainer:
         """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
         self.comm_facts = comm_report(counter.result(), self.figures.analytic_comm, step)
         if self.rank == 0:
-            log.info("step %d communication per rank: measured %s bytes, analytic %s bytes "
-                     "(ratio %s)", step, f"{self.comm_facts['comm_bytes_measured']:,}",
-                     f"{self.comm_facts['comm_bytes_analytic']:,}", self.comm_facts["comm_ratio"])
+            log.info(
+                "step %d communication per rank: measured %s bytes, analytic %s bytes (ratio %s)",
+                step,
+                f"{self.comm_facts['comm_bytes_measured']:,}",
+                f"{self.comm_facts['comm_bytes_analytic']:,}",
+                self.comm_facts["comm_ratio"],
+            )
         return {k: v for k, v in self.comm_facts.items() if k != "comm_step"}
 
     def _report(self, record: dict, bar) -> None:
@@ -291,8 +337,10 @@ class Trainer:
         step = record["step"]
         if self.rank == 0 and (step % self.train.log_every == 0 or step == self.train.steps):
             mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
-            bar.write(f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  "
-                      f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
-                      f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
-                      f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
-                      f"{record['step_time_s']:.2f}s")
+            bar.write(
+                f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  "
+                f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
+                f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
+                f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
+                f"{record['step_time_s']:.2f}s"
+            )

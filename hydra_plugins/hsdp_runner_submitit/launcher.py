@@ -17,14 +17,16 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 
 
 class _CheckBeforeSubmit:
-    def launch(self, job_overrides: Sequence[Sequence[str]],
-               initial_job_idx: int) -> Sequence[JobReturn]:
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
         """Validate every job (exit 2 naming the bad one), then submit them as the plugin does."""
         from hsdp_runner.runtime.app import mark_jobs_submitted
         from hsdp_runner.runtime.launch import check_before_submit
 
-        check_before_submit(self.hydra_context.config_loader, self.config, job_overrides,
-                            initial_job_idx)
+        check_before_submit(
+            self.hydra_context.config_loader, self.config, job_overrides, initial_job_idx
+        )
         mark_jobs_submitted()
         returns = super().launch(job_overrides, initial_job_idx)
         # Each job ran in its own processes; its exit code came back as the return value.
@@ -41,8 +43,9 @@ class _CheckBeforeSubmit:
 class CheckedSlurmLauncher(_CheckBeforeSubmit, SlurmLauncher):
     """SLURM: one sbatch job per run, a job array per sweep."""
 
-    def launch(self, job_overrides: Sequence[Sequence[str]],
-               initial_job_idx: int) -> Sequence[JobReturn]:
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
         """Fill in the memory per node (``launcher.mem_gb=null``), then check and submit."""
         from hsdp_runner.runtime.slurm import slurm_mem_gb
 

@@ -43,9 +43,12 @@ class DashboardCallback(Callback):
         self._owner_pid = os.getpid()
         atexit.register(self._finish)
         if self._guard("start", self._start):
-            print(f"hsdp_runner: live dashboard: {self._sweep_dir / 'compare.html'} (open it "
-                  f"in a browser; rewritten after every job, reloads itself every "
-                  f"{self.reload_s} s until the sweep ends)", flush=True)
+            print(
+                f"hsdp_runner: live dashboard: {self._sweep_dir / 'compare.html'} (open it "
+                f"in a browser; rewritten after every job, reloads itself every "
+                f"{self.reload_s} s until the sweep ends)",
+                flush=True,
+            )
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         if not self.enable or self._sweep_dir is None:
@@ -54,8 +57,9 @@ class DashboardCallback(Callback):
             return
         from hsdp_runner.report.dashboard import page as dashboard
 
-        self._guard("update", lambda: dashboard.refresh(self._sweep_dir, live=True,
-                                                         reload_s=self.reload_s))
+        self._guard(
+            "update", lambda: dashboard.refresh(self._sweep_dir, live=True, reload_s=self.reload_s)
+        )
 
     def on_multirun_end(self, config, **kwargs) -> None:
         self._finish()
@@ -86,9 +90,15 @@ class DashboardCallback(Callback):
             action()
             return True
         except Exception as err:  # the dashboard must never stop or fail a sweep
-            log.warning("the %s dashboard in %s could not be written (%s: %s); the sweep goes "
-                        "on; `python -m hsdp_runner.compare %s` writes it later", what,
-                        self._sweep_dir, type(err).__name__, err, self._sweep_dir)
+            log.warning(
+                "the %s dashboard in %s could not be written (%s: %s); the sweep goes "
+                "on; `python -m hsdp_runner.compare %s` writes it later",
+                what,
+                self._sweep_dir,
+                type(err).__name__,
+                err,
+                self._sweep_dir,
+            )
             return False
 
 

@@ -33,19 +33,28 @@ HTML_FILE, STATE_FILE = "compare.html", "sweep_state.json"
 RELOAD_S = 10
 
 # (div id, heading, chart function); the test of the rendered page relies on these ids.
-CHARTS = (("chart-bars", "Throughput and memory", dashboard_charts.bars),
-          ("chart-parcoords", "Degrees and options against throughput, MFU and memory",
-           dashboard_charts.parallel_coordinates),
-          ("chart-curves", "Loss and step time", dashboard_charts.curves),
-          ("chart-comm", "Communication per step and rank", dashboard_charts.communication))
+CHARTS = (
+    ("chart-bars", "Throughput and memory", dashboard_charts.bars),
+    (
+        "chart-parcoords",
+        "Degrees and options against throughput, MFU and memory",
+        dashboard_charts.parallel_coordinates,
+    ),
+    ("chart-curves", "Loss and step time", dashboard_charts.curves),
+    ("chart-comm", "Communication per step and rank", dashboard_charts.communication),
+)
 PREDICTED_ID = "chart-predicted"
 
 
 def mark_sweep(sweep_dir: Path, running: bool) -> None:
     """Record in ``sweep_dir/sweep_state.json`` whether the sweep is running (with this
     process's id and host, so a sweep that died without saying so is not taken as running)."""
-    state = {"running": running, "pid": os.getpid(), "host": socket.gethostname(),
-             "at": datetime.datetime.now().isoformat(timespec="seconds")}
+    state = {
+        "running": running,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "at": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     _write_atomic(Path(sweep_dir) / STATE_FILE, json.dumps(state) + "\n")
 
 
@@ -94,8 +103,10 @@ def _sort_key(value) -> str:
 def _why(summary: RunSummary) -> str:
     """The whole reason a job did not complete, for the status cell's tooltip."""
     if summary.status is RunStatus.interrupted:
-        return (f"interrupted by {summary.signal} after step "
-                f"{summary.interrupted_at_step}; rerun the same command to resume")
+        return (
+            f"interrupted by {summary.signal} after step "
+            f"{summary.interrupted_at_step}; rerun the same command to resume"
+        )
     return str(summary.reason or summary.error or "")
 
 
@@ -103,41 +114,54 @@ def table_html(jobs: list[runs.Job]) -> str:
     """The job table (``runs.COLUMNS``, in ``jobs`` order) as HTML: each cell's sort key from
     the job's own figures, a status class per row, the full reason or error of a job that did
     not complete as the status cell's tooltip."""
-    head = "".join(f'<th title="click to sort">{html.escape(name)}</th>'
-                   for name, _, _ in runs.COLUMNS)
+    head = "".join(
+        f'<th title="click to sort">{html.escape(name)}</th>' for name, _, _ in runs.COLUMNS
+    )
     best = runs.best(jobs)
     rows = []
     for job in jobs:
         cells = runs.cells(job)
         if job is best:
             cells[0] = (f"{cells[0][0]} (best)", cells[0][1])
-        tds = [f'<td data-key="{html.escape(_sort_key(key))}">{html.escape(text)}</td>'
-               for text, key in cells[:-1]]
+        tds = [
+            f'<td data-key="{html.escape(_sort_key(key))}">{html.escape(text)}</td>'
+            for text, key in cells[:-1]
+        ]
         text, key = cells[-1]
-        tds.append(f'<td data-key="{html.escape(_sort_key(key))}" '
-                   f'title="{html.escape(_why(job.summary))}">{html.escape(text)}</td>')
+        tds.append(
+            f'<td data-key="{html.escape(_sort_key(key))}" '
+            f'title="{html.escape(_why(job.summary))}">{html.escape(text)}</td>'
+        )
         cls = job.status + (" best" if job is best else "")
         rows.append(f'<tr class="{html.escape(cls)}">{"".join(tds)}</tr>')
-    return (f'<table id="jobs"><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table>')
+    return f'<table id="jobs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
 def _figure_html(div_id: str, fig) -> str:
     import plotly.io as pio
 
-    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id,
-                       config={"displaylogo": False, "responsive": True})
+    return pio.to_html(
+        fig,
+        include_plotlyjs=False,
+        full_html=False,
+        div_id=div_id,
+        config={"displaylogo": False, "responsive": True},
+    )
 
 
 def _section(div_id: str, heading: str, fig, note: str) -> str:
-    body = _figure_html(div_id, fig) if fig is not None else \
-        f'<p class="empty" id="{div_id}-empty">{html.escape(note)}</p>'
+    body = (
+        _figure_html(div_id, fig)
+        if fig is not None
+        else f'<p class="empty" id="{div_id}-empty">{html.escape(note)}</p>'
+    )
     caption = f'<p class="note">{html.escape(note)}</p>' if fig is not None else ""
-    return f'<section><h2>{html.escape(heading)}</h2>{caption}{body}</section>'
+    return f"<section><h2>{html.escape(heading)}</h2>{caption}{body}</section>"
 
 
-def render(title: str, jobs: list[runs.Job], predictions: dict, live: bool,
-           reload_s: int = RELOAD_S) -> str:
+def render(
+    title: str, jobs: list[runs.Job], predictions: dict, live: bool, reload_s: int = RELOAD_S
+) -> str:
     """Return the whole page for ``jobs`` (``predictions``: job dir -> plan layout entry;
     ``live``: reload every ``reload_s`` seconds)."""
     import plotly.offline
@@ -145,24 +169,43 @@ def render(title: str, jobs: list[runs.Job], predictions: dict, live: bool,
     statuses = sorted({j.status for j in jobs}, key=lambda s: s.rank)
     counts = ", ".join(f"{sum(j.status == s for j in jobs)} {s}" for s in statuses)
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    state = (f'<label class="live"><input type="checkbox" id="auto-reload" checked '
-             f'data-reload-ms="{1000 * reload_s}"> sweep running: reload every {reload_s} s'
-             '</label>' if live else "")
+    state = (
+        f'<label class="live"><input type="checkbox" id="auto-reload" checked '
+        f'data-reload-ms="{1000 * reload_s}"> sweep running: reload every {reload_s} s'
+        "</label>"
+        if live
+        else ""
+    )
     sections = [_section(i, h, *chart(jobs)) for i, h, chart in CHARTS]
     if predictions:
-        sections.append(_section(PREDICTED_ID, "Predicted against measured",
-                                 *dashboard_charts.predicted(jobs, predictions)))
+        sections.append(
+            _section(
+                PREDICTED_ID,
+                "Predicted against measured",
+                *dashboard_charts.predicted(jobs, predictions),
+            )
+        )
     table = table_html(jobs) if jobs else '<p class="empty">no job dir yet</p>'
     return asset("page.html").format(
-        title=html.escape(title), style=asset("page.css"), page_js=asset("page.js"),
+        title=html.escape(title),
+        style=asset("page.css"),
+        page_js=asset("page.js"),
         plotly_js=plotly.offline.get_plotlyjs(),
         summary=html.escape(f"{len(jobs)} jobs: {counts or 'none yet'} · updated {now}"),
-        state=state, table=table, sections="".join(sections),
-        reload_js=asset("reload.js") if live else "")
+        state=state,
+        table=table,
+        sections="".join(sections),
+        reload_js=asset("reload.js") if live else "",
+    )
 
 
-def write_dashboard(out_dir: Path, jobs: list[runs.Job], plan_file: Path | None = None,
-                    live: bool | None = None, reload_s: int = RELOAD_S) -> Path:
+def write_dashboard(
+    out_dir: Path,
+    jobs: list[runs.Job],
+    plan_file: Path | None = None,
+    live: bool | None = None,
+    reload_s: int = RELOAD_S,
+) -> Path:
     """Write ``out_dir/compare.html`` for ``jobs`` and return its path.
 
     ``plan_file``: a ``plan.json`` to compare with, instead of each job's ``plan.source``;
