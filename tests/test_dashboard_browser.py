@@ -187,9 +187,9 @@ def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_swee
         assert dom.count(chart, "js-plotly-plot") == 1, f"{chart} was not drawn"
     assert dom.count("chart-bars", "trace", "bars") == 2  # tokens/s, memory
     assert dom.count("chart-bars", "point") == 2 * len(jobs)
-    # parallel coordinates: 3 degrees + tokens/s, MFU, memory (no other override varies)
+    # parallel coordinates: 4 degrees + tokens/s, MFU, memory (no other override varies)
     assert dom.count("chart-parcoords", "parcoords") == 1
-    assert dom.count("chart-parcoords", "y-axis") == 6
+    assert dom.count("chart-parcoords", "y-axis") == 7
     # loss and step time: one line each per job, the legend naming every job
     assert dom.count("chart-curves", "trace", "scatter") == 2 * len(jobs)
     labels = {j.label for j in jobs}

@@ -395,12 +395,13 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "start_local_workers", start)
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=fsdp", "parallel.dp_shard=2"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.core.records import RunInfo
 
     run_info = RunInfo(
         output_dir=str(tmp_path), group="g", run_name="r", tags=[], multirun=False, overrides=[]
     )
-    launch._launch_local({"launcher": {"timeout_s": 5}}, dims, run_info)
+    launch._launch_local(to_run_config(cfg), {"launcher": {"timeout_s": 5}}, dims, run_info)
     assert seen["threads"] == "3"
 
 
