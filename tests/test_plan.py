@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from clusters import fake_cluster
 from omegaconf import OmegaConf
 
 from hsdp_runner import plan
@@ -193,26 +194,7 @@ def test_memory_extrapolates_linearly_per_block():
 
 
 def _cluster(**kw) -> Cluster:
-    base = dict(
-        name="t",
-        device="H100",
-        gpus_per_node=4,
-        nodes=2,
-        device_memory_gib=80.0,
-        peak_tflops=100.0,
-        peak_source="test",
-        compute_efficiency=0.5,
-        nvlink_gbps=100.0,
-        nvlink_efficiency=1.0,
-        nics_per_node=4,
-        nic_gbit=80.0,
-        nic_efficiency=1.0,
-        intra_node_latency_us=10.0,
-        inter_node_latency_us=20.0,
-        overlap=1.0,
-        memory_reserve_gib=0.0,
-    )
-    return Cluster(**{**base, **kw})
+    return fake_cluster(**kw)
 
 
 def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():

@@ -4,6 +4,7 @@ the critical path, and a long-sequence 8B plan that only cp layouts fit."""
 import json
 
 import pytest
+from clusters import fake_cluster
 
 from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
@@ -56,26 +57,7 @@ def test_enumeration_includes_cp_layouts_and_cp_degrees_1_keeps_the_old_list():
 
 
 def _cluster(**kw) -> Cluster:
-    base = dict(
-        name="t",
-        device="H100",
-        gpus_per_node=8,
-        nodes=1,
-        device_memory_gib=80.0,
-        peak_tflops=100.0,
-        peak_source="test",
-        compute_efficiency=0.5,
-        nvlink_gbps=100.0,
-        nvlink_efficiency=1.0,
-        nics_per_node=8,
-        nic_gbit=80.0,
-        nic_efficiency=1.0,
-        intra_node_latency_us=10.0,
-        inter_node_latency_us=20.0,
-        overlap=1.0,
-        memory_reserve_gib=0.0,
-    )
-    return Cluster(**{**base, **kw})
+    return fake_cluster(**{"gpus_per_node": 8, "nodes": 1, "nics_per_node": 8, **kw})
 
 
 LONG = ["model=llama3_8b", "precision=bf16", "model.seq_len=32768", "trainer.global_batch_size=1"]

@@ -3,6 +3,7 @@ groups per node), what a collective costs on NVLink and on the node's NICs, link
 collectives that run at once, and single-node prices unchanged by all of it."""
 
 import pytest
+from clusters import fake_cluster
 
 from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
@@ -88,26 +89,16 @@ def test_unknown_group_name_is_refused():
 
 def _cluster(**kw) -> Cluster:
     """8 GPUs per node, NVLink 100 GB/s, 4 NICs of 80 Gb/s per node: 5 GB/s per GPU."""
-    base = dict(
-        name="t",
-        device="x",
-        gpus_per_node=8,
-        nodes=4,
-        device_memory_gib=80.0,
-        peak_tflops=100.0,
-        peak_source="test",
-        compute_efficiency=0.5,
-        nvlink_gbps=125.0,
-        nvlink_efficiency=0.8,
-        nics_per_node=4,
-        nic_gbit=80.0,
-        nic_efficiency=1.0,
-        intra_node_latency_us=10.0,
-        inter_node_latency_us=20.0,
-        overlap=1.0,
-        memory_reserve_gib=0.0,
+    return fake_cluster(
+        **{
+            "device": "x",
+            "gpus_per_node": 8,
+            "nodes": 4,
+            "nvlink_gbps": 125.0,
+            "nvlink_efficiency": 0.8,
+            **kw,
+        }
     )
-    return Cluster(**{**base, **kw})
 
 
 @pytest.mark.parametrize(
