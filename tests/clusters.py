@@ -26,5 +26,6 @@ def fake_cluster(**overrides) -> Cluster:
         inter_node_latency_us=20.0,
         overlap=1.0,
         memory_reserve_gib=0.0,
+        memory_gbps=1000.0,
     )
     return Cluster(**{**base, **overrides})

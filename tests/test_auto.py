@@ -132,6 +132,7 @@ def _cluster(**kw) -> Cluster:
         inter_node_latency_us=10.0,
         overlap=1.0,
         memory_reserve_gib=0.0,
+        memory_gbps=1000.0,
     )
     return Cluster(**{**base, **kw})
 
@@ -220,6 +221,7 @@ def auto_env(tmp_path_factory) -> dict:
                 "peak_tflops": {"float32": 0.0085, "bfloat16": 0.0002},
                 "links": links,
                 "overlap": 0.4,
+                "memory_gbps": 5.0,
                 "memory_gib": 16.0,
                 "threads_per_rank": linkbench._threads_per_rank(2),
                 "host": socket.gethostname(),

@@ -197,6 +197,29 @@ def _cluster(**kw) -> Cluster:
     return fake_cluster(**kw)
 
 
+@pytest.mark.parametrize("precision, element_bytes", [("fp32", 4), ("bf16_pure", 2)])
+def test_step_end_streams_each_ranks_trainable_shard_ten_times_at_memory_bandwidth(
+    precision, element_bytes
+):
+    """Clipping (read; read + write) and fused AdamW (4 reads, 3 writes) over the rank's
+    trainable shard of the master dtype: whole replicas pay for every element of their TP
+    part, FSDP for 1/dp_shard of it (padding included), frozen parameters for nothing."""
+    cfg = plan.compose(["model=llama3_debug", f"precision={precision}"])
+    cluster = _cluster(memory_gbps=100.0)
+    for dims in (_dims(8, 1, 1, 8, 8), _dims(1, 8, 1, 8, 8), _dims(2, 2, 2, 8, 8)):
+        units = unit_sizes(cfg.model, dims)
+        trainable = sum(u[1] for u in units.values()) // dims.dp_shard
+        expected = trainable * element_bytes * 10 / 100e9
+        assert step_time(cfg, dims, cluster)["step_end_s"] == pytest.approx(expected, rel=1e-12)
+    ddp = step_time(cfg, _dims(8, 1, 1, 8, 8), cluster)["step_end_s"]
+    fsdp = step_time(cfg, _dims(1, 8, 1, 8, 8), cluster)["step_end_s"]
+    assert fsdp == pytest.approx(ddp / 8, rel=1e-3)
+    frozen = plan.compose(
+        ["model=llama3_debug", f"precision={precision}", "trainer.freeze=[tok_embeddings.*]"]
+    )
+    assert step_time(frozen, _dims(8, 1, 1, 8, 8), cluster)["step_end_s"] < ddp
+
+
 def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     cfg = plan.compose(
         ["model=llama3_8b", "precision=bf16", "trainer.global_batch_size=8", "model.seq_len=2048"]
@@ -209,7 +232,7 @@ def test_step_time_exposes_tp_and_spills_fsdp_across_slow_nodes():
     assert slow["dominant"] == "comm:dp_shard" and slow["exposed_comm_s"]["dp_shard"] > 10 * hidden
     no_overlap = step_time(cfg, _dims(1, 8, 1, 8, 4), _cluster(overlap=0.0))
     assert no_overlap["step_time_s"] == pytest.approx(
-        no_overlap["compute_s"] + no_overlap["comm_total_s"]
+        no_overlap["compute_s"] + no_overlap["step_end_s"] + no_overlap["comm_total_s"]
     )
     tp = step_time(cfg, _dims(2, 1, 4, 8, 8), fast)
     assert tp["exposed_comm_s"]["tp"] == pytest.approx(
@@ -319,7 +342,8 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
     valid = [e for e in data["layouts"] if e["valid"]]
     for i, e in enumerate(valid):  # a machine 2x slower at compute, 3x at links, 5x per call
         compute, bandwidth, latency = plan_calibrate._terms(e)
-        _job(tmp_path, i, e["overrides"], 2 * compute + 3 * bandwidth + 5 * latency, source)
+        measured = 2 * compute + 3 * bandwidth + 5 * latency + e["step_end_s"]
+        _job(tmp_path, i, e["overrides"], measured, source)
     report = plan_calibrate.calibrate(tmp_path)
     fitted = yaml.safe_load((tmp_path / "cluster_calibrated.yaml").read_text())
     assert fitted["compute_efficiency"] == pytest.approx(data["cluster"]["compute_efficiency"] / 2)
@@ -456,14 +480,16 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
             "peak_tflops": {"float32": 1.0},
             "links": {},
             "overlap": 0.3,
+            "memory_gbps": 5.0,
             "threads_per_rank": linkbench._threads_per_rank(ranks),
         }
 
     monkeypatch.setattr(linkbench, "measure", fake_measure)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    # Taken with one thread per rank, before the overlap was measured: measured again.
+    # Taken with one thread per rank, before the step end's memory bandwidth was measured:
+    # measured again.
     (tmp_path / "links_8.json").write_text(
-        json.dumps({"peak_tflops": {}, "links": {}, "threads_per_rank": 1})
+        json.dumps({"peak_tflops": {}, "links": {}, "overlap": 0.3, "threads_per_rank": 1})
     )
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]
     assert linkbench.cached_or_measure(8)["threads_per_rank"] == 1 and calls == [8]  # cached
@@ -485,6 +511,7 @@ def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is
             "peak_tflops": {"float32": 0.02},
             "links": {},
             "overlap": 0.32,
+            "memory_gbps": 5.0,
             "memory_gib": 16.0,
         },
     )
@@ -492,6 +519,7 @@ def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is
     assert node["overlap"] is None
     resolved = cluster_mod.resolve(node, "float32")
     assert resolved.overlap == 0.32 and resolved.device_memory_gib == 2.0
+    assert resolved.memory_gbps == 5.0
     with pytest.raises(ConfigError, match="cluster.overlap is null"):
         cluster_mod.resolve(
             {

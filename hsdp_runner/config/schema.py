@@ -199,6 +199,7 @@ class ClusterConfig:
     inter_node_latency_us: float = MISSING
     overlap: Optional[float] = 1.0  # null: measured (cluster.measure=true)
     memory_reserve_gib: float = 0.0
+    memory_gbps: Optional[float] = None  # device memory bandwidth, GB/s; null: measured
     measure: bool = False
     calibration: Optional[str] = None
 

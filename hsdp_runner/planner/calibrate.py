@@ -2,8 +2,9 @@
 
 For every completed job of a planned sweep (its ``plan.source``), the plan says how its
 predicted step splits into compute and exposed communication, and how much of that is
-per-call latency. The measured steady-state step time is fitted by non-negative least squares
-as ``measured = a x compute + b x bandwidth time + c x latency time``; then the compute
+per-call latency. The measured steady-state step time, less the predicted step end (clipping
+and AdamW, priced from a measured or datasheet memory bandwidth), is fitted by non-negative
+least squares as ``a x compute + b x bandwidth time + c x latency time``; then the compute
 efficiency becomes ``efficiency / a``, every bandwidth is divided by ``b`` (``link_scale``)
 and every latency multiplied by ``c`` (``latency_scale``). On CPU the latency term also absorbs
 the per-call dispatch cost of DTensor's collectives, which a bare collective does not show.
@@ -98,7 +99,10 @@ def calibrate(sweep_dir: Path, plan_file: Path | None = None) -> str:
             "prediction (plan.source, or --plan FILE); run a sweep written by "
             "plan.write_sweep with at least 2 layouts first"
         )
-    a, b, c = fit_nonnegative([_terms(e) for e, _ in pairs], [m for _, m in pairs])
+    # The step end is priced from a measured bandwidth and not fitted: it comes off first.
+    a, b, c = fit_nonnegative(
+        [_terms(e) for e, _ in pairs], [m - e.get("step_end_s", 0.0) for e, m in pairs]
+    )
     if a <= 0:
         raise ConfigError(
             f"--calibrate {sweep_dir}: the measured times do not grow with "

@@ -26,6 +26,11 @@ The time a collective spends on each link is kept apart (``Price.link_s``) so th
 run side by side on links they do not share. NCCL's tree all-reduce (which it may pick on two
 nodes, where it can beat the ring's network bound, or at small sizes) is not modelled: every
 all-reduce is priced as a ring, an upper bound of its time.
+
+The end of a step (gradient clipping, then fused AdamW) streams every trainable element of a
+rank's shard through device memory a fixed number of times (``STEP_END_ACCESSES``), so it is
+priced at the device's memory bandwidth (``memory_gbps``: the datasheet figure for GPUs,
+measured on this machine with those same two calls, every rank at once).
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ REPLACED_KEYS = {
     "inter_node_gbps": "cluster.nics_per_node, cluster.nic_gbit and cluster.nic_efficiency",
 }
 INTRA, INTER = "nvlink", "nic"  # the link names of Price.link_s
+# Reads and writes of each trainable shard element at the end of a step, as the trainer runs
+# it: clip_grad_norm_ reads every gradient for the norm, then reads and writes it to scale it
+# (3); fused AdamW reads the parameter, its gradient and both moments and writes the parameter
+# and the moments (7). Gradients and moments have the parameter's (master) dtype.
+STEP_END_ACCESSES = 10
 
 
 def ring_factor(kind: str, n: int) -> float:
@@ -109,6 +119,7 @@ class Cluster:
     inter_node_latency_us: float
     overlap: float
     memory_reserve_gib: float
+    memory_gbps: float  # device memory bandwidth (GB/s): datasheet, or measured (this_machine)
     # this_machine: {kind: {group size: [latency s, bytes/s]}} from the micro-benchmark.
     measured_links: dict = field(default_factory=dict)
     link_scale: float = 1.0  # calibrated multiplier of every bandwidth
@@ -136,6 +147,11 @@ class Cluster:
             / self.gpus_per_node
             * self.link_scale
         )
+
+    def step_end_seconds(self, elements: int, element_bytes: int) -> float:
+        """Seconds the end of a step (clipping and the fused AdamW step) takes over a shard of
+        ``elements`` trainable elements of ``element_bytes`` each, memory-bandwidth bound."""
+        return elements * element_bytes * STEP_END_ACCESSES / (self.memory_gbps * 1e9)
 
     def price(self, kind: str, where: Placement, calls: int, nbytes: float) -> Price:
         """What ``calls`` collectives ``kind`` moving ``nbytes`` (full tensors, summed) cost
@@ -219,6 +235,8 @@ def resolve(node, compute_dtype: str) -> Cluster:
             c["device_memory_gib"] = bench["memory_gib"] / c["gpus_per_node"]
         if c["overlap"] is None:
             c["overlap"] = bench["overlap"]
+        if c["memory_gbps"] is None:
+            c["memory_gbps"] = bench["memory_gbps"]
     elif c["peak_tflops"] is None:
         c["peak_tflops"] = lookup_peak_tflops(c["device"], compute_dtype)
         if c["peak_tflops"] is None:
@@ -238,6 +256,12 @@ def resolve(node, compute_dtype: str) -> Cluster:
             "=true) fills in; set the fraction of compute collectives hide behind, "
             "e.g. cluster.overlap=1.0"
         )
+    if not c["memory_gbps"] or c["memory_gbps"] <= 0:
+        raise ConfigError(
+            f"cluster.memory_gbps={c['memory_gbps']} must be > 0: the memory bandwidth of one "
+            "device in GB/s (datasheet, e.g. 3350 for H100 SXM), or null with "
+            "cluster.measure=true"
+        )
     cluster = Cluster(
         name=c["name"],
         device=c["device"],
@@ -256,6 +280,7 @@ def resolve(node, compute_dtype: str) -> Cluster:
         inter_node_latency_us=c["inter_node_latency_us"],
         overlap=c["overlap"],
         memory_reserve_gib=c["memory_reserve_gib"],
+        memory_gbps=c["memory_gbps"],
         measured_links=measured,
     )
     if c.get("calibration"):

@@ -327,6 +327,7 @@ def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
         "layout": dims.layout,
         "memory": memory,
         "compute_s": time["compute_s"],
+        "step_end_s": time["step_end_s"],
         "exposed_comm_s": time["exposed_comm_s"],
         "comm_total_s": time["comm_total_s"],
         "comm_latency_s": time["comm_latency_s"],

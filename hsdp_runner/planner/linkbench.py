@@ -10,7 +10,10 @@ full tensor). Last, how much of an asynchronous collective hides behind compute,
 issues its all-gathers ahead of the unit that needs them: every rank times matmuls alone, the
 large all-gather over all ranks alone, and both at once (the all-gather issued, the matmuls run,
 then the wait); ``overlap`` = the time saved / the compute time, the fraction of compute that
-communication can hide behind (``cluster.overlap``). On CPU gloo's threads share the cores with
+communication can hide behind (``cluster.overlap``). And the memory bandwidth the end of a step
+reaches (``cluster.memory_gbps``): every rank at once runs the trainer's two calls,
+``clip_grad_norm_`` (foreach) and a fused AdamW step, over one fp32 parameter, bytes counted as
+the planner counts them (``cluster.STEP_END_ACCESSES``). On CPU gloo's threads share the cores with
 the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The
 result is cached per host and rank count in ``hardware.cache_dir()``, so only the first plan
 on a machine pays the ~20 s.
@@ -40,11 +43,12 @@ def cache_path(ranks: int) -> Path:
 def cached_or_measure(ranks: int) -> dict:
     """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent
     or taken with another thread count per rank than a job's ranks get now (or before the
-    overlap was measured)."""
+    overlap and the memory bandwidth were measured)."""
     path = cache_path(ranks)
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("threads_per_rank") == _threads_per_rank(ranks) and "overlap" in cached:
+        current = cached.get("threads_per_rank") == _threads_per_rank(ranks)
+        if current and "overlap" in cached and "memory_gbps" in cached:
             return cached
     print(
         f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
@@ -113,13 +117,20 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
                 # slope is bounded by half the large message's whole time.
                 bandwidth = factor * (LARGE - SMALL) / max(large - small, 0.5 * large)
                 links[kind][str(n)] = [small, bandwidth]
-        overlap = _overlap()
-        peaks["overlap"] = overlap
+        peaks["overlap"] = _overlap()
+        peaks["memory_gbps"] = _step_end_bandwidth()
         mean = {k: sum(_gather_float(v)) / ranks for k, v in peaks.items()}
         if rank == 0:
-            overlap = mean.pop("overlap")
+            overlap, memory_gbps = mean.pop("overlap"), mean.pop("memory_gbps")
             Path(out).write_text(
-                json.dumps({"peak_tflops": mean, "links": links, "overlap": overlap})
+                json.dumps(
+                    {
+                        "peak_tflops": mean,
+                        "links": links,
+                        "overlap": overlap,
+                        "memory_gbps": memory_gbps,
+                    }
+                )
             )
         dist.barrier()
     finally:
@@ -161,6 +172,30 @@ def _overlap(rounds: int = 5) -> float:
     compute = timed(compute_only)
     together = timed(both)
     return min(1.0, max(0.0, (compute + comm - together) / compute))
+
+
+def _step_end_bandwidth(elements: int = 1 << 22) -> float:
+    """GB/s of memory traffic one rank's step end reaches while every rank runs it: the
+    trainer's ``clip_grad_norm_`` (foreach) and fused AdamW step over one fp32 parameter of
+    ``elements`` (64 MiB of parameter, gradient and moments: beyond the caches), the median of
+    ``REPEATS`` rounds after one that creates the moments."""
+    import torch
+    import torch.distributed as dist
+
+    from hsdp_runner.planner.cluster import STEP_END_ACCESSES
+
+    param = torch.nn.Parameter(torch.randn(elements))
+    param.grad = torch.randn(elements)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    times = []
+    for _ in range(REPEATS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_([param], 1.0, foreach=True)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])
+    return elements * param.element_size() * STEP_END_ACCESSES / times[len(times) // 2] / 1e9
 
 
 def _gather_float(value: float) -> list[float]:

@@ -46,8 +46,8 @@ def _axes(entry: dict) -> str:
 
 def _dominant(entry: dict) -> str:
     name = entry["dominant"]
-    if name == "compute":
-        return f"compute {entry['compute_s'] / entry['step_time_s']:.0%}"
+    if name in ("compute", "step_end"):
+        return f"{name.replace('_', ' ')} {entry[name + '_s'] / entry['step_time_s']:.0%}"
     seconds = entry["exposed_comm_s"][name.split(":")[1]]
     return f"{name.replace('comm:', 'comm ')} {seconds / entry['step_time_s']:.0%}"
 
@@ -56,14 +56,14 @@ def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
     head = (
         "| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device "
-        "| MFU | compute s | exposed comm s | dominant |"
+        "| MFU | compute s | step end s | exposed comm s | dominant |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in entries:
         if not e["valid"]:
             rows.append(
                 f"| — | {_degrees(e)} | {_axes(e)} | invalid: "
-                f"{e['reason'].replace('|', '/')} | | | | | | |"
+                f"{e['reason'].replace('|', '/')} | | | | | | | |"
             )
             continue
         mem = f"{e['mem_gib']:.2f}" + (
@@ -73,7 +73,7 @@ def table(entries: list[dict], cluster: dict) -> str:
         rows.append(
             f"| {e['rank']} | {_degrees(e)} | {_axes(e)} | {mem} | "
             f"{e['step_time_s']:.4g} | {e['tps_per_device']:,.0f} | {e['mfu']:.1%} | "
-            f"{e['compute_s']:.4g} | {comm:.3g} | {_dominant(e)} |"
+            f"{e['compute_s']:.4g} | {e['step_end_s']:.3g} | {comm:.3g} | {_dominant(e)} |"
         )
     return "\n".join(rows)
 
@@ -92,7 +92,9 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
         f"to {cfg.model.n_layers}; flash attention forced (no seq x seq scores, as on GPU); "
         "sharded state rescaled to each layout by exact arithmetic; AdamW moments added; "
         f"{cluster['memory_reserve_gib']:.1f} GiB allocator reserve.",
-        "- Step time: compute + exposed communication (hsdp_runner/planner/step_time.py).",
+        "- Step time: compute + the step end (clipping and fused AdamW over the rank's "
+        f"trainable shard at {cluster['memory_gbps']:.4g} GB/s memory bandwidth) + exposed "
+        "communication (hsdp_runner/planner/step_time.py).",
         f"- Links: {_links_line(cluster)} Every collective is priced as NCCL's ring (ring "
         "factor (n-1)/n, all-reduce 2(n-1)/n); NCCL's tree all-reduce, which it may pick on two "
         "nodes or for small messages, is not modelled (the ring is an upper bound there).",

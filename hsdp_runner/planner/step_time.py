@@ -29,7 +29,14 @@
   apart from FSDP's collectives, which run over the same ``cp`` group when dp_shard = 1; FSDP's
   group is ``dp_shard_cp``, named as the comm model names it (``ParallelDims.same_group``).
 
-The dominant term is the largest of compute and each mesh dim's exposed communication.
+- **Step end** = gradient clipping and the fused AdamW step over each rank's shard of the
+  trainable parameters, memory-bandwidth bound (``Cluster.step_end_seconds``): whole replicas
+  (DDP) pay it for every parameter of their TP part, FSDP/HSDP for 1/(dp_shard x cp) of it.
+  On a GPU it is milliseconds; on a CPU with many ranks it separates layouts whose compute and
+  communication are alike.
+
+The dominant term is the largest of compute, the step end and each mesh dim's exposed
+communication.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_c
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.models.base import ModelConfig, model_spec
+from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner.cluster import Cluster, Price
 
 
@@ -174,13 +182,20 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
             expose(key.split("/")[1], seconds)
     for price in kv_prices.values():
         expose("cp", price.seconds)
-    step = compute + sum(exposed.values())
-    terms = {"compute": compute, **{f"comm:{d}": s for d, s in exposed.items()}}
+    trainable = sum(u[1] for u in units.values()) // dims.dp_shard_cp
+    step_end = cluster.step_end_seconds(trainable, torch_dtype(cfg.precision.master_dtype).itemsize)
+    step = compute + step_end + sum(exposed.values())
+    terms = {
+        "compute": compute,
+        "step_end": step_end,
+        **{f"comm:{d}": s for d, s in exposed.items()},
+    }
     tokens = cfg.trainer.global_batch_size * cfg.model.seq_len
     tps = tokens / step / dims.world_size
     return {
         "step_time_s": step,
         "compute_s": compute,
+        "step_end_s": step_end,
         "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
         "comm_total_s": sum(times.values()) + sum(p.seconds for p in kv_prices.values()),
         "tps_per_device": tps,
