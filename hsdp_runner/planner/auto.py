@@ -32,6 +32,7 @@ from hsdp_runner.config.schema import ClusterConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.layouts import (
@@ -131,14 +132,17 @@ def plan_job(
     node = cluster_node(cfg, world_size, ranks_per_node, device_name)
     cluster = resolve(node, cfg.precision.param_dtype)
     try:
-        rows = plan_layouts(cfg, cluster, fixed=fixed)
-    except ConfigError as err:
-        raise ConfigError(f"parallel=auto: {err}") from None
-    cfg.cluster = node
-    plan_json = _write_plan(out_dir, cfg, cluster, rows, overrides)
-    best, runner_up = choose(rows)
-    if best is None:
-        raise ConfigError(fits_nowhere(cfg, cluster, fixed, plan_json))
+        try:
+            rows = plan_layouts(cfg, cluster, fixed=fixed)
+        except ConfigError as err:
+            raise ConfigError(f"parallel=auto: {err}") from None
+        cfg.cluster = node
+        plan_json = _write_plan(out_dir, cfg, cluster, rows, overrides)
+        best, runner_up = choose(rows)
+        if best is None:
+            raise ConfigError(fits_nowhere(cfg, cluster, fixed, plan_json))
+    finally:
+        plan_memory.release_children()  # not left beside the job's workers
     for key, value in best["overrides"].items():
         OmegaConf.update(cfg, key, value, merge=False)
     cfg.plan.source = str(plan_json)

@@ -56,6 +56,8 @@ from hsdp_runner.distributed.hardware import cache_dir
 
 GIB = 2**30
 CACHE_VERSION = 4  # bump when what a measurement holds changes (4: cp attention, two calls)
+MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
+_POOL: ProcessPoolExecutor | None = None  # see _children
 
 
 def request(
@@ -105,13 +107,14 @@ def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
         else:
             todo.append(i)
     if todo:
-        # One child per core (two at most: each pays ~3 s of imports); a child keeps its fake
-        # process group per world size, so the requests are dealt out in turn.
-        workers = max(1, min(2, os.cpu_count() or 1, len(todo) // 4))
+        # One child per core, two at most (each pays ~3 s of imports and ~3 s of warm-up on
+        # its first step, once: they are kept); a child keeps its fake process group per world
+        # size, so the requests are dealt out in turn.
+        workers = min(MAX_CHILDREN, len(todo))
         chunks = [todo[k::workers] for k in range(workers)]
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(_measure_all, [requests[i] for i in c]) for c in chunks]
-            done = {i: res for c, f in zip(chunks, futures) for i, res in zip(c, f.result())}
+        pool = _children()
+        futures = [pool.submit(_measure_all, [requests[i] for i in c]) for c in chunks]
+        done = {i: res for c, f in zip(chunks, futures) for i, res in zip(c, f.result())}
         fresh = [done[i] for i in todo]
         for i, res in zip(todo, fresh):
             results[i] = res
@@ -119,6 +122,24 @@ def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
                 cache.mkdir(parents=True, exist_ok=True)
                 (cache / f"{_key(requests[i])}.json").write_text(json.dumps(res))
     return [results[i] for i in range(len(requests))]
+
+
+def _children() -> ProcessPoolExecutor:
+    """The measuring child processes, started on first use (spawn: the caller's threads and
+    process groups stay out) and kept until ``release_children``, so that a plan that measures
+    again (``parallel=auto`` planning its remedies when nothing fits) skips their start-up."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ProcessPoolExecutor(MAX_CHILDREN, mp_context=get_context("spawn"))
+    return _POOL
+
+
+def release_children() -> None:
+    """Stop the measuring child processes (a job does this before its workers start)."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.shutdown()
+        _POOL = None
 
 
 def _measure_all(requests: list[dict]) -> list[dict]:
