@@ -6,6 +6,7 @@ Hydra's runtime config exists only in this process, so everything workers need f
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -89,6 +90,13 @@ def preset_degrees(choice: str | None) -> dict | None:
     """
     if choice is None:
         return None
+    return dict(_preset_degrees(choice))
+
+
+@functools.cache
+def _preset_degrees(choice: str) -> dict:
+    """The degrees of preset ``choice``, composed once per process (a sweep asks per job, and
+    composing costs a quarter of a second)."""
     preset = OmegaConf.merge(
         OmegaConf.structured(ParallelConfig),
         hydra.compose(config_name=f"parallel/{choice}").parallel,
