@@ -27,6 +27,9 @@ pytestmark = pytest.mark.multiprocess
 def test_precision_ac_and_accumulation_options_train(overrides, job_dir):
     result = run_cli(job_dir, *TINY, *overrides, "trainer.steps=4")
     assert result.returncode == 0, result.stderr[-3000:]
+    # torch's warning about the root returning a view (TP's local logits) is answered in
+    # parallelize.apply_data_parallel, not shown to every user of TP.
+    assert "returned a view tensor" not in result.stderr
     records, summary = read_job(job_dir)
     assert summary["status"] == "completed"
     assert records[-1]["loss"] < records[0]["loss"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -209,6 +210,11 @@ def apply_data_parallel(
     if "reshard_after_forward" in mesh_kw:
         mesh_kw = {**mesh_kw, "reshard_after_forward": False}
     wrap(model, mp_policy=mp_policy, **mesh_kw)
+    # torch 2.13 warns (once per rank) when the root's output is a view (under TP the logits are
+    # the local view of a DTensor), because an in-place op on it would skip the pre-backward
+    # hook. The trainer's loss reads the logits out of place only; a copy of the largest
+    # activation to silence it would cost memory.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view")
 
 
 def sync_buffers(model: nn.Module) -> int:
