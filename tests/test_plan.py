@@ -382,6 +382,10 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
             ],
             "no layout of 2 ranks",
         ),  # 30 tokens: no cp splits them into 2 x cp chunks either
+        (  # the key that rules out most layouts comes first, with its count
+            ["cluster=h100_sxm", "cluster.nodes=16", "trainer.global_batch_size=8"],
+            "valid for this config: trainer.global_batch_size=8 is not divisible",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args, message, capsys):

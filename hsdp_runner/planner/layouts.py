@@ -154,14 +154,25 @@ def _prepare(scenario: Scenario) -> list:
         for chosen, variant in axis_configs(scenario.cfg, scenario.axes)
     ]
     if not any(e["dims"] for _, _, layouts in variants for e in layouts):
-        reasons = sorted({e["reason"] for _, _, layouts in variants for e in layouts})
+        reasons = [e["reason"] for _, _, layouts in variants for e in layouts]
         raise ConfigError(
             f"no layout of {cluster.world_size} ranks (cluster.nodes="
             f"{cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node}) is "
-            f"valid for this config: {'; '.join(reasons[:3])}; change the world "
+            f"valid for this config: {'; '.join(main_reasons(reasons))}; change the world "
             "size or the batch/model"
         )
     return variants
+
+
+def main_reasons(reasons: list[str], keep: int = 3) -> list[str]:
+    """The ``keep`` keys that rule out the most layouts, each with one of its messages and the
+    count: reasons are grouped by the config key they start with (``trainer.global_batch_size``
+    for every data-parallel size the batch does not divide)."""
+    by_key: dict[str, list[str]] = {}
+    for reason in reasons:
+        by_key.setdefault(reason.split("=", 1)[0].split(" ", 1)[0], []).append(reason)
+    ranked = sorted(by_key.values(), key=len, reverse=True)[:keep]
+    return [f"{group[0]} ({len(group)} of {len(reasons)} layouts)" for group in ranked]
 
 
 def plan_scenarios(
