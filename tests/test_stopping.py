@@ -240,7 +240,7 @@ def test_every_test_mesh_group_gets_the_short_collective_timeout():
 
 
 def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path):
-    from hsdp_runner.runtime.worker import _prepare_metrics
+    from hsdp_runner.runtime.rank_training import _prepare_metrics
 
     cfg = CheckpointConfig()
     own = checkpoint_start.Start(
