@@ -95,9 +95,10 @@ def _split(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]
 
 
 def write_folder(
-    tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, max_shard_bytes: int
+    tensors: dict[str, torch.Tensor], config_json: dict, out_dir: Path, max_shard_bytes: int
 ) -> list[Path]:
-    """Write an HF folder: config.json and one or more safetensors files (+ index).
+    """Write an HF folder: config.json (``config_json``) and one or more safetensors files
+    (+ index).
 
     ``tensors`` has HF names. Files go to a temporary sibling folder that is renamed to
     ``out_dir`` when complete. Raises HFFormatError if ``out_dir`` holds files. Returns the
@@ -126,7 +127,7 @@ def write_folder(
                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
             }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

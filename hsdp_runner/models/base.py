@@ -147,10 +147,10 @@ class HFAdapter(Protocol):
     def hf_config(self, dtype) -> dict:
         """The ``config.json`` of the HF model with this shape, weights in ``dtype``."""
 
-    def model_keys_from_hf_config(self, config: dict) -> dict:
+    def model_keys_from_hf_config(self, config_json: dict) -> dict:
         """Our ``model.*`` values (shape and numerics) an HF ``config.json`` implies."""
 
-    def check_hf_config(self, config: dict, path) -> None:
+    def check_hf_config(self, config_json: dict, path) -> None:
         """Raise ConfigError (naming ``path``) for what the model cannot compute."""
 
 
