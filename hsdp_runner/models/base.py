@@ -192,7 +192,7 @@ def family_schema(model_cfg: ModelConfig | dict) -> type:
     return get_class(model_fields(model_cfg)["_target_"])
 
 
-def build_meta_model(model_cfg: ModelConfig | dict) -> ParallelModule:
+def build_meta_model(model_cfg: ModelConfig) -> ParallelModule:
     """The model ``model_cfg`` describes, on the meta device, built once per shape in a process.
 
     For code that reads names and shapes (pre-flight checks, checkpoint shapes, the analytic
