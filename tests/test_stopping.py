@@ -177,6 +177,7 @@ def parity_free_compare(sweep_dir):
 def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(parity, "validate", lambda cfg, out: Namespace(world_size=1))
     monkeypatch.setattr(parity, "compose", lambda layout, overrides: layout)
+    monkeypatch.setattr(parity, "to_run_config", lambda cfg: cfg)
     monkeypatch.setattr(parity, "unsupported_reason", lambda cfg: None)
     ran_layouts = []
 
