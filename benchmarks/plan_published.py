@@ -33,6 +33,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hsdp_runner import plan  # noqa: E402
+from hsdp_runner.config.compose import to_run_config  # noqa: E402
 from hsdp_runner.distributed.parallel_dims import ParallelDims  # noqa: E402
 from hsdp_runner.distributed.topology import Placement  # noqa: E402
 from hsdp_runner.planner import memory as plan_memory  # noqa: E402
@@ -53,7 +54,7 @@ def predict_tps(case: dict, efficiency: float | None = None) -> dict:
     cfg = plan.compose(
         case["overrides"] + [f"cluster={case['cluster']}", f"cluster.nodes={case['nodes']}"]
     )
-    cluster = resolve(cfg.cluster, cfg.precision.param_dtype)
+    cluster = resolve(to_run_config(cfg).cluster, cfg.precision.param_dtype)
     if efficiency is not None:
         cluster.compute_efficiency = efficiency
     world = cluster.world_size
@@ -89,7 +90,7 @@ def links(data: dict) -> list[tuple]:
             [f"cluster={case['cluster']}", "cluster.nodes=2"]
             + [f"cluster.{k}={v}" for k, v in case["overrides"].items()]
         )
-        cluster = resolve(cfg.cluster, "bfloat16")
+        cluster = resolve(to_run_config(cfg).cluster, "bfloat16")
         price = cluster.price(case["kind"], Placement(*case["placement"]), 1, 8e9)
         rows.append((case, price.bus_gbps, price.bus_gbps / case["bus_gbps"] - 1))
     return rows
@@ -118,7 +119,7 @@ def published() -> None:
             c for c in data["throughput"] if c["cluster"] == cluster and c["role"] == "fitted"
         ]
         efficiency[cluster] = fit_efficiency(fitted)
-        preset = resolve(plan.compose([f"cluster={cluster}"]).cluster, "bfloat16")
+        preset = resolve(to_run_config(plan.compose([f"cluster={cluster}"])).cluster, "bfloat16")
         print(
             f"\n{cluster}: compute_efficiency fitted on {len(fitted)} single-node figure(s) = "
             f"{efficiency[cluster]:.3f} (preset conf/cluster/{cluster}.yaml: "

@@ -15,13 +15,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.core.choices import Dtype
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
 
 
@@ -68,7 +68,7 @@ def export(
     hf.require_empty_destination(out_dir, "export folder")
     path = checkpoint_start.resolve(source, "checkpoint")
     weights, manifest = load_full_weights(path)
-    model_cfg = OmegaConf.create(manifest["model"])
+    model_cfg = model_spec(manifest["model"])  # the family config its _target_ names
     out_dtype = torch_dtype(dtype)
     return hf.write_folder(
         hf.to_hf(weights, model_cfg, out_dtype),

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from hsdp_runner.config.compose import CONF_DIR
+from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.compose import compose as compose_config
+from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
@@ -180,7 +181,7 @@ def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
     return "\n".join(lines)
 
 
-def unsupported_reason(cfg) -> str | None:
+def unsupported_reason(cfg: RunConfig) -> str | None:
     """Why the model family of ``cfg`` cannot run its layout (the family's own check), or None."""
     try:
         model_spec(cfg.model).check_parallel(
@@ -199,7 +200,7 @@ def run_parity(args: argparse.Namespace) -> int:
     jobs, skipped = {}, {}
     for layout in args.layouts:
         cfg = compose(layout, overrides)
-        reason = unsupported_reason(cfg)
+        reason = unsupported_reason(to_run_config(cfg))
         if reason:  # a layout the model family cannot run is skipped, not failed
             skipped[layout] = reason
             continue

@@ -102,9 +102,13 @@ def check_axes(
 
 
 def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
-    """Return (cluster description, one entry per layout and axis combination, ranked)."""
-    check_plan_options(cfg)
-    cluster = resolve(cfg.cluster, cfg.precision.param_dtype)
+    """Return (cluster description, one entry per layout and axis combination, ranked).
+
+    ``cfg`` is the composed config: the planner applies each axis combination to it as an
+    override before converting the candidate to the typed ``RunConfig``."""
+    run = to_run_config(cfg)
+    check_plan_options(run.plan)
+    cluster = resolve(run.cluster, run.precision.param_dtype)
     return cluster.describe(), plan_layouts(cfg, cluster, axes)
 
 
@@ -141,21 +145,22 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             raise ConfigError(problem)
         cfg = compose(overrides)
-        validate_config(to_run_config(cfg))
+        run = to_run_config(cfg)
+        validate_config(run)
         cluster, entries = predict(cfg, check_axes(cfg, overrides, axes))
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     out_dir = Path(
-        cfg.plan.out_dir
-        or datetime.datetime.now().strftime(f"plans/%Y-%m-%d_%H-%M-%S_{cfg.model.name}")
+        run.plan.out_dir
+        or datetime.datetime.now().strftime(f"plans/%Y-%m-%d_%H-%M-%S_{run.model.name}")
     )
-    paths = plan_report.write(out_dir, cfg, cluster, entries, overrides, axes)
+    paths = plan_report.write(out_dir, run, cluster, entries, overrides, axes)
     print(plan_report.table(entries, cluster))
     print("plan: wrote " + ", ".join(str(p) for p in paths))
     if not any(e["fits"] for e in entries):
         print(
-            f"plan: error: model {cfg.model.name} fits on no layout of {cluster['world_size']}"
+            f"plan: error: model {run.model.name} fits on no layout of {cluster['world_size']}"
             f" x {cluster['device_memory_gib']:.1f} GiB devices (every layout is listed above);"
             " add nodes (cluster.nodes), use activation checkpointing (parallel.ac=full or "
             "plan.axes.parallel.ac=none,full), or lower trainer.global_batch_size",

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 from omegaconf import OmegaConf
 
-from hsdp_runner.config.compose import compose
+from hsdp_runner.config.compose import compose, to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.planner import auto, layouts
@@ -66,7 +66,7 @@ def test_an_explicit_degree_is_a_constraint_and_one_no_layout_has_exits_naming_t
     cfg = compose(AUTO + ["parallel.tp=2"])
     assert cfg.parallel.auto and auto.fixed_degrees(cfg.parallel) == {"tp": 2}
     assert auto.fixed_degrees(compose(AUTO).parallel) == {}
-    every = layouts.enumerate_layouts(cfg, 4, 4)
+    every = layouts.enumerate_layouts(to_run_config(cfg), 4, 4)
     kept = layouts.with_degrees(every, {"tp": 2}, 4)
     assert {(2, 1, 1, 2), (1, 2, 1, 2)} <= {e["shape"] for e in kept} < {e["shape"] for e in every}
     assert all(e["shape"][-1] == 2 for e in kept)
@@ -77,16 +77,16 @@ def test_an_explicit_degree_is_a_constraint_and_one_no_layout_has_exits_naming_t
 def test_the_cluster_is_the_command_lines_else_the_gpus_preset_else_this_machine():
     assert auto.preset_for_device("NVIDIA H100 80GB HBM3") == "h100_sxm"
     assert auto.preset_for_device("nvidia  a100-sxm4-40gb") == "a100_40gb"
-    cfg = compose(AUTO)
-    node = auto.cluster_node(cfg, 16, 8, "NVIDIA H200")
+    given = to_run_config(compose(AUTO)).cluster  # None: no cluster on the command line
+    node = auto.cluster_node(given, 16, 8, "NVIDIA H200")
     assert (node.name, node.nodes, node.gpus_per_node) == ("h200", 2, 8)
-    node = auto.cluster_node(cfg, 2, 2, None)
+    node = auto.cluster_node(given, 2, 2, None)
     assert (node.name, node.nodes, node.gpus_per_node, node.measure) == ("this_machine", 1, 2, True)
-    given = compose(AUTO + ["cluster=a100_80gb"])
+    given = to_run_config(compose(AUTO + ["cluster=a100_80gb"])).cluster
     node = auto.cluster_node(given, 32, 8, "NVIDIA H100 80GB HBM3")  # the command line wins
     assert (node.name, node.nodes, node.gpus_per_node) == ("a100_80gb", 4, 8)
     with pytest.raises(ConfigError, match="no cluster preset has device 'NVIDIA L4'.*cluster="):
-        auto.cluster_node(cfg, 8, 8, "NVIDIA L4")
+        auto.cluster_node(None, 8, 8, "NVIDIA L4")
 
 
 def test_auto_is_refused_where_no_one_process_plans_for_every_rank(monkeypatch):

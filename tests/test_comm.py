@@ -84,7 +84,7 @@ def _measure_layouts():
     from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.worker import make_trainer
+    from hsdp_runner.runtime.rank_training import make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
     out = {}

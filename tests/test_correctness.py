@@ -82,7 +82,7 @@ def _train_eval_frozen(cases):
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.models.llama import Llama
-    from hsdp_runner.runtime.worker import make_trainer
+    from hsdp_runner.runtime.rank_training import make_trainer
     from hsdp_runner.train.data import TokenBatches
     from hsdp_runner.train.figures import compute_run_figures
     from hsdp_runner.train.trainer import EVAL_STEP_OFFSET

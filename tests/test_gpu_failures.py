@@ -222,7 +222,7 @@ def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(
     def train(*args):
         raise oom
 
-    monkeypatch.setattr(worker, "_train", train)
+    monkeypatch.setattr(worker, "train_rank", train)
     cfg = compose(["model=llama3_tiny", "logger=none", "parallel=ddp"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
     run_info = RunInfo(
@@ -421,7 +421,7 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.worker import make_checkpointer, make_trainer
+    from hsdp_runner.runtime.rank_training import make_checkpointer, make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
     cfg = compose(

@@ -118,6 +118,7 @@ def test_readers_of_finished_runs_never_import_the_training_side():
     training = {
         "hsdp_runner.train.trainer",
         "hsdp_runner.runtime.worker",
+        "hsdp_runner.runtime.rank_training",
         "hsdp_runner.distributed.parallelize",
     }
     # train.figures computes the fixed figures the trainer is handed: it must not need it.
@@ -125,7 +126,9 @@ def test_readers_of_finished_runs_never_import_the_training_side():
         "hsdp_runner.compare",
         "hsdp_runner.train.sinks",
         "hsdp_runner.models.llama",
+        "hsdp_runner.models.llama_hf",
         "hsdp_runner.models.gpt2",
+        "hsdp_runner.models.gpt2_hf",
         "hsdp_runner.distributed.comm_model",
         "hsdp_runner.train.figures",
         "hsdp_runner.core.records",

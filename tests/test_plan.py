@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from hsdp_runner import plan
 from hsdp_runner.config.compose import CONF_DIR
+from hsdp_runner.config.schema import ClusterConfig
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.planner import calibrate as plan_calibrate
@@ -521,20 +522,26 @@ def test_measured_cluster_takes_the_measured_overlap_and_a_null_one_elsewhere_is
     )
     node = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "cluster" / "this_machine.yaml"))
     assert node["overlap"] is None
-    resolved = cluster_mod.resolve(node, "float32")
+
+    def typed(fields: dict) -> ClusterConfig:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ClusterConfig), fields))
+
+    resolved = cluster_mod.resolve(typed(node), "float32")
     assert resolved.overlap == 0.32 and resolved.device_memory_gib == 2.0
     assert resolved.memory_gbps == 5.0
     with pytest.raises(ConfigError, match="cluster.overlap is null"):
         cluster_mod.resolve(
-            {
-                **node,
-                "measure": False,
-                "peak_tflops": 1.0,
-                "device_memory_gib": 80.0,
-                "nvlink_gbps": 450.0,
-                "nvlink_efficiency": 0.8,
-                "nic_efficiency": 0.96,
-            },
+            typed(
+                {
+                    **node,
+                    "measure": False,
+                    "peak_tflops": 1.0,
+                    "device_memory_gib": 80.0,
+                    "nvlink_gbps": 450.0,
+                    "nvlink_efficiency": 0.8,
+                    "nic_efficiency": 0.96,
+                }
+            ),
             "float32",
         )
 

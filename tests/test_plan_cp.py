@@ -7,6 +7,7 @@ import pytest
 from clusters import fake_cluster
 
 from hsdp_runner import plan
+from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -45,14 +46,15 @@ def test_degree_shapes_are_every_factorisation_of_the_world_with_the_cp_degrees_
 
 
 def test_enumeration_includes_cp_layouts_and_cp_degrees_1_keeps_the_old_list():
-    cfg = plan.compose(TINY)
+    cfg = to_run_config(plan.compose(TINY))
     layouts = layouts_mod.enumerate_layouts(cfg, 4, 4)
     assert len(layouts) == 10
     assert {(1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2)} <= _shapes(layouts)
     cp_layouts = [e for e in layouts if e["shape"][2] > 1]
     assert all(e["dims"] and e["dims"].cp == e["shape"][2] for e in cp_layouts)
     assert {e["dims"].layout for e in cp_layouts} == {"fsdp_cp", "hsdp_cp", "fsdp_cp_tp"}
-    old = layouts_mod.enumerate_layouts(plan.compose(TINY + ["plan.cp_degrees=[1]"]), 4, 4)
+    old_cfg = to_run_config(plan.compose(TINY + ["plan.cp_degrees=[1]"]))
+    old = layouts_mod.enumerate_layouts(old_cfg, 4, 4)
     assert _shapes(old) == {s for s in _shapes(layouts) if s[2] == 1} and len(old) == 6
 
 

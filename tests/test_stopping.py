@@ -177,6 +177,7 @@ def parity_free_compare(sweep_dir):
 def test_parity_stops_on_a_signal_and_reports_a_failed_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(parity, "validate", lambda cfg, out: Namespace(world_size=1))
     monkeypatch.setattr(parity, "compose", lambda layout, overrides: layout)
+    monkeypatch.setattr(parity, "to_run_config", lambda cfg: cfg)
     monkeypatch.setattr(parity, "unsupported_reason", lambda cfg: None)
     ran_layouts = []
 
@@ -240,7 +241,7 @@ def test_every_test_mesh_group_gets_the_short_collective_timeout():
 
 
 def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path):
-    from hsdp_runner.runtime.worker import _prepare_metrics
+    from hsdp_runner.runtime.rank_training import _prepare_metrics
 
     cfg = CheckpointConfig()
     own = checkpoint_start.Start(

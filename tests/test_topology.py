@@ -6,6 +6,7 @@ import pytest
 from clusters import fake_cluster
 
 from hsdp_runner import plan
+from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
@@ -159,7 +160,7 @@ def h100_4_nodes():
             "cluster.nodes=4",
         ]
     )
-    return cfg, resolve(cfg.cluster, "bfloat16")
+    return cfg, resolve(to_run_config(cfg).cluster, "bfloat16")
 
 
 def test_hsdp_on_nodes_prices_its_terms_by_where_their_groups_sit(h100_4_nodes):
@@ -272,13 +273,13 @@ def test_single_node_prices_on_this_machine_are_unchanged(overlap):
 def test_replaced_cluster_keys_fail_naming_the_new_ones(old, new):
     cfg = plan.compose(["cluster=a100_80gb", f"cluster.{old}=22.0"])
     with pytest.raises(ConfigError, match=f"cluster.{old} was replaced .*{new}"):
-        resolve(cfg.cluster, "bfloat16")
+        resolve(to_run_config(cfg).cluster, "bfloat16")
 
 
 def test_a_described_cluster_of_several_nodes_needs_its_nics():
     cfg = plan.compose(["cluster=h100_sxm", "cluster.nodes=2", "cluster.nics_per_node=null"])
     with pytest.raises(ConfigError, match="cluster.nics_per_node=None must be > 0"):
-        resolve(cfg.cluster, "bfloat16")
+        resolve(to_run_config(cfg).cluster, "bfloat16")
 
 
 def test_measured_machine_prices_groups_spanning_its_nodes_from_its_own_table():

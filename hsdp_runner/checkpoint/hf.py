@@ -33,7 +33,7 @@ class HFFormatError(ConfigError):
     """A Hugging Face folder that cannot be read or written; the message names the path."""
 
 
-def _hf_spec(model_cfg: ModelConfig | dict) -> HFAdapter:
+def _hf_spec(model_cfg: ModelConfig) -> HFAdapter:
     """The HF mapping of the model ``model_cfg`` describes; HFFormatError if it has none."""
     spec = model_spec(model_cfg)
     adapter = spec.hf_adapter()
@@ -46,7 +46,7 @@ def _hf_spec(model_cfg: ModelConfig | dict) -> HFAdapter:
 
 
 def to_hf(
-    state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict, dtype: torch.dtype
+    state: dict[str, torch.Tensor], model_cfg: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Map our full (unsharded) state dict to the family's HF names, layout and ``dtype``."""
     spec = _hf_spec(model_cfg)
@@ -61,14 +61,12 @@ def to_hf(
     }
 
 
-def from_hf(
-    state: dict[str, torch.Tensor], model_cfg: ModelConfig | dict
-) -> dict[str, torch.Tensor]:
+def from_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Map an HF state dict (HF names) back to our names and layout."""
     return _hf_spec(model_cfg).from_hf(state)
 
 
-def hf_config(model_cfg: ModelConfig | dict, dtype: torch.dtype) -> dict:
+def hf_config(model_cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The family's ``config.json`` for our model's shape, weights in ``dtype``."""
     return _hf_spec(model_cfg).hf_config(dtype)
 
@@ -95,9 +93,10 @@ def _split(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]
 
 
 def write_folder(
-    tensors: dict[str, torch.Tensor], config: dict, out_dir: Path, max_shard_bytes: int
+    tensors: dict[str, torch.Tensor], config_json: dict, out_dir: Path, max_shard_bytes: int
 ) -> list[Path]:
-    """Write an HF folder: config.json and one or more safetensors files (+ index).
+    """Write an HF folder: config.json (``config_json``) and one or more safetensors files
+    (+ index).
 
     ``tensors`` has HF names. Files go to a temporary sibling folder that is renamed to
     ``out_dir`` when complete. Raises HFFormatError if ``out_dir`` holds files. Returns the
@@ -126,7 +125,7 @@ def write_folder(
                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
             }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -136,7 +135,7 @@ def write_folder(
     return [out_dir / name for name in names]
 
 
-def read_config(folder: Path, model_cfg: ModelConfig | dict) -> dict:
+def read_config(folder: Path, model_cfg: ModelConfig) -> dict:
     """Return the folder's config.json; HFFormatError if it is missing or of another family
     (or asks for what the model cannot compute)."""
     spec = _hf_spec(model_cfg)
@@ -183,7 +182,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 
 def check_folder(
-    folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
+    folder: Path, model_cfg: ModelConfig, expected_shapes: dict[str, tuple]
 ) -> dict[str, Path]:
     """Check an HF folder against the model without reading the weights.
 
@@ -236,7 +235,7 @@ def check_folder(
 
 
 def read_folder(
-    folder: Path, model_cfg: ModelConfig | dict, expected_shapes: dict[str, tuple]
+    folder: Path, model_cfg: ModelConfig, expected_shapes: dict[str, tuple]
 ) -> dict[str, torch.Tensor]:
     """Check (``check_folder``) and read an HF folder into our names and layout."""
     from safetensors import safe_open

@@ -22,7 +22,7 @@ from hsdp_runner.checkpoint import hf
 from hsdp_runner.config.schema import CheckpointConfig
 from hsdp_runner.core.choices import Resume, StartSource
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields
+from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields, model_spec
 
 MANIFEST = "checkpoint.json"
 FORMAT = "hsdp_runner.dcp/1"
@@ -98,7 +98,7 @@ def resolve(path: Path, key: str) -> Path:
     return found[-1][1]
 
 
-def expected_shapes(model_cfg: ModelConfig | dict) -> dict[str, tuple]:
+def expected_shapes(model_cfg: ModelConfig) -> dict[str, tuple]:
     """Parameter name -> shape of the model ``model_cfg`` describes (its shared meta model)."""
     return {k: tuple(v.shape) for k, v in build_meta_model(model_cfg).state_dict().items()}
 
@@ -140,11 +140,12 @@ def inspect(path: Path, model_cfg: ModelConfig | None) -> dict:
                 f"checkpoint {path} is truncated: {name} {state}, its .metadata "
                 f"expects {size}; use an earlier checkpoint"
             )
-    _check_shapes(path, metadata, manifest, manifest["model"] if model_cfg is None else model_cfg)
+    recorded = model_spec(manifest["model"]) if model_cfg is None else model_cfg
+    _check_shapes(path, metadata, manifest, recorded)
     return manifest
 
 
-def _check_shapes(path: Path, metadata, manifest: dict, model_cfg: ModelConfig | dict) -> None:
+def _check_shapes(path: Path, metadata, manifest: dict, model_cfg: ModelConfig) -> None:
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in metadata.state_dict_metadata.items()

@@ -21,14 +21,16 @@ from hsdp_runner.core.choices import (
     DDPImpl,
     Device,
     Dtype,
-    FaultKind,
-    FaultPhase,
     LauncherName,
     Logger,
     OnNan,
     Resume,
     WandbMode,
 )
+
+# Fault injection's schema lives with fault injection (core/faults.py), which sits below config
+# so that the trainer and the checkpointer can fail on purpose without importing config.
+from hsdp_runner.core.faults import FaultConfig
 
 # The model group's base schema: the fields every family shares. Each family extends it with a
 # dataclass of its own (models/base.py), stored by register_schemas as model/<family>_schema;
@@ -146,16 +148,6 @@ class ProfileConfig:
     start_step: int = 3
     steps: int = 2
     all_ranks: bool = False
-
-
-@dataclass
-class FaultConfig:
-    rank: Optional[int] = None
-    step: int = 1
-    # A str, checked against FaultKind in config_checks: Hydra's override parser reads
-    # ``fault.kind=nan`` as a float, which an Enum field would reject.
-    kind: str = FaultKind.exception.value
-    phase: FaultPhase = FaultPhase.step
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Failures on purpose (``fault.*``): how tests and users see the runner's failure handling.
 
 The trainer calls ``inject_fault`` at the start of each step and the checkpointer while it
-saves; neither needs to know the other.
+saves; neither needs to know the other. ``FaultConfig``, the ``fault`` section's schema, lives
+here rather than in ``config/schema.py`` (which includes it in ``RunConfig``): core sits below
+config, and ``inject_fault`` reads it typed.
 """
 
 from __future__ import annotations
@@ -9,8 +11,23 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from hsdp_runner.core.choices import FaultKind, FaultPhase
+
+
+@dataclass
+class FaultConfig:
+    """``fault.*`` (conf/config.yaml): fail on purpose on rank ``rank`` (None: never) at 1-based step ``step``,
+    in the way ``kind`` names (a ``FaultKind``) and ``phase`` ('step' or 'save')."""
+
+    rank: Optional[int] = None
+    step: int = 1
+    # A str, checked against FaultKind in config/checks.py: Hydra's override parser reads
+    # ``fault.kind=nan`` as a float, which an Enum field would reject.
+    kind: str = FaultKind.exception.value
+    phase: FaultPhase = FaultPhase.step
 
 
 def _raise(rank: int, step: int, phase: FaultPhase) -> bool:
@@ -67,12 +84,14 @@ _FAULTS = {
 }
 
 
-def inject_fault(fault_cfg, rank: int, step: int, phase: FaultPhase = FaultPhase.step) -> bool:
+def inject_fault(
+    fault: FaultConfig, rank: int, step: int, phase: FaultPhase = FaultPhase.step
+) -> bool:
     """Fail on purpose when ``fault.rank`` is this rank, ``fault.step`` this (1-based) step and
     ``fault.phase`` this phase ('step': its start; 'save': while its checkpoint is written).
 
     Returns True when the fault is ``nan``: the caller poisons this step's loss.
     """
-    if fault_cfg.rank != rank or fault_cfg.step != step or fault_cfg.phase != phase:
+    if fault.rank != rank or fault.step != step or fault.phase != phase:
         return False
-    return _FAULTS[FaultKind(fault_cfg.kind)](rank, step, phase)
+    return _FAULTS[FaultKind(fault.kind)](rank, step, phase)

@@ -52,7 +52,7 @@ class RunSummary:
 
     status: Optional[RunStatus] = None
     error: Optional[str] = None
-    # The layout (ParallelDims.describe) and the machine (worker.run_facts).
+    # The layout (ParallelDims.describe) and the machine (rank_training.run_facts).
     world_size: Optional[int] = None
     mesh_shape: Optional[list] = None
     mesh_dim_names: Optional[list] = None

@@ -1,12 +1,11 @@
-"""ParallelDims: the single owner of the parallel degrees and of the world DeviceMesh.
+"""ParallelDims: the single owner of the parallel degrees, which builds the world DeviceMesh.
 
 DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_shard``; context
 parallel (``cp``: each sequence split over ranks) is a third and TP a fourth, innermost dim.
-The world mesh is built once, up front, with every dim named (size-1 dims included, so code can
-always ask for ``mesh["tp"]``) and with the flattened views (``VIEWS``): ``dp`` (replicate x
-shard: which rows of the batch a rank reads), ``dp_shard_cp`` (shard x cp: what FSDP shards
-parameters over, since cp ranks hold the same parameters and see different tokens) and
-``dp_cp`` (replicate x shard x cp: what the loss and the step statistics average over).
+``ParallelDims`` infers a -1 degree, checks the degrees against the world size, the model and
+the nodes, and builds the world mesh once, up front (``build_mesh``): every dim named and the
+flattened views ``dp``, ``dp_shard_cp`` and ``dp_cp`` (``world_mesh.py`` owns the names, the
+views and the process groups).
 
 Node awareness: ranks are placed on nodes contiguously (torchrun numbers ranks node by node;
 SLURM's default block distribution does too) and the mesh is row-major with ``tp`` innermost
@@ -19,24 +18,23 @@ allowed, and warns when the shard group spans nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from math import prod
 from typing import Optional
 
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
 from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import ModelConfig
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
-# Flattened views of adjacent mesh dims: name -> the dims it joins (see the module docstring).
-VIEWS = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
-# Every named group, mesh dims first: a group two names share (same ranks) goes by the first.
-GROUP_ORDER = DIM_NAMES + tuple(VIEWS)
+# The mesh's dim names and views are world_mesh.py's; the runner imports them (and WorldMesh)
+# from here, beside the degrees they name.
+from hsdp_runner.distributed.world_mesh import (
+    DIM_NAMES,
+    GROUP_ORDER,
+    VIEWS,
+    WorldMesh,
+    build_world_mesh,
+)
+from hsdp_runner.models.base import ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,69 +283,11 @@ class ParallelDims:
         }
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
-        """Build the world mesh once (all ranks must call this together); return a WorldMesh.
-
-        ``timeout_s`` bounds every collective on the mesh's groups: DeviceMesh creates its
-        groups with torch's 30-minute default unless their backend options carry a timeout,
-        whatever the default process group was given. None: the default group's timeout.
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if timeout_s is None:
-            timeout_s = default_group_timeout_s(device_type)
-        # One options object per group, as torch builds them: NCCL's communicator split
-        # writes into the options it is given, so groups must not share one.
-        per_dim = (
-            {name: _backend_with_timeout(device_type, timeout_s) for name in DIM_NAMES}
-            if timeout_s is not None
-            else None
-        )
-        mesh = init_device_mesh(
-            device_type, self.shape, mesh_dim_names=DIM_NAMES, backend_override=per_dim
-        )
-        # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
-        # flattened dim back out of the root mesh is deprecated, so the views are kept here.
-        # A view whose other dims are all of size 1 is that dim's mesh (no new group).
-        views = {}
-        for name, dims in VIEWS.items():
-            same = self.same_group(name)
-            views[name] = (
-                views[same]
-                if same in views
-                else mesh[same]
-                if same in DIM_NAMES
-                else mesh[dims]._flatten(
-                    name, backend_override=_backend_with_timeout(device_type, timeout_s)
-                )
-            )
-        return WorldMesh(mesh, views)
-
-
-def default_group_timeout_s(device_type: str) -> float | None:
-    """The collective timeout the default process group was created with (None without one)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return None
-    backend = dist.group.WORLD._get_backend(torch.device(device_type))
-    options = getattr(backend, "options", None)  # None for backends without options (fake)
-    return options._timeout.total_seconds() if options is not None else None
-
-
-def _backend_with_timeout(device_type: str, timeout_s: float | None):
-    """Return (backend, a new options object with the timeout) for DeviceMesh's
-    backend_override, or None without a timeout. Each call builds its own options."""
-    if timeout_s is None:
-        return None
-    import torch.distributed as dist
-
-    if device_type == "cuda":
-        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
-    else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=timeout_s)
-    return backend, options
+        """Build the world mesh of these degrees once (all ranks must call this together);
+        return a WorldMesh. ``timeout_s`` bounds every collective on its groups (None: the
+        default process group's timeout; see ``world_mesh.build_world_mesh``)."""
+        same = {name: self.same_group(name) for name in VIEWS}
+        return build_world_mesh(device_type, self.shape, same, timeout_s)
 
 
 def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool:
@@ -361,38 +301,6 @@ def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool
         if first // node_size != (first + (size - 1) * stride) // node_size:
             return True
     return False
-
-
-class WorldMesh:
-    """The world DeviceMesh plus its flattened views; hands out submeshes by name."""
-
-    def __init__(self, root, flattened: dict):
-        self.root = root
-        self._flattened = flattened
-
-    def __getitem__(self, names):
-        """Return the submesh for a dim name, a flattened view name, or a tuple of dim names."""
-        if isinstance(names, str) and names in self._flattened:
-            return self._flattened[names]
-        return self.root[names]
-
-    def local_rank_in(self, name: str) -> int:
-        """This rank's coordinate along the named (possibly flattened) dim."""
-        return self[name].get_local_rank()
-
-    def fsdp_mesh(self, replicate: bool):
-        """The mesh FSDP shards over: ``dp_shard_cp`` (1-D), or with ``replicate`` the 2-D
-        (``dp_replicate``, ``dp_shard_cp``) of HSDP. Joining a dim and a flattened view is a
-        private DeviceMesh API (``_concatenate``, what FSDP itself uses to add the TP dim)."""
-        shard = self["dp_shard_cp"]
-        if not replicate:
-            return shard
-        name = shard.mesh_dim_names[0]
-        if name in DIM_NAMES:  # cp = 1 or dp_shard = 1: a plain slice of the root mesh
-            return self.root["dp_replicate", name]
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh._concatenate([self.root["dp_replicate"], shard])
 
 
 def _get(node, key: str, default):

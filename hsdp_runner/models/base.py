@@ -147,10 +147,10 @@ class HFAdapter(Protocol):
     def hf_config(self, dtype) -> dict:
         """The ``config.json`` of the HF model with this shape, weights in ``dtype``."""
 
-    def model_keys_from_hf_config(self, config: dict) -> dict:
+    def model_keys_from_hf_config(self, config_json: dict) -> dict:
         """Our ``model.*`` values (shape and numerics) an HF ``config.json`` implies."""
 
-    def check_hf_config(self, config: dict, path) -> None:
+    def check_hf_config(self, config_json: dict, path) -> None:
         """Raise ConfigError (naming ``path``) for what the model cannot compute."""
 
 
@@ -192,7 +192,7 @@ def family_schema(model_cfg: ModelConfig | dict) -> type:
     return get_class(model_fields(model_cfg)["_target_"])
 
 
-def build_meta_model(model_cfg: ModelConfig | dict) -> ParallelModule:
+def build_meta_model(model_cfg: ModelConfig) -> ParallelModule:
     """The model ``model_cfg`` describes, on the meta device, built once per shape in a process.
 
     For code that reads names and shapes (pre-flight checks, checkpoint shapes, the analytic

@@ -1,9 +1,10 @@
 """A Llama-3-style decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) and,
-beside it, its tensor/sequence-parallel plan and its Hugging Face names.
+beside it, its tensor/sequence-parallel plan.
 
 Read top to bottom: the config (``LlamaConfig``, the family's schema and ``ModelSpec``, see
-``models/base.py``), building blocks, the model, initialisation, ``tp_plan``, then the Hugging
-Face mapping. Attention infers its local head count from the projection output, so the same
+``models/base.py``), building blocks, the model, initialisation, then ``tp_plan``. The Hugging
+Face mapping (names, RoPE row order, config.json) is ``llama_hf.py``'s, mixed into the config.
+Attention infers its local head count from the projection output, so the same
 code runs whole or with its heads split over a TP mesh.
 """
 
@@ -27,13 +28,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import HFNames, ModelConfig
+from hsdp_runner.models.base import ModelConfig
 from hsdp_runner.models.common import ReplicatedParams, causal_attention, initial_value
+from hsdp_runner.models.llama_hf import LlamaHF
 from hsdp_runner.models.params import copy_full_into
 
 
 @dataclass
-class LlamaConfig(ModelConfig):
+class LlamaConfig(ModelConfig, LlamaHF):
     """``model.*`` of a Llama (conf/model/llama3_*.yaml); built, it is the ``ModelSpec``."""
 
     n_kv_heads: Optional[int] = None
@@ -101,86 +103,8 @@ class LlamaConfig(ModelConfig):
         return name == "tok_embeddings.weight" or name.endswith("norm.weight")
 
     def hf_adapter(self) -> LlamaConfig:
-        """This config is its own HF mapping (the methods below)."""
+        """This config is its own HF mapping (``llama_hf.LlamaHF``, mixed in)."""
         return self
-
-    hf_model_type = "llama"
-    hf_ignored = ("rotary_emb.inv_freq",)  # a buffer some HF Llama folders carry
-
-    def hf_names(self) -> HFNames:
-        """Our parameter names and Hugging Face Llama's."""
-        return HF_NAMES
-
-    def to_hf(self, state: dict) -> dict:
-        """Our full state dict in HF names and HF's RoPE row order (see ``_rope_rows_to_hf``)."""
-        out = {}
-        for name, tensor in state.items():
-            heads = self._rope_heads(name)
-            out[HF_NAMES.to_hf(name)] = _rope_rows_to_hf(tensor, heads) if heads else tensor
-        return out
-
-    def from_hf(self, state: dict) -> dict:
-        """An HF Llama state dict in our names and RoPE row order."""
-        out = {}
-        for hf_name, tensor in state.items():
-            name = HF_NAMES.from_hf(hf_name)
-            heads = self._rope_heads(name)
-            out[name] = _rope_rows_from_hf(tensor, heads) if heads else tensor
-        return out
-
-    def _rope_heads(self, name: str) -> Optional[int]:
-        if name.endswith("attention.wq.weight"):
-            return self.n_heads
-        if name.endswith("attention.wk.weight"):
-            return self.n_kv_heads or self.n_heads
-        return None
-
-    def hf_config(self, dtype: torch.dtype) -> dict:
-        """The ``config.json`` of a LlamaForCausalLM with this shape."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": self.dim,
-            "intermediate_size": self.ffn_hidden_dim,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads or self.n_heads,
-            "head_dim": self.dim // self.n_heads,
-            "vocab_size": self.vocab_size,
-            "max_position_embeddings": self.seq_len,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "initializer_range": self.init_std,
-            "torch_dtype": str(dtype).removeprefix("torch."),
-        }
-
-    def model_keys_from_hf_config(self, config: dict) -> dict:
-        """Our ``model.*`` values (shape and numerics) an HF Llama ``config.json`` implies."""
-        rope = config.get("rope_parameters") or {}
-        return {
-            "dim": config["hidden_size"],
-            "n_layers": config["num_hidden_layers"],
-            "n_heads": config["num_attention_heads"],
-            "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
-            "vocab_size": config["vocab_size"],
-            "ffn_hidden_dim": config["intermediate_size"],
-            "norm_eps": config.get("rms_norm_eps", 1e-6),
-            "rope_theta": config.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        }
-
-    def check_hf_config(self, config: dict, path) -> None:
-        """Refuse RoPE scaling, which this model does not apply (ConfigError naming ``path``)."""
-        scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(
-                f"{path} asks for rope_type={kind!r}; hsdp_runner's model applies "
-                "plain RoPE only, so these weights would compute something else"
-            )
 
 
 class RMSNorm(nn.Module):
@@ -410,41 +334,3 @@ def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
         plan["attention_norm"] = norm_style()
         plan["ffn_norm"] = norm_style()
         parallelize_module(block, tp_mesh, plan)
-
-
-# --- Hugging Face names -------------------------------------------------------------------------
-# Our model and ``transformers``' LlamaForCausalLM compute the same function, but names differ
-# (``layers.0.attention.wq.weight`` vs ``model.layers.0.self_attn.q_proj.weight``), and our
-# RoPE (``apply_rope``) rotates interleaved channel pairs (2i, 2i+1), Meta's original layout,
-# while HF rotates the two halves of a head (i, i + head_dim/2). So the rows of ``wq`` and
-# ``wk`` are permuted within each head on export and back on import, exactly as HF's own
-# ``convert_llama_weights_to_hf.py`` does for Meta checkpoints.
-
-HF_NAMES = HFNames(
-    (
-        ("tok_embeddings.weight", "model.embed_tokens.weight"),
-        ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-        ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-        ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-        ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-        ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-        ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-        ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-        ("norm.weight", "model.norm.weight"),
-        ("output.weight", "lm_head.weight"),
-    )
-)
-
-
-def _rope_rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs (ours) to halves (HF)."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _rope_rows_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of ``_rope_rows_to_hf``."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)

@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner.config.compose import CONF_DIR
-from hsdp_runner.config.schema import ClusterConfig
+from hsdp_runner.config.compose import CONF_DIR, to_run_config
+from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
@@ -61,9 +62,10 @@ class AutoChoice:
     seconds: float
 
 
-def fixed_degrees(parallel) -> dict[str, int]:
+def fixed_degrees(parallel: ParallelConfig) -> dict[str, int]:
     """The degrees an auto job set itself (dim name -> degree); -1 means 'the planner picks'."""
-    return {name: parallel[name] for name in DIM_NAMES if parallel[name] != -1}
+    degrees = {name: getattr(parallel, name) for name in DIM_NAMES}
+    return {name: degree for name, degree in degrees.items() if degree != -1}
 
 
 def preset_for_device(device_name: str) -> str | None:
@@ -78,13 +80,12 @@ def preset_for_device(device_name: str) -> str | None:
 
 
 def cluster_node(
-    cfg: DictConfig, world_size: int, ranks_per_node: int, device_name: str | None
-) -> DictConfig:
-    """The ``cluster`` node to plan for (see the module docstring), typed by ``ClusterConfig``,
-    with the job's node count and ranks per node. ConfigError for a GPU without a preset."""
-    if cfg.cluster is not None:
-        node = cfg.cluster.copy()
-    else:
+    given: Optional[ClusterConfig], world_size: int, ranks_per_node: int, device_name: str | None
+) -> ClusterConfig:
+    """The cluster to plan for (see the module docstring): ``given`` (the job's ``cluster``,
+    None unless the command line chose one) or a preset, with the job's node count and ranks
+    per node. ConfigError for a GPU without a preset."""
+    if given is None:
         name = CPU_PRESET
         if device_name is not None:
             name = preset_for_device(device_name)
@@ -95,12 +96,15 @@ def cluster_node(
                     f"for this GPU); pass the nearest with cluster=<preset> ({presets}), or add "
                     "conf/cluster/<name>.yaml with that device and its link figures"
                 )
-        node = OmegaConf.merge(
-            OmegaConf.structured(ClusterConfig),
-            OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml"),
+        given = OmegaConf.to_object(
+            OmegaConf.merge(
+                OmegaConf.structured(ClusterConfig),
+                OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml"),
+            )
         )
-    node.nodes, node.gpus_per_node = world_size // ranks_per_node, ranks_per_node
-    return node
+    return dataclasses.replace(
+        given, nodes=world_size // ranks_per_node, gpus_per_node=ranks_per_node
+    )
 
 
 def choose(rows: list[dict]) -> tuple[dict | None, dict | None]:
@@ -121,23 +125,28 @@ def plan_job(
     """Plan the auto job ``cfg`` on its cluster, write plan.md / plan.json into ``out_dir``
     (an earlier attempt's are replaced), write the choice into ``cfg`` (degrees,
     ``plan.source``, ``cluster``) and return it. ConfigError when nothing fits (with what
-    would) or the explicit degrees allow no valid layout."""
+    would) or the explicit degrees allow no valid layout.
+
+    ``cfg`` is the composed config, not the typed one: the choice is written into it, and the
+    launcher makes the workers' config from it. What is planned reads it typed (converted here).
+    """
     start = time.perf_counter()
-    check_plan_options(cfg)
-    fixed = fixed_degrees(cfg.parallel)
+    run = to_run_config(cfg)
+    check_plan_options(run.plan)
+    fixed = fixed_degrees(run.parallel)
     try:  # a degree no layout has fails here, before anything is measured
-        with_degrees(enumerate_layouts(cfg, world_size, ranks_per_node), fixed, world_size)
+        with_degrees(enumerate_layouts(run, world_size, ranks_per_node), fixed, world_size)
     except ConfigError as err:
         raise ConfigError(f"parallel=auto: {err}") from None
-    node = cluster_node(cfg, world_size, ranks_per_node, device_name)
-    cluster = resolve(node, cfg.precision.param_dtype)
+    node = cluster_node(run.cluster, world_size, ranks_per_node, device_name)
+    cluster = resolve(node, run.precision.param_dtype)
     try:
         try:
             rows = plan_layouts(cfg, cluster, fixed=fixed)
         except ConfigError as err:
             raise ConfigError(f"parallel=auto: {err}") from None
         cfg.cluster = node
-        plan_json = _write_plan(out_dir, cfg, cluster, rows, overrides)
+        plan_json = _write_plan(out_dir, run, cluster, rows, overrides)
         best, runner_up = choose(rows)
         if best is None:
             raise ConfigError(fits_nowhere(cfg, cluster, fixed, plan_json))
@@ -150,13 +159,13 @@ def plan_job(
 
 
 def _write_plan(
-    out_dir: Path, cfg: DictConfig, cluster: Cluster, rows: list[dict], overrides: list[str]
+    out_dir: Path, cfg: RunConfig, cluster: Cluster, rows: list[dict], overrides: list[str]
 ) -> Path:
     """plan.md and plan.json of the job in ``out_dir``; return plan.json's absolute path."""
     for name in (plan_report.PLAN_JSON, plan_report.PLAN_MD):
         (out_dir / name).unlink(missing_ok=True)  # a rerun of this job plans afresh
-    planned = cfg.copy()
-    planned.plan.write_sweep = None  # a job's plan is a record, not a sweep
+    # A job's plan is a record, not a sweep.
+    planned = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, write_sweep=None))
     plan_report.write(out_dir, planned, cluster.describe(), rows, overrides, {})
     return (out_dir / plan_report.PLAN_JSON).resolve()
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from hsdp_runner.config.schema import ClusterConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.distributed.topology import Placement
@@ -205,13 +206,13 @@ class Cluster:
         return {**asdict(self), "world_size": self.world_size}
 
 
-def resolve(node, compute_dtype: str) -> Cluster:
-    """Build the Cluster of the ``cluster`` config node for ``compute_dtype`` matmuls.
+def resolve(cluster_cfg: ClusterConfig, compute_dtype: str) -> Cluster:
+    """Build the Cluster of the ``cluster`` config ``cluster_cfg`` for ``compute_dtype`` matmuls.
 
     Raises ConfigError for figures that make no sense, replaced keys, or a calibration file
     that is missing.
     """
-    c = dict(node)
+    c = asdict(cluster_cfg)
     for old, new in REPLACED_KEYS.items():
         if c.pop(old, None) is not None:
             raise ConfigError(

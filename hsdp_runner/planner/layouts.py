@@ -9,10 +9,16 @@ the batch split), measures memory for all of them in one batch (``planner.memory
 fake measurements of every scenario share the same child processes and on-disk cache),
 predicts step time (``planner.step_time``) and returns one ranked list of rows per
 scenario (``planner.report.rank``; row format: plan.json's ``layouts``).
+
+A scenario's config is the composed one (a DictConfig): each axis combination is applied to it
+as a dotted-key override would be (``axis_configs``), then converted once to the typed
+``RunConfig`` (``config.compose.to_run_config``), which is all the rest of the planning reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hsdp_runner.config.checks import validate_batch, validate_config
-from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.config.compose import plain_config, to_run_config
+from hsdp_runner.config.schema import PlanConfig, RunConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
@@ -37,7 +44,8 @@ from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
 @dataclass
 class Scenario:
     """What to plan: ``cfg`` on ``cluster``, times every combination of ``axes`` (dotted key ->
-    values), keeping only the layouts whose degrees equal ``fixed`` (dim name -> degree)."""
+    values), keeping only the layouts whose degrees equal ``fixed`` (dim name -> degree).
+    ``cfg`` is the composed config: the axes are dotted-key overrides applied to it."""
 
     cfg: DictConfig
     cluster: Cluster
@@ -45,16 +53,16 @@ class Scenario:
     fixed: dict = field(default_factory=dict)
 
 
-def check_plan_options(cfg: DictConfig) -> None:
+def check_plan_options(plan: PlanConfig) -> None:
     """Raise ConfigError for ``plan.*`` options the planner cannot work with."""
-    layers = list(cfg.plan.layers_measured)
+    layers = list(plan.layers_measured)
     if len(set(layers)) < 2 or min(layers) < 1:
         raise ConfigError(
             f"plan.layers_measured={layers} needs two different block counts >= 1 "
             "to extrapolate per block, e.g. plan.layers_measured=[1,2]"
         )
-    if cfg.plan.top_k < 1:
-        raise ConfigError(f"plan.top_k={cfg.plan.top_k} must be >= 1")
+    if plan.top_k < 1:
+        raise ConfigError(f"plan.top_k={plan.top_k} must be >= 1")
 
 
 def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
@@ -72,8 +80,8 @@ def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
             raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
 
 
-def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, DictConfig]]:
-    """One (axis values, config) per combination of the axes; each config validated.
+def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, RunConfig]]:
+    """One (axis values, typed config) per combination of the axes; each config validated.
 
     A value that is a string is typed as YAML types it (``true`` -> bool, ``2`` -> int);
     ``plan.check_axes`` hands over values already typed by composing them as overrides.
@@ -90,12 +98,13 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, Dic
                 OmegaConf.update(variant, key, value, merge=False)
             except OmegaConfBaseException as err:
                 raise ConfigError(f"plan.axes.{key}={value}: {str(err).splitlines()[0]}") from None
-        validate_config(to_run_config(variant))
-        out.append((chosen, variant))
+        typed = to_run_config(variant)  # the one conversion of this candidate
+        validate_config(typed)
+        out.append((chosen, typed))
     return out
 
 
-def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[dict]:
+def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[dict]:
     """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` (cp over
     ``planner.degrees.cp_degrees``): dims or the reason it is invalid."""
     cps = cp_degrees(
@@ -107,7 +116,7 @@ def enumerate_layouts(cfg: DictConfig, world: int, ranks_per_node: int) -> list[
     )
     out = []
     for shape in degree_shapes(world, cps):
-        parallel = OmegaConf.merge(cfg.parallel, dict(zip(DIM_NAMES, shape)))
+        parallel = dataclasses.replace(cfg.parallel, **dict(zip(DIM_NAMES, shape)))
         entry = {"shape": shape, "dims": None, "reason": None}
         try:
             dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
@@ -138,7 +147,7 @@ def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     return kept
 
 
-def _prepare(scenario: Scenario) -> list:
+def _prepare(scenario: Scenario) -> list[tuple[dict, RunConfig, list[dict]]]:
     """Validated (axis values, config, layouts) per axis combination of ``scenario``."""
     cluster = scenario.cluster
     variants = [
@@ -196,9 +205,7 @@ def plan_scenarios(
         if variants is None:
             groups_of.append(None)
             continue
-        reqs, groups = _memory_requests(
-            variants, scenario.cluster, list(scenario.cfg.plan.layers_measured)
-        )
+        reqs, groups = _memory_requests(variants, scenario.cluster)
         for group in groups.values():  # indices into the batch of every scenario's requests
             group["index"] = {d: i + len(requests) for d, i in group["index"].items()}
         requests += reqs
@@ -229,11 +236,13 @@ def plan_layouts(
     return plan_scenarios([Scenario(cfg, cluster, axes or {}, fixed or {})])[0]
 
 
-def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
+def _memory_requests(
+    variants: list[tuple[dict, RunConfig, list[dict]]], cluster: Cluster
+) -> tuple[list, dict]:
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
     for v, (_chosen, cfg, layouts) in enumerate(variants):
-        depths = sorted({min(n, cfg.model.n_layers) for n in layers})
+        depths = sorted({min(n, cfg.model.n_layers) for n in cfg.plan.layers_measured})
         for entry in layouts:
             dims = entry["dims"]
             if dims is None:
@@ -249,7 +258,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
     requests = []
     for key, group in groups.items():
         cfg = group["cfg"]
-        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        plain = plain_config(cfg)
         for depth in group["depths"]:
             group.setdefault("index", {})[depth] = len(requests)
             requests.append(
@@ -269,7 +278,7 @@ def _memory_requests(variants, cluster, layers: list[int]) -> tuple[list, dict]:
     return requests, groups
 
 
-def _state(cfg, dims: ParallelDims, cache: dict | None = None) -> dict:
+def _state(cfg: RunConfig, dims: ParallelDims, cache: dict | None = None) -> dict:
     """Exact per-rank state bytes of ``dims`` (``plan_memory.state_bytes``); ``cache`` keeps
     them per (config, shape): counting a big model's units builds it on the meta device."""
     key = (id(cfg), dims.shape)
@@ -291,9 +300,22 @@ def _plain(value):
     return value.value if isinstance(value, Enum) else value
 
 
-def _entry(chosen, cfg, layout, groups, measured, cluster, step_time) -> dict:
+def _at(cfg: RunConfig, dotted: str):
+    """The typed config's value at a dotted key (an axis, e.g. ``parallel.ac``)."""
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _entry(
+    chosen: dict,
+    cfg: RunConfig,
+    layout: dict,
+    groups: dict,
+    measured: list[dict],
+    cluster: Cluster,
+    step_time: Callable[[RunConfig, ParallelDims, Cluster], dict],
+) -> dict:
     overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
-    overrides.update({k: _plain(OmegaConf.select(cfg, k)) for k in chosen})
+    overrides.update({k: _plain(_at(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
         return {

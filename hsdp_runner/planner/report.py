@@ -102,7 +102,7 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
     return "\n".join(lines)
 
 
-def _cp_line(cfg, entries: list[dict]) -> str:
+def _cp_line(cfg: RunConfig, entries: list[dict]) -> str:
     """Which context-parallel degrees were enumerated, and how they were predicted."""
     cps = sorted({e["overrides"].get("parallel.cp", 1) for e in entries})
     how = (

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class DashboardCallback(Callback):
         self._owner_pid: int | None = None
         self._finished = False
 
-    def on_multirun_start(self, config, **kwargs) -> None:
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         if not self.enable:
             return
         self._sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
@@ -50,7 +51,7 @@ class DashboardCallback(Callback):
                 flush=True,
             )
 
-    def on_job_end(self, config, job_return, **kwargs) -> None:
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         if not self.enable or self._sweep_dir is None:
             return
         if os.getpid() != self._owner_pid and not _submitit_rank_zero():
@@ -61,7 +62,7 @@ class DashboardCallback(Callback):
             "update", lambda: dashboard.refresh(self._sweep_dir, live=True, reload_s=self.reload_s)
         )
 
-    def on_multirun_end(self, config, **kwargs) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish()
 
     def _start(self) -> None:

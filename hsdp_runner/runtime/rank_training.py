@@ -1,0 +1,293 @@
+"""One rank's training, from its mesh to its summary: the pieces a job is made of, in order.
+
+``train_rank`` runs once the rank's process group is up (``worker.run_worker``): it builds the
+world mesh, the sharded model, where the job starts (checkpoint, HF folder or fresh), the run's
+fixed figures, the trainer and the checkpointer, trains, saves on a stop request, and on rank 0
+writes the summary to the sinks. ``make_trainer`` and ``make_checkpointer`` are also what
+in-process tests build a job from.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hsdp_runner.checkpoint import start as checkpoint_start
+from hsdp_runner.checkpoint.checkpointer import Checkpointer
+from hsdp_runner.config.compose import plain_config
+from hsdp_runner.config.schema import CheckpointConfig, RunConfig
+from hsdp_runner.core.choices import RunStatus, StartSource
+from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
+from hsdp_runner.distributed.parallelize import build_model
+from hsdp_runner.distributed.topology import FLATTENED, observed_placements
+from hsdp_runner.models.base import model_spec
+from hsdp_runner.report import prediction
+from hsdp_runner.runtime.signals import StopRequest, signal_name
+from hsdp_runner.train import metrics, profiling
+from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train.data import TokenBatches
+from hsdp_runner.train.figures import RunFigures, compute_run_figures
+from hsdp_runner.train.tensor_memory import TensorMemoryMeter
+from hsdp_runner.train.trainer import Trainer
+
+log = logging.getLogger("hsdp_runner")
+
+
+def train_rank(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    run_info: RunInfo,
+    device: torch.device,
+    output_dir: Path,
+    rank: int,
+    stop: StopRequest,
+) -> RunSummary | None:
+    """Train this rank of the job ``cfg`` once its process group is up: mesh, model, where it
+    starts, trainer, checkpointer, the run's sinks on rank 0; return rank 0's RunSummary (None
+    on other ranks). A stop request ends training at a step boundary with a checkpoint."""
+    world = dims.build_mesh(device.type, cfg.launcher.timeout_s)
+    log.info(
+        "mesh %s over %s (%s, %d ranks)",
+        dict(zip(world.root.mesh_dim_names, dims.shape)),
+        device.type,
+        dims.layout,
+        dims.world_size,
+    )
+    # How the real process groups of every dim sit on the nodes: recorded so that it can be
+    # checked against the planner's arithmetic. A collective: every rank calls it.
+    placements = observed_placements(world, (*DIM_NAMES, *FLATTENED))
+    # What the process holds before the model exists (interpreter, torch, process groups),
+    # and from here the tensor memory the model and the first steps add: the planner's figure.
+    mem_baseline = metrics.current_memory_gib(device)
+    meter = TensorMemoryMeter(device, cfg.metrics.memory_steps, enabled=not cfg.profile.enable)
+    meter.start()
+    model = build_model(
+        cfg.model,
+        dims,
+        world,
+        cfg.parallel,
+        cfg.precision,
+        device,
+        cfg.trainer.seed,
+        cfg.trainer.freeze,
+    )
+    # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
+    # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
+    start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
+    figures = compute_run_figures(cfg, dims, model, device)
+    sinks: list[tracking.Tracker] = []
+    if rank == 0:
+        _prepare_metrics(cfg.checkpoint, output_dir, start)
+        facts = {**run_facts(dims, device), "mesh_placement": placements}
+        config = {**plain_config(cfg), "derived": facts}
+        sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
+        _log_figures(figures)
+    trainer = make_trainer(cfg, dims, world, model, device, figures, sinks)
+    ckpt = make_checkpointer(cfg, output_dir, trainer)
+    try:
+        first = ckpt.restore(start)
+        profiler = profiling.StepProfiler(cfg.profile, rank, output_dir, device)
+        records = trainer.fit(first, meter.wrap(profiler.wrap(ckpt.after_step, first), first), stop)
+        meter.stop()  # a run of fewer steps than the meter covers
+        # A signal during the last step stops nothing: training is complete (saved as usual).
+        stopped = trainer.stopped_by if trainer.last_step < cfg.trainer.steps else None
+        if stopped:
+            _save_on_stop(cfg.checkpoint, ckpt, trainer.last_step)
+        elif trainer.stopped_by and rank == 0:
+            log.warning(
+                "%s arrived during the last step: training is complete, finishing the job",
+                signal_name(trainer.stopped_by),
+            )
+    except BaseException:
+        if rank == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
+        for sink in sinks:
+            sink.finish(exit_code=1)
+        raise
+    if not stopped:  # an unfinished run is not exported; its rerun exports at its end
+        ckpt.export_at_end()
+    eval_loss = None
+    if cfg.trainer.eval_batches and not stopped:
+        eval_loss = trainer.evaluate(cfg.trainer.eval_batches)
+    # A collective: every rank calls it.
+    memory = _memory_facts(device, figures.memory_estimate, mem_baseline, meter.peak_gib)
+    if rank != 0:
+        return None
+    interrupted = (
+        {
+            "status": RunStatus.interrupted,
+            "interrupted_at_step": trainer.last_step,
+            "signal": signal_name(stopped),
+        }
+        if stopped
+        else {}
+    )
+    summary = RunSummary(
+        **{
+            "status": RunStatus.completed,
+            **facts,
+            "steps": len(records),
+            "skipped_steps": trainer.skipped_steps,
+            "final_loss": records[-1]["loss"] if records else None,
+            "eval_loss": eval_loss,
+            "peak_tflops": figures.peak_tflops,
+            "peak_tflops_source": figures.peak_source,
+            "flops_per_token": figures.flops_per_token,
+            **metrics.steady_state(records, cfg.metrics.warmup_steps),
+            **ckpt.facts,
+            **memory,
+            **trainer.comm_facts,
+            **interrupted,
+        }
+    )
+    summary.prediction = prediction.job_prediction(config, summary)
+    for sink in sinks:
+        sink.log_summary(summary)
+        sink.finish()
+    return summary
+
+
+def make_trainer(
+    cfg: RunConfig,
+    dims: ParallelDims,
+    world: WorldMesh,
+    model: torch.nn.Module,
+    device: torch.device,
+    figures: RunFigures,
+    sinks: list[tracking.Tracker],
+) -> Trainer:
+    """Build the Trainer from the typed config: the sections it uses, this rank's batches and
+    the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
+    batches = TokenBatches(
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+        cfg.trainer.global_batch_size,
+        dp_rank=world.local_rank_in("dp"),
+        dp_size=dims.dp,
+        seed=cfg.trainer.seed,
+        cp_rank=world.local_rank_in("cp"),
+        cp_size=dims.cp,
+    )
+    return Trainer(
+        model,
+        dims,
+        world,
+        device,
+        batches,
+        figures,
+        spec=model_spec(cfg.model),
+        optim=cfg.optim,
+        train=cfg.trainer,
+        metrics=cfg.metrics,
+        fault=cfg.fault,
+        sinks=sinks,
+    )
+
+
+def make_checkpointer(cfg: RunConfig, output_dir: Path, trainer: Trainer) -> Checkpointer:
+    """Build the Checkpointer over the trainer's model, optimizer and LR scheduler."""
+    return Checkpointer(
+        cfg.checkpoint, trainer, output_dir, model=cfg.model, precision=cfg.precision, data=cfg.data
+    )
+
+
+def _log_figures(figures: RunFigures) -> None:
+    mem = figures.memory_estimate
+    log.info("peak %s TFLOP/s per device (%s)", _fmt(figures.peak_tflops), figures.peak_source)
+    log.info(
+        "memory estimate per rank: params %.3f + grads %.3f + optimizer %.3f = %.3f GiB "
+        "(activations and gathered parameters come on top)",
+        mem["params"],
+        mem["grads"],
+        mem["optimizer"],
+        mem["total"],
+    )
+
+
+def _prepare_metrics(
+    ckpt_cfg: CheckpointConfig, output_dir: Path, start: checkpoint_start.Start
+) -> None:
+    """Rank 0, before the first step: a job resuming its own checkpoint keeps each step up to
+    it once in metrics.jsonl; any other start sets an earlier run's files aside."""
+    own = start.source is StartSource.checkpoint and Path(
+        start.path
+    ).parent == checkpoint_start.checkpoint_dir(ckpt_cfg, output_dir)
+    if own:
+        tracking.truncate_metrics(output_dir, start.step)
+    elif (aside := tracking.set_aside_earlier_run(output_dir)) is not None:
+        log.warning(
+            "this run starts afresh; the earlier run's metrics.jsonl and summary.json "
+            "in this dir were moved to %s",
+            aside,
+        )
+
+
+def _save_on_stop(ckpt_cfg: CheckpointConfig, ckpt: Checkpointer, step: int) -> None:
+    """After a stop request, save the step just finished unless it was saved already
+    (``ckpt_cfg``: the ``checkpoint`` config)."""
+    if not ckpt_cfg.enable:
+        log.warning(
+            "stopped after step %d; checkpointing is off (checkpoint.enable=false), so "
+            "a rerun starts over",
+            step,
+        )
+        return
+    if ckpt.facts["last_checkpoint"] != str(ckpt.folder / f"step-{step}"):
+        ckpt.save(step)
+    log.warning(
+        "stopped after step %d; checkpoint %s; rerun the same command to resume",
+        step,
+        ckpt.facts["last_checkpoint"],
+    )
+
+
+def _memory_facts(
+    device: torch.device, estimate: dict, baseline: float, tensor_peak: float | None
+) -> dict:
+    """Every rank's peak memory (allocated; reserved on CUDA), its memory before the model
+    was built (``baseline``, GiB), the peak of tensor memory added since then
+    (``tensor_peak``, GiB, None when not measured) and the state estimate."""
+    mine = (
+        metrics.peak_memory_gib(device),
+        metrics.peak_reserved_gib(device),
+        baseline,
+        tensor_peak,
+    )
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    facts = {
+        "mem_peak_gib_per_rank": [m[0] for m in every],
+        "mem_baseline_gib_per_rank": [m[2] for m in every],
+        "mem_tensor_peak_gib_per_rank": [m[3] for m in every],
+        "mem_estimate_gib": estimate,
+    }
+    if device.type == "cuda":
+        facts["mem_reserved_gib_per_rank"] = [m[1] for m in every]
+    return facts
+
+
+def run_facts(dims: ParallelDims, device: torch.device) -> dict:
+    """Derived facts recorded with every run: mesh, device, versions."""
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu"
+    )
+    return {
+        **dims.describe(),
+        "device": device.type,
+        "device_name": name,
+        "torch_version": torch.__version__,
+        "hostname": platform.node(),
+    }
+
+
+def _fmt(value) -> str:
+    return "unknown" if value is None else f"{value:.3f}"
