@@ -95,17 +95,29 @@ def settle(
     read from the plan made before a SLURM job was submitted (see the module docstring).
     ``output_dir``: the job's dir (its ``plan/`` holds the plan); ``overrides``: its command
     line, recorded in plan.md. ConfigError when nothing fits, or rank 0 could not plan."""
-    rank = _rank()
-    plan_dir = output_dir / plan_auto.PLAN_DIR
-    if rank is not None and in_submitit_job():
+    rank, plan_dir = _rank(), output_dir / plan_auto.PLAN_DIR
+    if rank is None:
+        plan_here(cfg, world_size, ranks_per_node, gpus, plan_dir, overrides)
+    elif in_submitit_job():
         plan_json = plan_dir / PLAN_JSON
         row = plan_auto.adopt_plan(cfg, plan_json, world_size, ranks_per_node)
         if rank == 0:
             print(f"hsdp_runner: {plan_auto.describe_adopted(row, plan_json)}", flush=True)
-        return
-    if rank is None:
-        plan_here(cfg, world_size, ranks_per_node, gpus, plan_dir, overrides)
-        return
+    else:
+        _plan_on_rank_0(cfg, rank, world_size, ranks_per_node, gpus, plan_dir, overrides)
+
+
+def _plan_on_rank_0(
+    cfg: DictConfig,
+    rank: int,
+    world_size: int,
+    ranks_per_node: int,
+    gpus: int,
+    plan_dir: Path,
+    overrides: list[str],
+) -> None:
+    """torchrun: rank 0 plans and publishes the choice (or its ConfigError's text) in the agent
+    store; every other rank waits for it and writes it into ``cfg`` (or raises its error)."""
     timeout_s = cfg.launcher.timeout_s
     store, key = agent_store(timeout_s), store_key()
     if rank != 0:
@@ -113,13 +125,13 @@ def settle(
         plan_auto.apply_choice(cfg, choice["overrides"], choice["plan_source"], choice["cluster"])
         return
     try:
-        chosen = plan_here(cfg, world_size, ranks_per_node, gpus, plan_dir, overrides)
+        planned = plan_here(cfg, world_size, ranks_per_node, gpus, plan_dir, overrides)
     except ConfigError as err:
         store.set(key, json.dumps({"error": str(err)}))
         raise
     choice = {
-        "overrides": chosen.chosen["overrides"],
-        "plan_source": str(chosen.plan_json),
+        "overrides": planned.chosen["overrides"],
+        "plan_source": str(planned.plan_json),
         "cluster": OmegaConf.to_container(cfg.cluster, resolve=True, enum_to_str=True),
     }
     store.set(key, json.dumps(choice))
