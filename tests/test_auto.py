@@ -1,5 +1,7 @@
-"""parallel=auto: the choice, the explicit-degree rule, the cluster a job plans for, the
-fits-nowhere advice, predicted vs measured in summary.json / W&B / compare, and the CLI."""
+"""parallel=auto: the choice, the explicit-degree rule, the cluster a job plans for, which
+process plans under torchrun (rank 0, through the agent store) and SLURM (the submitting
+process), the fits-nowhere advice, predicted vs measured in summary.json / W&B / compare, and
+the CLI (torchrun and submitit jobs: tests/test_many_nodes.py)."""
 
 from __future__ import annotations
 
