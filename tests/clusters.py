@@ -61,4 +61,4 @@ def this_machine_cache(cache: Path, threads_per_rank: int | None = None) -> dict
             }
         )
     )
-    return {"HSDP_RUNNER_CACHE": str(cache)}
+    return {"HSDP_RUNNER_CACHE_DIR": str(cache)}

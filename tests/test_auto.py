@@ -323,6 +323,8 @@ def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env
         tmp_path / "nowhere",
         *AUTO,
         "model.n_layers=1",
+        "parallel.cp=1",  # fewer layouts to measure, for the job and each remedy
+        "parallel.tp=1",
         "cluster=this_machine",
         "cluster.device_memory_gib=0.0001",
         env=auto_env,
@@ -339,7 +341,9 @@ def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env
 @pytest.mark.multiprocess
 def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto_env, tmp_path):
     """Two models, each planned in the launching process on this machine (2 ranks), run with
-    the chosen degrees; summary.json, W&B and compare hold the prediction next to the run."""
+    the chosen degrees; summary.json, W&B and compare hold the prediction next to the run.
+    cp and tp are kept at 1 (a constraint) so that each plan measures two layouts, not four:
+    the choice among every degree is test_the_fastest_fitting_layout_wins_..."""
     from wandb_records import read_run
 
     from hsdp_runner import compare
@@ -351,6 +355,8 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         "model=llama3_tiny,gpt2_tiny",
         *[o for o in AUTO if not o.startswith("model=")],
         "trainer.steps=3",
+        "parallel.cp=1",
+        "parallel.tp=1",
         "logger=wandb",
         f"hydra.sweep.dir={sweep}",
         pin_dir=False,
