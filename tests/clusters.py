@@ -1,6 +1,11 @@
-"""A small made-up cluster for planner tests: round figures, so prices can be checked by hand."""
+"""A small made-up cluster for planner tests (round figures, so prices can be checked by hand),
+and this machine's link table for 2 ranks written in advance for CLI jobs that plan."""
 
 from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
 
 from hsdp_runner.planner.cluster import Cluster
 
@@ -29,3 +34,33 @@ def fake_cluster(**overrides) -> Cluster:
         memory_gbps=1000.0,
     )
     return Cluster(**{**base, **overrides})
+
+
+def this_machine_cache(cache: Path, threads_per_rank: int | None = None) -> dict:
+    """Write ``cluster=this_machine``'s link table for 2 ranks per node into the cache dir
+    ``cache`` (figures of the 2-core machine, so no job pays for the micro-benchmark; fake
+    memory measurements are made afresh) and return the environment that points jobs at it.
+    ``threads_per_rank``: the intra-op threads the planning process's ranks get (default:
+    what a job launched from this process gets)."""
+    from hsdp_runner.planner import linkbench
+
+    links = {
+        "all_gather": {"2": [1.3e-3, 8.3e7]},
+        "reduce_scatter": {"2": [1.6e-3, 1.1e8]},
+        "all_reduce": {"2": [7.8e-4, 4.6e8]},
+    }
+    (cache / f"linkbench_{socket.gethostname()}_2.json").write_text(
+        json.dumps(
+            {
+                "peak_tflops": {"float32": 0.0085, "bfloat16": 0.0002},
+                "links": links,
+                "overlap": 0.4,
+                "memory_gbps": 5.0,
+                "memory_gib": 16.0,
+                "threads_per_rank": threads_per_rank or linkbench._threads_per_rank(2),
+                "host": socket.gethostname(),
+                "ranks": 2,
+            }
+        )
+    )
+    return {"HSDP_RUNNER_CACHE_DIR": str(cache)}

@@ -1,13 +1,15 @@
-"""parallel=auto: the choice, the explicit-degree rule, the cluster a job plans for, the
-fits-nowhere advice, predicted vs measured in summary.json / W&B / compare, and the CLI."""
+"""parallel=auto: the choice, the explicit-degree rule, the cluster a job plans for, which
+process plans under torchrun (rank 0, through the agent store) and SLURM (the submitting
+process), the fits-nowhere advice, predicted vs measured in summary.json / W&B / compare, and
+the CLI (torchrun and submitit jobs: tests/test_many_nodes.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
+from clusters import this_machine_cache
 from conftest import run_cli
 from omegaconf import OmegaConf
 
@@ -17,7 +19,7 @@ from hsdp_runner.core.records import RunSummary
 from hsdp_runner.planner import auto, layouts
 from hsdp_runner.planner.cluster import Cluster
 from hsdp_runner.report import prediction
-from hsdp_runner.runtime import launch
+from hsdp_runner.runtime import auto_job
 from hsdp_runner.train.sinks import wandb_summary
 
 AUTO = [
@@ -89,19 +91,27 @@ def test_the_cluster_is_the_command_lines_else_the_gpus_preset_else_this_machine
         auto.cluster_node(None, 8, 8, "NVIDIA L4")
 
 
-def test_auto_is_refused_where_no_one_process_plans_for_every_rank(monkeypatch):
+def test_auto_is_refused_where_no_one_process_can_plan_for_every_rank(monkeypatch):
     cfg = compose(AUTO)
-    with pytest.raises(ConfigError, match="parallel=auto plans in the process that starts"):
-        launch._check_auto_launch(cfg, 0, submitting=True)
+    with pytest.raises(ConfigError, match=r"cluster=<preset> \(a100_40gb, .*this_machine\)"):
+        auto_job.check_launch(cfg, 0, submitting=True)  # a login node: no GPU to name one
+    auto_job.check_launch(compose(AUTO + ["cluster=h100_sxm"]), 0, submitting=True)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="parallel=auto plans in the process that starts"):
-        launch._check_auto_launch(cfg, 0, submitting=False)
-    monkeypatch.delenv("RANK")
+    with pytest.raises(ConfigError, match="a launcher other than torchrun or launcher=slurm"):
+        auto_job.check_launch(cfg, 0, submitting=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        auto_job.check_launch(cfg, 0, submitting=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    auto_job.check_launch(cfg, 0, submitting=False)  # torchrun: rank 0 plans, hands it on
+    for name in ("RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name)
     no_ranks = compose([o for o in AUTO if not o.startswith("launcher.")])
     with pytest.raises(ConfigError, match="launcher.nproc_per_node"):
-        launch._check_auto_launch(no_ranks, 0, submitting=False)
-    launch._check_auto_launch(no_ranks, 8, submitting=False)  # 8 GPUs: 8 ranks
+        auto_job.check_launch(no_ranks, 0, submitting=False)
+    auto_job.check_launch(no_ranks, 8, submitting=False)  # 8 GPUs: 8 ranks
 
 
 def test_a_gpu_without_a_preset_is_named_before_anything_is_measured(monkeypatch, tmp_path):
@@ -110,7 +120,106 @@ def test_a_gpu_without_a_preset_is_named_before_anything_is_measured(monkeypatch
     monkeypatch.setattr("torch.cuda.get_device_name", lambda index=None: "NVIDIA L4")
     monkeypatch.setattr(layouts.plan_memory, "measure", lambda requests: pytest.fail("measured"))
     with pytest.raises(ConfigError, match="no cluster preset has device 'NVIDIA L4'"):
-        launch._plan_auto(compose(AUTO), 8, 8, 8, tmp_path, [])
+        auto_job.plan_here(compose(AUTO), 8, 8, 8, tmp_path, [])
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """A TCPStore in this process standing in for torchrun's agent store, and the environment
+    torchrun's agent gives its workers."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    for name, value in {
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "auto-test",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }.items():
+        monkeypatch.setenv(name, value)
+    return store
+
+
+def _fake_plan_job(cfg, world_size, ranks_per_node, device_name, out_dir, overrides):
+    """plan_job without measuring: dp_shard=2 wins, ddp is the runner-up."""
+    best, second = _row((1, 2, 1), 0.5, 1.0), _row((2, 1, 1), 0.6, 1.5)
+    node = auto.cluster_node(to_run_config(cfg).cluster, world_size, ranks_per_node, device_name)
+    auto.apply_choice(cfg, best["overrides"], out_dir / "plan.json", node)
+    cluster = {"name": node.name, "nodes": 1, "gpus_per_node": 2, "device_memory_gib": 8.0}
+    return auto.AutoChoice(best, second, cluster, out_dir / "plan.json", 0.1)
+
+
+def test_under_torchrun_rank_0_plans_and_the_other_ranks_run_its_choice(
+    agent_store, monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(auto, "plan_job", _fake_plan_job)
+    configs = {}
+    for rank in (0, 1):  # rank 0 publishes first; rank 1 would wait for it
+        monkeypatch.setenv("RANK", str(rank))
+        configs[rank] = compose(AUTO)
+        auto_job.settle(configs[rank], 2, 2, 0, tmp_path, [])
+        monkeypatch.setattr(auto, "plan_job", lambda *a: pytest.fail("rank 1 planned"))
+    assert capsys.readouterr().out.count("parallel=auto chose dp_replicate=1 dp_shard=2") == 1
+    for rank, cfg in configs.items():
+        assert [cfg.parallel[n] for n in ("dp_replicate", "dp_shard", "tp")] == [1, 2, 1], rank
+        assert cfg.plan.source == str(tmp_path / "plan" / "plan.json")
+        assert (cfg.cluster.name, cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (
+            "this_machine",
+            1,
+            2,
+        )
+
+
+def test_rank_0s_planning_error_ends_every_rank_and_a_restart_never_reads_an_old_plan(
+    agent_store, monkeypatch, tmp_path
+):
+    def fits_nowhere(*args):
+        raise ConfigError("parallel=auto: model llama3_tiny fits on no layout of 2 ranks")
+
+    monkeypatch.setattr(auto, "plan_job", fits_nowhere)
+    for rank in (0, 1):  # the same one line on every rank: launch.run_job exits 2 with it
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(ConfigError, match="^parallel=auto: model llama3_tiny fits on no"):
+            auto_job.settle(compose(AUTO), 2, 2, 0, tmp_path, [])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted group: rank 0 is late
+    with pytest.raises(ConfigError, match=r"no plan within launcher.timeout_s=1 s"):
+        auto_job.settle(compose(AUTO + ["launcher.timeout_s=1"]), 2, 2, 0, tmp_path, [])
+
+
+def test_a_slurm_task_runs_the_plan_made_before_submission(monkeypatch, tmp_path):
+    """The submitting process planned into the job's dir; each task writes that plan's choice
+    into its config without planning, and refuses a plan for another world size."""
+    monkeypatch.setattr(auto, "plan_job", lambda *a: pytest.fail("a task planned"))
+    rows = [_row((2, 1, 1), 0.5, 1.0, fits=False), _row((1, 2, 1), 0.6, 1.0)]
+    (tmp_path / "plan").mkdir()
+    plan_json = tmp_path / "plan" / "plan.json"
+    plan_json.write_text(json.dumps({"world_size": 2, "layouts": rows}))
+    for name, value in {"SUBMITIT_EXECUTOR": "slurm", "RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    auto_job.check_launch(compose(AUTO), 0, submitting=False)
+    cfg = compose(AUTO + ["cluster=h100_sxm"])
+    auto_job.settle(cfg, 2, 2, 0, tmp_path, [])
+    assert [cfg.parallel[n] for n in ("dp_replicate", "dp_shard", "tp")] == [1, 2, 1]
+    assert cfg.plan.source == str(plan_json.resolve()) and cfg.cluster.nodes == 1
+    with pytest.raises(ConfigError, match="is for 2 ranks, this job has 4; resubmit"):
+        auto_job.settle(compose(AUTO + ["cluster=h100_sxm"]), 4, 2, 0, tmp_path, [])
+    with pytest.raises(ConfigError, match="plan .*missing"):
+        auto_job.settle(compose(AUTO + ["cluster=h100_sxm"]), 2, 2, 0, tmp_path / "x", [])
+
+
+def test_a_slurm_jobs_plan_goes_into_the_dir_hydra_will_give_the_job():
+    hydra = {
+        "job": {"num": 0, "id": "???", "override_dirname": "parallel=auto"},
+        "sweep": {"dir": "multirun/s", "subdir": "${hydra.job.num}_${hydra.job.override_dirname}"},
+    }
+    cfg = OmegaConf.create({"hydra": hydra})
+    assert auto_job.submitted_job_dir(cfg, 3) == Path("multirun/s/3_parallel=auto")
+    cfg.hydra.sweep.subdir = "${hydra.job.id}"
+    with pytest.raises(ConfigError, match=r"leave \$\{hydra.job.id\} out of hydra.sweep.subdir"):
+        auto_job.submitted_job_dir(cfg, 3)
 
 
 def _cluster(**kw) -> Cluster:
@@ -204,32 +313,8 @@ def test_job_prediction_puts_predicted_next_to_measured_and_names_the_runner_up(
 
 @pytest.fixture(scope="module")
 def auto_env(tmp_path_factory) -> dict:
-    """A cache dir for the CLI jobs: this machine's link table for 2 ranks written in advance
-    (figures of the 2-core machine, so no job pays for the micro-benchmark), fake memory
-    measurements made afresh."""
-    from hsdp_runner.planner import linkbench
-
-    cache = tmp_path_factory.mktemp("cache")
-    links = {
-        "all_gather": {"2": [1.3e-3, 8.3e7]},
-        "reduce_scatter": {"2": [1.6e-3, 1.1e8]},
-        "all_reduce": {"2": [7.8e-4, 4.6e8]},
-    }
-    (cache / f"linkbench_{socket.gethostname()}_2.json").write_text(
-        json.dumps(
-            {
-                "peak_tflops": {"float32": 0.0085, "bfloat16": 0.0002},
-                "links": links,
-                "overlap": 0.4,
-                "memory_gbps": 5.0,
-                "memory_gib": 16.0,
-                "threads_per_rank": linkbench._threads_per_rank(2),
-                "host": socket.gethostname(),
-                "ranks": 2,
-            }
-        )
-    )
-    return {"HSDP_RUNNER_CACHE": str(cache)}
+    """A cache dir for the CLI jobs with this machine's link table for 2 ranks in advance."""
+    return this_machine_cache(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.multiprocess
@@ -239,6 +324,8 @@ def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env
         tmp_path / "nowhere",
         *AUTO,
         "model.n_layers=1",
+        "parallel.cp=1",  # fewer layouts to measure, for the job and each remedy
+        "parallel.tp=1",
         "cluster=this_machine",
         "cluster.device_memory_gib=0.0001",
         env=auto_env,
@@ -255,7 +342,9 @@ def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env
 @pytest.mark.multiprocess
 def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto_env, tmp_path):
     """Two models, each planned in the launching process on this machine (2 ranks), run with
-    the chosen degrees; summary.json, W&B and compare hold the prediction next to the run."""
+    the chosen degrees; summary.json, W&B and compare hold the prediction next to the run.
+    cp and tp are kept at 1 (a constraint) so that each plan measures two layouts, not four:
+    the choice among every degree is test_the_fastest_fitting_layout_wins_..."""
     from wandb_records import read_run
 
     from hsdp_runner import compare
@@ -267,6 +356,8 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         "model=llama3_tiny,gpt2_tiny",
         *[o for o in AUTO if not o.startswith("model=")],
         "trainer.steps=3",
+        "parallel.cp=1",
+        "parallel.tp=1",
         "logger=wandb",
         f"hydra.sweep.dir={sweep}",
         pin_dir=False,

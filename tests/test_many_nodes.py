@@ -1,13 +1,18 @@
 """Many nodes on one machine: two torchrun agents as two "nodes", the SLURM preset's sbatch
-script (inspected, never submitted) and a run through submitit's local executor."""
+script (inspected, never submitted) and a run through submitit's local executor; the two
+runs are parallel=auto jobs, planned once for every rank."""
 
+import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from clusters import this_machine_cache
 from conftest import TINY, cli_env, read_job, run_cli
+from omegaconf import OmegaConf
+from wandb_records import read_run
 
 from hsdp_runner.distributed.parallel_dims import VIEWS, ParallelDims
 from hsdp_runner.planner.step_time import placement_of
@@ -20,7 +25,12 @@ def free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_path):
+def test_two_torchrun_agents_form_one_auto_planned_hsdp_job_with_replicate_across_nodes(tmp_path):
+    """parallel=auto with dp_replicate=2 kept: rank 0 alone plans dp_shard for 2 nodes x 2
+    ranks (torchrun's world), and every rank of both agents runs its choice."""
+    (tmp_path / "cache").mkdir()
+    # torchrun gives each of several workers 1 thread; the link table is for that.
+    env = {**this_machine_cache(tmp_path / "cache", threads_per_rank=1), "OMP_NUM_THREADS": "1"}
     agent = [
         sys.executable,
         "-m",
@@ -37,7 +47,10 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
         "two-nodes",
         "-m",
         "hsdp_runner",
-        "parallel=hsdp",
+        "parallel=auto",
+        "parallel.dp_replicate=2",
+        "parallel.cp=1",
+        "parallel.tp=1",
         "logger=wandb",
         *[o for o in TINY if not o.startswith("logger=")],
     ]
@@ -45,7 +58,7 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
         subprocess.Popen(
             agent,
             cwd=tmp_path,
-            env=cli_env(),
+            env=cli_env(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -87,6 +100,25 @@ def test_two_torchrun_agents_form_one_hsdp_job_with_replicate_across_nodes(tmp_p
     }
     assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
     assert len(list((job / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs to W&B
+    # Planned once, on rank 0, into the job's dir; every rank ran that choice.
+    stdout = outputs[0][0] + outputs[1][0]
+    assert stdout.count("hsdp_runner: parallel=auto chose dp_replicate=2 dp_shard=2") == 1, stdout
+    for r in range(4):
+        rank_log = (job / "logs" / f"rank{r}.log").read_text()
+        assert "mesh {'dp_replicate': 2, 'dp_shard': 2, 'cp': 1, 'tp': 1}" in rank_log, r
+    plan = json.loads((job / "plan" / "plan.json").read_text())
+    assert plan["cluster"]["nodes"] == 2 and plan["cluster"]["gpus_per_node"] == 2
+    assert OmegaConf.load(job / "config_resolved.yaml").plan.source == str(
+        job / "plan" / "plan.json"
+    )
+    pred = summary["prediction"]
+    assert pred["rank"] == 1 and pred["runner_up"] is None  # the one layout the degrees allow
+    assert pred["figures"]["step_time_s"]["measured"] == summary["median_step_time_s"]
+    run = read_run(next(job.glob("wandb/offline-run-*/run-*.wandb")))
+    assert (
+        run["summary"]["prediction/step_time_s/predicted"]
+        == pred["figures"]["step_time_s"]["predicted"]
+    )
 
 
 @pytest.fixture
@@ -165,23 +197,44 @@ def test_slurm_job_with_tp_across_nodes_is_refused_before_submission(tmp_path, f
 
 
 @pytest.mark.multiprocess
-def test_two_task_job_through_submitit_local_executor_trains_into_one_dir(tmp_path):
+def test_auto_job_planned_before_submission_runs_as_two_submitit_tasks_in_one_dir(tmp_path):
+    """parallel=auto under submitit's local executor: the submitting process plans (on
+    cluster=this_machine, for launcher.nproc_per_node ranks) into the job's dir, and both
+    tasks run that plan's choice without planning."""
     sweep = tmp_path / "sweep"
+    (tmp_path / "cache").mkdir()
     result = run_cli(
         tmp_path,
         "launcher=slurm_local",
         "launcher.nproc_per_node=2",
-        "parallel=fsdp",
-        "parallel.dp_shard=-1",
+        "parallel=auto",
+        "parallel.cp=1",
+        "parallel.tp=1",
+        "cluster=this_machine",
         *TINY,
         f"hydra.sweep.dir={sweep}",
         pin_dir=False,
         cwd=tmp_path,
+        env=this_machine_cache(tmp_path / "cache"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("hsdp_runner: parallel=auto chose ") == 1
     (job,) = [d for d in sweep.iterdir() if d.is_dir() and d.name != ".submitit"]
     records, summary = read_job(job)
     assert summary is not None, [p.read_text()[-2000:] for p in sweep.glob(".submitit/*/*.err")]
     assert summary["status"] == "completed" and len(records) == 6
     assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (2, 1, 2)
     assert sorted(p.name for p in (job / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    plan = json.loads((job / "plan" / "plan.json").read_text())
+    chosen = next(e for e in plan["layouts"] if e["valid"] and e["fits"])
+    assert summary["dp_replicate"] * summary["dp_shard"] == 2
+    for name in ("dp_replicate", "dp_shard", "cp", "tp"):
+        assert summary[name] == chosen["overrides"][f"parallel.{name}"], name
+    assert OmegaConf.load(job / "config_resolved.yaml").plan.source == str(
+        job / "plan" / "plan.json"
+    )
+    pred = summary["prediction"]
+    assert pred["rank"] == 1 and pred["runner_up"] is not None  # ddp and fsdp both fit
+    assert pred["figures"]["mem_gib"]["predicted"] == chosen["mem_gib"]
+    tasks = "".join(p.read_text() for p in sweep.glob(".submitit/*/*.out"))
+    assert "parallel=auto chose" not in tasks and "planned before submission" in tasks

@@ -33,10 +33,12 @@ ALLOWED = {
     "report/dashboard/callback.py::on_multirun_end(config)": "Hydra callback API",
     # The launcher: it writes parallel=auto's choice into the composed config and sends the
     # workers its plain resolved container (spawned workers have no Hydra context); each worker
-    # converts it once, on arrival. launch.py is being split on another branch: its entries
-    # move with its functions.
+    # converts it once, on arrival.
     "runtime/launch.py::validate(cfg)": "the app's DictConfig or a RunConfig; converted here",
-    "runtime/launch.py::_plan_auto(cfg)": "parallel=auto writes its choice into it",
+    "runtime/auto_job.py::settle(cfg)": "parallel=auto writes its choice into it",
+    "runtime/auto_job.py::_plan_on_rank_0(cfg)": "parallel=auto writes its choice into it",
+    "runtime/auto_job.py::plan_here(cfg)": "parallel=auto writes its choice into it",
+    "runtime/auto_job.py::submitted_job_dir(cfg)": "reads the hydra node of a sweep job",
     "runtime/launch.py::run_job(cfg)": "Hydra's task body: the composed config",
     "runtime/launch.py::check_before_submit(sweep_config)": "Hydra's sweep config",
     "runtime/launch.py::_launch_local(cfg_dict)": "the plain container sent to workers",
@@ -50,6 +52,9 @@ ALLOWED = {
     "planner/layouts.py::axis_configs(cfg)": "applies the axes, converts each candidate",
     "planner/layouts.py::plan_layouts(cfg)": "a Scenario of the composed config",
     "planner/auto.py::plan_job(cfg)": "writes the plan's choice into the composed config",
+    "planner/auto.py::apply_choice(cfg)": "writes the plan's choice into the composed config",
+    "planner/auto.py::apply_choice(node)": "a preset's node, or the dict rank 0 published",
+    "planner/auto.py::adopt_plan(cfg)": "writes the plan's choice into the composed config",
     "planner/auto.py::remedies(cfg)": "Scenarios of changed copies of the composed config",
     "planner/auto.py::fits_nowhere(cfg)": "hands it to remedies",
     # A fake memory measurement is plain data: hashed for the on-disk cache, sent to a child.

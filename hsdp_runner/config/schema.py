@@ -52,7 +52,7 @@ class ParallelConfig:
     ddp_impl: DDPImpl = DDPImpl.replicate
     allow_tp_across_nodes: bool = False
     allow_cp_across_nodes: bool = False
-    # parallel=auto: the launching process plans the degrees left at -1 (planner/auto.py).
+    # parallel=auto: one process plans the degrees left at -1 for every rank (runtime/auto_job.py).
     auto: bool = False
 
 

@@ -1,7 +1,9 @@
 """``parallel=auto``: a job plans its own layout before any worker starts.
 
-The launching process (``launch.validate``) calls ``plan_job`` with the job's composed config
-and its world (ranks, ranks per node). The planner's rows come from ``planner.layouts`` for the
+One process plans for the whole job (``runtime.auto_job`` says which: the launching process,
+torchrun's rank 0, or the process that submits a SLURM job) and calls ``plan_job`` with the
+job's composed config and its world (ranks, ranks per node); the others run its choice
+(``apply_choice``, ``adopt_plan``). The planner's rows come from ``planner.layouts`` for the
 job's own model, precision, batch and ``parallel.*`` options on the cluster it runs on:
 - ``cluster=<preset>`` given on the command line, else
 - the preset (``conf/cluster/*.yaml``) whose ``device`` is the name torch reports for the GPU,
@@ -21,6 +23,7 @@ nodes (each planned, in one batch of measurements).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -145,17 +148,60 @@ def plan_job(
             rows = plan_layouts(cfg, cluster, fixed=fixed)
         except ConfigError as err:
             raise ConfigError(f"parallel=auto: {err}") from None
-        cfg.cluster = node
         plan_json = _write_plan(out_dir, run, cluster, rows, overrides)
         best, runner_up = choose(rows)
         if best is None:
+            cfg.cluster = node
             raise ConfigError(fits_nowhere(cfg, cluster, fixed, plan_json))
     finally:
         plan_memory.release_children()  # not left beside the job's workers
-    for key, value in best["overrides"].items():
+    apply_choice(cfg, best["overrides"], plan_json, node)
+    return AutoChoice(best, runner_up, cluster.describe(), plan_json, time.perf_counter() - start)
+
+
+def apply_choice(
+    cfg: DictConfig, overrides: dict, plan_json: Path | str, node: ClusterConfig | dict
+) -> None:
+    """Write a planned choice into ``cfg``: the chosen layout's ``overrides`` (its degrees),
+    ``plan.source`` = ``plan_json`` and the ``cluster`` node it was planned for (a config node,
+    or its plain dict as another rank published it)."""
+    cfg.cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), node)
+    for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, merge=False)
     cfg.plan.source = str(plan_json)
-    return AutoChoice(best, runner_up, cluster.describe(), plan_json, time.perf_counter() - start)
+
+
+def adopt_plan(cfg: DictConfig, plan_json: Path, world_size: int, ranks_per_node: int) -> dict:
+    """Run the plan another process made for this job (a SLURM job's, planned before
+    submission): write the plan.json's choice (its fastest fitting layout, as ``plan_job``
+    chose it) into ``cfg`` and return that layout's row. ConfigError when the plan is missing
+    or was made for another world size."""
+    if not plan_json.is_file():
+        raise ConfigError(
+            f"parallel=auto: this job's plan {plan_json} is missing (the submitting process "
+            "writes it into the job's dir); resubmit the job"
+        )
+    plan = json.loads(plan_json.read_text())
+    if plan["world_size"] != world_size:
+        raise ConfigError(
+            f"parallel=auto: the plan {plan_json} is for {plan['world_size']} ranks, this job "
+            f"has {world_size}; resubmit the job so that it is planned for its own ranks"
+        )
+    best, _ = choose(plan["layouts"])
+    if best is None:
+        raise ConfigError(f"parallel=auto: no layout of the plan {plan_json} fits; replan the job")
+    node = cluster_node(to_run_config(cfg).cluster, world_size, ranks_per_node, None)
+    apply_choice(cfg, best["overrides"], plan_json.resolve(), node)
+    return best
+
+
+def describe_adopted(row: dict, plan_json: Path) -> str:
+    """One console line for a job that runs a plan made before it started (``adopt_plan``)."""
+    return (
+        f"parallel=auto runs {_degrees(row)} ({row['layout']}), planned before submission: "
+        f"step {row['step_time_s']:.4g} s, {row['mem_gib']:.3g} GiB per rank; "
+        f"plan: {plan_json.parent}"
+    )
 
 
 def _write_plan(
@@ -195,6 +241,7 @@ def describe(choice: AutoChoice) -> str:
 
 
 def _degrees(entry: dict) -> str:
+    """A layout row's degrees as ``dp_replicate=2 dp_shard=1 ...``."""
     return " ".join(
         f"{k.removeprefix('parallel.')}={v}"
         for k, v in entry["overrides"].items()

@@ -30,7 +30,8 @@ all-reduce is priced as a ring, an upper bound of its time.
 The end of a step (gradient clipping, then fused AdamW) streams every trainable element of a
 rank's shard through device memory a fixed number of times (``STEP_END_ACCESSES``), so it is
 priced at the device's memory bandwidth (``memory_gbps``: the datasheet figure for GPUs,
-measured on this machine with those same two calls, every rank at once).
+measured on this machine with those same two calls, every rank at once; the count is the
+trainer's ``STEP_END_ACCESSES``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.distributed.topology import Placement
 from hsdp_runner.train.metrics import lookup_peak_tflops
+from hsdp_runner.train.trainer import STEP_END_ACCESSES
 
 CALIBRATED_KEYS = (
     "compute_efficiency",
@@ -61,11 +63,6 @@ REPLACED_KEYS = {
     "inter_node_gbps": "cluster.nics_per_node, cluster.nic_gbit and cluster.nic_efficiency",
 }
 INTRA, INTER = "nvlink", "nic"  # the link names of Price.link_s
-# Reads and writes of each trainable shard element at the end of a step, as the trainer runs
-# it: clip_grad_norm_ reads every gradient for the norm, then reads and writes it to scale it
-# (3); fused AdamW reads the parameter, its gradient and both moments and writes the parameter
-# and the moments (7). Gradients and moments have the parameter's (master) dtype.
-STEP_END_ACCESSES = 10
 
 
 def ring_factor(kind: str, n: int) -> float:

@@ -41,7 +41,7 @@ from hsdp_runner.distributed.hardware import (
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
-from hsdp_runner.runtime import forkserver
+from hsdp_runner.runtime import auto_job, forkserver
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
     begin_attempt,
@@ -83,9 +83,10 @@ def validate(
     Layout warnings (e.g. a shard group spanning nodes) go to stderr; in a rank, rank 0's only.
     ``size_degrees`` (a sweep's preset degrees, see ``app.preset_degrees``) replace the job's
     own degrees where the world size comes from degrees (CPU, no ``launcher.nproc_per_node``).
-    With ``parallel.auto`` the degrees are planned here and written into ``cfg``, which must
-    then be the composed DictConfig the workers' config is made from (``planner.auto``;
-    ``overrides``: the job's command line, recorded in its plan.md).
+    With ``parallel.auto`` the degrees are settled here (planned, or received from the process
+    that planned: ``auto_job``) and written into ``cfg``, which must then be the composed
+    DictConfig the workers' config is made from (``overrides``: the job's command line,
+    recorded in its plan.md; ``output_dir``: the job's own dir, which gets the plan).
     """
     composed = None if isinstance(cfg, RunConfig) else cfg
     if composed is not None:
@@ -94,13 +95,13 @@ def validate(
     check_torch_apis()
     gpus = 0 if submitting else usable_gpus(cfg.device)
     if cfg.parallel.auto:
-        _check_auto_launch(cfg, gpus, submitting)
+        auto_job.check_launch(cfg, gpus, submitting)
     world_size, ranks_per_node = _world_layout(cfg, gpus, size_degrees)
     if cfg.parallel.auto:
         if composed is None:
             raise TypeError("parallel=auto plans into the composed config: pass the DictConfig")
         _check_writable(output_dir)
-        _plan_auto(composed, world_size, ranks_per_node, gpus, output_dir, list(overrides))
+        auto_job.settle(composed, world_size, ranks_per_node, gpus, output_dir, list(overrides))
         cfg = to_run_config(composed)
     if gpus and under_torchrun():
         check_visible_gpus(ranks_per_node, gpus)
@@ -129,43 +130,6 @@ def validate(
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)
     return dims
-
-
-def _check_auto_launch(cfg: RunConfig, gpus: int, submitting: bool) -> None:
-    """Refuse ``parallel=auto`` where this process cannot decide for every rank before they
-    start, or where the world size would come from the degrees it has yet to choose."""
-    if submitting or under_torchrun():
-        raise ConfigError(
-            "parallel=auto plans in the process that starts the workers (launcher=local), and "
-            "each torchrun or SLURM rank would plan on its own; plan first (python -m "
-            "hsdp_runner.plan ... plan.write_sweep=<file>) and run its degrees, or use "
-            "launcher=local"
-        )
-    degrees = [getattr(cfg.parallel, name) for name in DIM_NAMES]
-    if not gpus and cfg.launcher.nproc_per_node is None and -1 in degrees:
-        raise ConfigError(
-            "parallel=auto on CPU needs the number of ranks to plan for and start: "
-            "set launcher.nproc_per_node (e.g. launcher.nproc_per_node=4)"
-        )
-
-
-def _plan_auto(
-    cfg: DictConfig,
-    world_size: int,
-    ranks_per_node: int,
-    gpus: int,
-    output_dir: Path,
-    overrides: list[str],
-) -> None:
-    """Plan the auto job on its cluster, write the chosen degrees into ``cfg`` and say which
-    layout was chosen and which came second (ConfigError when nothing fits)."""
-    from hsdp_runner.planner import auto as plan_auto
-
-    device_name = torch.cuda.get_device_name(0) if gpus else None
-    choice = plan_auto.plan_job(
-        cfg, world_size, ranks_per_node, device_name, output_dir / plan_auto.PLAN_DIR, overrides
-    )
-    print(f"hsdp_runner: {plan_auto.describe(choice)}", flush=True)
 
 
 def _world_layout(cfg: RunConfig, gpus: int, size_degrees: dict | None = None) -> tuple[int, int]:
@@ -257,13 +221,18 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
     """Validate each job of a SLURM sweep on the submitting node; exit 2 if any is bad.
 
     Takes Hydra's config loader, the sweep's master config, the jobs' override lists and the
-    first job number; composes each job's config as its tasks will and runs ``validate``.
+    first job number; composes each job's config as its tasks will and runs ``validate``
+    (which plans a ``parallel=auto`` job, into the dir Hydra will give it).
     """
     sweep_dir = Path(str(sweep_config.hydra.sweep.dir))
     for num, overrides in enumerate(job_overrides, start=first_num):
         cfg = config_loader.load_sweep_config(sweep_config, list(overrides))
         try:
-            validate(to_run_config(cfg), sweep_dir, submitting=True)
+            if cfg.parallel.auto:  # planned here, into the job's dir; its tasks run that plan
+                job_dir = auto_job.submitted_job_dir(cfg, num)
+                validate(cfg, job_dir, submitting=True, overrides=list(overrides))
+            else:
+                validate(to_run_config(cfg), sweep_dir, submitting=True)
         except ConfigError as err:
             job = " ".join(overrides) or "no overrides"
             print(
