@@ -1,10 +1,16 @@
 """Precision, activation checkpointing, accumulation and data options train end to end.
 
 The presets themselves are trained by the parity run (tests/test_parity.py). Options that
-apply to the same layout share one job: each must train for the job to train."""
+apply to the same layout share one job: each must train for the job to train. The job with
+gradient accumulation also checks the planner's memory for its config and layout against the
+tensor peak every rank measured."""
 
 import pytest
+from clusters import fake_cluster
 from conftest import TINY, read_job, run_cli
+
+from hsdp_runner import plan
+from hsdp_runner.planner.layouts import plan_layouts
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,3 +39,16 @@ def test_precision_ac_and_accumulation_options_train(overrides, job_dir):
     records, summary = read_job(job_dir)
     assert summary["status"] == "completed"
     assert records[-1]["loss"] < records[0]["loss"]
+    if "trainer.grad_accum_steps=2" in overrides:
+        _check_planned_memory(overrides, summary)
+
+
+def _check_planned_memory(overrides: list[str], summary: dict) -> None:
+    """The plan of the job's own config and layout (two micro-batches, the first without
+    gradient sync) predicts the largest rank's measured tensor peak within 15%."""
+    degrees = {k: summary[k] for k in ("dp_replicate", "dp_shard", "cp", "tp")}
+    cfg = plan.compose([*TINY, *overrides, "trainer.steps=4"])
+    cluster = fake_cluster(nodes=1, gpus_per_node=summary["world_size"])  # no reserve: CPU
+    row = plan_layouts(cfg, cluster, {}, degrees)[0]
+    measured = max(summary["mem_tensor_peak_gib_per_rank"])
+    assert abs(row["mem_gib"] / measured - 1) <= 0.15, (row["mem_gib"], measured)

@@ -9,6 +9,11 @@ per-category peaks: sharded and unsharded parameters, gradients, activations, te
 all-gather and reduce-scatter buffers. The child keeps the fake group and fake tensors out of
 the caller's process.
 
+Gradient accumulation runs two micro-batches (more add nothing: each but the last looks like the
+first): the first with gradient sync off, so FSDP2 keeps every unsharded gradient (in the
+reduce dtype) until the second reduces it, and the peak holds those beside one micro-batch's
+activations.
+
 Three things are worked out instead of measured, and said so in the plan:
 - **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; the peak grows
   linearly in the number of blocks (each adds its parameters, gradients and saved
@@ -208,6 +213,11 @@ def _measure_one(req: dict) -> dict:
             tracker.track_external(model, tokens)
         with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             for micro in range(accum):
+                if micro:
+                    # The trackers refuse a second root forward as "another iteration" unless
+                    # their per-module stats are cleared; the device-wide peak and the live
+                    # tensors (gradients held across micro-batches) are kept.
+                    tracker.reset_mod_stats()
                 if hasattr(model, "set_requires_gradient_sync"):
                     model.set_requires_gradient_sync(micro == accum - 1)
                 _loss(model, tokens).backward()

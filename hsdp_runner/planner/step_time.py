@@ -18,7 +18,11 @@
   last block in backward); each unit's reduce-scatter (and HSDP/DDP all-reduce over
   ``dp_replicate``, issued right after it in the same post-backward) overlaps the backward of
   the units before it, so only the last unit's (the root's) is exposed. The rest hides behind
-  up to ``cluster.overlap`` x the compute of its pass. In backward these collectives run at the
+  up to ``cluster.overlap`` x the compute of its pass. With ``trainer.grad_accum_steps`` = N
+  every micro-batch is a forward and a backward pass of its own (all-gathers and exposures N
+  times, ``comm_model`` counts them so); the gradients are reduced once, in the last
+  micro-batch's backward (the trainer's ``set_requires_gradient_sync``), so they hide behind
+  1/N of the backward compute. In backward these collectives run at the
   same time (FSDP2 issues them on separate streams): on a link they both use their times add,
   on different links (HSDP: the shard group's reduce-scatter on NVLink, the replicate
   all-reduce on the NICs) they run side by side, so the backward's communication takes its
@@ -163,19 +167,28 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     expose(fsdp, ag_fwd * root)
     spill = max(0.0, ag_fwd * (1 - root) - cluster.overlap * fwd)
     expose(fsdp, spill)
-    hidden_bwd = {fsdp: ag_bwd * (1 - 1 / blocks)}
-    # What of each price runs hidden in backward, to find the links they share.
-    running = [(prices[f"all_gather/{fsdp}"], (1 - ag_fwd_share) * (1 - 1 / blocks))] if ag else []
+    # Backward, per micro-batch: every one gathers its blocks again, but the gradients are
+    # reduced in the last one's alone (the trainer switches gradient sync off for the others),
+    # so what is hidden is hidden behind one micro-batch's backward compute at a time.
+    accum = cfg.trainer.grad_accum_steps
+    bwd_pass = bwd / accum
+    ag_share = (1 - ag_fwd_share) * (1 - 1 / blocks) / accum  # of the step's all-gather price
+    hidden_last = {fsdp: ag_bwd * (1 - 1 / blocks) / accum}
+    # What of each price runs hidden in the last backward, to find the links they share.
+    running = [(prices[f"all_gather/{fsdp}"], ag_share)] if ag else []
     expose(fsdp, ag_bwd / blocks)
+    if ag and accum > 1:  # the earlier micro-batches' backward: their all-gathers alone
+        alone = concurrent_time([prices[f"all_gather/{fsdp}"]], [ag_share])
+        expose(fsdp, (accum - 1) * max(0.0, alone - cluster.overlap * bwd_pass))
     for key, seconds in grad_sync.items():
         dim = key.split("/")[1]
         expose(dim, seconds * root)
-        hidden_bwd[dim] = hidden_bwd.get(dim, 0.0) + seconds * (1 - root)
+        hidden_last[dim] = hidden_last.get(dim, 0.0) + seconds * (1 - root)
         running.append((prices[key], 1 - root))
-    rest = sum(hidden_bwd.values())
+    rest = sum(hidden_last.values())
     together = concurrent_time([p for p, _ in running], [f for _, f in running])
-    spill = max(0.0, together - cluster.overlap * bwd)
-    for dim, seconds in hidden_bwd.items():
+    spill = max(0.0, together - cluster.overlap * bwd_pass)
+    for dim, seconds in hidden_last.items():
         expose(dim, spill * seconds / rest if rest else 0.0)
     for key, seconds in times.items():
         if key not in grad_sync and key != f"all_gather/{fsdp}":
