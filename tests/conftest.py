@@ -62,7 +62,7 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 # Under pytest-xdist (`make test`: two workers) a worker takes a whole file at a time, so a
 # module fixture runs once; files that share a session fixture go to one worker together, or
 # each worker would pay for it. The slowest files start first (seconds on the 2-core machine:
-# 210, 150, 150, 90, 85, 60, 55, 45), so the run does not end with one worker alone on a long
+# 210, 150, 150, 120, 90, 60, 90, 60, 75, 70, 60), so the run does not end with one worker alone on a long
 # file; the others keep their collection order.
 SHARED_SESSION_FIXTURE = {
     "test_placements.py": "eight_ranks",
@@ -79,6 +79,9 @@ SLOWEST_FIRST = (
     "test_options.py",
     "test_many_nodes.py",
     "test_torchrun.py",
+    "test_auto.py",
+    "test_compile.py",
+    "test_dashboard_browser.py",
 )
 
 

@@ -16,9 +16,10 @@ BASE = [
     "logger=none",
     "trainer.global_batch_size=8",
 ]
-# name -> overrides; all on 8 ranks. tp=8 needs 8 heads and 8 kv heads. Each layout costs a
-# model build and a step (~7 s), so each covers a branch of the model the others do not: FSDP
-# alone is hsdp's shard dim, TP alone (with sequence parallel) hsdp_tp's tp dim.
+# name -> overrides; all on 8 ranks. Each layout costs a model build and a step (~7 s), so each
+# covers a branch of the model the others do not: FSDP alone is hsdp's shard dim, TP alone
+# (with sequence parallel) hsdp_tp's tp dim, full AC without sequence parallel the same rule
+# as full AC with it.
 LAYOUTS = {
     "hsdp": ["parallel=hsdp", "parallel.dp_shard=4", "precision=bf16"],
     "fsdp_tp": [
@@ -35,17 +36,9 @@ LAYOUTS = {
         "parallel.sequence_parallel=false",
     ],
     # Activation checkpointing with TP: selective repeats no collective, full repeats the
-    # blocks' forward ones in backward.
+    # blocks' forward ones in backward (with or without sequence parallel: the same rule).
     "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=selective"],
     "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=full"],
-    "tp_full_ac_no_sp": [
-        "parallel=tp",
-        "parallel.tp=8",
-        "model.n_heads=8",
-        "model.n_kv_heads=8",
-        "parallel.ac=full",
-        "parallel.sequence_parallel=false",
-    ],
     # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel).
     "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
     "gpt2_ddp_tp_no_sp": [

@@ -5,8 +5,9 @@ that each preset trained (loss down, metrics, logs) through the real launch path
 runs every preset without context parallel, then cp with sequence-parallel TP (2 x 2: each cp
 rank's tokens split again over tp); `make parity` adds cp = 4,
 fsdp_cp and hsdp_cp_tp. Tiny GPT-2 runs the presets that reach every part of its seam at a
-third of the cost: ddp (whole replicas), hsdp_tp (its TP/SP plan, FSDP2 units on a 2-D mesh)
-and cp (learned positions in head-tail order); fsdp_tp (strided sharding) is checked by its
+third of the cost: hsdp_tp (its TP/SP plan, FSDP2 units on a 2-D mesh) and cp (learned
+positions in head-tail order); whole replicas (ddp) touch no part of the model that Llama's
+ddp does not; fsdp_tp (strided sharding) is checked by its
 resharding test in test_checkpoint.py, and `make parity PARITY_ARGS=model=gpt2_tiny` runs all
 of them (docs/layouts_and_parity.md).
 The DDP-implementation, HSDP-over-cp and bf16 comparisons, which are about the numerics and not
@@ -61,7 +62,7 @@ def rel_diffs(a, b, key="loss"):
 
 
 # One family each (the second one, GPT-2, came in through the model seam alone): its layouts.
-MODELS = {"llama3_tiny": LLAMA_LAYOUTS, "gpt2_tiny": ("single", "ddp", "hsdp_tp", "cp")}
+MODELS = {"llama3_tiny": LLAMA_LAYOUTS, "gpt2_tiny": ("single", "hsdp_tp", "cp")}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
