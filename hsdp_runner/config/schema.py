@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from hsdp_runner.core.choices import (
     AC,
+    AccumReduce,
     DataKind,
     DDPImpl,
     Device,
@@ -122,6 +123,7 @@ class TrainerConfig:
     seed: int = 0
     global_batch_size: int = 8
     grad_accum_steps: int = 1
+    accum_reduce: AccumReduce = AccumReduce.every
     log_every: int = 1
     eval_batches: int = 0
     freeze: list = field(default_factory=list)

@@ -105,6 +105,19 @@ class OnNan(Choice):
     skip = "skip"
 
 
+class AccumReduce(Choice):
+    """``trainer.accum_reduce``: when gradients are reduced across micro-batches of a step.
+
+    every: FSDP/HSDP reduce-scatter each micro-batch's gradients (they stay sharded: the
+    memory saving users expect from accumulation); HSDP's replicate all-reduce and DDP's
+    all-reduce still run once, after the last micro-batch. last: sync is off until the last
+    micro-batch, so each rank holds unsharded gradients across micro-batches (less traffic,
+    more memory)."""
+
+    every = "every"
+    last = "last"
+
+
 class LauncherName(Choice):
     """``launcher.name``: this node's elastic launcher, or SLURM through submitit."""
 
