@@ -242,6 +242,29 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
             raise SystemExit(EXIT_CONFIG) from None
 
 
+# LaunchConfig fields that older torch releases lack, and the environment variable their
+# elastic agent reads instead (torch 2.11, seen on an H100 machine, has no shutdown_timeout).
+LAUNCH_FIELD_ENV = {
+    "shutdown_timeout": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    "signals_to_handle": "TORCHELASTIC_SIGNALS_TO_HANDLE",
+}
+
+
+def launch_config(config_cls, **fields) -> tuple[object, dict[str, str]]:
+    """Build torch's ``LaunchConfig`` (``config_cls``) from ``fields``; return (config, the
+    environment variables to set for the launch). A field this torch's LaunchConfig lacks is
+    passed through its environment variable (``LAUNCH_FIELD_ENV``) instead of failing the
+    launch with a TypeError; an unknown field without one raises TypeError as before."""
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    env = {
+        LAUNCH_FIELD_ENV[name]: str(value)
+        for name, value in fields.items()
+        if name not in known and name in LAUNCH_FIELD_ENV
+    }
+    kept = {k: v for k, v in fields.items() if k in known or k not in LAUNCH_FIELD_ENV}
+    return config_cls(**kept), env
+
+
 def start_local_workers(
     fn,
     nproc: int,
@@ -260,7 +283,8 @@ def start_local_workers(
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
+    config, agent_env = launch_config(
+        LaunchConfig,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -277,14 +301,17 @@ def start_local_workers(
     # its own default (1) unless the launching process has one (local_elastic_agent.py), so
     # a worker cannot set ours; the launcher can, for the launch only. A user's value wins.
     key, value = NCCL_ERROR_HANDLING
-    inherited = os.environ.get(key)
-    if inherited is None:
-        os.environ[key] = value
+    launch_env = {**agent_env, key: os.environ.get(key, value)}
+    saved = {name: os.environ.get(name) for name in launch_env}
+    os.environ.update(launch_env)
     try:
         return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
     finally:
-        if inherited is None:
-            os.environ.pop(key, None)
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 def _launch_local(
