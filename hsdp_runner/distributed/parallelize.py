@@ -217,7 +217,9 @@ def apply_data_parallel(
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view")
 
 
-def set_gradient_sync(model: nn.Module, dims: ParallelDims, accum_reduce: AccumReduce, last: bool):
+def set_gradient_sync(
+    model: nn.Module, dims: ParallelDims, accum_reduce: AccumReduce, last: bool
+) -> None:
     """Set which gradient collectives the next backward of ``model`` runs: the backward of a
     step's last micro-batch when ``last``, of an earlier one otherwise.
 
@@ -228,8 +230,8 @@ def set_gradient_sync(model: nn.Module, dims: ParallelDims, accum_reduce: AccumR
     are summed in the reduce dtype until then). With ``last``, and for whole replicas (DDP, where
     a reduce-scatter would save nothing) or no data parallelism, sync is off: every rank keeps
     the unsharded gradients until the last micro-batch. A model without a data-parallel wrapper
-    is left as it is. Called by the trainer before each micro-batch (and by the planner's fake
-    step, so both hold the same gradients).
+    is left as it is. The trainer calls it before each micro-batch; a fake step that is to hold
+    the trainer's gradients calls it the same way.
     """
     if not hasattr(model, "set_requires_gradient_sync"):
         return
