@@ -31,7 +31,7 @@ def leftover_processes(marker: str) -> list[int]:
 
 def run_marked(job_dir, *overrides, timeout=240):
     """Run a job; return (its completed process, seconds, its environment marker, every
-    process seen below the launcher while it ran, as (pid, start time))."""
+    process seen below the launcher while it ran: {(pid, start time): command line})."""
     marker = f"HSDP_TEST_JOB={uuid.uuid4().hex}"
     env = cli_env({marker.split("=")[0]: marker.split("=")[1]})
     start = time.monotonic()
@@ -43,9 +43,11 @@ def run_marked(job_dir, *overrides, timeout=240):
         stderr=subprocess.PIPE,
         text=True,
     )
-    seen = set()
+    seen = {}
     while True:  # a process of the job may leave the launcher's tree (an orphan): note it early
-        seen |= {(pid, at) for pid, _ in descendants(proc.pid) if (at := started(pid))}
+        for pid, cmdline in descendants(proc.pid):
+            if (at := started(pid)) and cmdline:
+                seen[pid, at] = cmdline.replace(b"\0", b" ")[:100].decode(errors="replace")
         try:
             out, err = proc.communicate(timeout=0.1)
             break
@@ -66,17 +68,17 @@ def started(pid: int) -> str | None:
         return None
 
 
-def remaining(processes: set[tuple[int, str]]) -> list[str]:
-    """Of ``processes`` ((pid, start time)), those that still exist in any state, zombies
-    included, each as "pid (state, parent pid)"."""
+def remaining(processes: dict[tuple[int, str], str]) -> list[str]:
+    """Of ``processes`` ({(pid, start time): command line}), those that still exist in any
+    state, zombies included, each as "pid (state, parent pid): command line"."""
     found = []
-    for pid, start in processes:
+    for (pid, start), cmdline in processes.items():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if fields[19] == start:
-            found.append(f"{pid} ({fields[0]}, parent {fields[1]})")
+            found.append(f"{pid} ({fields[0]}, parent {fields[1]}): {cmdline}")
     return found
 
 
