@@ -23,14 +23,15 @@ start method; two things it does not do are done here:
 - The server (and multiprocessing's resource tracker, started with it) is kept for the life of
   the process, so later jobs (a sweep, parity) fork from it too; each ends when it reads EOF on
   a pipe whose end the launcher holds, which is only after the launcher has exited, and init
-  reaps it. So the launcher stops both and waits for them at exit (``stop_server``, an atexit
-  handler: while workers run, the launcher handles the stop signals, so a job stopped by one
-  exits through Python too; a launcher killed outright, SIGKILL, cannot wait for anything).
+  reaps it. So the launcher stops both and waits for them at exit (``stop_server``, run by
+  multiprocessing's own exit handler after its other exit finalizers, which unlink the
+  semaphores the tracker would otherwise unlink first; while workers run, the launcher handles
+  the stop signals, so a job stopped by one exits through Python too; a launcher killed
+  outright, SIGKILL, cannot wait for anything).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import multiprocessing
@@ -76,6 +77,9 @@ _cuda_initialised_by: str | None = None
 # How long the launcher waits at exit for the server and the tracker before it SIGKILLs them
 # (each ends at once when no worker is left).
 STOP_TIMEOUT_S = 10.0
+# multiprocessing runs exit finalizers from the highest priority down; a SemLock's is 0.
+STOP_EXIT_PRIORITY = -100
+_stop_at_exit: util.Finalize | None = None
 
 
 def prepare_server() -> None:
@@ -124,9 +128,10 @@ def use_server() -> str:
     """Name the module the forkserver preloads and have it stopped at exit; return the start
     method for torch's launcher. Call before the first worker of this process starts (later
     calls change nothing)."""
+    global _stop_at_exit
     multiprocessing.set_forkserver_preload([SERVER_MODULE])
-    atexit.unregister(stop_server)  # once, however many jobs the process launches
-    atexit.register(stop_server)
+    if _stop_at_exit is None:  # once, however many jobs the process launches
+        _stop_at_exit = util.Finalize(None, stop_server, exitpriority=STOP_EXIT_PRIORITY)
     return START_METHOD
 
 
