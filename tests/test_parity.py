@@ -16,6 +16,7 @@ micro-batches), which are about the numerics and not the launch path, train in o
 in-process workers.
 """
 
+import re
 import subprocess
 import sys
 
@@ -377,3 +378,23 @@ def test_a_layout_the_model_cannot_run_is_reported_as_skipped():
     assert (
         "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table
     )
+
+
+def test_make_parity_runs_every_preset_that_needs_no_more_arguments(monkeypatch, capsys):
+    # The README's `make parity` is `python -m hsdp_runner.parity $(PARITY_ARGS)`; --list
+    # composes the same default set and launches nothing. On CPU (no GPU to size it) `auto`
+    # needs a rank count, so it is left out with a note that says how to run it.
+    makefile = (REPO / "Makefile").read_text()
+    assert "\t$(PY) -m hsdp_runner.parity $(PARITY_ARGS)\n" in makefile
+    make_args = re.search(r"^PARITY_ARGS \?= (.*)$", makefile, re.M).group(1).split()
+    monkeypatch.setattr(parity_cli, "usable_gpus", lambda device: 0)
+    assert parity_cli.main(["--list", *make_args]) == 0
+    out = capsys.readouterr().out.splitlines()
+    runs = [line.split()[3] for line in out if line.startswith("parity: would run ")]
+    presets = {path.stem for path in (REPO / "conf" / "parallel").glob("*.yaml")}
+    assert {name.split(":")[0] for name in runs} == presets - {"auto"}
+    assert runs[0] == "single" and {"cp:parallel.cp=4", "cp:parallel.tp=2"} <= set(runs)
+    assert [line for line in out if "auto" in line] == [
+        "parity: left out auto: its degrees are chosen at launch (-1), which on CPU needs a "
+        "rank count; run it with --layouts auto:launcher.nproc_per_node=4"
+    ]

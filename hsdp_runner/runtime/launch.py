@@ -41,7 +41,7 @@ from hsdp_runner.distributed.hardware import (
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
-from hsdp_runner.runtime import auto_job, forkserver
+from hsdp_runner.runtime import auto_job, forkserver, reaper
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
     begin_attempt,
@@ -273,7 +273,8 @@ def start_local_workers(
     agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
 ) -> dict:
     """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
-    forked from a server that imported torch once (``forkserver``).
+    forked from a server that imported torch once (``forkserver``). Returns once what the
+    workers started has ended too (``reaper``: at most ``shutdown_timeout`` after them).
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
     raises ``ChildFailedError`` (the others are stopped). On a signal named in
@@ -305,7 +306,8 @@ def start_local_workers(
     saved = {name: os.environ.get(name) for name in launch_env}
     os.environ.update(launch_env)
     try:
-        return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
+        with reaper.adopting_orphans(shutdown_timeout, keep=forkserver.server_pids):
+            return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
     finally:
         for name, old in saved.items():
             if old is None:
