@@ -1,15 +1,17 @@
 """The planner's memory against the depth it measures at, and against a whole-model measurement.
 
-    python benchmarks/plan_memory_depths.py [--quick] [--skip-whole]
+    python benchmarks/plan_memory_depths.py [--quick] [--skip-whole] [--main PATH]
 
 ``plan.layers_measured`` should only trade planning time for accuracy. Per case (every model
-preset, then long-sequence and large-vocabulary shapes with each activation checkpointing mode;
-every layout the planner enumerates: FSDP, HSDP, DDP, TP, CP and their mixes) the plan is made
-with ``[1, 2]``, ``[2, 3]`` and ``[3, 4]`` and every valid layout's predicted peak compared:
-printed per case are the largest spread over layouts (max / min - 1, target <= 5%), the FSDP
-layout's three peaks and the phase its peak falls in. Then, for 8 and 16-block shapes, the
-prediction from ``[1, 2]`` against the tracker's measurement of the whole model (the plan with
-``layers_measured=[1, n]`` measures the model whole), per layout (target within 5%).
+preset, then long-sequence and large-vocabulary shapes with each activation checkpointing mode)
+the plan of four layouts of its cluster (FSDP over every rank, HSDP with 2 replicas, FSDP x TP 2,
+FSDP x CP 2; fewer where the model rules one out) is made with ``[1, 2]``, ``[2, 3]`` and
+``[3, 4]``: printed per case are the largest spread over those layouts (max / min - 1, target
+<= 5%), the FSDP layout's three peaks and the phase its peak falls in. Then, for 8 and 16-block
+shapes, the prediction from ``[1, 2]`` against the tracker's measurement of the whole model (the
+plan with ``layers_measured=[1, n]`` measures the model whole), per layout (target within 5%).
+``--main PATH`` plans with the package at PATH instead (another checkout, for a before/after
+table; a checkout that names no peak phase prints "-").
 
 Measurements are cached per request in a temporary directory, so a depth measured for one
 choice serves the others.
@@ -23,10 +25,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--main" in sys.argv:
+    sys.path.insert(0, sys.argv[sys.argv.index("--main") + 1])
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hsdp_runner import plan  # noqa: E402
+from hsdp_runner.config.compose import to_run_config  # noqa: E402
+from hsdp_runner.core.errors import ConfigError  # noqa: E402
 from hsdp_runner.distributed.hardware import CACHE_ENV  # noqa: E402
+from hsdp_runner.planner.cluster import resolve  # noqa: E402
+from hsdp_runner.planner.layouts import plan_layouts  # noqa: E402
 
 TARGET = 0.05
 DEPTHS = ([1, 2], [2, 3], [3, 4])
@@ -73,18 +82,36 @@ WHOLE = [
 ]
 
 
-def _rows(overrides: list[str]) -> dict[tuple, dict]:
-    """Valid layouts of one plan: degrees and axes -> row."""
-    _, entries = plan.predict(plan.compose(overrides), {})
-    return {tuple(sorted(e["overrides"].items())): e for e in entries if e["valid"]}
+LAYOUTS = ["FSDP", "HSDP", "TP", "CP"]
 
 
-def _fsdp(rows: dict) -> tuple | None:
-    for key in rows:
-        o = dict(key)
-        if o["parallel.dp_replicate"] == o["parallel.cp"] == o["parallel.tp"] == 1:
-            return key
-    return None
+def _rows(overrides: list[str]) -> dict[str, dict]:
+    """The planned row of each of the case's ``LAYOUTS`` (those the model allows), by name."""
+    cfg = plan.compose(overrides)
+    cluster = resolve(to_run_config(cfg).cluster, cfg.precision.param_dtype)
+    world = cluster.world_size
+    layouts = {
+        "FSDP": (1, world, 1, 1),
+        "HSDP": (2, world // 2, 1, 1),
+        "TP": (1, world // 2, 1, 2),
+        "CP": (1, world // 2, 2, 1),
+    }
+    rows = {}
+    for name, shape in layouts.items():
+        if name not in LAYOUTS:
+            continue
+        fixed = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), shape))
+        try:
+            row = plan_layouts(cfg, cluster, {}, fixed)[0]
+        except ConfigError:
+            continue
+        if row["valid"]:
+            rows[name] = row
+    return rows
+
+
+def _fsdp(rows: dict) -> str | None:
+    return "FSDP" if "FSDP" in rows else None
 
 
 def depths(cases: list[list[str]]) -> list[float]:
@@ -105,7 +132,8 @@ def depths(cases: list[list[str]]) -> list[float]:
         mems = " | ".join(f"{p[fsdp]['mem_gib']:.1f}" for p in plans) if fsdp else "- | - | -"
         phase = plans[0][fsdp]["memory"].get("peak_phase", "-") if fsdp else "-"
         print(
-            f"| `{' '.join(overrides)}` | {len(plans[0])} | {spread:.1%} | {mems} | {phase} |",
+            f"| `{' '.join(overrides)}` | {', '.join(plans[0])} | {spread:.1%} | {mems} | "
+            f"{phase} |",
             flush=True,
         )
     return spreads
@@ -126,7 +154,7 @@ def whole(cases: list[list[str]]) -> list[float]:
         errors.append(error)
         fsdp = _fsdp(full)
         print(
-            f"| `{' '.join(overrides)}` | {len(full)} | {error:.1%} | "
+            f"| `{' '.join(overrides)}` | {', '.join(full)} | {error:.1%} | "
             f"{shallow[fsdp]['mem_gib']:.2f} | {full[fsdp]['mem_gib']:.2f} | "
             f"{full[fsdp]['memory'].get('peak_phase', '-')} |",
             flush=True,
@@ -139,18 +167,25 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="the presets only")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="e.g. FSDP,TP")
+    parser.add_argument("--long", type=int, nargs="*", help="only these LONG cases (0-based)")
+    parser.add_argument("--whole", type=int, nargs="*", help="only these WHOLE cases (0-based)")
     parser.add_argument("--skip-whole", action="store_true")
+    parser.add_argument("--main", help="plan with the hsdp_runner package of this checkout")
     args = parser.parse_args()
+    LAYOUTS[:] = args.layouts.split(",")
+    long = [c for i, c in enumerate(LONG) if args.long is None or i in args.long]
+    whole_cases = [c for i, c in enumerate(WHOLE) if args.whole is None or i in args.whole]
     with tempfile.TemporaryDirectory() as cache:
         os.environ[CACHE_ENV] = cache
         presets = [[f"model={m}", "trainer.global_batch_size=16"] + ONE_NODE for m in PRESETS]
-        spreads = depths(presets + ([] if args.quick else LONG))
+        spreads = depths(presets + ([] if args.quick else long))
         print(
             f"\nlargest spread over [1,2]/[2,3]/[3,4]: {max(spreads):.1%} (target <= "
             f"{TARGET:.0%}: {'met' if max(spreads) <= TARGET else 'MISSED'})"
         )
         if not args.skip_whole:
-            errors = whole(WHOLE)
+            errors = whole(whole_cases)
             print(
                 f"\nlargest |[1,2] / whole - 1|: {max(errors):.1%} (target <= {TARGET:.0%}: "
                 f"{'met' if max(errors) <= TARGET else 'MISSED'})"
