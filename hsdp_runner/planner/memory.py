@@ -4,20 +4,22 @@ No device and no memory is used: a child process joins a *fake* process group of
 world size (``FakeStore``), builds the world mesh with ``ParallelDims.build_mesh``, applies
 ``sharding.parallelize`` to the configured model exactly as a job does, materialises it under
 ``FakeTensorMode`` and runs one training step's forward and backward (the trainer's loss, its
-micro-batches and gradient-sync switching) inside torch's ``FSDPMemTracker``, which records
-per-category peaks: sharded and unsharded parameters, gradients, activations, temporaries,
-all-gather and reduce-scatter buffers. The child keeps the fake group and fake tensors out of
-the caller's process.
+micro-batches and gradient reduction) inside torch's ``FSDPMemTracker``, which counts live
+bytes per category: sharded and unsharded parameters, gradients, activations, temporaries,
+all-gather and reduce-scatter buffers. ``mem_phases.PhaseRecorder`` keeps, per phase of the
+step, the categories at that phase's largest moment. The child keeps the fake group and fake
+tensors out of the caller's process.
 
 Gradient accumulation runs two micro-batches (more add nothing: each but the last looks like the
-first): the first with gradient sync off, so FSDP2 keeps every unsharded gradient (in the
-reduce dtype) until the second reduces it, and the peak holds those beside one micro-batch's
-activations.
+second), reducing gradients as the trainer does for ``trainer.accum_reduce``: with ``every``
+FSDP and HSDP reduce-scatter each micro-batch (gradient shards cross micro-batches); with
+``last``, and always for DDP, sync is off until the last, so FSDP2 keeps every unsharded
+gradient (in the reduce dtype) through the next micro-batch.
 
 Three things are worked out instead of measured, and said so in the plan:
-- **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; the peak grows
-  linearly in the number of blocks (each adds its parameters, gradients and saved
-  activations), so ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``.
+- **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; each phase of
+  the step grows linearly in the number of blocks, by a per-block growth that is measured
+  (``mem_phases.extrapolate``), and the peak is the largest phase at the model's depth.
 - **Shard size.** A measurement is reused by every layout with the same tp and cp degrees,
   micro-batch and data-parallel wrapper (whole parameters (DDP) or sharded (FSDP, HSDP)); the
   parts that scale with the shard (sharded parameters and gradients, over ``dp_shard x cp``)

@@ -3,7 +3,8 @@
 plan.json (version 1) holds ``model``, ``world_size``, ``cluster`` and one entry per layout:
 ``overrides`` (dotted key -> value: the degrees and any axes), ``valid``, ``reason``,
 ``fits``, ``mem_gib``, ``step_time_s``, ``tps_per_device``, ``mfu``, ``dominant``, ``rank``
-(1-based; null when invalid), plus the breakdowns (``memory``, ``compute_s``,
+(1-based; null when invalid), plus the breakdowns (``memory``: the peak's parts, the phase of
+the step it falls in, ``peak_phase``, and every phase's GiB, ``phase_gib``; ``compute_s``,
 ``exposed_comm_s``) and ``comm_links``: per communication term the group's placement on the
 nodes, the link, the algorithm and the bus bandwidth assumed (plan.md shows them for the best
 layout). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
