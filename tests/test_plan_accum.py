@@ -1,11 +1,10 @@
-"""Gradient accumulation in the plan: the fake memory step runs every micro-batch as the trainer
-does (gradient sync off but for the last), and the step time prices each
-``trainer.accum_reduce``: a reduce-scatter per micro-batch (every) or one (last), the replicate
-all-reduce once; ``parallel=auto`` plans both."""
+"""Gradient accumulation in the plan's step time: each ``trainer.accum_reduce`` priced, a
+reduce-scatter per micro-batch (every) or one (last), the replicate all-reduce once;
+``parallel=auto`` plans both. The memory side, per ``trainer.accum_reduce``, is in
+tests/test_plan_memory.py."""
 
 import pytest
 from clusters import fake_cluster
-from omegaconf import OmegaConf
 
 from hsdp_runner import plan
 from hsdp_runner.config.compose import to_run_config
@@ -24,45 +23,6 @@ def _dims(rep: int, shard: int, tp: int, world: int, node: int) -> ParallelDims:
     return ParallelDims(
         dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world, ranks_per_node=node
     )
-
-
-def test_accumulation_holds_every_unsharded_gradient_until_the_last_micro_batch(
-    tmp_path, monkeypatch
-):
-    """With gradient sync off, FSDP2 keeps each parameter's unsharded gradient (one TP rank's
-    part, fp32 here) across micro-batches and reduce-scatters it in the last one: at the peak
-    of a 2-micro-batch step the tracker holds exactly the model's gradients, unsharded, on
-    every wrapper (FSDP, the FSDP-based DDP, FSDP x TP; there plus the output layer's fresh
-    gradient). A plan with accumulation runs and
-    its peak grows by no more than those gradients over one micro-batch without it."""
-    monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
-    cfg = plan.compose(TINY + ["trainer.global_batch_size=8", "trainer.grad_accum_steps=2"])
-    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    shapes = [(1, 4, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2)]
-    requests = [
-        plan_memory.request(
-            plain["model"], plain["parallel"], plain["precision"], [], shape, 1, 2, 4, 4, 1
-        )
-        for shape in shapes
-    ]
-    measured = plan_memory.measure(requests, use_disk_cache=False)
-    for shape, cats in zip(shapes, measured):
-        units = unit_sizes(cfg.model, _dims(1, 1, shape[3], shape[3], 4))
-        held = 4 * sum(u[1] for u in units.values())
-        # At the peak one unit's fresh gradient may exist beside its accumulated one (under TP
-        # the peak falls in the root's backward: the output layer's new gradient).
-        fresh = 4 * max(u[1] for u in units.values())
-        assert held <= cats["unsharded_grad"] <= held + fresh, shape
-        if shape[3] == 1:  # FSDP and DDP peak with exactly the accumulated gradients
-            assert cats["unsharded_grad"] == held, shape
-
-    fsdp = {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
-    cluster = fake_cluster(nodes=1)
-    one = plan_layouts(plan.compose(TINY + ["trainer.global_batch_size=4"]), cluster, {}, fsdp)
-    two = plan_layouts(cfg, cluster, {}, fsdp)  # the same micro-batch of 1, twice
-    grown = (two[0]["mem_gib"] - one[0]["mem_gib"]) * plan_memory.GIB
-    whole = unit_sizes(cfg.model, _dims(1, 1, 1, 1, 4))
-    assert 0 < grown <= 4 * sum(u[1] for u in whole.values())
 
 
 @pytest.mark.parametrize("choice", ["every", "last"])
