@@ -10,7 +10,7 @@ from hsdp_runner import plan
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.distributed.comm_model import analytic_comm, unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.planner import auto
+from hsdp_runner.planner import auto, mem_phases
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner.layouts import plan_layouts
 from hsdp_runner.planner.step_time import comm_times, step_time
@@ -100,6 +100,7 @@ def test_both_choices_are_planned_as_an_axis_and_auto_plans_them(tmp_path, monke
     carry the choice into the job's config. (Memory is not what this checks: the fake
     measurements are replaced by empty ones, so no child process starts.)"""
     monkeypatch.setattr(plan_memory, "measure", lambda requests: [{} for _ in requests])
+    monkeypatch.setattr(mem_phases, "extrapolate", lambda measured, n_layers: {"0/loss": {}})
     accum = ["trainer.global_batch_size=16", "trainer.grad_accum_steps=2"]
     cfg = plan.compose(TINY + accum)
     run = to_run_config(cfg)
