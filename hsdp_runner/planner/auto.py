@@ -279,9 +279,9 @@ def _degrees(entry: dict) -> str:
 def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
     """What could make the job fit, each planned: (the change as an override, its best
     fitting row or None). Tried, one step each (each costs fake measurements): stronger
-    activation checkpointing, half the global batch, twice the nodes. More micro-batches are
-    not tried: the fake memory step cannot measure several micro-batches of a sharded model
-    yet (FSDPMemTracker refuses a second forward in one tracking window)."""
+    activation checkpointing, half the global batch, twice the micro-batches at the same
+    global batch (gradients reduced every micro-batch, so FSDP's stay sharded), twice the
+    nodes."""
     tried: list[tuple[str, Scenario]] = []
     order = [AC.none, AC.selective, AC.full]
     for ac in order[order.index(AC(cfg.parallel.ac)) + 1 :]:
@@ -294,6 +294,17 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
         tried.append(
             (
                 f"trainer.global_batch_size={variant.trainer.global_batch_size}",
+                Scenario(variant, cluster, {}, fixed),
+            )
+        )
+    accum = cfg.trainer.grad_accum_steps * 2
+    if cfg.trainer.global_batch_size % accum == 0:
+        variant = cfg.copy()
+        variant.trainer.grad_accum_steps = accum
+        variant.trainer.accum_reduce = AccumReduce.every.value
+        tried.append(
+            (
+                f"trainer.grad_accum_steps={accum} trainer.accum_reduce=every",
                 Scenario(variant, cluster, {}, fixed),
             )
         )
