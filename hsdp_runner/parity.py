@@ -45,6 +45,16 @@ ORDER = (
     "cp:parallel.tp=2",
     "fsdp_cp",
     "hsdp_cp_tp",
+    # Pipeline parallel: each schedule on 2 stages, 4 stages, then composed (the interleaved
+    # ones and pp = 4 need a model of at least 4 blocks, e.g. the default llama3_debug's 6).
+    "pp",
+    "pp:parallel.pp_schedule=gpipe",
+    "pp:parallel.pp_schedule=interleaved_1f1b:parallel.pp_stages_per_rank=2",
+    "pp:parallel.pp_schedule=interleaved_zb:parallel.pp_stages_per_rank=2",
+    "pp:parallel.pp=4",
+    "pp_fsdp",
+    "pp_fsdp_tp",
+    "pp_hsdp",
 )
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
 # steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per

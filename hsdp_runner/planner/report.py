@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hsdp_runner.config.schema import RunConfig
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
 DEGREE_KEYS = tuple(f"parallel.{name}" for name in DIM_NAMES)
