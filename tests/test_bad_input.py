@@ -48,7 +48,6 @@ BAD_INPUTS = [
         "is not one of gpipe, 1f1b, interleaved_1f1b",
         None,
     ),
-    (["parallel=pp", "parallel.cp=2", "model.seq_len=32"], "parallel.pp=2 with parallel.cp", None),
     (["parallel=pp", "checkpoint.export_at_end=true"], "python -m hsdp_runner.export", None),
     (["precision=bf16"], "needs bfloat16, which this GPU does not support", 4),
     (["data=text", "data.path=/no/such.txt"], "data.path='/no/such.txt' does not exist", None),

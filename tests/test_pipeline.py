@@ -2,7 +2,7 @@
 are checked, and every schedule trains the model one process trains.
 
 Parity: one single-process worker trains the baselines, one set of two and one of four
-workers train every pp case of that size (each schedule, pp = 2 and 4, pp with FSDP and TP),
+workers train every pp case of that size (each schedule, pp = 2 and 4, pp with FSDP, TP, cp),
 and the shared eight-rank run (conftest ``eight_ranks``) adds pp x FSDP x TP and pp x HSDP; each
 case's losses and grad norms must equal its baseline's within the parity tolerance (1e-5).
 """
@@ -135,6 +135,7 @@ CASES = {
     ),
     "llama_pp2_fsdp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.dp_shard=2")),
     "gpt2_pp2_tp2": (4, "gpt2_2", _case("gpt2_tiny", 2, *PP, "parallel.tp=2")),
+    "llama_pp2_cp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.cp=2")),
 }
 # The composed cases ride in conftest's shared eight-rank run (``eight_ranks``).
 EIGHT_RANK_CASES = {

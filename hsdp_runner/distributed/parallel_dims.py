@@ -161,12 +161,6 @@ class ParallelDims:
     def _check_pipeline(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
         if self.pp == 1:
             return
-        if self.cp > 1:
-            raise ConfigError(
-                f"parallel.pp={self.pp} with parallel.cp={self.cp} is not supported yet (context "
-                "parallel's sequence sharding is not wired through the pipeline stages); "
-                "set parallel.cp=1 or parallel.pp=1"
-            )
         if _get(parallel, "auto", False):
             raise ConfigError(
                 f"parallel.pp={self.pp} with parallel=auto: the planner does not enumerate "
