@@ -214,3 +214,46 @@ def test_compare_table_shows_the_stages_before_the_stage_layout():
     assert degrees(job(before_pp)) == ("fsdp_tp", "1×2×1×2", "4")
     asked = {"parallel": {"pp": 4, "dp_replicate": 1, "dp_shard": -1, "tp": 1}}
     assert degrees(job({}, asked)) == ("—", "pp4 1×-1×1×1", "—")
+
+
+def test_bubble_of_each_schedule_and_the_activations_the_first_stage_holds():
+    from hsdp_runner.planner.pipeline import bubble_fraction, check_pp_degrees, held_microbatches
+
+    assert bubble_fraction("1f1b", 4, 8) == bubble_fraction("gpipe", 4, 8) == 3 / 11
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == 3 / 19
+    assert bubble_fraction("interleaved_zb", 4, 8, 2) == pytest.approx(1 / 19)
+    assert bubble_fraction("1f1b", 1, 8) == 0.0
+    assert held_microbatches("gpipe", 4, 8) == 8 and held_microbatches("1f1b", 4, 8) == 4
+    assert held_microbatches("interleaved_1f1b", 4, 8, 2) == (6 + 4 + 1) / 2
+    with pytest.raises(ConfigError, match=r"plan.pp_degrees=\[1, 3\]: 3 is not"):
+        check_pp_degrees([1, 3], nodes=4, n_layers=8)
+
+
+@pytest.mark.multiprocess  # the planner measures memory in child processes
+def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
+    from clusters import fake_cluster
+
+    from hsdp_runner import plan
+    from hsdp_runner.planner.layouts import plan_layouts
+    from hsdp_runner.planner.pipeline import pipeline_entries
+
+    monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
+    cfg = plan.compose(["model=llama3_tiny", "model.n_layers=4", "cluster.gpus_per_node=2"])
+    fsdp = {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    rows = pipeline_entries(
+        cfg, fake_cluster(nodes=2, gpus_per_node=2), 2, lambda c, cl: plan_layouts(c, cl, {}, fsdp)
+    )
+    by_schedule = {r["overrides"]["parallel.pp_schedule"]: r for r in rows}
+    assert set(by_schedule) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"}
+    one = by_schedule["1f1b"]
+    assert one["overrides"]["parallel.pp_microbatches"] == 4 and one["bubble_fraction"] == 1 / 5
+    assert one["step_time_s"] == pytest.approx(
+        one["stage_step_time_s"] + one["bubble_s"] + one["exposed_comm_s"]["pp"]
+    )
+    assert one["layout"] == "pp_fsdp" and one["dims_across_nodes"][0] == "pp"
+    # GPipe holds all 4 micro-batches' activations on the first stage, 1F1B 2 (= pp).
+    assert by_schedule["gpipe"]["memory"]["pipeline_held_activations_gib"] == pytest.approx(
+        3 * one["memory"]["pipeline_held_activations_gib"]
+    )
+    assert by_schedule["interleaved_zb"]["bubble_s"] < by_schedule["interleaved_1f1b"]["bubble_s"]
+    assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]

@@ -216,6 +216,8 @@ class PlanConfig:
     out_dir: Optional[str] = None
     layers_measured: list = field(default_factory=lambda: [1, 2])
     cp_degrees: Optional[list] = None  # null: every cp the sequence and the node allow
+    # Pipeline degrees priced beside the pp = 1 layouts (planner/pipeline.py); [1]: none.
+    pp_degrees: list = field(default_factory=lambda: [1])
 
 
 @dataclass
