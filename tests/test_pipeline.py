@@ -257,3 +257,15 @@ def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
     )
     assert by_schedule["interleaved_zb"]["bubble_s"] < by_schedule["interleaved_1f1b"]["bubble_s"]
     assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]
+
+
+def test_parity_skips_the_pipeline_layouts_a_model_is_too_shallow_for():
+    from hsdp_runner import parity
+    from hsdp_runner.config.compose import to_run_config
+
+    def reason(layout, *overrides):
+        return parity.unsupported_reason(to_run_config(parity.compose(layout, list(overrides))))
+
+    assert reason("pp", "model=llama3_tiny") is None
+    assert "model.n_layers=2 cannot split over 4" in reason("pp:parallel.pp=4", "model=llama3_tiny")
+    assert reason("pp:parallel.pp=4", "model=llama3_tiny", "model.n_layers=4") is None
