@@ -122,6 +122,8 @@ CASES = {
         _case("llama3_tiny", 4, *PP, "parallel.pp_schedule=interleaved_zb", *INTERLEAVED),
     ),
     "gpt2_1f1b": (2, "gpt2_2", _case("gpt2_tiny", 2, *PP)),
+    # Activation checkpointing wraps each stage chunk's blocks (recomputed, same numbers).
+    "llama_1f1b_selective_ac": (2, "llama2", _case("llama3_tiny", 2, *PP, "parallel.ac=selective")),
     "gpt2_interleaved": (
         2,
         "gpt2_4",
