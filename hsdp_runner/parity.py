@@ -29,7 +29,7 @@ from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import usable_gpus
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
-from hsdp_runner.models.base import model_spec
+from hsdp_runner.models.base import model_spec, stage_blocks
 from hsdp_runner.runtime.launch import run_job, validate
 from hsdp_runner.train import sinks as tracking
 
@@ -48,6 +48,17 @@ ORDER = (
     "cp:parallel.tp=2",
     "fsdp_cp",
     "hsdp_cp_tp",
+    # Pipeline parallel: each schedule on 2 stages, 4 stages, then composed. The interleaved
+    # ones and pp = 4 need at least 4 blocks: with the tiny models (2) they are skipped, with
+    # PARITY_ARGS="model=llama3_tiny model.n_layers=4" (or llama3_debug) they run.
+    "pp",
+    "pp:parallel.pp_schedule=gpipe",
+    "pp:parallel.pp_schedule=interleaved_1f1b:parallel.pp_stages_per_rank=2",
+    "pp:parallel.pp_schedule=interleaved_zb:parallel.pp_stages_per_rank=2",
+    "pp:parallel.pp=4",
+    "pp_fsdp",
+    "pp_fsdp_tp",
+    "pp_hsdp",
 )
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
 # steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
@@ -192,11 +203,14 @@ def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
 
 
 def unsupported_reason(cfg: RunConfig) -> str | None:
-    """Why the model family of ``cfg`` cannot run its layout (the family's own check), or None."""
+    """Why the model of ``cfg`` cannot run its layout (the family's own check, or fewer blocks
+    than the layout's pipeline stages: the tiny models have 2), or None."""
     try:
         model_spec(cfg.model).check_parallel(
             cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel
         )
+        if cfg.parallel.pp > 1:
+            stage_blocks(cfg.model.n_layers, cfg.parallel.pp * cfg.parallel.pp_stages_per_rank)
     except ConfigError as err:
         return str(err)
     return None

@@ -36,6 +36,7 @@ from hsdp_runner.planner.layouts import (
     check_plan_options,
     plan_layouts,
 )
+from hsdp_runner.planner.pipeline import check_pp_degrees, pipeline_entries
 
 AXES_PREFIX = "plan.axes."
 
@@ -109,7 +110,12 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     run = to_run_config(cfg)
     check_plan_options(run.plan)
     cluster = resolve(run.cluster, run.precision.param_dtype)
-    return cluster.describe(), plan_layouts(cfg, cluster, axes)
+    check_pp_degrees(list(run.plan.pp_degrees), cluster.nodes, run.model.n_layers)
+    entries = plan_layouts(cfg, cluster, axes)
+    for pp in sorted(set(run.plan.pp_degrees) - {1}):
+        entries += pipeline_entries(cfg, cluster, pp, lambda c, cl: plan_layouts(c, cl, axes))
+    plan_report.rank(entries)
+    return cluster.describe(), entries
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 SHARED_SESSION_FIXTURE = {
     "test_placements.py": "eight_ranks",
     "test_correctness.py": "eight_ranks",
+    "test_pipeline.py": "eight_ranks",
     "test_checkpoint_errors.py": "trained_checkpoint",
     "test_hf_export.py": "trained_checkpoint",
 }
@@ -117,14 +118,16 @@ def job_dir(tmp_path: Path) -> Path:
 
 
 def _eight_rank_cases() -> dict:
-    """Every eight-rank in-process case of test_placements and test_correctness, in one set
+    """Every eight-rank in-process case of test_placements, test_correctness and test_pipeline, in one set
     of workers (starting eight workers costs more than all the cases together)."""
     import test_correctness
+    import test_pipeline
     import test_placements
 
     return {
         **test_placements._eight_rank_layouts(),
         "state_dicts": test_correctness._two_models_state_dicts(test_correctness.TWO_MODELS),
+        "pipeline": test_pipeline._train_cases(test_pipeline.EIGHT_RANK_CASES),
     }
 
 

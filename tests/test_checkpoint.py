@@ -109,7 +109,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_cp_ddp_and_single(tmp_path):
     weights, manifest = load_full_weights(tmp_path / "hsdp_tp" / "checkpoints" / "step-5")
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "hsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
-    assert manifest["layout"]["mesh_shape"] == [2, 2, 1, 2]
+    assert manifest["layout"]["mesh_shape"] == [1, 2, 2, 1, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
 
@@ -147,7 +147,7 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
     weights, manifest = load_full_weights(tmp_path / "fsdp_tp" / "checkpoints" / "step-4")
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "fsdp_tp" / "hf", model_cfg, expected_shapes(model_cfg))
-    assert manifest["layout"]["mesh_shape"] == [1, 2, 1, 2]
+    assert manifest["layout"]["mesh_shape"] == [1, 1, 2, 1, 2]
     for name, tensor in weights.items():
         assert torch.equal(tensor, exported[name]), name
 
@@ -164,3 +164,41 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
         torch.testing.assert_close(
             theirs.eval()(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5
         )
+
+
+def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
+    """A 2-stage pipeline job's step-2 checkpoint (each stage saved its own parameters, named
+    as in the whole model) continues in one process with the pipeline's losses; that job's
+    step-3 checkpoint continues under the pipeline again; the pipeline's last checkpoint
+    exports to a Hugging Face folder holding every parameter."""
+    from hsdp_runner import export
+
+    job = [*TINY, "trainer.steps=4", *SAVE]
+    ref = run_cli(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference, _ = read_job(tmp_path / "pp")
+    source = tmp_path / "pp" / "checkpoints" / "step-2"
+    for layout, first in (("single", 3), ("pp", 4)):
+        result = run_cli(
+            tmp_path / f"{layout}_resumed",
+            *job,
+            f"parallel={layout}",
+            f"checkpoint.interval={first}",
+            f"checkpoint.load_path={source}",
+        )
+        assert result.returncode == 0, (layout, result.stderr[-3000:])
+        records, summary = read_job(tmp_path / f"{layout}_resumed")
+        assert summary["loaded_from"] == str(source) and records[0]["step"] == first
+        for r in records:
+            assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), layout
+        source = tmp_path / f"{layout}_resumed" / "checkpoints" / f"step-{first}"
+
+    step4 = tmp_path / "pp" / "checkpoints" / "step-4"
+    assert export.main([str(step4), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    weights, manifest = load_full_weights(step4)
+    model_cfg = OmegaConf.create(manifest["model"])
+    exported = hf.read_folder(tmp_path / "hf", model_cfg, expected_shapes(model_cfg))
+    assert manifest["layout"]["mesh_shape"] == [2, 1, 1, 1, 1]
+    assert set(weights) == {name for name, _ in model_spec(model_cfg).build().named_parameters()}
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, exported[name]), name

@@ -156,5 +156,5 @@ def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
     assert runset.filters == "Group = '2025-01-01_12-00-00_degrees_8'"
     kinds = [type(p).__name__ for p in grid.panels]
     assert kinds == ["BarPlot", "BarPlot", "ParallelCoordinatesPlot", "LinePlot"]
-    degrees = [c.metric.name for c in grid.panels[2].columns][:4]
-    assert degrees == ["derived.dp_replicate", "derived.dp_shard", "derived.cp", "derived.tp"]
+    degrees = [c.metric.name for c in grid.panels[2].columns][:5]
+    assert degrees == [f"derived.{d}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]

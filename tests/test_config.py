@@ -17,6 +17,10 @@ def test_every_group_has_its_options():
     assert GROUPS["parallel"] == sorted(
         [
             "single",
+            "pp",
+            "pp_fsdp",
+            "pp_fsdp_tp",
+            "pp_hsdp",
             "ddp",
             "fsdp",
             "hsdp",

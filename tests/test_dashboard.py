@@ -207,6 +207,7 @@ def test_parallel_coordinates_have_degrees_varying_options_and_figures(sweep):
     fig, note = dashboard_charts.parallel_coordinates(runs.load_jobs(sweep))
     dims = {d.label: d for d in fig.data[0].dimensions}
     assert list(dims) == [
+        "pp",
         "dp_replicate",
         "dp_shard",
         "cp",

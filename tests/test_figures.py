@@ -38,6 +38,7 @@ def test_job_records_comm_memory_and_a_profiler_trace(job_dir):
     assert estimate["total"] == pytest.approx(4 * estimate["params"])
     assert len(summary["mem_peak_gib_per_rank"]) == 2
     assert min(summary["mem_peak_gib_per_rank"]) > estimate["total"]
+    assert summary["mem_peak_gib_max"] == max(summary["mem_peak_gib_per_rank"])
     log = (job_dir / "logs" / "rank0.log").read_text()
     assert "memory estimate per rank: params" in log and "communication per rank" in log
     # Rank 0 only wrote a Chrome trace of steps 2-3 (Perfetto / TensorBoard read it).

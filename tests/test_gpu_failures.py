@@ -283,10 +283,10 @@ def test_every_mesh_group_gets_its_own_nccl_options(monkeypatch):
 
     monkeypatch.setattr(device_mesh, "init_device_mesh", fake_init)
     ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=8).build_mesh("cuda", timeout_s=42)
-    assert sorted(seen) == ["cp", "dp", "dp_replicate", "dp_shard", "tp"]
+    assert sorted(seen) == ["cp", "dp", "dp_replicate", "dp_shard", "pp", "tp"]
     assert {backend for backend, _ in seen.values()} == {"nccl"}
     options = [opts for _, opts in seen.values()]
-    assert len({id(o) for o in options}) == 5  # NCCL's split mutates the options it is given
+    assert len({id(o) for o in options}) == 6  # NCCL's split mutates the options it is given
     assert all(o._timeout.total_seconds() == 42 for o in options)
 
 

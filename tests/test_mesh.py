@@ -28,7 +28,7 @@ def parallel(r=1, s=1, t=1, sp=True, cp=1, **allow):
 )
 def test_minus_one_is_inferred_from_world_size(degrees, world, expected):
     dims = ParallelDims.from_config(parallel(*degrees), MODEL, world)
-    assert dims.shape == (expected[0], expected[1], 1, expected[2])
+    assert dims.shape == (1, expected[0], expected[1], 1, expected[2])
     assert dims.dp == expected[0] * expected[1]
 
 
@@ -94,8 +94,8 @@ def test_world_size_defaults_to_degree_product_on_cpu_and_gpu_count_on_gpu():
 
 def test_describe_records_mesh_shape_and_names():
     facts = ParallelDims.from_config(parallel(2, 2, 2), MODEL, 8).describe()
-    assert facts["mesh_shape"] == [2, 2, 1, 2]
-    assert facts["mesh_dim_names"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+    assert facts["mesh_shape"] == [1, 2, 2, 1, 2]
+    assert facts["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     assert facts["world_size"] == 8 and facts["dp"] == 4 and facts["cp"] == 1
 
 
@@ -118,7 +118,7 @@ def test_cp_is_a_dim_between_dp_shard_and_tp_and_fsdp_shards_over_dp_shard_cp(
     degrees, shape, views, mode, layout
 ):
     dims = cp_dims(*degrees, world=8 if -1 in degrees else None)
-    assert dims.shape == shape
+    assert dims.shape == (1, *shape)  # pp = 1 outermost
     assert (dims.dp, dims.dp_shard_cp, dims.dp_cp) == views
     assert (dims.dp_mode, dims.layout) == (mode, layout)
     assert [dims.group_size(n) for n in ("dp", "dp_shard_cp", "dp_cp")] == list(views)
@@ -177,6 +177,6 @@ def test_cp_across_nodes_is_refused_unless_allowed():
 
 def test_cp_defaults_to_one_when_a_config_predates_it():
     old = NS(dp_replicate=2, dp_shard=2, tp=1, sequence_parallel=True)
-    assert ParallelDims.from_config(old, MODEL, 4).shape == (2, 2, 1, 1)
+    assert ParallelDims.from_config(old, MODEL, 4).shape == (1, 2, 2, 1, 1)
     launcher = NS(nnodes=1, nproc_per_node=None)
     assert infer_world_size(launcher, parallel(1, 2, 2, cp=2), device_count=0) == 8

@@ -125,7 +125,7 @@ def test_each_preset_trained_through_the_launch_path(parity):
         assert METRIC_KEYS <= set(records[0]), layout
         assert records[-1]["loss"] < records[0]["loss"] - 0.3, layout
         assert summary["status"] == "completed" and summary["world_size"] == WORLD[layout]
-        assert summary["mesh_dim_names"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+        assert summary["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
         assert summary["median_tps_global"] > 0 and summary["steady_steps"] == STEPS - 2
         assert len(list((job / "logs").glob("rank*.log"))) == WORLD[layout]
 

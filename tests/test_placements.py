@@ -67,7 +67,7 @@ def _eight_rank_layouts():
 def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eight_ranks):
     results = {rank: layouts["hsdp_tp"] for rank, layouts in eight_ranks.items()}
     r0 = results[0]
-    assert r0["mesh"] == (("dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 1, 2))
+    assert r0["mesh"] == (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (1, 2, 2, 1, 2))
     assert r0["dp_size"] == 4
     assert sorted(r["dp_rank"] for r in results.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
     params = r0["params"]

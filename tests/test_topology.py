@@ -51,10 +51,12 @@ def test_placement_counts_ranks_per_node_and_groups_per_node(shape, node, name, 
 @pytest.mark.parametrize(
     "shape, name, expected",
     [
-        # The runner's 4-D mesh, 2 nodes of 4: FSDP over dp_shard x cp strides over tp 2.
-        ((1, 2, 2, 2), "dp_shard_cp", Placement(4, 2, 2, 2)),
-        ((1, 2, 2, 2), "cp", Placement(2, 2, 2, 1)),
-        ((2, 1, 2, 2), "dp_cp", Placement(4, 2, 2, 2)),
+        # The runner's 5-D mesh, 2 nodes of 4: FSDP over dp_shard x cp strides over tp 2.
+        ((1, 1, 2, 2, 2), "dp_shard_cp", Placement(4, 2, 2, 2)),
+        ((1, 1, 2, 2, 2), "cp", Placement(2, 2, 2, 1)),
+        ((1, 2, 1, 2, 2), "dp_cp", Placement(4, 2, 2, 2)),
+        # pp outermost: each stage's ranks on one node, the stages across the two.
+        ((2, 1, 2, 1, 2), "pp", Placement(2, 1, 4, 2)),
     ],
 )
 def test_placement_of_context_parallel_groups(shape, name, expected):

@@ -51,6 +51,7 @@ ALLOWED = {
     "planner/layouts.py::check_axis_keys(cfg)": "axis keys are keys of the composed config",
     "planner/layouts.py::axis_configs(cfg)": "applies the axes, converts each candidate",
     "planner/layouts.py::plan_layouts(cfg)": "a Scenario of the composed config",
+    "planner/pipeline.py::pipeline_entries(cfg)": "a stage's copy of the composed config",
     "planner/auto.py::plan_job(cfg)": "writes the plan's choice into the composed config",
     "planner/auto.py::apply_choice(cfg)": "writes the plan's choice into the composed config",
     "planner/auto.py::apply_choice(node)": "a preset's node, or the dict rank 0 published",

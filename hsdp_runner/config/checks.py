@@ -179,6 +179,34 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
     if c.optim.lr <= 0:
         raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
+    _validate_pipeline_checkpoint(c)
+
+
+def _validate_pipeline_checkpoint(c: RunConfig) -> None:
+    """Refuse what the checkpointer cannot do under pipeline parallel yet: several stages per
+    rank (it saves one module), and whole-model gathers (HF export at the end, HF import)."""
+    pp = c.parallel.pp
+    if pp == 1:
+        return
+    if c.parallel.pp_stages_per_rank > 1 and (c.checkpoint.enable or c.checkpoint.load_path):
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank={c.parallel.pp_stages_per_rank} with checkpoints: "
+            "checkpoints of interleaved schedules are not supported yet; set "
+            "checkpoint.enable=false and checkpoint.load_path=null, or use one stage per rank "
+            "(parallel.pp_schedule=1f1b or gpipe)"
+        )
+    if c.checkpoint.export_at_end:
+        raise ConfigError(
+            f"checkpoint.export_at_end=true with parallel.pp={pp}: the end-of-run export "
+            "gathers one stage only; set checkpoint.export_at_end=false and export the "
+            "checkpoint with python -m hsdp_runner.export <checkpoint> <out_dir>"
+        )
+    if c.checkpoint.init_from_hf:
+        raise ConfigError(
+            f"checkpoint.init_from_hf with parallel.pp={pp} is not supported yet; start from "
+            "the Hugging Face folder under parallel.pp=1, save a checkpoint and resume it "
+            "with checkpoint.load_path under pp"
+        )
 
 
 def _validate_launcher(launcher: LauncherConfig) -> None:
@@ -252,13 +280,33 @@ def _reject_unknown_keys(cfg: dict) -> None:
         )
 
 
-def validate_batch(trainer: TrainerConfig, dp_size: int) -> int:
+def validate_batch(
+    trainer: TrainerConfig, dp_size: int, pp_microbatches: typing.Optional[int] = None
+) -> int:
     """Check that the global batch splits evenly over dp ranks and micro-batches.
 
-    Takes the ``trainer`` config and the data-parallel size (from ParallelDims); returns the
-    micro-batch size (sequences per rank per forward pass).
+    Takes the ``trainer`` config, the data-parallel size and, under pipeline parallel, the
+    pipeline's micro-batches per step (both from ParallelDims; None without a pipeline: the
+    pipeline's micro-batches replace gradient accumulation);
+    returns the micro-batch size (sequences per rank per forward pass).
     """
     gbs, accum = trainer.global_batch_size, trainer.grad_accum_steps
+    if pp_microbatches is not None:
+        if accum > 1:
+            raise ConfigError(
+                f"trainer.grad_accum_steps={accum} with pipeline parallel: the pipeline's "
+                "micro-batches are the accumulation; set trainer.grad_accum_steps=1 and "
+                f"parallel.pp_microbatches={pp_microbatches * accum}"
+            )
+        if gbs % (dp_size * pp_microbatches):
+            local = gbs / dp_size
+            raise ConfigError(
+                f"trainer.global_batch_size={gbs} does not split into parallel.pp_microbatches="
+                f"{pp_microbatches} micro-batches on each of the {dp_size} data-parallel ranks "
+                f"({local:g} sequences per rank); use a global batch that is a multiple of "
+                f"{dp_size * pp_microbatches}, or a parallel.pp_microbatches dividing it"
+            )
+        return gbs // (dp_size * pp_microbatches)
     if gbs % (dp_size * accum):
         raise ConfigError(
             f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size "

@@ -25,6 +25,7 @@ from hsdp_runner.core.choices import (
     LauncherName,
     Logger,
     OnNan,
+    PPSchedule,
     Resume,
     WandbMode,
 )
@@ -42,6 +43,7 @@ from hsdp_runner.models.base import ModelConfig, family_schemas
 
 @dataclass
 class ParallelConfig:
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
@@ -53,6 +55,12 @@ class ParallelConfig:
     ddp_impl: DDPImpl = DDPImpl.replicate
     allow_tp_across_nodes: bool = False
     allow_cp_across_nodes: bool = False
+    # Pipeline parallel (pp > 1; distributed/pipeline.py): the schedule, the micro-batches each
+    # step's local batch is cut into (None: 2 x pp, resolved by ParallelDims) and the stages
+    # each rank holds (> 1 only for the interleaved schedules).
+    pp_schedule: PPSchedule = PPSchedule["1f1b"]
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: int = 1
     # parallel=auto: one process plans the degrees left at -1 for every rank (runtime/auto_job.py).
     auto: bool = False
 
@@ -208,6 +216,8 @@ class PlanConfig:
     out_dir: Optional[str] = None
     layers_measured: list = field(default_factory=lambda: [1, 2])
     cp_degrees: Optional[list] = None  # null: every cp the sequence and the node allow
+    # Pipeline degrees priced beside the pp = 1 layouts (planner/pipeline.py); [1]: none.
+    pp_degrees: list = field(default_factory=lambda: [1])
 
 
 @dataclass

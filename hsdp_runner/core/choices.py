@@ -118,6 +118,25 @@ class AccumReduce(Choice):
     last = "last"
 
 
+# ``parallel.pp_schedule``: the order in which pipeline stages run micro-batches
+# (``torch.distributed.pipelining``'s schedules).
+# gpipe: every forward, then every backward (holds all micro-batches' activations).
+# 1f1b: one forward, one backward in turn after a warm-up (holds at most pp of them).
+# interleaved_1f1b: 1F1B over ``parallel.pp_stages_per_rank`` > 1 stages per rank (rank r
+# holds stages r, r + pp, ...): a smaller bubble for more stage-to-stage sends.
+# interleaved_zb: interleaved, each backward split into its input-gradient and weight-gradient
+# halves so that weight gradients fill the bubble (zero-bubble).
+# Built with Enum's functional API because "1f1b" is not a Python identifier and OmegaConf
+# looks members up by name (a name equal to its value keeps ``parallel.pp_schedule=1f1b``).
+PPSchedule = Choice(
+    "PPSchedule",
+    [(v, v) for v in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")],
+    module=__name__,
+)
+# The schedules that run several stages per rank (``parallel.pp_stages_per_rank`` > 1).
+INTERLEAVED_SCHEDULES = frozenset({PPSchedule["interleaved_1f1b"], PPSchedule["interleaved_zb"]})
+
+
 class LauncherName(Choice):
     """``launcher.name``: this node's elastic launcher, or SLURM through submitit."""
 

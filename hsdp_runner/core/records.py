@@ -59,6 +59,7 @@ class RunSummary:
     dp: Optional[int] = None
     dp_mode: Optional[str] = None
     layout: Optional[str] = None
+    pp: Optional[int] = None
     dp_replicate: Optional[int] = None
     dp_shard: Optional[int] = None
     cp: Optional[int] = None
@@ -66,6 +67,10 @@ class RunSummary:
     nodes: Optional[int] = None
     ranks_per_node: Optional[int] = None
     dims_across_nodes: Optional[list] = None
+    # Pipeline runs only (pp > 1): the schedule, micro-batches per step and stages per rank.
+    pp_schedule: Optional[str] = None
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None
     # Per mesh dim and flattened view, read from the real process groups and the launcher's
     # node ranks: {name: {size, ranks_per_node, groups_per_node, nodes}} (topology.Placement).
     mesh_placement: Optional[dict] = None
@@ -103,6 +108,7 @@ class RunSummary:
     export: Optional[str] = _trained()
     # Memory of every rank and the estimate (run_figures.MemoryEstimate as a dict).
     mem_peak_gib_per_rank: Optional[list] = None
+    mem_peak_gib_max: Optional[float] = None
     mem_reserved_gib_per_rank: Optional[list] = None
     # Each rank's memory before its model was built: the planner predicts peak minus this.
     mem_baseline_gib_per_rank: Optional[list] = None

@@ -8,7 +8,8 @@ counts them per op; it neither sums bytes nor says which mesh dim a collective r
 mode reads the tensors and the process group itself.
 
 Bytes are the logical size of the collective's full tensor on one rank: the gathered output of
-an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast. That is
+an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast, the
+tensor a point-to-point send sends (receives are not counted: they are the peer's sends). That is
 the convention the analytic model (``comm_model``) uses; wire traffic of a ring algorithm is
 this times (n-1)/n (x2 for an all-reduce).
 """
@@ -36,6 +37,8 @@ COLLECTIVES = {
     _c10d.allreduce_: ("all_reduce", "tensors", False),
     _c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
     _c10d.broadcast_: ("broadcast", "tensors", False),
+    # Point to point (pipeline stages): what a rank sends; its receives are a peer's sends.
+    _c10d.send: ("send", "tensors", False),
     _funcol.all_gather_into_tensor: ("all_gather", "input", True),
     _funcol.all_gather_into_tensor_coalesced: ("all_gather", "inputs", True),
     _funcol.reduce_scatter_tensor: ("reduce_scatter", "input", False),

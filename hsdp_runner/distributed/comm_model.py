@@ -38,6 +38,13 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
   output, which backward never needs. ``selective`` saves their outputs (``sharding.apply_ac``)
   and repeats none.
+- Pipeline parallel (pp alone: with data, tensor or context parallel inside the stages the
+  model does not yet restrict their collectives to the rank's stage, and the trainer counts
+  nothing): per micro-batch, each of the rank's stages but the last sends its output hidden
+  state (micro-batch rows x seq_len x dim, in the compute dtype) to the next stage, and each
+  but the first sends the gradient of its input (the same size) back; the grad norm's squares
+  are summed over ``pp`` (one fp32). The first step also sends the stages' shape metadata
+  (torch's runtime shape inference): count a later one (``metrics.comm_step=2``).
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).
 
@@ -109,13 +116,22 @@ def analytic_comm(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     trainer: TrainerConfig,
+    pp_rank: int = 0,
 ) -> dict[str, dict[str, int]]:
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
-    Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes and the job's
-    ParallelDims (see the module docstring for what is counted).
+    Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes, the job's
+    ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate (its stages differ
+    in what they send). See the module docstring for what is counted; raises ValueError for
+    a pipeline layout the model does not cover (``pipeline_comm_modelled``).
     """
     tally = _Tally()
+    if dims.pp > 1:
+        if not pipeline_comm_modelled(dims):
+            raise ValueError(f"no communication model for layout {dims.layout}")
+        _pipeline(tally, model_cfg, dims, _dtype_bytes(precision.param_dtype), trainer, pp_rank)
+        tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
+        return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
     accum = trainer.grad_accum_steps
     units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
     reductions = grad_reductions(dims, trainer)
@@ -156,6 +172,31 @@ def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
     if dims.dp_shard_cp > 1 and AccumReduce(trainer.accum_reduce) is AccumReduce.every:
         return trainer.grad_accum_steps
     return 1
+
+
+def pipeline_comm_modelled(dims: ParallelDims) -> bool:
+    """True when ``analytic_comm`` covers the layout: any layout without pp, and pp alone."""
+    return dims.pp == 1 or dims.world_size == dims.pp
+
+
+def _pipeline(
+    tally: _Tally,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    compute: int,
+    trainer: TrainerConfig,
+    pp_rank: int,
+) -> None:
+    """The stage-to-stage sends of the rank at ``pp`` coordinate ``pp_rank`` and the grad
+    norm's all-reduce over ``pp`` (module docstring)."""
+    m = dims.pp_microbatches
+    rows = trainer.global_batch_size // dims.dp // m
+    hidden = rows * model_cfg.seq_len * model_cfg.dim * compute  # one micro-batch's
+    last = dims.pp_stages - 1
+    for stage in (pp_rank + i * dims.pp for i in range(dims.pp_stages_per_rank)):
+        sends = (stage != last) + (stage != 0)  # activations forward, gradients back
+        tally.add("send/pp", sends * m, sends * m * hidden)
+    tally.add("all_reduce/pp", 1, 4)
 
 
 def world_dim(dims: ParallelDims) -> str:

@@ -2,6 +2,8 @@
 
 DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_shard``; context
 parallel (``cp``: each sequence split over ranks) is a third and TP a fourth, innermost dim.
+Pipeline parallel (``pp``: the blocks split into stages) is the outermost dim; its schedule,
+micro-batches and stages per rank are resolved here too.
 ``ParallelDims`` infers a -1 degree, checks the degrees against the world size, the model and
 the nodes, and builds the world mesh once, up front (``build_mesh``): every dim named and the
 flattened views ``dp``, ``dp_shard_cp`` and ``dp_cp`` (``world_mesh.py`` owns the names, the
@@ -12,7 +14,9 @@ SLURM's default block distribution does too) and the mesh is row-major with ``tp
 and ``dp_replicate`` outermost, so with ``dp_shard x cp x tp <= ranks per node`` the shard, cp
 and TP groups stay inside a node and only the replicate all-reduce crosses the slow inter-node
 link. ``ParallelDims`` works out which dims cross nodes, refuses TP or cp across nodes unless
-allowed, and warns when the shard group spans nodes.
+allowed, and warns when the shard group spans nodes. ``pp`` crossing nodes is fine: a stage
+sends one micro-batch's activations (and receives their gradients) per micro-batch, point to
+point, far less than any per-layer collective.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from math import prod
 from typing import Optional
 
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
-from hsdp_runner.core.choices import DPMode
+from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, DPMode, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 
 # The mesh's dim names and views are world_mesh.py's; the runner imports them (and WorldMesh)
@@ -30,6 +34,8 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.world_mesh import (
     DIM_NAMES,
     GROUP_ORDER,
+    LATER_DIMS,
+    STAGE_DIMS,
     VIEWS,
     WorldMesh,
     build_world_mesh,
@@ -42,12 +48,18 @@ class ParallelDims:
     """Validated degrees for one job. Construct with ``ParallelDims.from_config`` (or with
     keywords, for a layout already validated)."""
 
+    pp: int = 1
     dp_replicate: int
     dp_shard: int
     cp: int = 1
     tp: int
     world_size: int
     ranks_per_node: Optional[int] = None  # None: the whole job is on one node
+    # The pipeline's schedule, micro-batches per step and rank batch, and stages per rank
+    # (all 1 / 1f1b without pp).
+    pp_schedule: PPSchedule = PPSchedule["1f1b"]
+    pp_microbatches: int = 1
+    pp_stages_per_rank: int = 1
 
     @classmethod
     def from_config(
@@ -63,9 +75,9 @@ class ParallelDims:
         job's world size and the ranks per node (local world size; None = one node). Returns
         ParallelDims or raises ConfigError naming keys and a fix.
         """
-        # cp may be absent from configs written before it existed (it defaults to 1).
+        # pp and cp may be absent from configs written before they existed (they default to 1).
         degrees = {
-            name: _get(parallel, name, 1) if name == "cp" else getattr(parallel, name)
+            name: _get(parallel, name, 1) if name in LATER_DIMS else getattr(parallel, name)
             for name in DIM_NAMES
         }
         if world_size < 1:
@@ -91,8 +103,14 @@ class ParallelDims:
                     "or the world size"
                 )
             degrees[unknown[0]] = world_size // known
-        dims = cls(world_size=world_size, ranks_per_node=ranks_per_node, **degrees)
+        dims = cls(
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+            **degrees,
+            **pipeline_settings(parallel, degrees["pp"]),
+        )
         dims._check_product()
+        dims._check_pipeline(parallel, model)
         dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
@@ -139,6 +157,41 @@ class ParallelDims:
                 "with parallel.sequence_parallel=true; change the sequence length "
                 "or set parallel.sequence_parallel=false"
             )
+
+    def _check_pipeline(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
+        if self.pp == 1:
+            return
+        if _get(parallel, "auto", False):
+            raise ConfigError(
+                f"parallel.pp={self.pp} with parallel=auto: the planner does not enumerate "
+                "pipeline layouts yet; set parallel.pp=1 or choose the degrees yourself"
+            )
+        stages, m = self.pp_stages, self.pp_microbatches
+        if model is not None and model.n_layers < stages:
+            raise ConfigError(
+                f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
+                f"(parallel.pp={self.pp} x parallel.pp_stages_per_rank="
+                f"{self.pp_stages_per_rank}): every stage needs a block; lower parallel.pp or "
+                "parallel.pp_stages_per_rank"
+            )
+        if self.pp_schedule is PPSchedule["1f1b"] and m < self.pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} is fewer than the parallel.pp={self.pp} stages: "
+                f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
+                f"parallel.pp_microbatches>={self.pp} or parallel.pp_schedule=gpipe"
+            )
+        rounds = max(1, m // self.pp)
+        if self.pp_schedule in INTERLEAVED_SCHEDULES and m % rounds:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} does not suit parallel.pp_schedule="
+                f"{self.pp_schedule} with parallel.pp={self.pp}: interleaved schedules run "
+                f"micro-batches in rounds of pp; use a multiple of {self.pp}"
+            )
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp x pp_stages_per_rank``."""
+        return self.pp * self.pp_stages_per_rank
 
     def _check_nodes(self, parallel: ParallelConfig) -> None:
         node = self.node_size
@@ -250,9 +303,20 @@ class ParallelDims:
     @property
     def layout(self) -> str:
         """A short human name such as 'hsdp_tp', 'fsdp' or 'fsdp_cp'."""
-        parts = [] if self.dp_mode is DPMode.none else [self.dp_mode.value]
+        parts = ["pp"] if self.pp > 1 else []
+        parts += [] if self.dp_mode is DPMode.none else [self.dp_mode.value]
         parts += [name for name in ("cp", "tp") if getattr(self, name) > 1]
         return "_".join(parts) or "single"
+
+    def pp_rank_of(self, rank: int) -> int:
+        """The ``pp`` coordinate (which stages) of global ``rank``: pp is the outermost dim of
+        the row-major mesh, so each stage's ranks are contiguous."""
+        return rank // (self.world_size // self.pp)
+
+    @property
+    def stage_shape(self) -> tuple[int, ...]:
+        """The mesh shape of one pipeline stage: ``STAGE_DIMS`` order (all but pp)."""
+        return tuple(getattr(self, name) for name in STAGE_DIMS)
 
     def group_size(self, name: str) -> int:
         """Ranks in one group of a mesh dim or of a flattened view (``VIEWS``)."""
@@ -280,6 +344,15 @@ class ParallelDims:
             "nodes": self.nodes,
             "ranks_per_node": self.node_size,
             "dims_across_nodes": self.dims_across_nodes(),
+            **(
+                {
+                    "pp_schedule": self.pp_schedule.value,
+                    "pp_microbatches": self.pp_microbatches,
+                    "pp_stages_per_rank": self.pp_stages_per_rank,
+                }
+                if self.pp > 1
+                else {}
+            ),
         }
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
@@ -310,6 +383,48 @@ def _get(node, key: str, default):
     return getattr(node, key, default)
 
 
+def pipeline_settings(parallel: ParallelConfig, pp: int) -> dict:
+    """The pipeline fields of ParallelDims from ``parallel`` for ``pp`` stages' ranks: the
+    schedule, the micro-batches (``parallel.pp_microbatches``; None: 2 x pp) and the stages per
+    rank. Raises ConfigError for a schedule and stage count that do not go together.
+
+    The default, 2 x pp micro-batches: 1F1B needs at least pp to fill the pipeline, and at
+    2 x pp its bubble (pp - 1) / (m + pp - 1) stays under a third while the micro-batches stay
+    as large as that allows (more of them shrink the bubble but also each matmul). Users who
+    can afford a larger batch set more.
+    """
+    schedule = PPSchedule(_get(parallel, "pp_schedule", "1f1b"))
+    per_rank = _get(parallel, "pp_stages_per_rank", 1)
+    micro = _get(parallel, "pp_microbatches", None)
+    if pp == 1:
+        return {"pp_schedule": schedule, "pp_microbatches": 1, "pp_stages_per_rank": 1}
+    if per_rank < 1:
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank={per_rank} must be >= 1; use 1, or 2 or more with an "
+            "interleaved parallel.pp_schedule"
+        )
+    if schedule in INTERLEAVED_SCHEDULES and per_rank == 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} needs several stages per rank, but "
+            "parallel.pp_stages_per_rank=1; set parallel.pp_stages_per_rank=2 (or more), or "
+            "parallel.pp_schedule=1f1b"
+        )
+    if schedule not in INTERLEAVED_SCHEDULES and per_rank > 1:
+        raise ConfigError(
+            f"parallel.pp_stages_per_rank={per_rank} needs an interleaved schedule, but "
+            f"parallel.pp_schedule={schedule} runs one stage per rank; set "
+            "parallel.pp_schedule=interleaved_1f1b or parallel.pp_stages_per_rank=1"
+        )
+    if micro is None:
+        micro = 2 * pp
+    elif micro < 1:
+        raise ConfigError(
+            f"parallel.pp_microbatches={micro} must be >= 1; use null (2 x parallel.pp) or a "
+            "positive count"
+        )
+    return {"pp_schedule": schedule, "pp_microbatches": micro, "pp_stages_per_rank": per_rank}
+
+
 def check_degree_values(degrees: dict) -> None:
     """Raise ConfigError for a degree that is neither positive nor -1 ({name: value})."""
     for name, value in degrees.items():
@@ -331,7 +446,7 @@ def infer_world_size(
     combination runs on the same ranks and misfits are skipped).
     """
     degrees = [
-        _get(parallel, name, 1) if name == "cp" else _get(parallel, name, None)
+        _get(parallel, name, 1) if name in LATER_DIMS else _get(parallel, name, None)
         for name in DIM_NAMES
     ]
     check_degree_values(dict(zip(DIM_NAMES, degrees)))

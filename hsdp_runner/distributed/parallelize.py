@@ -22,7 +22,7 @@ from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
 from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
-from hsdp_runner.models.base import ModelConfig, ParallelModule, model_spec
+from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -291,11 +291,14 @@ def build_model(
     device: torch.device,
     seed: int,
     freeze=(),
+    stage: int | None = None,
 ) -> ParallelModule:
     """Create the model on the meta device, parallelize it, then materialise and initialise.
 
-    Returns the sharded model on ``device`` with identical weights in every layout and
-    non-DTensor buffers equal on every rank.
+    With ``stage`` (a pipeline stage index), only that stage of ``dims.pp_stages`` is built
+    (``models/base.keep_stage``), parameters named as in the whole model. Returns the
+    sharded model on ``device`` with identical weights in every layout and non-DTensor
+    buffers equal on every rank.
     """
     default_dtype = torch.get_default_dtype()
     # Parameters are created in the storage (master) dtype so FSDP shards and the optimizer
@@ -306,7 +309,9 @@ def build_model(
             model = model_spec(model_cfg).build()
     finally:
         torch.set_default_dtype(default_dtype)
-    freeze_parameters(model, freeze)
+    freeze_parameters(model, freeze)  # on the whole model: a pattern may name another stage's
+    if stage is not None:
+        keep_stage(model, stage, dims.pp_stages)
     parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     model.to_empty(device=device)
     model.init_weights(seed)

@@ -1,7 +1,7 @@
 """The world DeviceMesh: its dim names, its flattened views, and the one place it is built.
 
 The mesh has one dim per degree (``DIM_NAMES``, size-1 dims included, so code can always ask
-for ``mesh["tp"]``) and the flattened views (``VIEWS``): ``dp`` (replicate x shard: which rows
+for ``mesh["tp"]``; ``pp``, the pipeline stages, is outermost) and the flattened views (``VIEWS``): ``dp`` (replicate x shard: which rows
 of the batch a rank reads), ``dp_shard_cp`` (shard x cp: what FSDP shards parameters over,
 since cp ranks hold the same parameters and see different tokens) and ``dp_cp`` (replicate x
 shard x cp: what the loss and the step statistics average over). ``build_world_mesh`` creates
@@ -14,7 +14,24 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The dims inside one pipeline stage: what the planner enumerates (it plans pp = 1 layouts).
+STAGE_DIMS = DIM_NAMES[1:]
+# Degrees that configs written before they existed lack (they default to 1).
+LATER_DIMS = ("pp", "cp")
+
+
+def full_shape(shape) -> list[int]:
+    """A recorded mesh shape (summary.json's ``mesh_shape``) in ``DIM_NAMES`` order: shapes
+    written before the pp dim (4 entries) or before the cp dim too (3 entries) get 1s there."""
+    shape = list(shape)
+    if len(shape) == len(DIM_NAMES) - 2:  # (dp_replicate, dp_shard, tp)
+        shape.insert(2, 1)
+    if len(shape) == len(DIM_NAMES) - 1:  # (dp_replicate, dp_shard, cp, tp)
+        shape.insert(0, 1)
+    return shape
+
+
 # Flattened views of adjacent mesh dims: name -> the dims it joins (see the module docstring).
 VIEWS = {
     "dp": ("dp_replicate", "dp_shard"),

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 from omegaconf import MISSING
 
+from hsdp_runner.core.errors import ConfigError
+
 if TYPE_CHECKING:  # torch is imported where a model is built: config.py imports this module
     import torch
     from torch import nn
@@ -49,7 +51,13 @@ class ModelConfig:
 
 
 class ParallelModule(Protocol):
-    """The module a family builds. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+    """The module a family builds. ``forward(tokens)`` returns logits (batch, seq, vocab).
+
+    Cut to a pipeline stage (``keep_stage`` below), the modules a stage does not hold
+    are None: without the first ones (``pipeline_ends``) forward takes the previous stage's
+    hidden state (batch, seq, dim) instead of tokens, without the last ones it returns its
+    hidden state instead of logits.
+    """
 
     # Set by the sharding applier when compiled blocks follow a TP embedding: forward must
     # then clone the embedding output before the first block (see sharding.apply_compile).
@@ -58,6 +66,11 @@ class ParallelModule(Protocol):
     def blocks(self) -> nn.ModuleDict:
         """The repeated blocks, keyed "0".."n-1": activation checkpointing replaces its entries,
         compile and FSDP wrap each one (the rest of the model is FSDP's root unit)."""
+
+    def pipeline_ends(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """How the family splits into pipeline stages: the names of the top-level modules
+        that run before the blocks (the embeddings: held by the first stage) and after them
+        (final norm and output layer: held by the last)."""
 
     def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
         """Apply the family's tensor (and optionally sequence) parallel plan on ``tp_mesh``."""
@@ -213,6 +226,47 @@ def block_prefix(model: nn.Module) -> str:
     """The name under which ``model.blocks()`` sits in ``model``'s parameter names ('layers')."""
     container = model.blocks()
     return next(name for name, module in model.named_modules() if module is container)
+
+
+# Pipeline stages. A family says how it splits (``ParallelModule.pipeline_ends``); the blocks
+# are divided here. Cutting keeps every parameter's name as the unsplit model names it (blocks
+# keep their keys in the ``blocks()`` ModuleDict, modules a stage does not hold become None),
+# so checkpoints, initial values and the Hugging Face export see the same names.
+
+
+def stage_blocks(n_layers: int, n_stages: int) -> list[range]:
+    """The block indices of each of ``n_stages`` stages, in order.
+
+    Each stage gets ``n_layers // n_stages`` blocks; the remainder goes one each to the middle
+    stages first (1, 2, ...), then to the first stage, never to the last, which also computes
+    the output layer and the loss. Raises ConfigError when a stage would get no block.
+    """
+    if n_stages > n_layers:
+        raise ConfigError(
+            f"model.n_layers={n_layers} cannot split over {n_stages} pipeline stages: every "
+            "stage needs a block; lower parallel.pp or parallel.pp_stages_per_rank"
+        )
+    base, extra = divmod(n_layers, n_stages)
+    takers = [*range(1, n_stages - 1), 0][:extra]
+    sizes = [base + (stage in takers) for stage in range(n_stages)]
+    starts = [sum(sizes[:stage]) for stage in range(n_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def keep_stage(model: ParallelModule, stage: int, n_stages: int) -> ParallelModule:
+    """Cut ``model`` (fresh, unwrapped, any device) down to pipeline stage ``stage`` of
+    ``n_stages`` in place: blocks of other stages are deleted, the first modules
+    (``pipeline_ends()[0]``) kept on stage 0 only, the last ones on the last stage only.
+    Returns the model, whose forward then maps the stage's input to its output."""
+    blocks = model.blocks()
+    mine = stage_blocks(len(blocks), n_stages)[stage]
+    for key in list(blocks.keys()):
+        if int(key) not in mine:
+            del blocks[key]
+    first, last = model.pipeline_ends()
+    for name in (first if stage != 0 else ()) + (last if stage != n_stages - 1 else ()):
+        setattr(model, name, None)
+    return model
 
 
 def family_schemas() -> dict[str, type]:

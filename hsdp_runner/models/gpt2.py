@@ -207,6 +207,10 @@ class GPT2(nn.Module):
         """The transformer blocks (what AC, compile and FSDP wrap)."""
         return self.h
 
+    def pipeline_ends(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Token and position embeddings before the blocks; final LayerNorm and head after."""
+        return ("wte", "wpe"), ("ln_f", "lm_head")
+
     def shard_sequence(self, shard) -> None:
         """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
         self.sequence_shard = shard
@@ -223,11 +227,16 @@ class GPT2(nn.Module):
             if self.sequence_shard is None
             else self.sequence_shard.positions(tokens.shape[1], tokens.device)
         )
-        h = self.wpe(self.wte(tokens), positions)
-        if self.clone_embedding_output:
-            h = h.clone()
+        if self.wte is None:  # a later pipeline stage: the previous stage's hidden state
+            h = tokens
+        else:
+            h = self.wpe(self.wte(tokens), positions)
+            if self.clone_embedding_output:
+                h = h.clone()
         for block in self.h.values():
             h = block(h)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return h
         return self.lm_head(self.ln_f(h))
 
     def init_weights(self, seed: int) -> None:
@@ -292,16 +301,15 @@ def tp_plan(model: GPT2, tp_mesh, sequence_parallel: bool) -> None:
     """
     stream = Shard(1) if sequence_parallel else Replicate()
     norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-            "wpe": PositionParallel(sequence_parallel),
-            "ln_f": norm_style(),
-            "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
-        },
-    )
+    top = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "wpe": PositionParallel(sequence_parallel),
+        "ln_f": norm_style(),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    # A pipeline stage holds some of these modules only (the others are None).
+    top = {name: style for name, style in top.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, top)
     for block in model.h.values():
         parallelize_module(
             block,

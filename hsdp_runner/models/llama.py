@@ -204,6 +204,10 @@ class Llama(nn.Module):
         """The transformer blocks (what AC, compile and FSDP wrap)."""
         return self.layers
 
+    def pipeline_ends(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The token embedding before the blocks; the final norm and output layer after."""
+        return ("tok_embeddings",), ("norm", "output")
+
     def shard_sequence(self, shard) -> None:
         """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
         self.sequence_shard = shard
@@ -215,8 +219,9 @@ class Llama(nn.Module):
         tp_plan(self, tp_mesh, sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        if self.clone_embedding_output:
+        # A later pipeline stage (no embedding) takes the previous stage's hidden state.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        if self.clone_embedding_output and self.tok_embeddings is not None:
             h = h.clone()
         cos, sin = self.rope_cos, self.rope_sin
         if self.sequence_shard is not None:  # the rank's tokens are not positions 0, 1, ...
@@ -224,6 +229,8 @@ class Llama(nn.Module):
             cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
+        if self.output is None:  # a pipeline stage before the last
+            return h
         return self.output(self.norm(h))
 
     def init_weights(self, seed: int) -> None:
@@ -314,6 +321,8 @@ def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
     top["norm"] = norm_style()
+    # A pipeline stage holds some of these modules only (the others are None).
+    top = {name: style for name, style in top.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {

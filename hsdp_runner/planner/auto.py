@@ -37,7 +37,7 @@ from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve

@@ -32,7 +32,8 @@ from hsdp_runner.config.compose import plain_config, to_run_config
 from hsdp_runner.config.schema import PlanConfig, RunConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import mem_phases
@@ -254,7 +255,7 @@ def _memory_requests(
             # cp changes the tokens each rank holds, so it is measured per degree.
             key = (v, dims.tp, dims.cp, dims.dp_shard_cp > 1, micro)
             if key not in groups:
-                groups[key] = {"shape": dims.shape, "depths": depths, "cfg": cfg}
+                groups[key] = {"shape": dims.stage_shape, "depths": depths, "cfg": cfg}
             entry["mem_key"] = key
     requests = []
     for key, group in groups.items():

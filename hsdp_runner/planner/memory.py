@@ -211,7 +211,8 @@ def _measure_one(req: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hsdp_runner.distributed import parallelize as sharding
-    from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
     from hsdp_runner.models.base import model_spec
     from hsdp_runner.models.params import torch_dtype
 

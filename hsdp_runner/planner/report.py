@@ -20,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hsdp_runner.config.schema import RunConfig
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
 DEGREE_KEYS = tuple(f"parallel.{name}" for name in DIM_NAMES)
@@ -42,12 +42,15 @@ def _degrees(entry: dict) -> str:
 
 def _axes(entry: dict) -> str:
     extra = {k: v for k, v in entry["overrides"].items() if k not in DEGREE_KEYS}
-    return " ".join(f"{k.removeprefix('parallel.')}={v}" for k, v in extra.items())
+    text = " ".join(f"{k.removeprefix('parallel.')}={v}" for k, v in extra.items())
+    if entry.get("bubble_fraction") is not None:  # a pipeline layout (planner/pipeline.py)
+        text += f" (bubble {entry['bubble_fraction']:.0%}: {entry['bubble_s']:.3g} s)"
+    return text
 
 
 def _dominant(entry: dict) -> str:
     name = entry["dominant"]
-    if name in ("compute", "step_end"):
+    if name in ("compute", "step_end", "bubble"):  # bubble: pipeline layouts (pipeline.py)
         return f"{name.replace('_', ' ')} {entry[name + '_s'] / entry['step_time_s']:.0%}"
     seconds = entry["exposed_comm_s"][name.split(":")[1]]
     return f"{name.replace('comm:', 'comm ')} {seconds / entry['step_time_s']:.0%}"

@@ -22,6 +22,7 @@ import yaml
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.world_mesh import LATER_DIMS, full_shape
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
 MEMORY_TARGET = 0.15  # the planner's memory target: |predicted / measured - 1| <= 15%
@@ -123,15 +124,15 @@ def job_prediction(config: dict, summary: RunSummary) -> dict | None:
 def _job_values(config: dict, shape: list | None):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``."""
-    if shape and len(shape) == len(DIM_NAMES) - 1:  # written before the cp dim existed
-        shape = [*shape[:2], 1, shape[2]]
+    if shape:  # written before the pp or cp dims existed: 1 there
+        shape = full_shape(shape)
 
     def value(key: str):
         found = _select(config, key)
         degree = key.removeprefix("parallel.")
         if found == -1 and shape and degree in DIM_NAMES:
             return shape[DIM_NAMES.index(degree)]
-        if found is None and degree == "cp":  # a job config from before the cp dim
+        if found is None and degree in LATER_DIMS:  # a job config from before the dim
             return 1
         return found
 

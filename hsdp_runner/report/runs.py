@@ -16,6 +16,7 @@ import yaml
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.world_mesh import LATER_DIMS, full_shape
 from hsdp_runner.train import sinks as tracking
 
 
@@ -124,19 +125,23 @@ def _status(job: Job) -> str:
 
 
 def degrees(job: Job) -> tuple[str, str, str]:
-    """(layout, 'r x s x c x t', world size) from the run's mesh, or the asked-for degrees.
+    """(layout, 'r x s x c x t', world size) from the run's mesh, or the asked-for degrees;
+    a pipeline's stages lead as 'pp2 r x s x c x t'.
 
-    A run from before the context-parallel dim (a 3-dim mesh, no ``parallel.cp``) had cp = 1.
+    A run from before the pipeline or context-parallel dims (a mesh without them, no
+    ``parallel.pp`` / ``parallel.cp``) had 1 there.
     """
     s = job.summary
     if s.mesh_shape is not None:
-        shape = list(s.mesh_shape)
-        if len(shape) == len(DIM_NAMES) - 1:
-            shape.insert(DIM_NAMES.index("cp"), 1)
-        return s.layout, "×".join(map(str, shape)), str(s.world_size)
+        return s.layout, _shape_text(full_shape(s.mesh_shape)), str(s.world_size)
     asked = s.requested_degrees or job.config.get("parallel") or {}
-    shape = "×".join(str(asked.get(k, 1 if k == "cp" else "?")) for k in DIM_NAMES)
-    return "—", shape, "—"
+    return "—", _shape_text([asked.get(k, 1 if k in LATER_DIMS else "?") for k in DIM_NAMES]), "—"
+
+
+def _shape_text(shape: list) -> str:
+    """'r x s x c x t' of a ``DIM_NAMES``-ordered shape, led by 'pp<n> ' when pp is not 1."""
+    pp, rest = shape[0], "×".join(map(str, shape[1:]))
+    return rest if pp == 1 else f"pp{pp} {rest}"
 
 
 def _precision(job: Job) -> str:

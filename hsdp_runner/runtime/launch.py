@@ -110,7 +110,7 @@ def validate(
         print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
     model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
-    validate_batch(cfg.trainer, dims.dp)
+    validate_batch(cfg.trainer, dims.dp, dims.pp_microbatches if dims.pp > 1 else None)
     if (
         gpus
         and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype)

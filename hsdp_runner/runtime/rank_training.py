@@ -25,6 +25,7 @@ from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
+from hsdp_runner.distributed.pipeline import Pipeline, build_pipeline
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.report import prediction
@@ -34,7 +35,7 @@ from hsdp_runner.train import sinks as tracking
 from hsdp_runner.train.data import TokenBatches
 from hsdp_runner.train.figures import RunFigures, compute_run_figures
 from hsdp_runner.train.tensor_memory import TensorMemoryMeter
-from hsdp_runner.train.trainer import Trainer
+from hsdp_runner.train.trainer import Trainer, next_token_loss
 
 log = logging.getLogger("hsdp_runner")
 
@@ -67,20 +68,13 @@ def train_rank(
     mem_baseline = metrics.current_memory_gib(device)
     meter = TensorMemoryMeter(device, cfg.metrics.memory_steps, enabled=not cfg.profile.enable)
     meter.start()
-    model = build_model(
-        cfg.model,
-        dims,
-        world,
-        cfg.parallel,
-        cfg.precision,
-        device,
-        cfg.trainer.seed,
-        cfg.trainer.freeze,
-    )
+    model, pipeline = build_rank_model(cfg, dims, world, device)
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
     # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
-    figures = compute_run_figures(cfg, dims, model, device)
+    figures = compute_run_figures(
+        cfg, dims, pipeline.chunks if pipeline is not None else model, device
+    )
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)
@@ -88,7 +82,7 @@ def train_rank(
         config = {**plain_config(cfg), "derived": facts}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
-    trainer = make_trainer(cfg, dims, world, model, device, figures, sinks)
+    trainer = make_trainer(cfg, dims, world, model, device, figures, sinks, pipeline)
     ckpt = make_checkpointer(cfg, output_dir, trainer)
     try:
         first = ckpt.restore(start)
@@ -153,6 +147,37 @@ def train_rank(
     return summary
 
 
+def build_rank_model(
+    cfg: RunConfig, dims: ParallelDims, world: WorldMesh, device: torch.device
+) -> tuple[torch.nn.Module, Pipeline | None]:
+    """This rank's sharded model on ``device``: (the model, None), or under pipeline
+    parallel (its first stage chunk, the Pipeline of all its chunks and the schedule)."""
+    if dims.pp == 1:
+        model = build_model(
+            cfg.model,
+            dims,
+            world,
+            cfg.parallel,
+            cfg.precision,
+            device,
+            cfg.trainer.seed,
+            cfg.trainer.freeze,
+        )
+        return model, None
+    pipeline = build_pipeline(
+        cfg.model,
+        dims,
+        world,
+        cfg.parallel,
+        cfg.precision,
+        device,
+        cfg.trainer.seed,
+        next_token_loss,
+        cfg.trainer.freeze,
+    )
+    return pipeline.chunks[0], pipeline
+
+
 def make_trainer(
     cfg: RunConfig,
     dims: ParallelDims,
@@ -161,9 +186,11 @@ def make_trainer(
     device: torch.device,
     figures: RunFigures,
     sinks: list[tracking.Tracker],
+    pipeline: Pipeline | None = None,
 ) -> Trainer:
     """Build the Trainer from the typed config: the sections it uses, this rank's batches and
-    the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere)."""
+    the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere); under pipeline
+    parallel the rank's ``pipeline`` (``model`` its first chunk)."""
     batches = TokenBatches(
         cfg.data,
         cfg.model.vocab_size,
@@ -188,6 +215,7 @@ def make_trainer(
         metrics=cfg.metrics,
         fault=cfg.fault,
         sinks=sinks,
+        pipeline=pipeline,
     )
 
 
@@ -264,6 +292,8 @@ def _memory_facts(
     dist.all_gather_object(every, mine)
     facts = {
         "mem_peak_gib_per_rank": [m[0] for m in every],
+        # The ranks differ (pipeline stages most): the busiest one is what must fit.
+        "mem_peak_gib_max": max(m[0] for m in every),
         "mem_baseline_gib_per_rank": [m[2] for m in every],
         "mem_tensor_peak_gib_per_rank": [m[3] for m in every],
         "mem_estimate_gib": estimate,

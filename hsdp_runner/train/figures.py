@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from hsdp_runner.config.schema import RunConfig
-from hsdp_runner.distributed.comm_model import analytic_comm
+from hsdp_runner.distributed.comm_model import analytic_comm, pipeline_comm_modelled
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.train import metrics
@@ -32,22 +32,32 @@ class RunFigures:
 
 
 def compute_run_figures(
-    cfg: RunConfig, dims: ParallelDims, model: torch.nn.Module, device: torch.device
+    cfg: RunConfig,
+    dims: ParallelDims,
+    model: torch.nn.Module | list[torch.nn.Module],
+    device: torch.device,
 ) -> RunFigures:
     """Compute the fixed figures of a run from its resolved config, ParallelDims, the sharded
-    model (for the memory estimate) and the rank's device; every rank calls it."""
+    model or this rank's pipeline stage chunks (for the memory estimate) and the rank's
+    device; every rank calls it."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     peak, source = metrics.resolve_peak_tflops(
         device, cfg.precision.param_dtype, cfg.metrics.peak_tflops
     )
     comm = (
         None
-        if cfg.metrics.comm_step is None
-        else analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+        if cfg.metrics.comm_step is None or not pipeline_comm_modelled(dims)
+        else analytic_comm(
+            cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer, dims.pp_rank_of(rank)
+        )
     )
     return RunFigures(
         peak_tflops=peak,
         peak_source=source,
         flops_per_token=model_spec(cfg.model).flops_per_token(),
         analytic_comm=comm,
-        memory_estimate=metrics.memory_breakdown(model, cfg.precision.master_dtype),
+        memory_estimate=metrics.memory_breakdown(
+            torch.nn.ModuleList(model) if isinstance(model, list) else model,
+            cfg.precision.master_dtype,
+        ),
     )

@@ -25,9 +25,10 @@ from hsdp_runner.core.choices import OnNan
 from hsdp_runner.core.faults import inject_fault
 from hsdp_runner.distributed import comm_counting as comm
 from hsdp_runner.distributed import step_stats
-from hsdp_runner.distributed.comm_model import comm_report
+from hsdp_runner.distributed.comm_model import comm_report, pipeline_comm_modelled
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import set_gradient_sync
+from hsdp_runner.distributed.pipeline import Pipeline, total_grad_norm
 from hsdp_runner.models.base import ModelSpec
 from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
@@ -48,16 +49,19 @@ STEP_END_ACCESSES = 10
 
 
 def build_optimizer(
-    model: torch.nn.Module, optim_cfg: OptimConfig, no_weight_decay: Callable[[str], bool]
+    model: torch.nn.Module | list[torch.nn.Module],
+    optim_cfg: OptimConfig,
+    no_weight_decay: Callable[[str], bool],
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of ``model`` with ``optim_cfg``'s settings; the
-    parameters ``no_weight_decay`` names (the model spec's rule, called with clean names) get
-    no weight decay."""
+    """AdamW over the trainable parameters of ``model`` (or of each of a list of pipeline
+    stage chunks) with ``optim_cfg``'s settings; the parameters ``no_weight_decay`` names (the
+    model spec's rule, called with clean names) get no weight decay."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if no_weight_decay(clean_name(name)) else decay).append(param)
+    for part in model if isinstance(model, list) else [model]:
+        for name, param in part.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if no_weight_decay(clean_name(name)) else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": optim_cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -79,6 +83,11 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of (batch, seq, vocab) logits (in fp32) over targets."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class NonFiniteError(RuntimeError):
@@ -126,7 +135,9 @@ class Trainer:
     batches and the run's fixed figures (computed once, ``figures``); then the config it
     reads: the model's spec (which parameters get no weight decay) and the ``optim``,
     ``trainer``, ``metrics`` (``comm_step``: the step whose collectives are counted) and
-    ``fault`` sections; and rank 0's sinks (an empty list elsewhere).
+    ``fault`` sections; and rank 0's sinks (an empty list elsewhere). Under pipeline
+    parallel, ``pipeline`` holds the rank's stage chunks and schedule (``model`` is its
+    first chunk, what the checkpointer saves with one stage per rank).
     """
 
     def __init__(
@@ -144,21 +155,29 @@ class Trainer:
         metrics: MetricsConfig,
         fault: FaultConfig,
         sinks: list[Tracker] = (),
+        pipeline: Pipeline | None = None,
     ):
         self.model, self.dims, self.world, self.device = model, dims, world, device
+        self.pipeline = pipeline
+        self.parts = pipeline.chunks if pipeline is not None else [model]
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
+        if not pipeline_comm_modelled(dims):
+            # The communication model covers pp alone, not collectives inside the stages yet:
+            # no step is compared with it.
+            self.comm_step = None
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
-        self.optimizer = build_optimizer(model, optim, spec.no_weight_decay)
+        self.optimizer = build_optimizer(self.parts, optim, spec.no_weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio)
         )
         # Ranks holding distinct tokens: dp ranks read different rows, cp ranks different
         # parts of each sequence (equal token counts), so the loss is their mean.
         self.dp_cp_group = world["dp_cp"].get_group()
-        # The per-step stats all-reduce counts each dp x cp rank's loss once: on its tp rank 0.
-        self.counts_loss = world.local_rank_in("tp") == 0
+        # The per-step stats all-reduce counts each dp x cp rank's loss once: on its tp rank 0
+        # of the rank holding the last pipeline stage (the only one that computes the loss).
+        self.counts_loss = world.local_rank_in("tp") == 0 and (pipeline is None or pipeline.is_last)
         self.records: list[dict] = []
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
@@ -170,8 +189,7 @@ class Trainer:
 
     def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
-        logits = self.model(inputs.to(self.device))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+        return next_token_loss(self.model(inputs.to(self.device)), targets.to(self.device))
 
     def _forward_backward(
         self, step: int, data: Prefetcher, signum: int | None
@@ -182,6 +200,8 @@ class Trainer:
         """
         poison = inject_fault(self.fault, self.rank, step + 1)
         inputs, targets = data.get(step)
+        if self.pipeline is not None:
+            return self._pipeline_step(inputs, targets, poison, signum)
         accum = self.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
@@ -194,6 +214,18 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = _plain(torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True))
         stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        return stats, grad_norm
+
+    def _pipeline_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool, signum: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_forward_backward`` under pipeline parallel: the schedule runs the micro-batches
+        (the loss on the last stage), the grad norm is clipped over every stage's gradients."""
+        loss = self.pipeline.step(inputs, targets, poison)
+        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
+        grad_norm = total_grad_norm(params, self.grad_clip, self.pipeline.pp_group)
+        stats = step_stats.pack(loss, grad_norm, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
 
@@ -213,13 +245,22 @@ class Trainer:
         Runs the model in eval mode through the same sharded forward as training, so it
         exercises FSDP's unshard/reshard outside of backward.
         """
-        self.model.eval()
+        for part in self.parts:
+            part.eval()
         total = torch.zeros((), device=self.device)
         for i in range(n_batches):
             inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
-            total += self.loss_on(inputs, targets)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
-        self.model.train()
+            if self.pipeline is None:
+                total += self.loss_on(inputs, targets)
+            else:
+                loss = self.pipeline.eval_loss(inputs.to(self.device), targets.to(self.device))
+                total += loss if self.counts_loss else 0.0
+        if self.pipeline is None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
+        else:  # the losses are on the last stage's ranks: each dp x cp rank's counted once
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        for part in self.parts:
+            part.train()
         loss = total.item() / (self.dims.dp_cp * n_batches)
         if self.rank == 0:
             log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
@@ -240,7 +281,8 @@ class Trainer:
         """
         steps = self.train.steps
         bar = progress_bar(steps, start_step, self.rank)
-        self.model.train()
+        for part in self.parts:
+            part.train()
         data = Prefetcher(self.batches, self.device)
         pending = None
         try:

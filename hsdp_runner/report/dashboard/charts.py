@@ -8,6 +8,7 @@ here only, so importing the dashboard (e.g. as a Hydra callback) stays cheap.
 from __future__ import annotations
 
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.world_mesh import LATER_DIMS
 from hsdp_runner.report import prediction
 from hsdp_runner.report.runs import Job, degrees
 
@@ -144,9 +145,9 @@ def parallel_coordinates(jobs: list[Job]):
     done = measured(jobs)
     if not done:
         return None, "no job has steady-state figures yet"
-    # A run from before the context-parallel dim has no cp in its summary: it ran cp = 1.
+    # A run from before the pipeline or context-parallel dim lacks it in its summary: it ran 1.
     dims = [
-        _axis(name, [j.summary.get(name, 1 if name == "cp" else "?") for j in done])
+        _axis(name, [j.summary.get(name, 1 if name in LATER_DIMS else "?") for j in done])
         for name in DEGREES
     ]
     dims += [_axis(key, values) for key, values in _option_values(done).items()]

@@ -1,0 +1,182 @@
+"""Pipeline layouts priced from one stage: the bubble of each schedule, the stage-to-stage sends
+and the activations the first stage holds.
+
+A pp layout runs ``pp`` stages of ``world / pp`` ranks each (whole nodes: stages are the
+outermost mesh dim). Each stage is planned as a job of its own (``layouts.plan_layouts``) on
+``nodes / pp`` nodes, with the busiest stage's blocks (ceil(n_layers / pp), embedding and output
+layer counted in full) and ``trainer.grad_accum_steps`` = the pipeline's micro-batches ``m``:
+that is what a stage does in a step: m forward and backward passes of one micro-batch each,
+FSDP's all-gathers again in every micro-batch (when it reshards), gradients reduced once after
+the last (the pipeline stage defers gradient sync as accumulation does). On top of the stage:
+
+- **Bubble**: with pp stages and m micro-batches, GPipe and 1F1B idle a fraction
+  (pp - 1) / (m + pp - 1) of the step (pp - 1 slots of the m + pp - 1 a stage passes through);
+  interleaving v stages per rank makes each slot 1/v as long: (pp - 1) / (v m + pp - 1)
+  (Narayanan et al. 2021). The zero-bubble schedule splits each backward into its input- and
+  weight-gradient halves and fills the bubble with the weight halves: with forward, input
+  backward and weight backward equally long (each a third of a micro-batch's forward and
+  backward) a third of the interleaved bubble is left (Qi et al. 2024, ZB-H1).
+  The compute and communication of the stage's step are stretched by 1 / (1 - bubble).
+- **Stage-to-stage sends**: per micro-batch each stage boundary sends the hidden state
+  (micro-batch rows x tokens of the rank x dim, compute dtype) forward and its gradient back;
+  the m + pp - 1 slots of the critical path each wait for one send each way, priced as a
+  2-rank exchange over the link between neighbouring stages (across nodes when a stage fills
+  whole nodes); interleaving sends v times as often.
+- **Memory**: the stage's measured peak holds one micro-batch's activations; the first stage
+  holds more before its first backward: GPipe all m, 1F1B min(m, pp), interleaved 1F1B
+  (2 (pp - 1) + (v - 1) pp + 1) / v of a rank's micro-batch (Megatron's warm-up, each chunk
+  1/v of the rank's blocks), at most m.
+
+Fitted nothing: every term is arithmetic on the stage's prediction, which ``planner.md``
+checks against measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from omegaconf import DictConfig
+
+from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.config.schema import RunConfig
+from hsdp_runner.core.choices import PPSchedule
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.topology import Placement, placement
+from hsdp_runner.distributed.world_mesh import DIM_NAMES
+from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.planner.cluster import Cluster
+
+# The schedules the planner prices, with the stages per rank each runs.
+PRICED = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2}
+
+
+def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step of ``schedule`` on ``pp`` stages per rank group, ``m`` micro-
+    batches and ``v`` stages per rank (module docstring)."""
+    if pp == 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    bubble = (pp - 1) / (v * m + pp - 1)
+    return bubble / 3 if schedule == "interleaved_zb" else bubble
+
+
+def held_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Micro-batches' activations (a rank's blocks each) the first stage holds at its peak."""
+    if schedule == "gpipe":
+        return float(m)
+    if v == 1:
+        return float(min(m, pp))
+    return min(float(m), (2 * (pp - 1) + (v - 1) * pp + 1) / v)
+
+
+def check_pp_degrees(degrees: list, nodes: int, n_layers: int) -> None:
+    """Raise ConfigError naming ``plan.pp_degrees`` for a degree that is not a positive
+    divisor of ``nodes`` (a stage is whole nodes) or exceeds the model's ``n_layers``."""
+    for pp in degrees:
+        if not isinstance(pp, int) or pp < 1 or nodes % pp or pp > n_layers:
+            raise ConfigError(
+                f"plan.pp_degrees={list(degrees)}: {pp} is not a pipeline degree for "
+                f"cluster.nodes={nodes} and model.n_layers={n_layers}; each must divide the "
+                "nodes (a stage is whole nodes) and be at most the blocks, e.g. [1,2,4]"
+            )
+
+
+def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> list[dict]:
+    """Plan rows of every ``pp``-stage layout of ``cfg`` on ``cluster``, one per stage layout
+    and priced schedule. ``plan_stage(cfg, cluster) -> rows`` plans a stage (the planner's
+    ``plan_layouts``). Rows carry the pipeline's overrides, its terms (``bubble_s``, exposed
+    ``pp`` sends) and the stage row they came from (``stage``)."""
+    run = to_run_config(cfg)
+    m = run.parallel.pp_microbatches or 2 * pp
+    stage_cfg = cfg.copy()
+    stage_cfg.model.n_layers = math.ceil(run.model.n_layers / pp)
+    stage_cfg.trainer.grad_accum_steps = m
+    stage_cluster = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
+    stage_rows = [row for row in plan_stage(stage_cfg, stage_cluster) if row["valid"]]
+    compute_bytes = torch_dtype(run.precision.param_dtype).itemsize
+    out = []
+    for row in stage_rows:
+        o = row["overrides"]
+        tp, cp = o.get("parallel.tp", 1), o.get("parallel.cp", 1)
+        dp = o.get("parallel.dp_replicate", 1) * o.get("parallel.dp_shard", 1)
+        tokens = run.model.seq_len // cp // (tp if run.parallel.sequence_parallel else 1)
+        hidden = run.trainer.global_batch_size // dp // m * tokens * run.model.dim * compute_bytes
+        shape = (pp, *(o.get(f"parallel.{d}", 1) for d in DIM_NAMES[1:]))
+        pair = dataclasses.replace(placement(shape, DIM_NAMES, "pp", cluster.gpus_per_node), size=2)
+        for schedule, v in PRICED.items():
+            if v > 1 and run.model.n_layers < pp * v:
+                continue
+            out.append(_entry(row, run, cluster, pp, m, v, schedule, hidden, pair))
+    return out
+
+
+def _entry(
+    row: dict,
+    run: RunConfig,
+    cluster: Cluster,
+    pp: int,
+    m: int,
+    v: int,
+    schedule: str,
+    hidden: int,
+    pair: Placement,
+) -> dict:
+    """The pipeline row of stage row ``row`` under ``schedule`` (``v`` stages per rank, ``m``
+    micro-batches, ``hidden`` bytes per send, ``pair``: two neighbouring stages' placement)."""
+    bubble = bubble_fraction(schedule, pp, m, v)
+    # One send each way per slot of the critical path, priced as a 2-rank exchange.
+    sends = cluster.price("all_reduce", pair, 2 * v * (m + pp - 1), 2 * v * (m + pp - 1) * hidden)
+    busy = row["step_time_s"] - row["step_end_s"]
+    bubble_s = busy * bubble / (1 - bubble)
+    step = row["step_time_s"] + bubble_s + sends.seconds
+    world = cluster.world_size
+    tokens = run.trainer.global_batch_size * run.model.seq_len
+    memory = dict(row["memory"])
+    extra = (held_microbatches(schedule, pp, m, v) - 1) * memory["activations_gib"]
+    memory.update(peak_gib=memory["peak_gib"] + extra, pipeline_held_activations_gib=extra)
+    exposed = {**row["exposed_comm_s"], "pp": sends.seconds}
+    terms = {
+        "compute": row["compute_s"],
+        "step_end": row["step_end_s"],
+        "bubble": bubble_s,
+        **{f"comm:{d}": s for d, s in exposed.items()},
+    }
+    stage_flops = row["mfu"] * row["step_time_s"]  # model FLOPs / peak of the stage's step
+    overrides = {
+        "parallel.pp": pp,
+        **row["overrides"],
+        "parallel.pp_schedule": PPSchedule[schedule].value,
+        "parallel.pp_stages_per_rank": v,
+        "parallel.pp_microbatches": m,
+    }
+    return {
+        **row,
+        "overrides": overrides,
+        "fits": memory["peak_gib"] <= cluster.device_memory_gib,
+        "mem_gib": memory["peak_gib"],
+        "memory": memory,
+        "step_time_s": step,
+        "tps_per_device": tokens / step / world,
+        # The stage's model FLOPs are its blocks' share; the whole model's over all stages.
+        "mfu": stage_flops / step * _flops_ratio(run, pp),
+        "bubble_s": bubble_s,
+        "bubble_fraction": bubble,
+        "stage_step_time_s": row["step_time_s"],
+        "exposed_comm_s": exposed,
+        "dominant": max(terms, key=terms.get),
+        "layout": f"pp_{row['layout']}" if row["layout"] != "single" else "pp",
+        "dims_across_nodes": ["pp"] * (pair.nodes > 1) + row["dims_across_nodes"],
+        "rank": None,
+    }
+
+
+def _flops_ratio(run: RunConfig, pp: int) -> float:
+    """The whole model's FLOPs per token over pp x the busiest stage's (MFU counts the model's
+    useful work once; the stage planned carries the embedding and output in full)."""
+    from hsdp_runner.models.base import model_spec
+
+    whole = model_spec(run.model).flops_per_token()
+    stage_model = dataclasses.replace(run.model, n_layers=math.ceil(run.model.n_layers / pp))
+    return whole / (pp * model_spec(stage_model).flops_per_token())

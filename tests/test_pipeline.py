@@ -1,0 +1,273 @@
+"""Pipeline parallel (``parallel.pp``): stages keep the model's names, the degrees and settings
+are checked, and every schedule trains the model one process trains.
+
+Parity: one single-process worker trains the baselines, one set of two and one of four
+workers train every pp case of that size (each schedule, pp = 2 and 4, pp with FSDP, TP, cp),
+and the shared eight-rank run (conftest ``eight_ranks``) adds pp x FSDP x TP and pp x HSDP; each
+case's losses and grad norms must equal its baseline's within the parity tolerance (1e-5).
+"""
+
+import pytest
+import torch
+from distributed import run_workers
+from test_config import compose
+
+from hsdp_runner.config.schema import ParallelConfig
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.models.base import build_meta_model, keep_stage, model_spec, stage_blocks
+
+STEPS = 3
+RTOL = 1e-5
+LR = ["optim.lr=3e-3", "optim.warmup_steps=1"]
+FOUR_LAYERS = "model.n_layers=4"
+
+
+def test_blocks_split_evenly_with_the_remainder_in_the_middle_never_on_the_last():
+    assert stage_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_blocks(6, 4) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+    assert stage_blocks(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    with pytest.raises(ConfigError, match="model.n_layers=2 cannot split over 4"):
+        stage_blocks(2, 4)
+
+
+@pytest.mark.parametrize("family", ["llama3_tiny", "gpt2_tiny"])
+def test_stages_keep_the_unsplit_names_and_together_hold_every_parameter(family):
+    cfg = compose([f"model={family}", FOUR_LAYERS]).model
+    whole = {n: p.shape for n, p in build_meta_model(cfg).named_parameters()}
+    seen = {}
+    for stage in range(3):
+        with torch.device("meta"):
+            part = keep_stage(model_spec(cfg).build(), stage, 3)
+        names = {n: p.shape for n, p in part.named_parameters()}
+        assert not set(names) & set(seen)
+        seen.update(names)
+    assert seen == whole
+
+
+def _dims(**parallel):
+    return ParallelDims.from_config(ParallelConfig(**parallel), None, 8, ranks_per_node=4)
+
+
+def test_pp_across_nodes_is_fine_but_tp_across_nodes_stays_refused():
+    dims = _dims(pp=2, dp_shard=4)
+    assert dims.dims_across_nodes() == ["pp"] and dims.layout == "pp_fsdp"
+    assert dims.pp_microbatches == 4  # the default: 2 x pp
+    with pytest.raises(ConfigError, match="parallel.tp=8 spans nodes"):
+        _dims(pp=1, dp_shard=1, tp=8)
+
+
+def test_interleaved_micro_batches_must_come_in_rounds_of_pp():
+    interleaved = {"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2}
+    with pytest.raises(ConfigError, match="parallel.pp_microbatches=5 does not suit"):
+        _dims(pp=2, dp_shard=4, pp_microbatches=5, **interleaved)
+    assert _dims(pp=4, dp_shard=2, pp_microbatches=8, **interleaved).pp_stages == 8
+
+
+def _train_cases(cases: dict) -> dict:
+    """Train each ``{name: overrides}`` case on these ranks (tiny model, fp32); return
+    {name: (step records, measured vs analytic communication or {})}."""
+    import torch.distributed as dist
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.runtime.rank_training import build_rank_model, make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
+
+    out = {}
+    cpu = torch.device("cpu")
+    for name, overrides in cases.items():
+        cfg = to_run_config(
+            compose(
+                [
+                    "trainer.global_batch_size=8",
+                    "logger=none",
+                    f"trainer.steps={STEPS}",
+                    "metrics.comm_step=null",
+                    *LR,
+                    *overrides,
+                ]
+            )
+        )
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+        world = dims.build_mesh("cpu")
+        model, pipeline = build_rank_model(cfg, dims, world, cpu)
+        parts = pipeline.chunks if pipeline is not None else model
+        figures = compute_run_figures(cfg, dims, parts, cpu)
+        trainer = make_trainer(cfg, dims, world, model, cpu, figures, [], pipeline)
+        out[name] = (trainer.fit(), trainer.comm_facts)
+    return out
+
+
+def _case(family, layers, *overrides):
+    return [f"model={family}", f"model.n_layers={layers}", *overrides]
+
+
+# Counted communication: step 2 (the first also sends torch's stage shape metadata).
+COMM = "metrics.comm_step=2"
+PP = ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.dp_shard=1", "parallel.tp=1"]
+INTERLEAVED = ["parallel.pp_stages_per_rank=2"]
+# name -> (world size, baseline name, overrides)
+CASES = {
+    "llama_gpipe": (2, "llama2", _case("llama3_tiny", 2, *PP, "parallel.pp_schedule=gpipe")),
+    "llama_1f1b": (2, "llama2", _case("llama3_tiny", 2, *PP, COMM)),
+    "llama_interleaved": (
+        2,
+        "llama4",
+        _case("llama3_tiny", 4, *PP, "parallel.pp_schedule=interleaved_1f1b", *INTERLEAVED, COMM),
+    ),
+    "llama_zero_bubble": (
+        2,
+        "llama4",
+        _case("llama3_tiny", 4, *PP, "parallel.pp_schedule=interleaved_zb", *INTERLEAVED),
+    ),
+    "gpt2_1f1b": (2, "gpt2_2", _case("gpt2_tiny", 2, *PP)),
+    # Activation checkpointing wraps each stage chunk's blocks (recomputed, same numbers).
+    "llama_1f1b_selective_ac": (2, "llama2", _case("llama3_tiny", 2, *PP, "parallel.ac=selective")),
+    "gpt2_interleaved": (
+        2,
+        "gpt2_4",
+        _case("gpt2_tiny", 4, *PP, "parallel.pp_schedule=interleaved_1f1b", *INTERLEAVED),
+    ),
+    "llama_pp4_1f1b": (4, "llama4", _case("llama3_tiny", 4, *PP, "parallel.pp=4", COMM)),
+    "gpt2_pp4_gpipe": (
+        4,
+        "gpt2_4",
+        _case("gpt2_tiny", 4, *PP, "parallel.pp=4", "parallel.pp_schedule=gpipe"),
+    ),
+    "llama_pp2_fsdp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.dp_shard=2")),
+    "gpt2_pp2_tp2": (4, "gpt2_2", _case("gpt2_tiny", 2, *PP, "parallel.tp=2")),
+    "llama_pp2_cp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.cp=2")),
+}
+# The composed cases ride in conftest's shared eight-rank run (``eight_ranks``).
+EIGHT_RANK_CASES = {
+    "llama_pp2_fsdp2_tp2": _case("llama3_tiny", 2, "parallel=pp_fsdp_tp"),
+    "gpt2_pp2_hsdp": _case("gpt2_tiny", 2, "parallel=pp_hsdp", "parallel.pp_schedule=gpipe"),
+}
+EIGHT_RANK_BASELINE = {"llama_pp2_fsdp2_tp2": "llama2", "gpt2_pp2_hsdp": "gpt2_2"}
+BASELINES = {
+    "llama2": _case("llama3_tiny", 2, "parallel=single"),
+    "llama4": _case("llama3_tiny", 4, "parallel=single"),
+    "gpt2_2": _case("gpt2_tiny", 2, "parallel=single"),
+    "gpt2_4": _case("gpt2_tiny", 4, "parallel=single"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """{case or baseline name: rank 0's step records}: one run of workers per world size."""
+    out = {name: r[0] for name, r in run_workers(_train_cases, 1, BASELINES)[0].items()}
+    for world in (2, 4):
+        cases = {name: c[2] for name, c in CASES.items() if c[0] == world}
+        ranks = run_workers(_train_cases, world, cases)
+        for name in cases:
+            out[name] = ranks[0][name][0]
+            out[f"{name}/comm"] = [ranks[r][name][1] for r in sorted(ranks)]
+    return out
+
+
+def _assert_equal(records, base):
+    assert len(records) == len(base) == STEPS
+    for key in ("loss", "grad_norm"):
+        for got, want in zip(records, base):
+            assert abs(got[key] - want[key]) <= RTOL * abs(want[key]), (key, got, want)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_trains_what_one_process_trains(runs, case):
+    _assert_equal(runs[case], runs[CASES[case][1]])
+    assert runs[case][-1]["loss"] < runs[case][0]["loss"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(EIGHT_RANK_CASES))
+def test_pipeline_composed_with_fsdp_tp_and_hsdp_trains_what_one_process_trains(
+    runs, eight_ranks, case
+):
+    records = eight_ranks[0]["pipeline"][case][0]
+    _assert_equal(records, runs[EIGHT_RANK_BASELINE[case]])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [name for name, c in CASES.items() if COMM in c[2]])
+def test_stage_to_stage_sends_equal_the_analytic_model_on_every_rank(runs, case):
+    comm = runs[f"{case}/comm"]
+    for rank, facts in enumerate(comm):
+        assert facts["comm_measured"] == facts["comm_analytic"], rank
+        assert facts["comm_ratio"] == 1.0
+    # 1F1B on 2 stages: 4 micro-batches of 2 rows x 32 tokens x 64 fp32 each way.
+    if case == "llama_1f1b":
+        assert comm[0]["comm_measured"]["send/pp"] == {"calls": 4, "bytes": 4 * 2 * 32 * 64 * 4}
+
+
+def test_compare_table_shows_the_stages_before_the_stage_layout():
+    from pathlib import Path
+
+    from hsdp_runner.core.records import RunSummary
+    from hsdp_runner.report.runs import Job, degrees
+
+    def job(summary, config=None):
+        return Job(Path("."), 0, [], config or {}, RunSummary(**summary), [])
+
+    ran = {"layout": "pp_fsdp", "mesh_shape": [2, 1, 2, 1, 1], "world_size": 4}
+    assert degrees(job(ran)) == ("pp_fsdp", "pp2 1×2×1×1", "4")
+    before_pp = {"layout": "fsdp_tp", "mesh_shape": [1, 2, 1, 2], "world_size": 4}
+    assert degrees(job(before_pp)) == ("fsdp_tp", "1×2×1×2", "4")
+    asked = {"parallel": {"pp": 4, "dp_replicate": 1, "dp_shard": -1, "tp": 1}}
+    assert degrees(job({}, asked)) == ("—", "pp4 1×-1×1×1", "—")
+
+
+def test_bubble_of_each_schedule_and_the_activations_the_first_stage_holds():
+    from hsdp_runner.planner.pipeline import bubble_fraction, check_pp_degrees, held_microbatches
+
+    assert bubble_fraction("1f1b", 4, 8) == bubble_fraction("gpipe", 4, 8) == 3 / 11
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == 3 / 19
+    assert bubble_fraction("interleaved_zb", 4, 8, 2) == pytest.approx(1 / 19)
+    assert bubble_fraction("1f1b", 1, 8) == 0.0
+    assert held_microbatches("gpipe", 4, 8) == 8 and held_microbatches("1f1b", 4, 8) == 4
+    assert held_microbatches("interleaved_1f1b", 4, 8, 2) == (6 + 4 + 1) / 2
+    with pytest.raises(ConfigError, match=r"plan.pp_degrees=\[1, 3\]: 3 is not"):
+        check_pp_degrees([1, 3], nodes=4, n_layers=8)
+
+
+@pytest.mark.multiprocess  # the planner measures memory in child processes
+def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
+    from clusters import fake_cluster
+
+    from hsdp_runner import plan
+    from hsdp_runner.planner.layouts import plan_layouts
+    from hsdp_runner.planner.pipeline import pipeline_entries
+
+    monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
+    cfg = plan.compose(["model=llama3_tiny", "model.n_layers=4", "cluster.gpus_per_node=2"])
+    fsdp = {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    rows = pipeline_entries(
+        cfg, fake_cluster(nodes=2, gpus_per_node=2), 2, lambda c, cl: plan_layouts(c, cl, {}, fsdp)
+    )
+    by_schedule = {r["overrides"]["parallel.pp_schedule"]: r for r in rows}
+    assert set(by_schedule) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"}
+    one = by_schedule["1f1b"]
+    assert one["overrides"]["parallel.pp_microbatches"] == 4 and one["bubble_fraction"] == 1 / 5
+    assert one["step_time_s"] == pytest.approx(
+        one["stage_step_time_s"] + one["bubble_s"] + one["exposed_comm_s"]["pp"]
+    )
+    assert one["layout"] == "pp_fsdp" and one["dims_across_nodes"][0] == "pp"
+    # GPipe holds all 4 micro-batches' activations on the first stage, 1F1B 2 (= pp).
+    assert by_schedule["gpipe"]["memory"]["pipeline_held_activations_gib"] == pytest.approx(
+        3 * one["memory"]["pipeline_held_activations_gib"]
+    )
+    assert by_schedule["interleaved_zb"]["bubble_s"] < by_schedule["interleaved_1f1b"]["bubble_s"]
+    assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]
+
+
+def test_parity_skips_the_pipeline_layouts_a_model_is_too_shallow_for():
+    from hsdp_runner import parity
+    from hsdp_runner.config.compose import to_run_config
+
+    def reason(layout, *overrides):
+        return parity.unsupported_reason(to_run_config(parity.compose(layout, list(overrides))))
+
+    assert reason("pp", "model=llama3_tiny") is None
+    assert "model.n_layers=2 cannot split over 4" in reason("pp:parallel.pp=4", "model=llama3_tiny")
+    assert reason("pp:parallel.pp=4", "model=llama3_tiny", "model.n_layers=4") is None
