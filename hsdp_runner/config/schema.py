@@ -22,6 +22,7 @@ from hsdp_runner.core.choices import (
     DDPImpl,
     Device,
     Dtype,
+    Float8Recipe,
     LauncherName,
     Logger,
     OnNan,
@@ -63,6 +64,10 @@ class PrecisionConfig:
     param_dtype: Dtype = Dtype.float32
     reduce_dtype: Dtype = Dtype.float32
     master_dtype: Dtype = Dtype.float32
+    # Float8 training of the linear layers (distributed/float8.py); none: no float8.
+    float8: Float8Recipe = Float8Recipe.none
+    # FSDP/HSDP gather float8 weights (tensorwise only) instead of param_dtype ones.
+    float8_all_gather: bool = False
 
 
 @dataclass

@@ -59,8 +59,10 @@ class ParallelModule(Protocol):
         """The repeated blocks, keyed "0".."n-1": activation checkpointing replaces its entries,
         compile and FSDP wrap each one (the rest of the model is FSDP's root unit)."""
 
-    def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
-        """Apply the family's tensor (and optionally sequence) parallel plan on ``tp_mesh``."""
+    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles=None) -> None:
+        """Apply the family's tensor (and optionally sequence) parallel plan on ``tp_mesh``;
+        the blocks' linears and their inputs take ``styles`` (``common.TPStyles``, default
+        torch's)."""
 
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer; each parameter's full value must be a function of

@@ -23,6 +23,7 @@ from hsdp_runner.config.compose import plain_config
 from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
@@ -188,6 +189,7 @@ def make_trainer(
         metrics=cfg.metrics,
         fault=cfg.fault,
         sinks=sinks,
+        after_update=float8.after_update(model, cfg.precision, dims.dp_mode),
     )
 
 
