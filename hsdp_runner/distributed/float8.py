@@ -24,15 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hsdp_runner.config.schema import PrecisionConfig
 from hsdp_runner.core.choices import DPMode, Float8Recipe
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig, build_meta_model, model_spec
 from hsdp_runner.models.common import TPStyles
+
+if TYPE_CHECKING:  # annotations only: benchmarks/float8_gpu_check.py runs without Hydra
+    from hsdp_runner.config.schema import PrecisionConfig
 
 # torch._scaled_mm needs both matmul dims of the weight to be multiples of 16.
 FLOAT8_ALIGN = 16
