@@ -185,6 +185,8 @@ class ClusterConfig:
     nodes: int = 1
     device_memory_gib: Optional[float] = None
     peak_tflops: Optional[float] = None
+    # Dense FP8 TFLOP/s of one device for precision=float8 (null: the peak table for `device`).
+    float8_peak_tflops: Optional[float] = None
     compute_efficiency: float = MISSING
     nvlink_gbps: Optional[float] = None  # null: measured (cluster.measure=true)
     nvlink_efficiency: Optional[float] = None  # null only when measured

@@ -17,7 +17,8 @@ float8 checkpoint resumes under bf16 and back, and HF export is the same.
 - FSDP/HSDP gather the weights in float8 (``precision.float8_all_gather``, tensorwise only):
   torchao's weight subclass casts each shard before the all-gather; its scales come from
   ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (``after_update``).
-- TP: torchao's float8 styles (``tp_styles``) all-gather activations in float8 (tensorwise).
+- TP: on GPUs torchao's float8 styles (``tp_styles``) all-gather activations in float8
+  (tensorwise); on CPU, where gloo cannot carry float8, torch's styles in the compute dtype.
 """
 
 from __future__ import annotations
@@ -193,12 +194,14 @@ def _float8_linears(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
 
 
-def tp_styles(model: nn.Module) -> TPStyles:
+def tp_styles(model: nn.Module, device_type: str) -> TPStyles:
     """The TP styles of ``model``'s block linears: torchao's float8 ones (activations
     all-gathered in float8; they assume tensorwise scaling) when the model was converted with
-    the tensorwise recipe, torch's otherwise."""
+    the tensorwise recipe and the TP mesh is on a GPU; torch's otherwise. On CPU (gloo) the
+    float8 styles cannot run: gloo has no float8 dtype ("Invalid scalar type" in the
+    all-gather), so there the float8 linears take bf16 activations through torch's styles."""
     linears = _float8_linears(model)
-    if not linears:
+    if not linears or device_type == "cpu":
         return TPStyles()
     ao = torchao_float8()
     if linears[0].config.cast_config_input.scaling_granularity != ao.ScalingGranularity.TENSORWISE:
@@ -222,3 +225,35 @@ def after_update(
         return None
     precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
     return lambda: precompute(model)
+
+
+def _plain(tensor):
+    """``tensor`` without torchao's float8 weight wrapper (the same storage): a DTensor whose
+    local shard is the wrapper gets a DTensor of the wrapped tensor; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    inner = getattr(local, "_tensor", None)
+    if type(local).__name__ != "WeightWithDynamicFloat8CastTensor" or inner is None:
+        return tensor
+    if not isinstance(tensor, DTensor):
+        return inner
+    return DTensor.from_local(
+        inner,
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
+
+
+def plain_state(state):
+    """A (nested) state dict with every float8 weight wrapper replaced by the tensor it wraps.
+
+    With float8 all-gather, torchao wraps each float8 linear's weight (and, through
+    ``zeros_like``, AdamW's moments of it) in ``WeightWithDynamicFloat8CastTensor``; saved as
+    is, a checkpoint would pickle that class and load only where torchao is imported and
+    allow-listed. The checkpointer saves, loads and exports through this instead, so a float8
+    checkpoint holds plain tensors of the master dtype, like any other."""
+    return torch.utils._pytree.tree_map(_plain, state)

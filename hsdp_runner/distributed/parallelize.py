@@ -51,8 +51,9 @@ def mixed_precision_policy(precision: PrecisionConfig):
 
 def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
     """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model
-    (torchao's float8 styles for float8 linears, ``float8.tp_styles``)."""
-    model.tp_plan(world["tp"], sequence_parallel, float8.tp_styles(model))
+    (torchao's float8 styles for float8 linears on GPUs, ``float8.tp_styles``)."""
+    tp_mesh = world["tp"]
+    model.tp_plan(tp_mesh, sequence_parallel, float8.tp_styles(model, tp_mesh.device_type))
 
 
 def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
