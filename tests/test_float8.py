@@ -10,7 +10,7 @@ float8 tensor cores in tests/test_gpu_devices.py.
 
 import pytest
 import torch
-from conftest import TINY, read_job, run_cli
+from conftest import TINY
 from distributed import run_workers
 from test_config import compose
 
@@ -67,14 +67,60 @@ def _train(cases):
     return {name: records for name, (records, _) in _train_cases(cases).items()}
 
 
+def _checkpoint_legs(root):
+    """float8 FSDP(4) 4 steps saving at 2 (HF export at the end), bf16 from step 2 saving at 3,
+    float8 again from step 3, through the job's own checkpointer; returns ({leg: records},
+    root)."""
+    import torch.distributed as dist
+
+    from hsdp_runner.checkpoint import start as checkpoint_start
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.runtime.rank_training import make_checkpointer, make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
+
+    cpu, out = torch.device("cpu"), {}
+    legs = (
+        ("float8", "float8", ["checkpoint.interval=2", "checkpoint.export_at_end=true"]),
+        (
+            "bf16",
+            "bf16",
+            ["checkpoint.interval=3", f"checkpoint.load_path={root}/float8/checkpoints/step-2"],
+        ),
+        ("back", "float8", [f"checkpoint.load_path={root}/bf16/checkpoints/step-3"]),
+    )
+    for name, precision, extra in legs:
+        cfg = compose(
+            [*TINY, "parallel=fsdp", "trainer.steps=4", f"precision={precision}"]
+            + ["checkpoint.enable=true", "checkpoint.export_dtype=float32", *extra]
+        )
+        run = to_run_config(cfg)
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+        world = dims.build_mesh("cpu")
+        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, cpu, 0)
+        figures = compute_run_figures(cfg, dims, model, cpu)
+        trainer = make_trainer(run, dims, world, model, cpu, figures, sinks=[])
+        ckpt = make_checkpointer(run, root / name, trainer)
+        start = checkpoint_start.agree_on_start(run.checkpoint, run.model, root / name)
+        out[name] = trainer.fit(ckpt.restore(start), ckpt.after_step)
+        ckpt.export_at_end()
+    return out, root
+
+
+def _train_and_resume(cases, root):
+    return {**_train(cases), "checkpoint_legs": _checkpoint_legs(root)}
+
+
 @pytest.fixture(scope="module")
-def four_rank_float8():
+def four_rank_float8(tmp_path_factory):
     """One set of four workers: float8 under FSDP(4), HSDP(2x2) and FSDP(2) x TP(2); FSDP(4)
-    with compile and selective AC; and bf16 and float8 FSDP(4) for 50 steps."""
+    with compile and selective AC; bf16 and float8 FSDP(4) for 50 steps; then the checkpoint
+    legs (``_checkpoint_legs``)."""
     short = ["precision=float8", f"trainer.steps={STEPS}", "metrics.memory_steps=0", *LR]
     long = [f"trainer.steps={LONG_STEPS}", "metrics.memory_steps=0", "metrics.comm_step=null"]
     return run_workers(
-        _train,
+        _train_and_resume,
         4,
         {
             "fsdp": ["parallel=fsdp", *short],
@@ -89,6 +135,7 @@ def four_rank_float8():
             "bf16_long": ["parallel=fsdp", "precision=bf16", *long],
             "float8_long": ["parallel=fsdp", "precision=float8", *long],
         },
+        tmp_path_factory.mktemp("float8_checkpoints"),
     )[0]
 
 
@@ -111,46 +158,27 @@ def test_float8_follows_bf16_over_50_steps(four_rank_float8):
 
 
 @pytest.mark.multiprocess
-def test_float8_checkpoint_resumes_in_bf16_and_back_and_exports_the_same(tmp_path):
-    """float8 FSDP(2) saves at step 2 and exports at 4; bf16 resumes from step 2 and saves at 3;
+def test_float8_checkpoint_resumes_in_bf16_and_back_and_exports_the_same(four_rank_float8):
+    """float8 FSDP(4) saves at step 2 and exports at 4; bf16 resumes from step 2 and saves at 3;
     float8 resumes from that. Each first loss is the float8 run's at that step within the
-    float8-vs-bf16 tolerance; the HF export equals the checkpoint's weights."""
+    float8-vs-bf16 tolerance; the HF export equals the checkpoint's weights (plain tensors:
+    the checkpoint loads without torchao's classes)."""
     from omegaconf import OmegaConf
 
     from hsdp_runner.checkpoint import hf
     from hsdp_runner.checkpoint.checkpointer import expected_shapes
     from hsdp_runner.export import load_full_weights
 
-    job = [*TINY, "parallel=fsdp", "parallel.dp_shard=2", "trainer.steps=4"]
-    job += ["checkpoint.enable=true", "metrics.memory_steps=0"]
-    ref = run_cli(
-        tmp_path / "float8",
-        *job,
-        "precision=float8",
-        "checkpoint.interval=2",
-        "checkpoint.export_at_end=true",
-        "checkpoint.export_dtype=float32",
-    )
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    reference, _ = read_job(tmp_path / "float8")
-    loss = {r["step"]: r["loss"] for r in reference}
-    source = tmp_path / "float8" / "checkpoints" / "step-2"
-    for name, precision, first in (("bf16", "bf16", 3), ("back", "float8", 4)):
-        result = run_cli(
-            tmp_path / name,
-            *job,
-            f"precision={precision}",
-            f"checkpoint.interval={first}",
-            f"checkpoint.load_path={source}",
-        )
-        assert result.returncode == 0, (name, result.stderr[-3000:])
-        records, summary = read_job(tmp_path / name)
-        assert summary["start_step"] == first - 1 and records[0]["step"] == first
+    legs, root = four_rank_float8["checkpoint_legs"]
+    loss = {r["step"]: r["loss"] for r in legs["float8"]}
+    for name, first in (("bf16", 3), ("back", 4)):
+        records = legs[name]
+        assert records[0]["step"] == first
         assert records[0]["loss"] == pytest.approx(loss[first], rel=FLOAT8_VS_BF16_RTOL), name
-        source = tmp_path / name / "checkpoints" / f"step-{first}"
-    weights, manifest = load_full_weights(tmp_path / "float8" / "checkpoints" / "step-4")
+    weights, manifest = load_full_weights(root / "float8" / "checkpoints" / "step-4")
     model_cfg = OmegaConf.create(manifest["model"])
-    exported = hf.read_folder(tmp_path / "float8" / "hf", model_cfg, expected_shapes(model_cfg))
+    exported = hf.read_folder(root / "float8" / "hf", model_cfg, expected_shapes(model_cfg))
     assert set(exported) == set(weights)
     for name, tensor in weights.items():
-        assert tensor.dtype == torch.float32 and torch.equal(tensor, exported[name]), name
+        assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, exported[name]), name

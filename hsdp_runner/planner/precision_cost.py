@@ -6,8 +6,8 @@ efficiency standing in for everything a step does on the device. Here (``compute
 
 - **Matmuls.** The FLOPs of the linears ``precision.float8`` converts (``float8``'s module
   filter: not the output layer, not a layer with a dim that is not a multiple of 16) run at the
-  device's float8 peak (``float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the datasheet
-  table, dense FP8); every other FLOP (output layer, attention, high-precision linears, and all
+  device's float8 peak (``Cluster.float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the
+  datasheet table, dense FP8); every other FLOP (output layer, attention, high-precision linears, and all
   of them without float8) at the compute dtype's peak. Both x ``cluster.compute_efficiency``:
   assumed, float8 kernels reach the same fraction of their peak as bf16 ones. What AC
   recomputes is split the same way (the recomputed block linears are float8 ones).
@@ -46,9 +46,8 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
-from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields, model_spec
+from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields, model_spec  # noqa: F401
 from hsdp_runner.planner.cluster import Cluster
-from hsdp_runner.train.metrics import lookup_peak_tflops
 
 _aten = torch.ops.aten
 # Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls and attention.
@@ -87,6 +86,8 @@ class _Trace(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops, self.sizes, self.alias, self.phase = [], {}, {}, "forward"
+        self.in_attention = False  # set by _Attention: its ops are attention's (FLOPs)
+        self.scalars = set()  # tensors of one element (a reduction's result: torchao's amax)
         self.keep = []  # every output stays alive while tracing, so no id is reused
 
     def _id(self, t) -> int:
@@ -106,14 +107,53 @@ class _Trace(TorchDispatchMode):
                 if ins:
                     self.alias[id(o)] = self._id(ins[0])
             return out
-        kind = "matmul" if packet in _BOUNDARY_PACKETS else "elementwise"
+        boundary = packet in _BOUNDARY_PACKETS or self.in_attention
+        kind = "matmul" if boundary else "elementwise"
         if packet is _aten.embedding:  # reads the looked-up rows only, not the whole table
             ins = [o.detach() for o in outs]
             self.keep += ins
         for t in ins + outs:
             self.sizes.setdefault(self._id(t), _nbytes(t))
+            if t.numel() == 1:
+                self.scalars.add(self._id(t))
         self.ops.append((self.phase, kind, [self._id(t) for t in ins], [self._id(o) for o in outs]))
         return out
+
+
+class _Attention(torch.autograd.Function):
+    """scaled_dot_product_attention as one opaque step of the trace, forward and backward.
+
+    On the meta device torch decomposes attention into matmuls, a mask and a softmax over
+    seq x seq scores, which a GPU's fused kernel never writes to memory; attention is priced
+    as FLOPs, so its ops are marked as such (``_Trace.in_attention``)."""
+
+    trace: _Trace | None = None
+    sdpa = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal):
+        ctx.save_for_backward(q, k, v)
+        ctx.is_causal = is_causal
+        _Attention.trace.in_attention = True
+        try:
+            return _Attention.sdpa(q, k, v, is_causal=is_causal)
+        finally:
+            _Attention.trace.in_attention = False
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        _Attention.trace.in_attention = True
+        try:
+            with torch.enable_grad():
+                out = _Attention.sdpa(q, k, v, is_causal=ctx.is_causal)
+            return (*torch.autograd.grad(out, (q, k, v), grad), None)
+        finally:
+            _Attention.trace.in_attention = False
+
+
+def _opaque_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    return _Attention.apply(q, k, v, is_causal)
 
 
 @dataclass(frozen=True)
@@ -138,9 +178,9 @@ def _moved(trace: _Trace, compiled: bool) -> dict[str, int]:
     nothing: a pass's output, or saved for the other pass) is written once, and read once by
     each other kernel that reads it. Eager, every op is a kernel of its own. Compiled, a kernel
     runs from one boundary to the next: a matmul or attention (kernels of their own), and the
-    end of a reduction to a few values (torchao's amax: the cast after it needs the whole
+    end of a reduction to one value (tensorwise amax: the cast after it needs the whole
     reduction, so it re-reads its input). Matmul kernels' own reads and writes are FLOPs' time,
-    not counted here."""
+    not counted here. A reduction per row (rowwise scales) fuses with its row's work."""
     moved: dict[str, int] = defaultdict(int)
     kernel, made, readers = 0, {}, defaultdict(set)
     for phase, kind, ins, outs in trace.ops:
@@ -150,8 +190,8 @@ def _moved(trace: _Trace, compiled: bool) -> dict[str, int]:
             readers[i].add((phase, kernel, kind))
         for o in outs:
             made[o] = (phase, kernel, kind)
-        small = all(trace.sizes[o] <= 64 for o in outs)  # a reduction to a few values
-        kernel += 1 if boundary or small else 0
+        reduced = bool(outs) and all(o in trace.scalars for o in outs)  # a whole-tensor reduction
+        kernel += 1 if boundary or reduced else 0
     for tensor, size in trace.sizes.items():
         source = made.get(tensor)
         reads = readers[tensor]
@@ -175,14 +215,26 @@ def _trace_model(fields: str, recipe: str, layers: int, tokens: int, compiled: b
     float8.convert(model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"])
     tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
     trace = _Trace()
-    with trace:
-        logits = model(tokens_in)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens_in.flatten())
-        trace.phase = "backward"
-        # autograd.grad, not backward(): no accumulation into .grad (FSDP reduce-scatters the
-        # gradients; its copies are communication's, priced there).
-        torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    _Attention.trace = trace
+    functional = torch.nn.functional
+    functional.scaled_dot_product_attention = _opaque_sdpa
+    try:
+        with trace:
+            _forward_backward(model, tokens_in, trace)
+    finally:
+        functional.scaled_dot_product_attention = _Attention.sdpa
+        _Attention.trace = None
     return _moved(trace, compiled)
+
+
+def _forward_backward(model, tokens_in, trace: _Trace) -> None:
+    """The trainer's forward, loss and backward on ``tokens_in`` (targets: the same tokens)."""
+    logits = model(tokens_in)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens_in.flatten())
+    trace.phase = "backward"
+    # autograd.grad, not backward(): no accumulation into .grad (FSDP reduce-scatters the
+    # gradients; its copies are communication's, priced there).
+    torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
 
 
 @functools.lru_cache(maxsize=64)
@@ -226,17 +278,16 @@ def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) 
 
 
 def float8_peak_tflops(cfg: RunConfig, cluster: Cluster) -> float:
-    """Dense float8 TFLOP/s of one device: ``cluster.float8_peak_tflops`` or the datasheet
-    table for ``cluster.device``; ConfigError naming the key when neither has one."""
-    stated = cfg.cluster.float8_peak_tflops if cfg.cluster is not None else None
-    peak = stated or lookup_peak_tflops(cluster.device, "float8")
-    if peak is None:
+    """Dense float8 TFLOP/s of one device (``Cluster.float8_peak_tflops``: the config's
+    ``cluster.float8_peak_tflops`` or the datasheet table); ConfigError naming the key when
+    the cluster has none."""
+    if not cluster.float8_peak_tflops:
         raise ConfigError(
             f"precision.float8={cfg.precision.float8} on cluster.device={cluster.device!r}: no "
             "float8 peak in metrics.PEAK_TFLOPS (a device without float8 tensor cores?); set "
             "cluster.float8_peak_tflops=<dense FP8 TFLOP/s> or plan precision=bf16"
         )
-    return peak
+    return cluster.float8_peak_tflops
 
 
 def float8_flop_share(model_cfg: ModelConfig, precision: PrecisionConfig, tp: int) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.choices import RunStatus
-from hsdp_runner.core.records import RunSummary
+from hsdp_runner.core.records import RunSummary, precision_label
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.train import sinks as tracking
 
@@ -140,7 +140,8 @@ def degrees(job: Job) -> tuple[str, str, str]:
 
 
 def _precision(job: Job) -> str:
-    return (job.config.get("precision") or {}).get("name", "?")
+    compiled = bool((job.config.get("parallel") or {}).get("compile"))
+    return precision_label(job.config.get("precision") or {}, compiled)
 
 
 # The job table's columns: heading, the cell's text, the value it sorts by (the job's own

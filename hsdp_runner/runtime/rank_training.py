@@ -9,6 +9,7 @@ in-process tests build a job from.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import signal
@@ -22,7 +23,7 @@ from hsdp_runner.checkpoint.checkpointer import Checkpointer
 from hsdp_runner.config.compose import plain_config
 from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus, StartSource
-from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.core.records import RunInfo, RunSummary, precision_label
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
@@ -85,7 +86,12 @@ def train_rank(
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)
-        facts = {**run_facts(dims, device), "mesh_placement": placements}
+        facts = {
+            **run_facts(dims, device),
+            "mesh_placement": placements,
+            # Grouping key in W&B (config.derived.precision) and the compare table's column.
+            "precision": precision_label(dataclasses.asdict(cfg.precision), cfg.parallel.compile),
+        }
         config = {**plain_config(cfg), "derived": facts}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
