@@ -15,8 +15,9 @@ from distributed import run_workers
 from test_config import compose
 
 # Largest relative loss difference, float8 (tensorwise) against bf16 over the first 50 steps of
-# tiny Llama (measured 2026-11-25: see docs/precision.md; the bound leaves ~3x headroom).
-FLOAT8_VS_BF16_RTOL = 5e-3
+# tiny Llama under FSDP(4): measured 2.5e-4 (rowwise 2.8e-4) on 2026-11-25, docs/precision.md;
+# the bound leaves 4x headroom.
+FLOAT8_VS_BF16_RTOL = 1e-3
 LONG_STEPS = 50
 # The bf16-vs-fp32 tolerance of tests/test_parity.py, which the float8 layouts must meet
 # against each other.
