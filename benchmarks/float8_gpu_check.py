@@ -1,6 +1,7 @@
 """Float8 and torch.compile on one GPU: tokens/s and loss of each, and the float8 refusal check.
 
     python benchmarks/float8_gpu_check.py [--layers 4] [--steps 10] [--warmup 3] [--batch 2]
+        [--variants "bf16,bf16+compile,float8 tensorwise+compile,float8 rowwise+compile"]
 
 Trains a Llama 3.2 1B-shaped model (width 2048, 32 heads, 8 KV heads, FFN 8192, vocabulary
 128,256, sequence 2,048) cut to ``--layers`` blocks, on synthetic tokens, in turn as
@@ -162,7 +163,16 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument(
+        "--variants",
+        default=",".join(name for name, _, _ in VARIANTS),
+        help="comma-separated subset of: " + ", ".join(name for name, _, _ in VARIANTS),
+    )
     args = parser.parse_args()
+    chosen = [v.strip() for v in args.variants.split(",")]
+    unknown = set(chosen) - {name for name, _, _ in VARIANTS}
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(sorted(unknown))}")
     if not torch.cuda.is_available():
         print("no usable GPU: torch.cuda.is_available() is False")
         return 1
@@ -184,6 +194,8 @@ def main() -> int:
     )
     ok, results, started = True, {}, time.perf_counter()
     for name, recipe, compile_blocks in VARIANTS:
+        if name not in chosen:
+            continue
         if recipe != "none" and cap < float8.MIN_CAPABILITY:
             print(f"{name}: skipped, this GPU has no float8 tensor cores")
             continue
