@@ -86,13 +86,10 @@ def train_rank(
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)
-        facts = {
-            **run_facts(dims, device),
-            "mesh_placement": placements,
-            # Grouping key in W&B (config.derived.precision) and the compare table's column.
-            "precision": precision_label(dataclasses.asdict(cfg.precision), cfg.parallel.compile),
-        }
-        config = {**plain_config(cfg), "derived": facts}
+        facts = {**run_facts(dims, device), "mesh_placement": placements}
+        # W&B's grouping key for the numerics (config.derived.precision), as compare shows it.
+        label = precision_label(dataclasses.asdict(cfg.precision), cfg.parallel.compile)
+        config = {**plain_config(cfg), "derived": {**facts, "precision": label}}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
     trainer = make_trainer(cfg, dims, world, model, device, figures, sinks)
