@@ -50,6 +50,18 @@ BAD_INPUTS = [
     ),
     (["parallel=pp", "checkpoint.export_at_end=true"], "python -m hsdp_runner.export", None),
     (["precision=bf16"], "needs bfloat16, which this GPU does not support", 4),
+    (["precision.float8=fp8"], "precision.float8='fp8'", None),
+    (
+        ["precision=float8_rowwise", "precision.float8_all_gather=true"],
+        "precision.float8_all_gather=true with precision.float8=rowwise",
+        None,
+    ),
+    (["precision=float8_rowwise", "parallel=tp"], "float8 tensor-parallel styles assume", None),
+    (  # ffn 48 split 2 ways: 24 columns per rank, not a multiple of 16
+        ["precision=float8", "parallel=tp", "model.ffn_hidden_dim=48"],
+        "use a smaller parallel.tp or widths that are multiples of 16 x tp",
+        None,
+    ),
     (["data=text", "data.path=/no/such.txt"], "data.path='/no/such.txt' does not exist", None),
     (["data=text", "data.path=EMPTY"], "holds 0 bytes", None),
     (["hydra.run.dir=/proc/hsdp_runner_test"], "is not writable", None),

@@ -44,6 +44,9 @@ LAYOUTS = {
         "trainer.grad_accum_steps=2",
         "trainer.accum_reduce=last",
     ],
+    # Float8 all-gather: the float8 linears' weights gathered at one byte per element, the
+    # scales' amax all-reduce after the optimizer step (distributed/float8.py).
+    "hsdp_float8": ["parallel=hsdp", "parallel.dp_shard=4", "precision=float8"],
     "ddp_tp_no_sp": [
         "parallel=hsdp_tp",
         "parallel.dp_replicate=4",

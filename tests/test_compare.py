@@ -158,3 +158,22 @@ def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
     assert kinds == ["BarPlot", "BarPlot", "ParallelCoordinatesPlot", "LinePlot"]
     degrees = [c.metric.name for c in grid.panels[2].columns][:5]
     assert degrees == [f"derived.{d}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
+
+
+@pytest.mark.parametrize(
+    "precision, compiled, label",
+    [
+        ({"name": "bf16", "float8": "none"}, False, "bf16"),
+        ({"name": "bf16"}, True, "bf16 +compile"),  # a run from before the float8 keys
+        ({"name": "float8", "float8": "tensorwise"}, True, "float8 (tensorwise) +compile"),
+        ({"name": "float8_rowwise", "float8": "rowwise"}, False, "float8_rowwise (rowwise)"),
+    ],
+)
+def test_the_precision_column_names_the_float8_recipe_and_compile(precision, compiled, label):
+    from hsdp_runner.core.records import precision_label
+    from hsdp_runner.report.runs import COLUMNS, Job
+
+    assert precision_label(precision, compiled) == label
+    cell = dict((name, text) for name, text, _ in COLUMNS)["precision"]
+    config = {"precision": precision, "parallel": {"compile": compiled}}
+    assert cell(Job(Path("."), 0, [], config, None, [])) == label

@@ -34,7 +34,7 @@ def test_every_group_has_its_options():
         ]
     )
     assert {"llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"} <= set(GROUPS["model"])
-    assert GROUPS["precision"] == ["bf16", "bf16_pure", "fp32"]
+    assert GROUPS["precision"] == ["bf16", "bf16_pure", "float8", "float8_rowwise", "fp32"]
     assert set(GROUPS["data"]) == {"synthetic", "text"}
     assert set(GROUPS["logger"]) == {"wandb", "none"}
 

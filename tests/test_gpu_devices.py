@@ -4,6 +4,7 @@ docs/gpu.md says what this does and does not prove.
 """
 
 import pytest
+import torch
 
 from hsdp_runner.train.metrics import lookup_peak_tflops
 
@@ -87,6 +88,47 @@ def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
     )
     with pytest.raises(ConfigError, match="precision=bf16 needs bfloat16"):
         _validate(["parallel=single", "precision=bf16"], tmp_path)
+
+
+def _gpu(monkeypatch, capability, name):
+    """One visible GPU of ``capability`` named ``name`` (bf16 in hardware)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda device=None: name)
+
+
+def test_float8_on_a_gpu_without_float8_tensor_cores_is_refused(tmp_path, monkeypatch):
+    from hsdp_runner.core.errors import ConfigError
+
+    _gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")  # bf16 yes, float8 no
+    with pytest.raises(ConfigError, match=r"needs float8 tensor cores .* A100-SXM4-80GB is 8\.0"):
+        _validate(["parallel=single", "precision=float8"], tmp_path)
+
+
+def test_float8_on_an_h100_is_allowed_and_never_emulated(tmp_path, monkeypatch):
+    """Validation passes on 9.0, and the GPU's linears run real float8 matmuls; the CPU's
+    (the only place torchao emulates) the emulated ones."""
+    from test_config import compose
+
+    from hsdp_runner.core.choices import DPMode
+    from hsdp_runner.distributed import float8
+    from hsdp_runner.models.base import model_spec
+
+    _gpu(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
+    _validate(["parallel=single", "precision=float8"], tmp_path)
+    cfg = compose(["model=llama3_tiny", "precision=float8"])
+    emulated = {}
+    for device in ("cuda", "cpu"):
+        with torch.device("meta"):
+            model = model_spec(cfg.model).build()
+        names = float8.convert(
+            model, cfg.precision, torch.device(device), DPMode.fsdp, cfg.model.vocab_size
+        )
+        linears = dict(model.named_modules())
+        emulated[device] = {linears[n].config.emulate for n in names}
+    assert emulated == {"cuda": {False}, "cpu": {True}}
 
 
 @pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype", "master_dtype"])

@@ -195,28 +195,31 @@ def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one(h100_4_node
 # step_time_s of llama3_debug (batch 8) on 8 ranks of one node with a measured link table,
 # computed by the planner before links were priced by topology (commit 382ece3): single-node
 # prices on this machine must not move.
+# Re-taken 2026-11-25 when compute began to include the work between matmuls at memory
+# bandwidth (planner/precision_cost.py: ~0.105 s of this CPU cluster's 5 GB/s per step here);
+# what the topology model prices is unchanged.
 BEFORE = {
     0.32: {
-        "none:8x1x1": 2.132901434925672,
-        "none:4x2x1": 2.1238758605068666,
-        "none:2x4x1": 2.1334092553311144,
-        "none:1x8x1": 2.15012084497961,
-        "none:4x1x2": 2.2147607775993126,
-        "none:2x2x2": 2.2139089691703098,
-        "none:1x4x2": 2.220668269940768,
-        "none:2x1x4": 2.500644073890232,
-        "none:1x2x4": 2.5025642491434574,
+        "none:8x1x1": 2.2384274029256717,
+        "none:4x2x1": 2.2294018285068664,
+        "none:2x4x1": 2.238935223331114,
+        "none:1x8x1": 2.25564681297961,
+        "none:4x1x2": 2.3201798895993124,
+        "none:2x2x2": 2.3193280811703096,
+        "none:1x4x2": 2.3260873819407677,
+        "none:2x1x4": 2.606009757890232,
+        "none:1x2x4": 2.6079299331434576,
     },
     0.0: {
-        "full:8x1x1": 2.9531900665846154,
-        "full:4x2x1": 2.9012249383794875,
-        "full:2x4x1": 2.9562862306871796,
-        "full:1x8x1": 3.0509378819692308,
-        "full:4x1x2": 2.948356835815385,
-        "full:2x2x2": 2.944864528123077,
-        "full:1x4x2": 2.983414928123077,
-        "full:2x1x4": 3.279001799917949,
-        "full:1x2x4": 3.2902670306871795,
+        "full:8x1x1": 3.0934284057846155,
+        "full:4x2x1": 3.0414632775794876,
+        "full:2x4x1": 3.0965245698871797,
+        "full:1x8x1": 3.191176221169231,
+        "full:4x1x2": 3.088487704615385,
+        "full:2x2x2": 3.0849953969230772,
+        "full:1x4x2": 3.123545796923077,
+        "full:2x1x4": 3.419078933517949,
+        "full:1x2x4": 3.4303441642871797,
     },
 }
 
@@ -321,5 +324,9 @@ def test_published_figures_name_their_source_and_role():
         assert case["role"] in ("fitted", "held_out"), case["id"]
         assert ("fits" in case) == (case["role"] == "fitted"), case["id"]
     held = [c for c in data["throughput"] if c["role"] == "held_out"]
-    assert held and all(c["nodes"] > 1 for c in held)  # every multi-node figure is held out
+    # Every multi-node figure is held out; single-node ones only where compile or float8 makes
+    # them figures the fitted (eager bf16) one is not.
+    assert held and all(
+        c["nodes"] > 1 or "parallel.compile=true" in c["overrides"] for c in held
+    ), [c["id"] for c in held]
     assert all(c["nodes"] == 1 for c in data["throughput"] if c["role"] == "fitted")

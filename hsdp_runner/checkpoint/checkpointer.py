@@ -56,6 +56,7 @@ from hsdp_runner.checkpoint.start import (
 from hsdp_runner.config.schema import CheckpointConfig, DataConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import FaultPhase, StartSource
 from hsdp_runner.core.faults import inject_fault
+from hsdp_runner.distributed import float8
 from hsdp_runner.models.base import ModelConfig, model_fields
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.train.trainer import Trainer
@@ -163,6 +164,8 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        # Float8 weights are torchao wrappers; checkpoints hold the plain tensors they wrap.
+        model_sd, optim_sd = float8.plain_state(model_sd), float8.plain_state(optim_sd)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def restore(self, start: Start) -> int:
@@ -375,8 +378,10 @@ class Checkpointer:
         if not c.export_at_end:
             return
         # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = float8.plain_state(
+            get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         )
 
         def write():

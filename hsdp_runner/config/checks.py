@@ -15,8 +15,8 @@ import dataclasses
 import difflib
 import typing
 
-from hsdp_runner.config.schema import LauncherConfig, RunConfig, TrainerConfig
-from hsdp_runner.core.choices import Choice, DataKind, Dtype, FaultKind, LauncherName
+from hsdp_runner.config.schema import LauncherConfig, PrecisionConfig, RunConfig, TrainerConfig
+from hsdp_runner.core.choices import Choice, DataKind, Dtype, FaultKind, Float8Recipe, LauncherName
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.signal_names import parse_signal
 from hsdp_runner.models.base import family_schema, model_spec
@@ -110,6 +110,7 @@ def validate_config(cfg: RunConfig) -> None:
                 f"precision.{key}=float16 needs a gradient scaler, which the "
                 "runner does not have; use bfloat16 (precision=bf16 or bf16_pure)"
             )
+    validate_float8(c.precision)
     for key in (
         "trainer.steps",
         "trainer.global_batch_size",
@@ -206,6 +207,24 @@ def _validate_pipeline_checkpoint(c: RunConfig) -> None:
             f"checkpoint.init_from_hf with parallel.pp={pp} is not supported yet; start from "
             "the Hugging Face folder under parallel.pp=1, save a checkpoint and resume it "
             "with checkpoint.load_path under pp"
+        )
+
+
+def validate_float8(precision: PrecisionConfig, tp: int = 1) -> None:
+    """Refuse float8 settings torchao does not support (``tp``: the TP degree, once known):
+    float8 all-gather without tensorwise scaling, and TP with rowwise scaling (torchao's float8
+    TP styles are tensorwise only). Raises ConfigError naming the key and the fix."""
+    recipe = Float8Recipe(precision.float8)
+    if precision.float8_all_gather and recipe is not Float8Recipe.tensorwise:
+        raise ConfigError(
+            f"precision.float8_all_gather=true with precision.float8={recipe}: torchao gathers "
+            "float8 weights with tensorwise scales only; set precision.float8_all_gather=false "
+            "or precision.float8=tensorwise (precision=float8)"
+        )
+    if tp > 1 and recipe in (Float8Recipe.rowwise, Float8Recipe.rowwise_with_gw_hp):
+        raise ConfigError(
+            f"precision.float8={recipe} with parallel.tp={tp}: torchao's float8 tensor-parallel "
+            "styles assume tensorwise scaling; use precision=float8 (tensorwise) or parallel.tp=1"
         )
 
 

@@ -22,6 +22,7 @@ from hsdp_runner.core.choices import (
     DDPImpl,
     Device,
     Dtype,
+    Float8Recipe,
     LauncherName,
     Logger,
     OnNan,
@@ -71,6 +72,10 @@ class PrecisionConfig:
     param_dtype: Dtype = Dtype.float32
     reduce_dtype: Dtype = Dtype.float32
     master_dtype: Dtype = Dtype.float32
+    # Float8 training of the linear layers (distributed/float8.py); none: no float8.
+    float8: Float8Recipe = Float8Recipe.none
+    # FSDP/HSDP gather float8 weights (tensorwise only) instead of param_dtype ones.
+    float8_all_gather: bool = False
 
 
 @dataclass
@@ -188,6 +193,8 @@ class ClusterConfig:
     nodes: int = 1
     device_memory_gib: Optional[float] = None
     peak_tflops: Optional[float] = None
+    # Dense FP8 TFLOP/s of one device for precision=float8 (null: the peak table for `device`).
+    float8_peak_tflops: Optional[float] = None
     compute_efficiency: float = MISSING
     nvlink_gbps: Optional[float] = None  # null: measured (cluster.measure=true)
     nvlink_efficiency: Optional[float] = None  # null only when measured

@@ -50,6 +50,21 @@ class Dtype(Choice):
     float16 = "float16"
 
 
+class Float8Recipe(Choice):
+    """``precision.float8``: float8 training of the linear layers through torchao, by the
+    scaling its recipe names (torchao's ``Float8LinearRecipeName``), or none (no float8).
+
+    tensorwise: one scale per tensor (cuBLAS tensorwise kernel; float8 FSDP all-gather and
+    torchao's float8 TP styles); rowwise: one scale per row, every operand e4m3, scales rounded
+    to powers of two; rowwise_with_gw_hp: rowwise, with the weight gradient's matmul kept in
+    high precision."""
+
+    none = "none"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
+
+
 class DataKind(Choice):
     """``data.kind``: synthetic tokens or a byte-level text file."""
 

@@ -15,6 +15,11 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   ``trainer.accum_reduce=every``, in the last one alone with ``last``
   (``grad_reductions``, ``sharding.set_gradient_sync``). FSDP pads each parameter's dim 0 to a
   multiple of the shard degree; the model pads the same way.
+- Float8 all-gather (``precision.float8_all_gather`` under FSDP/HSDP, ``float8.gathers_float8``):
+  the weights of the float8 linears (``float8_weight_sizes``) are gathered at one byte per
+  element, the other parameters as above; after each optimizer step torchao's scale
+  precompute all-reduces one amax per float8 weight (master dtype) over the shard group.
+  Float8 TP (torchao's float8 styles move some activations in float8) is not modelled.
 - HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
   ``dp_replicate``, once a step (after the last micro-batch, whatever ``accum_reduce``); DDP
   (``dp_shard x cp`` = 1) is that all-reduce of the whole gradients, also once.
@@ -61,8 +66,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from torch import nn
+
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC, AccumReduce
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.step_stats import STATS_BYTES
@@ -74,6 +82,22 @@ def _dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
+def _local_params(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool):
+    """(FSDP unit, parameter name, elements on one rank before FSDP sharding) of every
+    parameter: its TP part (``ModelSpec.tp_split_dim``), dim 0 padded to a multiple of
+    ``dp_shard x cp`` as FSDP pads it. Units: '<blocks>.<i>' (e.g. 'layers.0') or 'root'."""
+    spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
+    blocks = block_prefix(model) + "."
+    for name, param in model.named_parameters():
+        shape = list(param.shape)
+        split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
+        if split is not None:
+            shape[split] //= dims.tp
+        shape[0] = math.ceil(shape[0] / dims.dp_shard_cp) * dims.dp_shard_cp
+        unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
+        yield unit, name, math.prod(shape)
+
+
 def unit_sizes(
     model_cfg: ModelConfig, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
 ) -> dict[str, tuple[int, int]]:
@@ -83,21 +107,37 @@ def unit_sizes(
     Sizes are one TP rank's part of each parameter (``ModelSpec.tp_split_dim``), dim 0 padded
     to a multiple of ``dp_shard x cp`` (the FSDP shard degree) as FSDP pads it.
     """
-    spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
-    params = dict(model.named_parameters())
-    blocks = block_prefix(model) + "."
+    params = dict(build_meta_model(model_cfg).named_parameters())
     frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for name, param in params.items():
-        shape = list(param.shape)
-        split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
-        if split is not None:
-            shape[split] //= dims.tp
-        shape[0] = math.ceil(shape[0] / dims.dp_shard_cp) * dims.dp_shard_cp
-        unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
-        units[unit][0] += math.prod(shape)
-        units[unit][1] += 0 if name in frozen else math.prod(shape)
+    for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel):
+        units[unit][0] += numel
+        units[unit][1] += 0 if name in frozen else numel
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
+
+
+def float8_weight_sizes(
+    model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool = True
+) -> dict[str, list[int]]:
+    """Per FSDP unit (as ``unit_sizes``), the elements of each weight ``float8.convert`` turns
+    into a float8 linear: what a float8 all-gather sends at one byte per element."""
+    spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
+    modules = dict(model.named_modules())
+    sizes: dict[str, list[int]] = defaultdict(list)
+    for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel):
+        fqn, _, leaf = name.rpartition(".")
+        module = modules.get(fqn)
+        if leaf != "weight" or not isinstance(module, nn.Linear):
+            continue
+        if not float8.keeps_high_precision(
+            fqn,
+            tuple(module.weight.shape),
+            model_cfg.vocab_size,
+            dims.tp,
+            lambda f: spec.tp_split_dim(f"{f}.weight", sequence_parallel),
+        ):
+            sizes[unit].append(numel)
+    return dict(sizes)
 
 
 class _Tally:
@@ -134,8 +174,15 @@ def analytic_comm(
         return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
     accum = trainer.grad_accum_steps
     units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
+    f8 = (
+        float8_weight_sizes(model_cfg, dims, parallel.sequence_parallel)
+        if float8.gathers_float8(precision, dims.dp_mode)
+        else {}
+    )
     reductions = grad_reductions(dims, trainer)
-    _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum, reductions)
+    _data_parallel(
+        tally, units, f8, dims, parallel.reshard_after_forward, precision, accum, reductions
+    )
     compute = _dtype_bytes(precision.param_dtype)
     if dims.cp > 1:
         _context_parallel(
@@ -233,29 +280,37 @@ def context_parallel_comm(
 def _data_parallel(
     tally: _Tally,
     units: dict,
+    float8_sizes: dict,
     dims: ParallelDims,
     reshard: bool,
     precision: PrecisionConfig,
     accum: int,
     reductions: int,
 ) -> None:
+    """FSDP's all-gathers and reduce-scatters, HSDP's and DDP's all-reduces; the elements of
+    ``float8_sizes`` (per unit) are gathered at one byte each, and their scales are
+    precomputed once a step (one fp32 amax per float8 weight, all-reduced over the shards)."""
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
     if dims.dp_shard_cp > 1:
         shard_dim = dims.same_group("dp_shard_cp")
-        blocks = [sizes[0] for unit, sizes in units.items() if unit != "root"]
-        tally.add(
-            f"all_gather/{shard_dim}",
-            len(units) * accum,
-            sum(sizes[0] for sizes in units.values()) * gather * accum,
-        )
+
+        def gathered(unit_names) -> int:
+            f8 = sum(sum(float8_sizes.get(u, ())) for u in unit_names)
+            return (sum(units[u][0] for u in unit_names) - f8) * gather + f8
+
+        blocks = [unit for unit in units if unit != "root"]
+        tally.add(f"all_gather/{shard_dim}", len(units) * accum, gathered(units) * accum)
         if reshard:
-            tally.add(f"all_gather/{shard_dim}", len(blocks) * accum, sum(blocks) * gather * accum)
+            tally.add(f"all_gather/{shard_dim}", len(blocks) * accum, gathered(blocks) * accum)
         tally.add(
             f"reduce_scatter/{shard_dim}",
             len(trainable) * reductions,
             sum(trainable.values()) * reduce * reductions,
         )
+        if float8_sizes:
+            weights = sum(len(sizes) for sizes in float8_sizes.values())
+            tally.add(f"all_reduce/{shard_dim}", 1, weights * _dtype_bytes(precision.master_dtype))
     if dims.dp_replicate > 1:
         shard = sum(trainable.values()) // dims.dp_shard_cp
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)

@@ -20,6 +20,7 @@ from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
@@ -49,8 +50,10 @@ def mixed_precision_policy(precision: PrecisionConfig):
 
 
 def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
-    """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model."""
-    model.tp_plan(world["tp"], sequence_parallel)
+    """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model
+    (torchao's float8 styles for float8 linears on GPUs, ``float8.tp_styles``)."""
+    tp_mesh = world["tp"]
+    model.tp_plan(tp_mesh, sequence_parallel, float8.tp_styles(model, tp_mesh.device_type))
 
 
 def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
@@ -86,8 +89,12 @@ def selective_policy():
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
-    matmuls = {aten.mm.default, aten.addmm.default}
+    # _scaled_mm: the float8 matmul (precision.float8 on a GPU; emulated on CPU it is aten.mm).
+    matmuls = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
     save = {getattr(aten, name).default for name in SDPA_FORWARD_OPS if hasattr(aten, name)}
+    # Under float8 training the amax of each cast (torchao's torch.max of |x|): saved, so a
+    # recomputed cast uses the scale of the forward one (torchtitan's policy does the same).
+    save.add(aten.max.default)
     # TP's collectives and context parallel's K/V all-gather: recomputing them would repeat
     # the block's forward communication in backward; their outputs are activations of the
     # rank's tokens (of the whole sequence's keys and values under cp).
@@ -312,6 +319,16 @@ def build_model(
     freeze_parameters(model, freeze)  # on the whole model: a pattern may name another stage's
     if stage is not None:
         keep_stage(model, stage, dims.pp_stages)
+    spec = model_spec(model_cfg)
+    float8.convert(
+        model,
+        precision,
+        device,
+        dims.dp_mode,
+        model_cfg.vocab_size,
+        dims.tp,
+        lambda fqn: spec.tp_split_dim(f"{fqn}.weight", parallel.sequence_parallel),
+    )
     parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
     model.to_empty(device=device)
     model.init_weights(seed)

@@ -10,12 +10,30 @@ freezing, copying a full value into a shard) are ``params``'.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+)
+
+
+@dataclass(frozen=True)
+class TPStyles:
+    """The ParallelStyle classes a TP plan gives the blocks' linear layers and their inputs:
+    torch's by default; under float8 training torchao's float8 ones (same arguments), handed
+    in by the sharding applier so a model file imports no torchao."""
+
+    colwise: type = ColwiseParallel
+    rowwise: type = RowwiseParallel
+    prepare_input: type = PrepareModuleInput
+
 
 # Modules torch inserts into parameter names when it wraps a block: activation checkpointing
 # (checkpoint_wrapper) and torch.compile.

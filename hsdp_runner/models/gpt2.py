@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -34,7 +33,12 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig
-from hsdp_runner.models.common import ReplicatedParams, causal_attention, initial_value
+from hsdp_runner.models.common import (
+    ReplicatedParams,
+    TPStyles,
+    causal_attention,
+    initial_value,
+)
 from hsdp_runner.models.gpt2_hf import GPT2HF
 from hsdp_runner.models.params import copy_full_into
 
@@ -217,9 +221,9 @@ class GPT2(nn.Module):
         for block in self.h.values():
             block.attn.attend = shard.attention
 
-    def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
+    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None) -> None:
         """Apply ``tp_plan`` (below) to this model."""
-        tp_plan(self, tp_mesh, sequence_parallel)
+        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = (
@@ -292,13 +296,17 @@ TP_SPLIT_DIM = {
 }
 
 
-def tp_plan(model: GPT2, tp_mesh, sequence_parallel: bool) -> None:
+def tp_plan(
+    model: GPT2, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None
+) -> None:
     """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
 
     As Llama's plan: q/k/v and ``c_fc`` column-parallel, the ``c_proj`` layers row-parallel;
     with sequence parallel the LayerNorms and the residual stream are sharded on the sequence
-    dim between blocks, and the position table by position.
+    dim between blocks, and the position table by position. The blocks' linears and their
+    inputs take ``styles`` (float8 ones under float8 training).
     """
+    styles = styles or TPStyles()
     stream = Shard(1) if sequence_parallel else Replicate()
     norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
     top = {
@@ -316,18 +324,18 @@ def tp_plan(model: GPT2, tp_mesh, sequence_parallel: bool) -> None:
             tp_mesh,
             {
                 "ln_1": norm_style(),
-                "attn": PrepareModuleInput(
+                "attn": styles.prepare_input(
                     input_layouts=(stream,), desired_input_layouts=(Replicate(),)
                 ),
-                "attn.q_proj": ColwiseParallel(),
-                "attn.k_proj": ColwiseParallel(),
-                "attn.v_proj": ColwiseParallel(),
-                "attn.c_proj": RowwiseParallel(output_layouts=stream),
+                "attn.q_proj": styles.colwise(),
+                "attn.k_proj": styles.colwise(),
+                "attn.v_proj": styles.colwise(),
+                "attn.c_proj": styles.rowwise(output_layouts=stream),
                 "ln_2": norm_style(),
-                "mlp": PrepareModuleInput(
+                "mlp": styles.prepare_input(
                     input_layouts=(stream,), desired_input_layouts=(Replicate(),)
                 ),
-                "mlp.c_fc": ColwiseParallel(),
-                "mlp.c_proj": RowwiseParallel(output_layouts=stream),
+                "mlp.c_fc": styles.colwise(),
+                "mlp.c_proj": styles.rowwise(output_layouts=stream),
             },
         )

@@ -21,7 +21,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -29,7 +28,12 @@ from torch.distributed.tensor.parallel import (
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig
-from hsdp_runner.models.common import ReplicatedParams, causal_attention, initial_value
+from hsdp_runner.models.common import (
+    ReplicatedParams,
+    TPStyles,
+    causal_attention,
+    initial_value,
+)
 from hsdp_runner.models.llama_hf import LlamaHF
 from hsdp_runner.models.params import copy_full_into
 
@@ -214,9 +218,9 @@ class Llama(nn.Module):
         for block in self.layers.values():
             block.attention.attend = shard.attention
 
-    def tp_plan(self, tp_mesh, sequence_parallel: bool) -> None:
+    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None) -> None:
         """Apply ``tp_plan`` (below) to this model."""
-        tp_plan(self, tp_mesh, sequence_parallel)
+        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A later pipeline stage (no embedding) takes the previous stage's hidden state.
@@ -307,13 +311,18 @@ TP_SPLIT_DIM = {
 }
 
 
-def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
+def tp_plan(
+    model: Llama, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None
+) -> None:
     """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
 
     Attention and FFN inputs are column-parallel, their outputs row-parallel; with sequence
     parallel the norms and residual stream are sharded on the sequence dim between blocks.
+    The blocks' linears and their inputs take ``styles`` (float8 ones under float8 training);
+    the embedding and output layer stay in torch's.
     """
 
+    styles = styles or TPStyles()
     stream = Shard(1) if sequence_parallel else Replicate()
     norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
     top = {
@@ -326,19 +335,19 @@ def tp_plan(model: Llama, tp_mesh, sequence_parallel: bool) -> None:
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(
+            "attention": styles.prepare_input(
                 input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
             ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward": PrepareModuleInput(
+            "attention.wq": styles.colwise(),
+            "attention.wk": styles.colwise(),
+            "attention.wv": styles.colwise(),
+            "attention.wo": styles.rowwise(output_layouts=stream),
+            "feed_forward": styles.prepare_input(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),)
             ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": styles.colwise(),
+            "feed_forward.w2": styles.rowwise(output_layouts=stream),
+            "feed_forward.w3": styles.colwise(),
         }
         plan["attention_norm"] = norm_style()
         plan["ffn_norm"] = norm_style()

@@ -120,6 +120,9 @@ class Cluster:
     memory_gbps: float  # device memory bandwidth (GB/s): datasheet, or measured (this_machine)
     # this_machine: {kind: {group size: [latency s, bytes/s]}} from the micro-benchmark.
     measured_links: dict = field(default_factory=dict)
+    # Dense FP8 TFLOP/s (precision=float8's matmuls): cluster.float8_peak_tflops or the peak
+    # table; None where the device has none (planning float8 there is an error).
+    float8_peak_tflops: float | None = None
     link_scale: float = 1.0  # calibrated multiplier of every bandwidth
     latency_scale: float = 1.0  # calibrated multiplier of every latency
     calibrated_from: str | None = None
@@ -280,6 +283,7 @@ def resolve(cluster_cfg: ClusterConfig, compute_dtype: str) -> Cluster:
         memory_reserve_gib=c["memory_reserve_gib"],
         memory_gbps=c["memory_gbps"],
         measured_links=measured,
+        float8_peak_tflops=c["float8_peak_tflops"] or lookup_peak_tflops(c["device"], "float8"),
     )
     if c.get("calibration"):
         apply_calibration(cluster, Path(c["calibration"]))

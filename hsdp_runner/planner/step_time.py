@@ -1,6 +1,9 @@
 """Step time per rank of a layout: compute plus the communication that compute cannot hide.
 
-- **Compute** = FLOPs per step and rank / (peak x ``cluster.compute_efficiency``). FLOPs are the
+- **Compute** (``precision_cost.compute_seconds``): matmul FLOPs at the compute dtype's peak,
+  the float8 linears' at the float8 peak (both x ``cluster.compute_efficiency``), and the work
+  between matmuls (norms, activations, float8 casts) at memory bandwidth, eager or compiled.
+  FLOPs are the
   runner's own count (the model's ``flops_per_token`` x tokens / world size: TP splits the
   matmuls, data parallelism the batch), plus what activation checkpointing recomputes in
   backward: with ``full`` the forward of every block once more, with ``selective`` the
@@ -60,6 +63,7 @@ from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.planner import precision_cost
 from hsdp_runner.planner.cluster import Cluster, Price
 
 
@@ -161,7 +165,8 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     and the dominant term.
     """
     model_flops, hw_flops = step_flops(cfg.model, cfg.trainer, cfg.parallel.ac, dims.world_size)
-    compute = hw_flops / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+    compute_parts = precision_cost.compute_seconds(cfg, dims, cluster, hw_flops)
+    compute = sum(compute_parts.values())
     fwd, bwd = compute / 3, 2 * compute / 3
     comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
@@ -230,6 +235,7 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     return {
         "step_time_s": step,
         "compute_s": compute,
+        "compute_parts_s": compute_parts,
         "step_end_s": step_end,
         "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
         "comm_total_s": sum(times.values()) + sum(p.seconds for p in kv_prices.values()),

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from hsdp_runner.core.choices import RunStatus
-from hsdp_runner.core.records import RunSummary
+from hsdp_runner.core.records import RunSummary, precision_label
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.distributed.world_mesh import LATER_DIMS, full_shape
 from hsdp_runner.train import sinks as tracking
@@ -145,7 +145,8 @@ def _shape_text(shape: list) -> str:
 
 
 def _precision(job: Job) -> str:
-    return (job.config.get("precision") or {}).get("name", "?")
+    compiled = bool((job.config.get("parallel") or {}).get("compile"))
+    return precision_label(job.config.get("precision") or {}, compiled)
 
 
 # The job table's columns: heading, the cell's text, the value it sorts by (the job's own

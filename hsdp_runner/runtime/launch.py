@@ -24,13 +24,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.checkpoint import start as checkpoint_start
-from hsdp_runner.config.checks import validate_batch, validate_config
+from hsdp_runner.config.checks import validate_batch, validate_config, validate_float8
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import DataKind, LauncherName, RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.hardware import (
     check_torch_apis,
     check_visible_gpus,
@@ -120,6 +121,11 @@ def validate(
             f"precision={cfg.precision.name} needs bfloat16, which this GPU does not "
             "support; use precision=fp32"
         )
+    if float8.enabled(cfg.precision):
+        float8.torchao_float8()
+        float8.check_device(cfg.precision, gpus)
+        validate_float8(cfg.precision, dims.tp)
+        float8.check_tp(cfg.model, dims.tp, cfg.parallel.sequence_parallel)
     if cfg.data.kind == DataKind.text:
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
     if cfg.trainer.freeze:

@@ -9,6 +9,7 @@ in-process tests build a job from.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import signal
@@ -22,7 +23,8 @@ from hsdp_runner.checkpoint.checkpointer import Checkpointer
 from hsdp_runner.config.compose import plain_config
 from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus, StartSource
-from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.core.records import RunInfo, RunSummary, precision_label
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model
 from hsdp_runner.distributed.pipeline import Pipeline, build_pipeline
@@ -79,7 +81,9 @@ def train_rank(
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)
         facts = {**run_facts(dims, device), "mesh_placement": placements}
-        config = {**plain_config(cfg), "derived": facts}
+        # W&B's grouping key for the numerics (config.derived.precision), as compare shows it.
+        label = precision_label(dataclasses.asdict(cfg.precision), cfg.parallel.compile)
+        config = {**plain_config(cfg), "derived": {**facts, "precision": label}}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
     trainer = make_trainer(cfg, dims, world, model, device, figures, sinks, pipeline)
@@ -216,6 +220,9 @@ def make_trainer(
         fault=cfg.fault,
         sinks=sinks,
         pipeline=pipeline,
+        after_update=float8.after_update(
+            pipeline.chunks if pipeline is not None else [model], cfg.precision, dims.dp_mode
+        ),
     )
 
 

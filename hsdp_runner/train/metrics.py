@@ -32,9 +32,28 @@ log = logging.getLogger(__name__)
 # SXM figure and "GB200" never matches "B200"; a name that matches nothing gets MFU null and a
 # warning rather than a guess. "float32" is the plain FP32 (non-tensor-core) figure, which
 # an fp32 matmul gets with TF32 off (torch's default); left out where the datasheet gives none.
-_H100_SXM = {"bfloat16": 989.5, "float16": 989.5, "float32": 67.0}  # H100 SXM: 1,979 sparse
-_H100_PCIE = {"bfloat16": 756.5, "float16": 756.5, "float32": 51.0}  # H100 PCIe: 1,513 sparse
-_H100_NVL = {"bfloat16": 835.5, "float16": 835.5, "float32": 60.0}  # H100/H200 NVL: 1,671 sparse
+# "float8": the dense FP8 tensor-core figure (precision=float8's matmuls; the planner's
+# planner/precision_cost.py), half of the datasheet's sparse one; absent where the device has
+# no float8 tensor cores (A100, MI250X).
+_H100_SXM = {
+    "bfloat16": 989.5,
+    "float16": 989.5,
+    "float32": 67.0,
+    "float8": 1979.0,
+}  # FP8 3,958 sparse
+_H100_PCIE = {
+    "bfloat16": 756.5,
+    "float16": 756.5,
+    "float32": 51.0,
+    "float8": 1513.0,
+}  # FP8 3,026 sparse
+_H100_NVL = {
+    "bfloat16": 835.5,
+    "float16": 835.5,
+    "float32": 60.0,
+    "float8": 1670.5,
+}  # FP8 3,341 sparse
+_MI300 = {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}
 PEAK_TFLOPS = (
     (r"NVIDIA H100( 80GB HBM3)?", _H100_SXM),
     (r"NVIDIA H100 PCIe", _H100_PCIE),
@@ -46,19 +65,21 @@ PEAK_TFLOPS = (
     (r"NVIDIA H200 NVL", _H100_NVL),  # H200 NVL datasheet: 1,671 sparse, FP32 60
     (r"NVIDIA GH200( \d+GB( HBM3e?)?)?", _H100_SXM),  # GH200 datasheet: 1,979 sparse, FP32 67
     # HGX B200: 36 PFLOPS FP16/BF16 sparse for 8 GPUs; GB200 NVL72: 360 PFLOPS for 72 GPUs.
-    (r"NVIDIA B200", {"bfloat16": 2250.0, "float16": 2250.0}),
-    (r"NVIDIA GB200", {"bfloat16": 2500.0, "float16": 2500.0}),
+    # FP8: HGX B200 72 PFLOPS sparse for 8 GPUs; GB200 NVL72 720 PFLOPS sparse for 72.
+    (r"NVIDIA B200", {"bfloat16": 2250.0, "float16": 2250.0, "float8": 4500.0}),
+    (r"NVIDIA GB200", {"bfloat16": 2500.0, "float16": 2500.0, "float8": 5000.0}),
     # A100 SXM4 and PCIe, 40 and 80 GB: 624 sparse, FP32 19.5.
     (
         r"NVIDIA A100([- ](SXM4|PCIE)?-?\d+GB( PCIe)?)?",
         {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
     ),
-    (r"NVIDIA L40S", {"bfloat16": 362.05, "float16": 362.05, "float32": 91.6}),  # 733 sparse
+    # L40S: 733 sparse, FP8 1,466 sparse; L4: 242 sparse, FP8 485 sparse.
+    (r"NVIDIA L40S", {"bfloat16": 362.05, "float16": 362.05, "float32": 91.6, "float8": 733.0}),
     (r"NVIDIA L40", {"bfloat16": 181.05, "float16": 181.05, "float32": 90.5}),  # 362.1 sparse
-    (r"NVIDIA L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),  # 242 sparse
-    # AMD Instinct datasheets (dense matrix figures; FP32 matrix).
-    (r"AMD Instinct MI300X( VF)?", {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}),
-    (r"AMD Instinct MI325X( VF)?", {"bfloat16": 1307.4, "float16": 1307.4, "float32": 163.4}),
+    (r"NVIDIA L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3, "float8": 242.5}),
+    # AMD Instinct datasheets (dense matrix figures; FP32 matrix; MI300X/MI325X FP8 2,614.9).
+    (r"AMD Instinct MI300X( VF)?", {**_MI300, "float8": 2614.9}),
+    (r"AMD Instinct MI325X( VF)?", {**_MI300, "float8": 2614.9}),
     (r"AMD Instinct MI250X( ?/ ?MI250)?", {"bfloat16": 383.0, "float16": 383.0, "float32": 95.7}),
 )
 

@@ -135,9 +135,10 @@ class Trainer:
     batches and the run's fixed figures (computed once, ``figures``); then the config it
     reads: the model's spec (which parameters get no weight decay) and the ``optim``,
     ``trainer``, ``metrics`` (``comm_step``: the step whose collectives are counted) and
-    ``fault`` sections; and rank 0's sinks (an empty list elsewhere). Under pipeline
-    parallel, ``pipeline`` holds the rank's stage chunks and schedule (``model`` is its
-    first chunk, what the checkpointer saves with one stage per rank).
+    ``fault`` sections; rank 0's sinks (an empty list elsewhere); and ``after_update``, run
+    after every optimizer step (float8 all-gather's scale precompute, ``distributed.float8``).
+    Under pipeline parallel, ``pipeline`` holds the rank's stage chunks and schedule
+    (``model`` is its first chunk, what the checkpointer saves with one stage per rank).
     """
 
     def __init__(
@@ -156,6 +157,7 @@ class Trainer:
         fault: FaultConfig,
         sinks: list[Tracker] = (),
         pipeline: Pipeline | None = None,
+        after_update: Callable[[], None] | None = None,
     ):
         self.model, self.dims, self.world, self.device = model, dims, world, device
         self.pipeline = pipeline
@@ -168,6 +170,7 @@ class Trainer:
             self.comm_step = None
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
+        self.after_update = after_update
         self.optimizer = build_optimizer(self.parts, optim, spec.no_weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio)
@@ -232,9 +235,11 @@ class Trainer:
     def _update(self, stats: torch.Tensor) -> None:
         """Queue the optimizer step, skipped on the device when any rank saw a non-finite
         loss or grad norm (fused AdamW's ``found_inf``: parameters, moments and step counts
-        stay as they were), then the LR schedule's step."""
+        stay as they were), ``after_update``, then the LR schedule's step."""
         self.optimizer.found_inf = (stats[step_stats.NONFINITE] > 0).float()
         self.optimizer.step()
+        if self.after_update is not None:
+            self.after_update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 

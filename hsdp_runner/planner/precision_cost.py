@@ -1,0 +1,340 @@
+"""The compute part of a step's time, split by what limits each part: float8 and bf16 matmuls
+at their tensor-core peaks, the work between matmuls at memory bandwidth; eager or compiled.
+
+``planner.step_time`` once priced every hardware FLOP at ``peak x compute_efficiency``, one
+efficiency standing in for everything a step does on the device. Here (``compute_seconds``):
+
+- **Matmuls.** The FLOPs of the linears ``precision.float8`` converts (``float8``'s module
+  filter: not the output layer, not a layer with a dim that is not a multiple of 16) run at the
+  device's float8 peak (``Cluster.float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the
+  datasheet table, dense FP8); every other FLOP (output layer, attention, high-precision linears, and all
+  of them without float8) at the compute dtype's peak. Both x ``cluster.compute_efficiency``:
+  assumed, float8 kernels reach the same fraction of their peak as bf16 ones. What AC
+  recomputes is split the same way (the recomputed block linears are float8 ones).
+- **Memory-bound work** (norms, activations, RoPE, residual adds, the loss, and under float8
+  torchao's amax and casts) at ``cluster.memory_gbps``. Its bytes come from the model's own
+  code (``traffic``): the model with one and with two blocks, at two token counts, runs forward,
+  the trainer's loss and backward on the meta device under a dispatch mode that sees every op.
+  Matmuls, attention and views move nothing here; every other op, eager, reads its inputs and
+  writes its outputs once (``eager``). Compiled (``parallel.compile``: each block through
+  Inductor), a run of such ops between two matmuls is assumed to be one fused kernel, so only
+  tensors that cross a boundary move (``compiled``): one written by an element-wise op and read
+  by a matmul, by the other pass (forward -> backward) or by nothing in the block, and one
+  produced by a matmul or from outside and read by an element-wise op. Assumed: fusion never
+  spans a matmul, a reduction's output is written once, the kernels run at the full datasheet
+  bandwidth. Outside the blocks (embedding, final norm, loss) nothing is compiled: eager
+  bytes. The per-token and per-forward parts (weight casts do not grow with tokens) come from
+  the two token counts; per block and outside-block parts from the two depths.
+  Activation checkpointing (full or selective: both recompute every element-wise op)
+  runs the blocks' forward bytes once more. With TP the bytes of a rank's tokens split over
+  the tp ranks (sequence parallel shards the norms and residual stream, TP the heads and FFN).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hsdp_runner.config.schema import PrecisionConfig, RunConfig
+from hsdp_runner.core.choices import AC, DPMode
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed import float8
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
+from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields, model_spec  # noqa: F401
+from hsdp_runner.planner.cluster import Cluster
+
+_aten = torch.ops.aten
+# Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls and attention.
+_MATMUL_NAMES = ("mm", "addmm", "bmm", "_scaled_mm", *SDPA_FORWARD_OPS)
+_BOUNDARY_PACKETS = {getattr(_aten, n) for n in _MATMUL_NAMES if hasattr(_aten, n)} | {
+    getattr(_aten, f"{n}_backward") for n in SDPA_FORWARD_OPS if hasattr(_aten, f"{n}_backward")
+}
+# Ops that allocate or alias only.
+_FREE_PACKETS = {
+    _aten.empty,
+    _aten.empty_like,
+    _aten.zeros,
+    _aten.zeros_like,
+    _aten.ones_like,
+    _aten.detach,
+    _aten.lift_fresh,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+    _aten.empty_strided,
+    _aten._unsafe_view,  # a view without aliasing information
+}
+TRACE_TOKENS = (16, 32)  # two token counts: bytes = per token x tokens + per forward
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    data = getattr(t, "_data", None)  # torchao's Float8TrainingTensor: its float8 payload
+    return (data if isinstance(data, torch.Tensor) else t).numel() * (
+        (data if isinstance(data, torch.Tensor) else t).element_size()
+    )
+
+
+class _Trace(TorchDispatchMode):
+    """Records (pass, kind, input ids, output ids) of every op and each tensor's bytes; views
+    take their input's id (they alias it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.sizes, self.alias, self.phase = [], {}, {}, "forward"
+        self.in_attention = False  # set by _Attention: its ops are attention's (FLOPs)
+        self.scalars = set()  # tensors of one element (a reduction's result: torchao's amax)
+        self.keep = []  # every output stays alive while tracing, so no id is reused
+
+    def _id(self, t) -> int:
+        key = id(t)
+        return self.alias.get(key, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {}))]
+        flat_out = torch.utils._pytree.tree_leaves(out)
+        ins = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        outs = [o for o in flat_out if isinstance(o, torch.Tensor)]
+        packet = func.overloadpacket
+        self.keep += outs
+        if func.is_view or packet in _FREE_PACKETS:
+            for o in outs:
+                if ins:
+                    self.alias[id(o)] = self._id(ins[0])
+            return out
+        boundary = packet in _BOUNDARY_PACKETS or self.in_attention
+        kind = "matmul" if boundary else "elementwise"
+        if packet is _aten.embedding:  # reads the looked-up rows only, not the whole table
+            ins = [o.detach() for o in outs]
+            self.keep += ins
+        for t in ins + outs:
+            self.sizes.setdefault(self._id(t), _nbytes(t))
+            if t.numel() == 1:
+                self.scalars.add(self._id(t))
+        self.ops.append((self.phase, kind, [self._id(t) for t in ins], [self._id(o) for o in outs]))
+        return out
+
+
+class _Attention(torch.autograd.Function):
+    """scaled_dot_product_attention as one opaque step of the trace, forward and backward.
+
+    On the meta device torch decomposes attention into matmuls, a mask and a softmax over
+    seq x seq scores, which a GPU's fused kernel never writes to memory; attention is priced
+    as FLOPs, so its ops are marked as such (``_Trace.in_attention``)."""
+
+    trace: _Trace | None = None
+    sdpa = staticmethod(torch.nn.functional.scaled_dot_product_attention)
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal):
+        ctx.save_for_backward(q, k, v)
+        ctx.is_causal = is_causal
+        _Attention.trace.in_attention = True
+        try:
+            return _Attention.sdpa(q, k, v, is_causal=is_causal)
+        finally:
+            _Attention.trace.in_attention = False
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        _Attention.trace.in_attention = True
+        try:
+            with torch.enable_grad():
+                out = _Attention.sdpa(q, k, v, is_causal=ctx.is_causal)
+            return (*torch.autograd.grad(out, (q, k, v), grad), None)
+        finally:
+            _Attention.trace.in_attention = False
+
+
+def _opaque_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    return _Attention.apply(q, k, v, is_causal)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank moves through memory outside the matmuls, for one micro-batch of
+    ``tokens`` tokens: ``per_token`` x tokens + ``per_forward``, split into the blocks'
+    forward, the blocks' backward and the rest (outside the blocks, forward and backward)."""
+
+    block_forward: tuple[float, float]  # (per token, per forward), all blocks
+    block_backward: tuple[float, float]
+    rest: tuple[float, float]
+
+    def bytes(self, part: str, tokens: float) -> float:
+        per_token, per_forward = getattr(self, part)
+        return per_token * tokens + per_forward
+
+
+def _moved(trace: _Trace, compiled: bool) -> dict[str, int]:
+    """Bytes per pass ('forward', 'backward') of a trace, eager or compiled.
+
+    Each op runs in a kernel; a tensor written in one kernel and read in another (or by
+    nothing: a pass's output, or saved for the other pass) is written once, and read once by
+    each other kernel that reads it. Eager, every op is a kernel of its own. Compiled, a kernel
+    runs from one boundary to the next: a matmul or attention (kernels of their own), and the
+    end of a reduction to one value (tensorwise amax: the cast after it needs the whole
+    reduction, so it re-reads its input). Matmul kernels' own reads and writes are FLOPs' time,
+    not counted here. A reduction per row (rowwise scales) fuses with its row's work."""
+    moved: dict[str, int] = defaultdict(int)
+    kernel, made, readers = 0, {}, defaultdict(set)
+    for phase, kind, ins, outs in trace.ops:
+        boundary = kind == "matmul" or not compiled
+        kernel += 1 if boundary else 0
+        for i in ins:
+            readers[i].add((phase, kernel, kind))
+        for o in outs:
+            made[o] = (phase, kernel, kind)
+        reduced = bool(outs) and all(o in trace.scalars for o in outs)  # a whole-tensor reduction
+        kernel += 1 if boundary or reduced else 0
+    for tensor, size in trace.sizes.items():
+        source = made.get(tensor)
+        reads = readers[tensor]
+        if source is not None and source[2] == "elementwise":
+            if not reads or any(r[:2] != source[:2] for r in reads):
+                moved[source[0]] += size
+        for phase, kern, kind in reads:
+            if kind == "elementwise" and (source is None or source[:2] != (phase, kern)):
+                moved[phase] += size
+    return moved
+
+
+def _trace_model(fields: str, recipe: str, layers: int, tokens: int, compiled: bool) -> dict:
+    """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens."""
+    cfg = dict(json.loads(fields), n_layers=layers, seq_len=tokens)
+    spec = model_spec(cfg)
+    with torch.device("meta"):
+        model = spec.build().to(torch.bfloat16)
+    precision = PrecisionConfig(name="trace", float8=recipe)
+    # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
+    float8.convert(model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"])
+    tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
+    trace = _Trace()
+    _Attention.trace = trace
+    functional = torch.nn.functional
+    functional.scaled_dot_product_attention = _opaque_sdpa
+    try:
+        with trace:
+            _forward_backward(model, tokens_in, trace)
+    finally:
+        functional.scaled_dot_product_attention = _Attention.sdpa
+        _Attention.trace = None
+    return _moved(trace, compiled)
+
+
+def _forward_backward(model, tokens_in, trace: _Trace) -> None:
+    """The trainer's forward, loss and backward on ``tokens_in`` (targets: the same tokens)."""
+    logits = model(tokens_in)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens_in.flatten())
+    trace.phase = "backward"
+    # autograd.grad, not backward(): no accumulation into .grad (FSDP reduce-scatters the
+    # gradients; its copies are communication's, priced there).
+    torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+
+@functools.lru_cache(maxsize=64)
+def _traffic(fields: str, recipe: str, compiled: bool) -> Traffic:
+    a, b = TRACE_TOKENS
+    one = {n: _trace_model(fields, recipe, 1, n, compiled) for n in TRACE_TOKENS}
+    two = {n: _trace_model(fields, recipe, 2, n, compiled) for n in TRACE_TOKENS}
+    eager_one = {n: _trace_model(fields, recipe, 1, n, False) for n in TRACE_TOKENS}
+    eager_two = {n: _trace_model(fields, recipe, 2, n, False) for n in TRACE_TOKENS}
+    n_layers = json.loads(fields)["n_layers"]
+
+    def fit(values: dict) -> tuple[float, float]:
+        per_token = (values[b] - values[a]) / (b - a)
+        return per_token, values[a] - per_token * a
+
+    def block(runs_one, runs_two, phase):
+        return fit({n: runs_two[n][phase] - runs_one[n][phase] for n in TRACE_TOKENS})
+
+    fwd = block(one, two, "forward")
+    bwd = block(one, two, "backward")
+    # Outside the blocks: the one-block model less one block, eager (not compiled).
+    rest = fit(
+        {n: 2 * sum(eager_one[n].values()) - sum(eager_two[n].values()) for n in TRACE_TOKENS}
+    )
+    return Traffic(
+        block_forward=(fwd[0] * n_layers, fwd[1] * n_layers),
+        block_backward=(bwd[0] * n_layers, bwd[1] * n_layers),
+        rest=rest,
+    )
+
+
+def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) -> Traffic:
+    """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
+    included), eager or ``compiled`` (module docstring); cached per shape."""
+    fields = model_fields(model_cfg)
+    fields.pop("seq_len", None)
+    fields["seq_len"] = 1
+    return _traffic(
+        json.dumps(fields, sort_keys=True, default=str), str(precision.float8), compiled
+    )
+
+
+def float8_peak_tflops(cfg: RunConfig, cluster: Cluster) -> float:
+    """Dense float8 TFLOP/s of one device (``Cluster.float8_peak_tflops``: the config's
+    ``cluster.float8_peak_tflops`` or the datasheet table); ConfigError naming the key when
+    the cluster has none."""
+    if not cluster.float8_peak_tflops:
+        raise ConfigError(
+            f"precision.float8={cfg.precision.float8} on cluster.device={cluster.device!r}: no "
+            "float8 peak in metrics.PEAK_TFLOPS (a device without float8 tensor cores?); set "
+            "cluster.float8_peak_tflops=<dense FP8 TFLOP/s> or plan precision=bf16"
+        )
+    return cluster.float8_peak_tflops
+
+
+def float8_flop_share(model_cfg: ModelConfig, precision: PrecisionConfig, tp: int) -> float:
+    """The fraction of the blocks' linear FLOPs that run in float8 (0 without float8): the
+    converted linears' weights over every block linear's (at TP degree ``tp``)."""
+    if not float8.enabled(precision):
+        return 0.0
+    kept = float8.high_precision_linears(model_cfg, tp, sequence_parallel=True)
+    total = converted = 0
+    for fqn, module in build_meta_model(model_cfg).named_modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.shape[0] != model_cfg.vocab_size:
+            total += module.weight.numel()
+            converted += 0 if fqn in kept else module.weight.numel()
+    return converted / total if total else 0.0
+
+
+def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flops: float) -> dict:
+    """Seconds of one step's device work on one rank, by part: 'float8_matmul', 'matmul' (every
+    other FLOP of ``hw_flops``, the rank's hardware FLOPs incl. recompute) and 'memory' (the
+    work between matmuls, float8 casts included). Returns {part: seconds}."""
+    spec, trainer, parallel = model_spec(cfg.model), cfg.trainer, cfg.parallel
+    tokens = trainer.global_batch_size * cfg.model.seq_len / dims.world_size  # per rank, x tp
+    share = float8_flop_share(cfg.model, cfg.precision, dims.tp)
+    f8_flops = 0.0
+    if share:
+        block_linear = spec.block_forward_flops_per_token() - (
+            4.0 * cfg.model.n_layers * cfg.model.dim * cfg.model.seq_len
+        )
+        recompute = {
+            AC.full: block_linear,
+            AC.selective: spec.selective_recompute_flops_per_token(),
+        }.get(AC(parallel.ac), 0.0)
+        f8_flops = share * (3 * block_linear + recompute) * tokens
+    peak = cluster.peak_tflops * 1e12 * cluster.compute_efficiency
+    parts = {"matmul": (hw_flops - f8_flops) / peak}
+    if f8_flops:
+        f8_peak = float8_peak_tflops(cfg, cluster) * 1e12 * cluster.compute_efficiency
+        parts["float8_matmul"] = f8_flops / f8_peak
+    t = traffic(cfg.model, cfg.precision, parallel.compile)
+    # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).
+    micro_tokens = trainer.global_batch_size * cfg.model.seq_len / dims.dp / dims.cp
+    micro_tokens /= trainer.grad_accum_steps
+    recomputes = 0 if AC(parallel.ac) is AC.none else 1
+    per_micro = (
+        t.bytes("block_forward", micro_tokens) * (1 + recomputes)
+        + t.bytes("block_backward", micro_tokens)
+        + t.bytes("rest", micro_tokens)
+    ) / dims.tp
+    parts["memory"] = per_micro * trainer.grad_accum_steps / (cluster.memory_gbps * 1e9)
+    return parts

@@ -1,0 +1,185 @@
+"""Float8 training (``precision=float8``, torchao, emulated on this CPU): which layers convert,
+that float8 follows bf16 over 50 steps, that the float8 layouts agree with each other, that
+compile and selective AC run with it, and that a float8 checkpoint resumes in bf16 and back.
+
+Emulation casts and scales exactly as a GPU would and multiplies in higher precision, so these
+tests prove wiring and numerics, never speed (docs/precision.md). The float8 all-gather bytes
+are checked with the other layouts' in tests/test_comm.py, the refusal of a GPU without
+float8 tensor cores in tests/test_gpu_devices.py.
+"""
+
+import pytest
+import torch
+from conftest import TINY
+from distributed import run_workers
+from test_config import compose
+
+# Largest relative loss difference, float8 (tensorwise) against bf16 over the first 50 steps of
+# tiny Llama under FSDP(4): measured 2.5e-4 (rowwise 2.8e-4) on 2026-11-25, docs/precision.md;
+# the bound leaves 4x headroom.
+FLOAT8_VS_BF16_RTOL = 1e-3
+LONG_STEPS = 50
+# The bf16-vs-fp32 tolerance of tests/test_parity.py, which the float8 layouts must meet
+# against each other.
+LAYOUT_RTOL = 2e-2
+STEPS = 4
+LR = ["optim.lr=3e-3", "optim.warmup_steps=2"]
+
+
+def rel_diffs(a, b, key="loss"):
+    return [abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b)]
+
+
+def test_output_layer_and_linears_with_unaligned_dims_stay_high_precision():
+    from hsdp_runner.core.choices import DPMode
+    from hsdp_runner.distributed import float8
+    from hsdp_runner.models.base import model_spec
+
+    # ffn 200 is not a multiple of 16: w1, w2, w3 stay; wq/wk/wv/wo (64 and 32 wide) convert.
+    cfg = compose(["model=llama3_tiny", "precision=float8", "model.ffn_hidden_dim=200"])
+    with torch.device("meta"):
+        model = model_spec(cfg.model).build()
+    converted = float8.convert(
+        model, cfg.precision, torch.device("cpu"), DPMode.fsdp, cfg.model.vocab_size
+    )
+    assert converted == [f"layers.{i}.attention.w{p}" for i in (0, 1) for p in "qkvo"]
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert kinds["output"] == "Linear" and kinds["layers.0.feed_forward.w1"] == "Linear"
+    # Under TP the local width counts: 64 split 8 ways is 8 columns per rank.
+    split = {"wq": 0}
+    assert float8.keeps_high_precision("a.wq", (64, 64), 256, 8, lambda f: split["wq"])
+    assert not float8.keeps_high_precision("a.wq", (64, 64), 256, 4, lambda f: split["wq"])
+
+
+def test_bf16_and_fp32_presets_train_no_float8():
+    from hsdp_runner.core.choices import DPMode
+    from hsdp_runner.distributed import float8
+
+    for name in ("bf16", "bf16_pure", "fp32"):
+        precision = compose([f"precision={name}"]).precision
+        assert not float8.enabled(precision)
+        assert not float8.gathers_float8(precision, DPMode.fsdp)
+
+
+def _train(cases):
+    """Train each ``{name: overrides}`` case on these ranks; return {name: step records}."""
+    from test_parity import _train_cases
+
+    return {name: records for name, (records, _) in _train_cases(cases).items()}
+
+
+def _checkpoint_legs(root):
+    """float8 FSDP(4) 4 steps saving at 2 (HF export at the end), bf16 from step 2 saving at 3,
+    float8 again from step 3, through the job's own checkpointer; returns ({leg: records},
+    root)."""
+    import torch.distributed as dist
+
+    from hsdp_runner.checkpoint import start as checkpoint_start
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.runtime.rank_training import make_checkpointer, make_trainer
+    from hsdp_runner.train.figures import compute_run_figures
+
+    cpu, out = torch.device("cpu"), {}
+    legs = (
+        ("float8", "float8", ["checkpoint.interval=2", "checkpoint.export_at_end=true"]),
+        (
+            "bf16",
+            "bf16",
+            ["checkpoint.interval=3", f"checkpoint.load_path={root}/float8/checkpoints/step-2"],
+        ),
+        ("back", "float8", [f"checkpoint.load_path={root}/bf16/checkpoints/step-3"]),
+    )
+    for name, precision, extra in legs:
+        cfg = compose(
+            [*TINY, "parallel=fsdp", "trainer.steps=4", f"precision={precision}"]
+            + ["checkpoint.enable=true", "checkpoint.export_dtype=float32", *extra]
+        )
+        run = to_run_config(cfg)
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+        world = dims.build_mesh("cpu")
+        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, cpu, 0)
+        figures = compute_run_figures(cfg, dims, model, cpu)
+        trainer = make_trainer(run, dims, world, model, cpu, figures, sinks=[])
+        ckpt = make_checkpointer(run, root / name, trainer)
+        start = checkpoint_start.agree_on_start(run.checkpoint, run.model, root / name)
+        out[name] = trainer.fit(ckpt.restore(start), ckpt.after_step)
+        ckpt.export_at_end()
+    return out, root
+
+
+def _train_and_resume(cases, root):
+    return {**_train(cases), "checkpoint_legs": _checkpoint_legs(root)}
+
+
+@pytest.fixture(scope="module")
+def four_rank_float8(tmp_path_factory):
+    """One set of four workers: float8 under FSDP(4), HSDP(2x2) and FSDP(2) x TP(2); FSDP(4)
+    with compile and selective AC; bf16 and float8 FSDP(4) for 50 steps; then the checkpoint
+    legs (``_checkpoint_legs``)."""
+    short = ["precision=float8", f"trainer.steps={STEPS}", "metrics.memory_steps=0", *LR]
+    long = [f"trainer.steps={LONG_STEPS}", "metrics.memory_steps=0", "metrics.comm_step=null"]
+    return run_workers(
+        _train_and_resume,
+        4,
+        {
+            "fsdp": ["parallel=fsdp", *short],
+            "hsdp": ["parallel=hsdp", *short],
+            "fsdp_tp": ["parallel=fsdp_tp", *short],
+            "fsdp_compiled_selective": [
+                "parallel=fsdp",
+                *short,
+                "parallel.compile=true",
+                "parallel.ac=selective",
+            ],
+            "bf16_long": ["parallel=fsdp", "precision=bf16", *long],
+            "float8_long": ["parallel=fsdp", "precision=float8", *long],
+        },
+        tmp_path_factory.mktemp("float8_checkpoints"),
+    )[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp", "fsdp_compiled_selective"])
+def test_float8_layouts_match_fsdp_within_the_bf16_parity_tolerance(four_rank_float8, layout):
+    base = four_rank_float8["fsdp"]
+    other = four_rank_float8[layout]
+    assert len(other) == STEPS and other[-1]["loss"] < other[0]["loss"]
+    assert max(rel_diffs(other, base)) <= LAYOUT_RTOL, layout
+    assert max(rel_diffs(other, base, "grad_norm")) <= LAYOUT_RTOL, layout
+
+
+@pytest.mark.multiprocess
+def test_float8_follows_bf16_over_50_steps(four_rank_float8):
+    bf16, f8 = four_rank_float8["bf16_long"], four_rank_float8["float8_long"]
+    assert len(f8) == LONG_STEPS and f8[-1]["loss"] < f8[0]["loss"] - 0.5
+    worst = max(rel_diffs(f8, bf16))
+    assert 0 < worst <= FLOAT8_VS_BF16_RTOL  # > 0: the matmuls really went through float8
+
+
+@pytest.mark.multiprocess
+def test_float8_checkpoint_resumes_in_bf16_and_back_and_exports_the_same(four_rank_float8):
+    """float8 FSDP(4) saves at step 2 and exports at 4; bf16 resumes from step 2 and saves at 3;
+    float8 resumes from that. Each first loss is the float8 run's at that step within the
+    float8-vs-bf16 tolerance; the HF export equals the checkpoint's weights (plain tensors:
+    the checkpoint loads without torchao's classes)."""
+    from omegaconf import OmegaConf
+
+    from hsdp_runner.checkpoint import hf
+    from hsdp_runner.checkpoint.checkpointer import expected_shapes
+    from hsdp_runner.export import load_full_weights
+
+    legs, root = four_rank_float8["checkpoint_legs"]
+    loss = {r["step"]: r["loss"] for r in legs["float8"]}
+    for name, first in (("bf16", 3), ("back", 4)):
+        records = legs[name]
+        assert records[0]["step"] == first
+        assert records[0]["loss"] == pytest.approx(loss[first], rel=FLOAT8_VS_BF16_RTOL), name
+    weights, manifest = load_full_weights(root / "float8" / "checkpoints" / "step-4")
+    model_cfg = OmegaConf.create(manifest["model"])
+    exported = hf.read_folder(root / "float8" / "hf", model_cfg, expected_shapes(model_cfg))
+    assert set(exported) == set(weights)
+    for name, tensor in weights.items():
+        assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, exported[name]), name

@@ -1,0 +1,96 @@
+"""The planner's compute price (planner/precision_cost.py): float8 matmuls at the FP8 peak,
+the work between matmuls at memory bandwidth, eager or compiled, from a meta trace."""
+
+import pytest
+import torch
+from clusters import fake_cluster
+
+from hsdp_runner import plan
+from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.planner import precision_cost
+from hsdp_runner.planner.step_time import step_flops, step_time
+
+H100 = dict(gpus_per_node=8, nodes=1, peak_tflops=1000.0, float8_peak_tflops=2000.0)
+FSDP8 = ParallelDims(dp_replicate=1, dp_shard=8, cp=1, tp=1, world_size=8, ranks_per_node=8)
+
+
+def _cfg(*overrides):
+    return plan.compose(["model=llama3_debug", "trainer.global_batch_size=8", *overrides])
+
+
+def test_kernel_boundaries_decide_what_moves():
+    """(x + y) * 2 on 1,000 fp32 elements: eager, two kernels (read x, y; write s; read s;
+    write out: 5 x 4 kB); compiled, one (read x, y; write out: 3 x 4 kB)."""
+    x, y = (torch.ones(1000, device="meta") for _ in range(2))
+    trace = precision_cost._Trace()
+    with trace:
+        (x + y) * 2
+    assert precision_cost._moved(trace, compiled=False)["forward"] == 5 * 4000
+    assert precision_cost._moved(trace, compiled=True)["forward"] == 3 * 4000
+
+
+def test_traced_bytes_are_linear_in_tokens():
+    """The two-token-count fit predicts a third count exactly (activations grow with tokens,
+    weight casts with forwards)."""
+    cfg = _cfg("precision=float8")
+    fields = precision_cost.model_fields(cfg.model)
+    fields["seq_len"] = 1
+    key = precision_cost.json.dumps(fields, sort_keys=True, default=str)
+    fit = precision_cost._traffic(key, "tensorwise", True)
+    one, two = (precision_cost._trace_model(key, "tensorwise", n, 48, True) for n in (1, 2))
+    per_block_forward = two["forward"] - one["forward"]
+    assert fit.bytes("block_forward", 48) == pytest.approx(
+        per_block_forward * cfg.model.n_layers, rel=1e-9
+    )
+
+
+def test_compile_cuts_the_memory_bound_time_and_not_the_matmuls():
+    cluster = fake_cluster(**H100)
+    eager = precision_cost.compute_seconds(_cfg("precision=bf16"), FSDP8, cluster, 1e12)
+    compiled = precision_cost.compute_seconds(
+        _cfg("precision=bf16", "parallel.compile=true"), FSDP8, cluster, 1e12
+    )
+    assert compiled["matmul"] == eager["matmul"] == pytest.approx(1e12 / (1000e12 * 0.5))
+    assert 0 < compiled["memory"] < eager["memory"]
+    # In the blocks (compiled); the embedding, final norm and loss stay eager in both.
+    cfg = _cfg("precision=bf16")
+    fused, unfused = (precision_cost.traffic(cfg.model, cfg.precision, c) for c in (True, False))
+    for part in ("block_forward", "block_backward"):
+        assert 0 < fused.bytes(part, 1024) < unfused.bytes(part, 1024) / 2, part
+    assert fused.rest == unfused.rest
+
+
+def test_float8_runs_the_block_linears_at_the_float8_peak():
+    """llama3_debug: every block linear is aligned, so all their FLOPs (forward, backward and
+    selective AC's recompute) move to the float8 peak; attention and the output layer stay."""
+    cluster = fake_cluster(**H100)
+    for ac in ("none", "selective"):
+        bf16 = _cfg("precision=bf16", "parallel.compile=true", f"parallel.ac={ac}")
+        f8 = _cfg("precision=float8", "parallel.compile=true", f"parallel.ac={ac}")
+        _, hw = step_flops(bf16.model, bf16.trainer, bf16.parallel.ac, 8)
+        parts = precision_cost.compute_seconds(f8, FSDP8, cluster, hw)
+        assert precision_cost.float8_flop_share(f8.model, f8.precision, 1) == 1.0
+        moved = hw - parts["matmul"] * 1000e12 * 0.5  # FLOPs taken off the bf16 peak
+        assert parts["float8_matmul"] == pytest.approx(moved / (2000e12 * 0.5))
+
+
+def test_float8_pays_at_8b_width_but_not_at_256():
+    """Its casts cost memory traffic per token and per weight, its matmuls save FLOPs: at
+    Llama 8B's width float8 shortens the compute, at llama3_debug's (256) it lengthens it."""
+    cluster = fake_cluster(**{**H100, "memory_gbps": 3350.0})
+
+    def compute(*overrides):
+        cfg = plan.compose(["trainer.global_batch_size=64", "parallel.compile=true", *overrides])
+        return step_time(cfg, FSDP8, cluster)["compute_s"]
+
+    big = ["model=llama3_8b", "model.n_layers=2", "model.seq_len=2048"]
+    assert compute(*big, "precision=float8") < compute(*big, "precision=bf16")
+    small = ["model=llama3_debug"]
+    assert compute(*small, "precision=float8") > compute(*small, "precision=bf16")
+
+
+def test_float8_on_a_device_without_a_float8_peak_names_the_key():
+    cluster = fake_cluster(**{**H100, "float8_peak_tflops": None, "device": "NVIDIA A100"})
+    with pytest.raises(ConfigError, match="cluster.float8_peak_tflops"):
+        precision_cost.compute_seconds(_cfg("precision=float8"), FSDP8, cluster, 1e12)
