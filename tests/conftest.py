@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,6 +48,43 @@ def run_cli(
     return subprocess.run(
         cmd, cwd=cwd or REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_in_pool(out_dir: Path, *overrides: str) -> SimpleNamespace:
+    """Run one job of ``overrides`` through the runner's job path (``launch.run_job``:
+    validation, the resolved config, ``_launch_local``, ``run_worker`` on every rank: metrics,
+    summary, logs, checkpoints), its ranks started in the test pool instead of by torch's
+    elastic launch (``distributed.pool_launcher``), its output dir ``out_dir``.
+
+    For tests about what a job computes and records; a test about the command line or the
+    launch itself runs ``run_cli``. Returns (returncode, stdout, stderr) of the launching side,
+    like ``run_cli``'s result; the ranks' own output is in ``out_dir/logs``.
+    """
+    from distributed import pool_launcher
+
+    from hsdp_runner.config.compose import compose
+    from hsdp_runner.core.records import RunInfo
+    from hsdp_runner.runtime.launch import run_job
+
+    out, err = io.StringIO(), io.StringIO()
+    with pool_launcher(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_job(
+            compose(list(overrides)),
+            RunInfo(
+                output_dir=str(out_dir),
+                group="tests",
+                run_name=Path(out_dir).name,
+                tags=[],
+                multirun=False,
+                overrides=list(overrides),
+            ),
+        )
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def rank_logs(out_dir: Path) -> str:
+    """Every rank's log of a job dir (rank 0's stderr included, through its sidecar)."""
+    return "".join(p.read_text() for p in sorted((Path(out_dir) / "logs").glob("rank*.log")))
 
 
 def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
@@ -111,6 +151,13 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScheduling(config, log)
 
 
+def pytest_sessionfinish(session):
+    """End this pytest process's pool of test ranks in order (``distributed.close_pool``)."""
+    from distributed import close_pool
+
+    close_pool()
+
+
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"
@@ -138,9 +185,10 @@ def eight_ranks() -> dict:
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory) -> Path:
-    """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export."""
+    """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export
+    (its rank in the test pool)."""
     out = tmp_path_factory.mktemp("trained")
-    result = run_cli(
+    result = run_in_pool(
         out,
         *TINY,
         "parallel=single",
