@@ -63,6 +63,10 @@ _RESTORED_SIGNALS = (
 )
 
 
+# In a worker: when the task's own error was raised (None: when it reached the pool).
+_raised_at: list[float | None] = [None]
+
+
 def _wrapped(fn, args):
     import torch.distributed as dist
 
@@ -74,6 +78,7 @@ def _wrapped(fn, args):
     try:
         result = fn(*args)
     except BaseException:
+        _raised_at[0] = time.time()  # before the teardown makes its peers fail
         dist.destroy_process_group()
         raise
     # Orderly teardown avoids the gloo abort at exit after DeviceMesh use (TORCH_NOTES).
@@ -132,10 +137,10 @@ class _Baseline:
             os.dup2(saved, fd)
         sys.stdout, sys.stderr = self.streams
         root = logging.getLogger()
-        for handler in list(root.handlers):
+        for handler in root.handlers:
             if handler not in self.log_handlers:
-                root.removeHandler(handler)
                 handler.close()
+        root.handlers[:] = self.log_handlers
         root.setLevel(self.log_level)
         warnings.filters[:] = self.warning_filters
         # Warnings shown once per place are shown again in the next task, as in a new process.
@@ -143,6 +148,7 @@ class _Baseline:
         os.chdir(self.cwd)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
+        _clear_dtensor_caches()
         torch.set_rng_state(self.rng)
         random.setstate(self.py_rng)
         torch.set_default_dtype(self.dtype)
@@ -150,6 +156,22 @@ class _Baseline:
         if not self.faulthandler and faulthandler.is_enabled():
             faulthandler.disable()
         gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's caches keyed by device mesh. A mesh compares equal to any mesh of the
+    same shape and names (torch 2.13's ``DeviceMesh.__eq__``), so a later task's mesh would
+    hit entries holding an earlier task's mesh, whose process groups are gone ("Could not
+    resolve the process group registered under the name 4"): a new process has none."""
+    from torch.distributed.tensor import _redistribute, _sharding_prop
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python and the C++ fast-path sharding caches
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _serve(conn) -> None:
@@ -162,6 +184,11 @@ def _serve(conn) -> None:
             signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
         )
     baseline = _Baseline()
+    # What the worker holds now (torch, the runner, dynamo, sympy: ~1M objects) is never
+    # garbage; frozen, it is left out of every collection (the teardown's gc.collect() took
+    # ~0.25 CPU-seconds a rank without this).
+    gc.collect()
+    gc.freeze()
     while True:
         try:
             task = conn.recv()
@@ -172,28 +199,34 @@ def _serve(conn) -> None:
         fn, args, env = task
         os.environ.clear()
         os.environ.update(env)
+        _raised_at[0] = None
         try:
             reply = ("ok", fn(*args))
         except BaseException as err:  # SystemExit and KeyboardInterrupt fail the task too
-            reply = ("error", f"{type(err).__name__}: {err}", traceback.format_exc())
+            when = _raised_at[0] or time.time()  # stamped when raised, as torch's error file
+            reply = ("error", f"{type(err).__name__}: {err}", traceback.format_exc(), when)
         finally:
             baseline.restore()
         try:
             conn.send(reply)
         except Exception as err:  # an unpicklable result
-            conn.send(("error", f"its result could not be sent back: {err!r}", ""))
+            conn.send(("error", f"its result could not be sent back: {err!r}", "", time.time()))
 
 
 # --- the test process's side ----------------------------------------------------------------
 
 
-def _failure(rank: int, pid: int, exitcode: int, error: str = "", stack: str = ""):
+def _failure(
+    rank: int, pid: int, exitcode: int, error: str = "", stack: str = "", when: float | None = None
+):
     """A torch ``ProcessFailure`` as the elastic launcher reports one: a Python ``error``
     ("Type: text") with its ``stack`` in the form torch's error file gives, else torch's own
     message ("Signal 9 (SIGKILL) received by PID ..." for a killed worker)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     failure = ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file="")
+    failure.when = time.time() if when is None else when  # to order failures within a second
+    failure.timestamp = int(failure.when)
     if error:
         failure.message = {
             "message": error,
@@ -311,12 +344,15 @@ class WorkerPool:
                 elif reply[0] == "ok":
                     results[rank] = reply[1]
                 else:
-                    failures[rank] = _failure(rank, proc.pid, 1, reply[1], reply[2])
+                    failures[rank] = _failure(rank, proc.pid, 1, *reply[1:])
         del store
         if failures:
             self.close(kill=True)
-            raise ChildFailedError(getattr(fn, "__name__", str(fn)), failures)
-        return results
+            # In the order they happened: of errors stamped in the same second, torch's
+            # launcher (and ours, failures.first_failure) names the first in the dict.
+            ordered = dict(sorted(failures.items(), key=lambda item: item[1].when))
+            raise ChildFailedError(getattr(fn, "__name__", str(fn)), ordered)
+        return dict(sorted(results.items()))  # rank order, as the elastic launcher's
 
     def close(self, kill: bool = False) -> None:
         """End the workers: ask each to leave and wait (``kill``: at once, mid-task)."""
