@@ -50,24 +50,24 @@ def run_cli(
     )
 
 
-def run_in_pool(out_dir: Path, *overrides: str) -> SimpleNamespace:
+def run_forked(out_dir: Path, *overrides: str) -> SimpleNamespace:
     """Run one job of ``overrides`` through the runner's job path (``launch.run_job``:
     validation, the resolved config, ``_launch_local``, ``run_worker`` on every rank: metrics,
-    summary, logs, checkpoints), its ranks started in the test pool instead of by torch's
-    elastic launch (``distributed.pool_launcher``), its output dir ``out_dir``.
+    summary, logs, checkpoints), its ranks forked by ``distributed.start_ranks`` instead of
+    started by torch's elastic launch (``distributed.forked_launcher``), into ``out_dir``.
 
     For tests about what a job computes and records; a test about the command line or the
     launch itself runs ``run_cli``. Returns (returncode, stdout, stderr) of the launching side,
     like ``run_cli``'s result; the ranks' own output is in ``out_dir/logs``.
     """
-    from distributed import pool_launcher
+    from distributed import forked_launcher
 
     from hsdp_runner.config.compose import compose
     from hsdp_runner.core.records import RunInfo
     from hsdp_runner.runtime.launch import run_job
 
     out, err = io.StringIO(), io.StringIO()
-    with pool_launcher(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with forked_launcher(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = run_job(
             compose(list(overrides)),
             RunInfo(
@@ -151,13 +151,6 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScheduling(config, log)
 
 
-def pytest_sessionfinish(session):
-    """End this pytest process's pool of test ranks in order (``distributed.close_pool``)."""
-    from distributed import close_pool
-
-    close_pool()
-
-
 @pytest.fixture
 def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"
@@ -186,9 +179,9 @@ def eight_ranks() -> dict:
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory) -> Path:
     """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export
-    (its rank in the test pool)."""
+    (its rank forked by ``distributed.start_ranks``)."""
     out = tmp_path_factory.mktemp("trained")
-    result = run_in_pool(
+    result = run_forked(
         out,
         *TINY,
         "parallel=single",

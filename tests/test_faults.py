@@ -2,7 +2,7 @@
 
 Signals, hangs and kills run CLI jobs (the launcher's handling is what they prove); the NaN
 jobs, a rank's own signal and the reruns that resume run through the runner's job path with
-their ranks in the test pool (conftest's ``run_in_pool``)."""
+their ranks forked without torch's elastic launch (conftest's ``run_forked``)."""
 
 import os
 import signal
@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, cli_env, rank_logs, read_job, run_in_pool
+from conftest import REPO, TINY, cli_env, rank_logs, read_job, run_forked
 
 from hsdp_runner.runtime.signals import worker_pids
 
@@ -49,7 +49,7 @@ def run_marked(job_dir, *overrides, timeout=240):
 
 
 def test_nan_loss_stops_the_run_by_default(job_dir):
-    result = run_in_pool(
+    result = run_forked(
         job_dir, *TINY, "parallel=fsdp", "fault.rank=1", "fault.step=3", "fault.kind=nan"
     )
     assert result.returncode == 1
@@ -60,7 +60,7 @@ def test_nan_loss_stops_the_run_by_default(job_dir):
 
 
 def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
-    result = run_in_pool(
+    result = run_forked(
         job_dir,
         *TINY,
         "parallel=fsdp",
@@ -212,7 +212,7 @@ def test_sigint_twice_to_the_process_group_checkpoints_and_the_rerun_resumes_and
     assert summary["last_checkpoint"].endswith(f"step-{stopped}")
     assert not (job_dir / "hf").exists() and "rerun the same command to resume" in stderr
 
-    rerun = run_in_pool(job_dir, *run)
+    rerun = run_forked(job_dir, *run)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["start_step"] == stopped
@@ -232,7 +232,7 @@ def test_sigterm_to_the_workers_only_stops_them_together_and_the_rerun_resumes(t
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
     assert summary["last_checkpoint"].endswith(f"step-{stopped}")
 
-    rerun = run_in_pool(job_dir, *RUN)
+    rerun = run_forked(job_dir, *RUN)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["start_step"] == stopped
@@ -286,7 +286,7 @@ def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(t
 
 
 def test_a_signal_during_the_last_step_completes_the_job(job_dir):
-    result = run_in_pool(
+    result = run_forked(
         job_dir,
         *TINY,
         "parallel=single",

@@ -1,6 +1,6 @@
 """Workers forked from the forkserver see the launcher's environment of the moment and
 default signal handling, whatever the server inherited when it started. (These are the
-launcher's workers, started by ``start_local_workers``; ``run_workers`` uses the test pool.)"""
+launcher's workers, started by ``start_local_workers``; ``run_workers`` forks its own.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 One parity run per model family (6 steps, fp32) is shared by the tests below; they also check
 that each preset trained (loss down, metrics, logs) through the runner's job path (validation,
-``run_job``, ``run_worker`` on every rank), its ranks in the test pool instead of started by
+``run_job``, ``run_worker`` on every rank), its ranks forked by tests/distributed.py instead of started by
 torch's elastic launch, which the CLI tests (test_cli.py, test_faults.py, ...) prove. Tiny
 Llama runs every preset: cp alone (2 ranks) and cp with sequence-parallel TP (2 x 2: each cp
 rank's tokens split again over tp); `make parity` adds cp = 4, fsdp_cp and hsdp_cp_tp. Tiny
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import read_job
-from distributed import pool_launcher, run_workers
+from distributed import forked_launcher, run_workers
 from test_config import compose
 
 from hsdp_runner import parity as parity_cli
@@ -66,12 +66,12 @@ MODELS = {"llama3_tiny": tuple(WORLD), "gpt2_tiny": ("single", "ddp", "hsdp_tp",
 @pytest.fixture(scope="module", params=list(MODELS))
 def parity(request, tmp_path_factory):
     """``hsdp_runner.parity`` over one tiny model's layouts, each job through the runner's job
-    path with its ranks in the test pool (``distributed.pool_launcher``): (output dir, the
+    path with its ranks forked by ``distributed.forked_launcher``: (output dir, the
     exit code and what the parity run printed, the layouts)."""
     out = tmp_path_factory.mktemp(f"parity_{request.param}")
     layouts = MODELS[request.param]
     printed, errors = io.StringIO(), io.StringIO()
-    with pool_launcher(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+    with forked_launcher(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         code = parity_cli.main(
             [
                 "--steps",

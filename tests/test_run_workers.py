@@ -1,13 +1,14 @@
-"""The test pool behind ``run_workers`` (tests/distributed.py): each task sees what a freshly
-launched rank sees, and a failing or dying rank fails the call, naming the rank, like torch's
-elastic launch did."""
+"""``run_workers`` (tests/distributed.py): each call's ranks see what freshly launched ranks see
+(the caller's environment of the moment, nothing an earlier call changed), and a failing or
+dying rank fails the call, naming the rank, as torch's elastic launch did."""
 
+import multiprocessing
 import os
 import signal
 
 import pytest
 import torch
-from distributed import _pool, run_workers
+from distributed import run_workers
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hsdp_runner.runtime.failures import first_failure
@@ -42,12 +43,12 @@ def _leave_traces():
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
-    sys.stdout = open(os.devnull, "w")  # the pool puts the old one back
+    sys.stdout = open(os.devnull, "w")
     os.chdir("/")
     return seen
 
 
-def test_a_task_starts_from_the_workers_first_state_with_the_callers_environment(monkeypatch):
+def test_a_call_starts_from_a_fresh_rank_with_the_callers_environment(monkeypatch):
     monkeypatch.setenv("HSDP_TEST_POOL_VAR", "first")
     first = run_workers(_leave_traces, 2)
     monkeypatch.setenv("HSDP_TEST_POOL_VAR", "second")
@@ -71,7 +72,7 @@ def _rank_1_raises():
 
     if dist.get_rank() == 1:
         raise ValueError("rank 1's own error")
-    dist.barrier()  # rank 0 waits for a peer that never comes: the pool ends it
+    dist.barrier()  # rank 0 waits for a peer that never comes: the call ends it
     return "unreachable"
 
 
@@ -89,7 +90,7 @@ def _world_size():
     return dist.get_world_size()
 
 
-def test_a_failing_rank_fails_the_call_naming_it_and_the_next_call_gets_a_fresh_pool():
+def test_a_failing_or_killed_rank_fails_the_call_naming_it_and_leaves_no_process():
     with pytest.raises(ChildFailedError) as raised:
         run_workers(_rank_1_raises, 2)
     # Rank 0's barrier may fail too once rank 1 left; the launcher still names rank 1 first.
@@ -97,12 +98,13 @@ def test_a_failing_rank_fails_the_call_naming_it_and_the_next_call_gets_a_fresh_
     assert rank == 1 and failure.exitcode == 1
     assert failure.message["message"] == "ValueError: rank 1's own error"
     assert "_rank_1_raises" in failure.message["extraInfo"]["py_callstack"]
-    assert _pool()._workers == []  # the peers waiting in the barrier were ended with it
+    assert multiprocessing.active_children() == []  # the peer in the barrier was ended too
 
     with pytest.raises(ChildFailedError) as raised:
         run_workers(_rank_1_dies, 2)
     rank, failure = first_failure(raised.value.failures)
     assert rank == 1 and failure.exitcode == -signal.SIGKILL
     assert "Signal 9 (SIGKILL)" in failure.message
+    assert multiprocessing.active_children() == []
 
     assert run_workers(_world_size, 3) == {0: 3, 1: 3, 2: 3}
