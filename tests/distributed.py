@@ -30,6 +30,7 @@ import contextlib
 import gc
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -112,10 +113,15 @@ def _rank_main(conn, fn, args, env) -> None:
     except BaseException as err:  # SystemExit and KeyboardInterrupt fail the task too
         when = _raised_at[0] or time.time()  # stamped when raised, as torch's error file
         reply = ("error", f"{type(err).__name__}: {err}", traceback.format_exc(), when)
+    # Plain pickle, by value: multiprocessing's own pickler sends a tensor as a handle on this
+    # process's shared memory, which is gone once the rank has exited.
     try:
-        conn.send(reply)
+        data = pickle.dumps(reply)
     except Exception as err:  # an unpicklable result
-        conn.send(("error", f"its result could not be sent back: {err!r}", "", time.time()))
+        data = pickle.dumps(
+            ("error", f"its result could not be sent back: {err!r}", "", time.time())
+        )
+    conn.send_bytes(data)
     conn.close()
 
 
@@ -245,8 +251,12 @@ def _collect(procs: list, ranks: dict) -> tuple[dict, dict]:
             proc, conn = procs[rank]
             reply = None
             if conn.poll():  # a rank that replied and then died has still replied
-                with contextlib.suppress(EOFError, OSError):
-                    reply = conn.recv()
+                try:
+                    reply = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    pass
+                except Exception as err:  # e.g. a result of a class this process cannot import
+                    reply = ("error", f"its result could not be read: {err!r}", "", time.time())
             if reply is None:  # it died before replying
                 proc.join(5)
                 code = proc.exitcode if proc.exitcode is not None else 1
