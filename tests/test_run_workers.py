@@ -108,3 +108,14 @@ def test_a_failing_or_killed_rank_fails_the_call_naming_it_and_leaves_no_process
     assert multiprocessing.active_children() == []
 
     assert run_workers(_world_size, 3) == {0: 3, 1: 3, 2: 3}
+
+
+def _a_tensor():
+    import torch.distributed as dist
+
+    return torch.full((2,), float(dist.get_rank()))
+
+
+def test_tensors_come_back_by_value_after_their_ranks_exited():
+    results = run_workers(_a_tensor, 2)
+    assert [r.tolist() for r in results.values()] == [[0.0, 0.0], [1.0, 1.0]]
