@@ -4,7 +4,9 @@ Runs the same config (seed, global batch, data, steps) under each layout through
 own launch path, reads each job's metrics.jsonl and summary.json, and compares losses, grad
 norms and the final eval loss against the single-process run. Prints a table, writes
 ``parity.md``, and exits 1 if any layout is outside the tolerance or failed (2 on bad input,
-128 + signal when a signal stopped it: the remaining layouts are not run).
+128 + signal when a signal stopped it: the remaining layouts are not run). Without
+``--layouts`` it checks every layout that runs without more arguments (``default_layouts``);
+``--list`` prints that choice and exits without running anything.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.distributed.hardware import usable_gpus
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.runtime.launch import run_job, validate
@@ -89,8 +92,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hsdp_runner.parity", description=__doc__)
     parser.add_argument(
         "--layouts",
-        default=",".join(available_layouts()),
-        help="comma-separated presets to check (default: all)",
+        default=None,
+        help="comma-separated presets to check (default: every one that runs without more "
+        "arguments; see --list)",
+    )
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print the layouts that would run (and those left out, and why), run nothing",
     )
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument(
@@ -113,17 +122,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--rtol={args.rtol} must be a positive number, e.g. --rtol 1e-5")
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1")
-    known = available_layouts()
-    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    presets = {_preset(name) for name in known}
-    unknown = [name for name in args.layouts if _preset(name) not in presets]
-    if unknown:
-        raise ConfigError(
-            f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
-            f"{', '.join(known)}"
-        )
-    if BASELINE not in args.layouts:
-        args.layouts.insert(0, BASELINE)
+    if args.layouts is not None:  # None: the default set, chosen in ``default_layouts``
+        known = available_layouts()
+        args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+        presets = {_preset(name) for name in known}
+        unknown = [name for name in args.layouts if _preset(name) not in presets]
+        if unknown:
+            raise ConfigError(
+                f"--layouts names unknown layout(s) {', '.join(unknown)}; choose from "
+                f"{', '.join(known)}"
+            )
+        if BASELINE not in args.layouts:
+            args.layouts.insert(0, BASELINE)
     args.out = Path(args.out or datetime.datetime.now().strftime("parity/%Y-%m-%d_%H-%M-%S"))
     return args
 
@@ -192,18 +202,73 @@ def unsupported_reason(cfg: RunConfig) -> str | None:
     return None
 
 
-def run_parity(args: argparse.Namespace) -> int:
-    """Validate every layout first, then run them all and compare; return the exit code."""
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides every layout's job gets: the steps, two eval batches unless the command
+    line says otherwise, then the command line's own."""
     overrides = [f"trainer.steps={args.steps}", *args.overrides]
     if not any(o.startswith("trainer.eval_batches=") for o in overrides):
         overrides.append("trainer.eval_batches=2")
-    jobs, skipped = {}, {}
-    for layout in args.layouts:
+    return overrides
+
+
+def default_layouts(overrides: list[str]) -> tuple[dict[str, DictConfig], dict[str, str]]:
+    """The set run without ``--layouts``: every layout of ``available_layouts`` whose world
+    size is known without more arguments. A preset that leaves its degrees to the launch (-1:
+    ``auto``) starts on launcher.nproc_per_node ranks or every GPU; on CPU without that
+    override it could not start, so it is left out. Takes the jobs' overrides; returns
+    ({layout: its composed config}, {layout left out: one line saying why and how to run it}).
+    """
+    chosen, left_out = {}, {}
+    for layout in available_layouts():
         cfg = compose(layout, overrides)
+        if cfg.launcher.nproc_per_node is None and not usable_gpus(cfg.device):
+            left_out[layout] = (
+                "its degrees are chosen at launch (-1), which on CPU needs a rank count; "
+                f"run it with --layouts {layout}:launcher.nproc_per_node=4"
+            )
+        else:
+            chosen[layout] = cfg
+    return chosen, left_out
+
+
+def choose_layouts(args: argparse.Namespace, overrides: list[str]):
+    """Compose the layouts to check (``args.layouts``, or ``default_layouts`` when it is None)
+    with ``overrides``; print a note for each layout left out of the default set. Returns
+    ({layout: composed config}, {layout the model family cannot run: why}): such a layout is
+    reported as skipped, not failed."""
+    if args.layouts is None:
+        configs, left_out = default_layouts(overrides)
+        for layout, why in left_out.items():
+            print(f"parity: left out {layout}: {why}", flush=True)
+    else:
+        configs = {layout: compose(layout, overrides) for layout in args.layouts}
+    skipped = {}
+    for layout, cfg in list(configs.items()):
         reason = unsupported_reason(to_run_config(cfg))
-        if reason:  # a layout the model family cannot run is skipped, not failed
+        if reason:
             skipped[layout] = reason
-            continue
+            del configs[layout]
+    return configs, skipped
+
+
+def list_layouts(args: argparse.Namespace) -> int:
+    """``--list``: print the layouts a run with these arguments would check, each with its
+    world size, and those it would skip or leave out; launch nothing. Returns 0."""
+    configs, skipped = choose_layouts(args, job_overrides(args))
+    for layout, cfg in configs.items():
+        nproc = cfg.launcher.nproc_per_node or usable_gpus(cfg.device)
+        print(f"parity: would run {layout} on {cfg.launcher.nnodes * nproc} rank(s)")
+    for layout, why in skipped.items():
+        print(f"parity: would skip {layout} (the model cannot run it: {why})")
+    return EXIT_OK
+
+
+def run_parity(args: argparse.Namespace) -> int:
+    """Validate every layout first, then run them all and compare; return the exit code."""
+    overrides = job_overrides(args)
+    configs, skipped = choose_layouts(args, overrides)
+    jobs = {}
+    for layout, cfg in configs.items():
         out_dir = args.out / layout.replace(":", "+")
         jobs[layout] = (cfg, out_dir, validate(cfg, out_dir))
     codes = {}
@@ -272,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 0 when every layout passes, 1 on a mismatch, 2 on bad input."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        return run_parity(args)
+        return list_layouts(args) if args.list else run_parity(args)
     except ConfigError as err:
         print(f"hsdp_runner.parity: error: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -247,8 +247,8 @@ def _cluster(**kw) -> Cluster:
 
 
 def test_fits_nowhere_plans_each_remedy_and_lists_those_that_fit(monkeypatch):
-    """Stronger AC, a smaller batch and more nodes are each planned; the message names the
-    ones whose best layout fits, with its degrees and memory."""
+    """Stronger AC, a smaller batch, more micro-batches and more nodes are each planned; the
+    message names the ones whose best layout fits, with its degrees and memory."""
     seen = []
 
     def fake_plan(scenarios, on_error=None):
@@ -263,14 +263,18 @@ def test_fits_nowhere_plans_each_remedy_and_lists_those_that_fit(monkeypatch):
     cfg = compose(AUTO)
     message = auto.fits_nowhere(cfg, _cluster(), {}, Path("/x/plan/plan.json"))
     assert [s.cfg.parallel.ac for s in seen[:2]] == ["selective", "full"]
-    assert seen[2].cfg.trainer.global_batch_size == 4 and seen[3].cluster.world_size == 8
+    assert seen[2].cfg.trainer.global_batch_size == 4 and seen[4].cluster.world_size == 8
+    accum = seen[3].cfg.trainer  # the same global batch in twice the micro-batches
+    assert (accum.global_batch_size, accum.grad_accum_steps) == (8, 2)
+    assert accum.accum_reduce == "every"
     assert "fits on no layout of 4 ranks x 1 GiB" in message and "/x/plan/plan.md" in message
     assert "would fit: parallel.ac=full (dp_replicate=1 dp_shard=4 tp=1: 0.5 GiB" in message
     assert "launcher.nnodes=2 (8 ranks) (dp_replicate=1 dp_shard=8 tp=1" in message
     assert "parallel.ac=selective (" not in message and "global_batch_size=4 (" not in message
     monkeypatch.setattr(auto, "plan_scenarios", lambda s, on_error=None: [None] * len(s))
     assert (
-        "none of parallel.ac=selective, parallel.ac=full, trainer.global_batch_size=4"
+        "none of parallel.ac=selective, parallel.ac=full, trainer.global_batch_size=4, "
+        "trainer.grad_accum_steps=2 trainer.accum_reduce=every, launcher.nnodes=2"
         in auto.fits_nowhere(cfg, _cluster(), {}, Path("/x/plan/plan.json"))
     )
 

@@ -16,23 +16,40 @@ BASE = [
     "logger=none",
     "trainer.global_batch_size=8",
 ]
-# name -> overrides; all on 8 ranks. tp=8 needs 8 heads and 8 kv heads.
+# name -> overrides; all on 8 ranks (tp=8 needs 8 heads and 8 kv heads). Gradient accumulation
+# rides along (a micro-batch more costs little):
+# with trainer.accum_reduce=every a reduce-scatter per micro-batch (TP's partial norm gradients
+# reduced with each) and HSDP's replicate all-reduce once; with last both once; DDP once.
 LAYOUTS = {
     "fsdp": ["parallel=fsdp", "parallel.dp_shard=8"],
     "tp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8"],
-    "hsdp": ["parallel=hsdp", "parallel.dp_shard=4", "precision=bf16"],
+    "hsdp": [
+        "parallel=hsdp",
+        "parallel.dp_shard=4",
+        "precision=bf16",
+        "trainer.global_batch_size=16",
+        "trainer.grad_accum_steps=2",
+        "trainer.accum_reduce=every",
+    ],
     "fsdp_tp": [
         "parallel=fsdp_tp",
         "parallel.dp_shard=4",
         "precision=bf16_pure",
         "trainer.grad_accum_steps=2",
+        "trainer.accum_reduce=every",
     ],
-    "hsdp_tp": ["parallel=hsdp_tp", "precision=bf16"],
+    "hsdp_tp": [
+        "parallel=hsdp_tp",
+        "precision=bf16",
+        "trainer.grad_accum_steps=2",
+        "trainer.accum_reduce=last",
+    ],
     "ddp_tp_no_sp": [
         "parallel=hsdp_tp",
         "parallel.dp_replicate=4",
         "parallel.dp_shard=1",
         "parallel.sequence_parallel=false",
+        "trainer.grad_accum_steps=2",
     ],
     # Activation checkpointing with TP: selective repeats no collective, full repeats the
     # blocks' forward ones in backward (with or without sequence parallel: the same rule).
@@ -163,3 +180,45 @@ def test_analytic_cp_bytes_match_a_hand_count():
     assert got["all_gather/cp"] == {"calls": 4, "bytes": 4 * 32_768}
     assert got["reduce_scatter/cp"] == {"calls": 2, "bytes": 2 * 32_768}
     assert {"all_gather/dp_shard_cp", "reduce_scatter/dp_shard_cp"} <= set(got)
+
+
+def test_analytic_accumulation_reduce_scatters_every_micro_batch_and_all_reduces_once():
+    """llama3_tiny (131,392 parameters in 3 units, see above), fp32, 2 micro-batches. HSDP
+    2 x 2: with ``every`` the whole gradients are reduce-scattered in each micro-batch, with
+    ``last`` once; the replicate all-reduce of the half-size shard runs once either way. DDP
+    (4 replicas) all-reduces the whole gradients once either way."""
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.step_stats import STATS_BYTES
+
+    whole = 131_392 * 4
+    for choice, reductions in (("every", 2), ("last", 1)):
+        for layout, degrees in (("hsdp", [2, 2]), ("ddp", [4, 1])):
+            cfg = compose(
+                BASE
+                + [
+                    f"parallel={layout}",
+                    f"parallel.dp_replicate={degrees[0]}",
+                    f"parallel.dp_shard={degrees[1]}",
+                    "trainer.grad_accum_steps=2",
+                    f"trainer.accum_reduce={choice}",
+                ]
+            )
+            dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
+            got = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+            shard = whole // degrees[1]
+            # Over 4 replicas dp_replicate spans every rank: the step's stats all-reduce too.
+            stats = (
+                {"calls": 1, "bytes": STATS_BYTES} if layout == "ddp" else {"calls": 0, "bytes": 0}
+            )
+            assert got["all_reduce/dp_replicate"] == {
+                "calls": 3 + stats["calls"],
+                "bytes": shard + stats["bytes"],
+            }, layout
+            if layout == "hsdp":
+                assert got["reduce_scatter/dp_shard"] == {
+                    "calls": 3 * reductions,
+                    "bytes": whole * reductions,
+                }, choice
+            else:
+                assert "reduce_scatter/dp_shard" not in got

@@ -34,18 +34,56 @@ def leftover_processes(marker: str) -> list[int]:
 
 
 def run_marked(job_dir, *overrides, timeout=240):
+    """Run a job; return (its completed process, seconds, its environment marker, every
+    process seen below the launcher while it ran: {(pid, start time): command line})."""
     marker = f"HSDP_TEST_JOB={uuid.uuid4().hex}"
     env = cli_env({marker.split("=")[0]: marker.split("=")[1]})
     start = time.monotonic()
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job_dir}", *overrides],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
-    return result, time.monotonic() - start, marker
+    seen = {}
+    while True:  # a process of the job may leave the launcher's tree (an orphan): note it early
+        for pid, cmdline in descendants(proc.pid):
+            if (at := started(pid)) and cmdline:
+                seen[pid, at] = cmdline.replace(b"\0", b" ")[:100].decode(errors="replace")
+        try:
+            out, err = proc.communicate(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() - start > timeout:
+                proc.kill()
+                raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return result, time.monotonic() - start, marker, seen
+
+
+def started(pid: int) -> str | None:
+    """Start time of process ``pid`` (/proc/<pid>/stat, a zombie's too), None when none has
+    that pid: with the pid it names one process, even if the pid is used again."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def remaining(processes: dict[tuple[int, str], str]) -> list[str]:
+    """Of ``processes`` ({(pid, start time): command line}), those that still exist in any
+    state, zombies included, each as "pid (state, parent pid): command line"."""
+    found = []
+    for (pid, start), cmdline in processes.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[19] == start:
+            found.append(f"{pid} ({fields[0]}, parent {fields[1]}): {cmdline}")
+    return found
 
 
 def test_nan_loss_stops_the_run_by_default(job_dir):
@@ -88,7 +126,7 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
 
 
 def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
-    result, seconds, marker = run_marked(
+    result, seconds, marker, _ = run_marked(
         job_dir,
         *TINY,
         "parallel=hsdp",
@@ -110,12 +148,17 @@ def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
 
 
 def test_sigkilled_rank_ends_the_job_and_leaves_no_orphans(job_dir):
-    result, seconds, marker = run_marked(
+    result, seconds, marker, processes = run_marked(
         job_dir, *TINY, "parallel=fsdp", "fault.rank=2", "fault.step=2", "fault.kind=sigkill"
     )
     assert result.returncode == 1 and "rank 2 failed" in result.stderr
     assert "Signal 9" in result.stderr
     assert leftover_processes(marker) == []
+    # The launcher reaped every process of the job before it exited: the four ranks, the
+    # forkserver and multiprocessing's resource tracker, rank 0's sidecar; none is left, not
+    # even as a zombie for init to reap.
+    assert len(processes) >= 7
+    assert remaining(processes) == []
 
 
 # Stop signals, delivered the way they arrive in real life: the job runs in its own session

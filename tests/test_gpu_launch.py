@@ -240,3 +240,40 @@ def test_a_worker_forked_after_the_server_touched_the_driver_fails_before_device
     monkeypatch.setattr("torch.cuda._is_in_bad_fork", lambda: False)
     monkeypatch.setattr(forkserver, "_server_env", None)  # spawned, not forked: no check
     assert forkserver.run_forked({}, len, "ab") == 2
+
+
+def test_an_older_torch_launch_config_without_shutdown_timeout_gets_it_through_the_environment():
+    """torch 2.11 (the CUDA image of a real H100 machine) has no LaunchConfig.shutdown_timeout
+    nor signals_to_handle: the launch passes them as the agent's environment variables instead
+    of failing every local job with a TypeError; a field nobody knows still fails."""
+    import dataclasses
+
+    from hsdp_runner.runtime.launch import launch_config
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:
+        min_nodes: int
+        max_nodes: int
+        monitor_interval: float = 0.1
+
+    config, env = launch_config(
+        OldLaunchConfig,
+        min_nodes=1,
+        max_nodes=1,
+        monitor_interval=0.5,
+        shutdown_timeout=45,
+        signals_to_handle="SIGHUP,SIGQUIT",
+    )
+    assert config == OldLaunchConfig(1, 1, 0.5)
+    assert env == {
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
+    }
+    from torch.distributed.launcher.api import LaunchConfig
+
+    config, env = launch_config(
+        LaunchConfig, min_nodes=1, max_nodes=1, nproc_per_node=1, shutdown_timeout=45
+    )
+    assert (config.shutdown_timeout, env) == (45, {})
+    with pytest.raises(TypeError):
+        launch_config(OldLaunchConfig, min_nodes=1, max_nodes=1, no_such_field=1)

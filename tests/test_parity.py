@@ -10,17 +10,20 @@ GPT-2 runs the presets that reach every part of its seam: ddp (whole replicas), 
 TP/SP plan, FSDP2 units on a 2-D mesh) and cp (learned positions in head-tail order); fsdp_tp
 (strided sharding) is checked by its resharding test in test_checkpoint.py, and `make parity
 PARITY_ARGS=model=gpt2_tiny` runs all of them (docs/layouts_and_parity.md).
-The DDP-implementation, HSDP-over-cp and bf16 comparisons, which are about the numerics and not
-the job path, train in one set of four in-process workers.
+The DDP-implementation, HSDP-over-cp, bf16 and gradient-accumulation comparisons (each
+``trainer.accum_reduce`` against one micro-batch, and the tensor peak falling with more
+micro-batches), which are about the numerics and not the job path, train in one set of four
+in-process workers.
 """
 
 import contextlib
 import io
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_job
+from conftest import REPO, read_job
 from distributed import forked_launcher, run_workers
 from test_config import compose
 
@@ -133,7 +136,10 @@ def test_fsdp_and_hsdp_are_identical_at_step_one(parity):
 
 def _train_cases(cases):
     """Train each ``{name: overrides}`` case in turn on these ranks (tiny model, fp32 unless
-    the overrides say otherwise); return {name: (step records, ParallelDims.describe())}."""
+    the overrides say otherwise); return {name: (step records, ParallelDims.describe() and
+    ``tensor_peak_gib``)}. The tensor peak (``TensorMemoryMeter``, from before the model is
+    built through ``metrics.memory_steps`` steps, as a job measures it) is measured only where
+    the overrides set ``metrics.memory_steps``; it is None elsewhere."""
     import torch.distributed as dist
 
     from hsdp_runner.config.compose import to_run_config
@@ -141,14 +147,23 @@ def _train_cases(cases):
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.rank_training import make_trainer
     from hsdp_runner.train.figures import compute_run_figures
+    from hsdp_runner.train.tensor_memory import TensorMemoryMeter
 
     out = {}
     for name, overrides in cases.items():
         cfg = compose(
-            ["model=llama3_tiny", "trainer.global_batch_size=8", "logger=none", *overrides]
+            [
+                "model=llama3_tiny",
+                "trainer.global_batch_size=8",
+                "logger=none",
+                "metrics.memory_steps=0",
+                *overrides,
+            ]
         )
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
+        meter = TensorMemoryMeter(torch.device("cpu"), cfg.metrics.memory_steps)
+        meter.start()
         model = build_model(
             cfg.model,
             dims,
@@ -168,15 +183,73 @@ def _train_cases(cases):
             compute_run_figures(cfg, dims, model, cpu),
             sinks=[],
         )
-        out[name] = (trainer.fit(), dims.describe())
+        records = trainer.fit(0, meter.wrap(None, 0))
+        peak = meter.stop()
+        if peak is not None:
+            # Gloo's worker threads free a collective's buffers a little after it completes,
+            # at moments that vary by rank and run, which adds up to a few blocks' gradients to
+            # a CPU rank's peak; the smallest over the ranks (the same program) is the step's.
+            peak = torch.tensor(peak, dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MIN)
+            peak = peak.item()
+        out[name] = (records, {**dims.describe(), "tensor_peak_gib": peak})
     return out
+
+
+# Gradient accumulation (``trainer.accum_reduce``), each case against one micro-batch of the same
+# global batch in the same layout: {case: (overrides, baseline case)}. FSDP runs a global batch
+# of 16 (4 rows a rank), so 1, 2 and 4 micro-batches split it, on 4 blocks of 64 tokens: the
+# model's gradients (0.9 MiB fp32) are near a micro-batch's activations, so holding them
+# unsharded shows; its tensor peak is measured over the first step. The other layouts run 2
+# micro-batches of the fixture's batch of 8.
+ACCUM_STEPS = 2
+FSDP_16 = [
+    "parallel=fsdp",
+    "model.n_layers=4",
+    "model.seq_len=64",
+    "trainer.global_batch_size=16",
+    f"trainer.steps={ACCUM_STEPS}",
+]
+ACCUM_CASES = {
+    "fsdp_accum1": ([*FSDP_16, "metrics.memory_steps=1"], None),
+    **{
+        f"fsdp_accum{n}_{choice}": (
+            [
+                *FSDP_16,
+                "metrics.memory_steps=1",
+                f"trainer.grad_accum_steps={n}",
+                f"trainer.accum_reduce={choice}",
+            ],
+            "fsdp_accum1",
+        )
+        for n, choice in ((2, "every"), (4, "every"), (4, "last"))
+    },
+    **{
+        f"hsdp_accum2_{choice}": (
+            ["parallel=hsdp", "trainer.grad_accum_steps=2", f"trainer.accum_reduce={choice}"],
+            "hsdp_fp32",
+        )
+        for choice in ("every", "last")
+    },
+    # Whole replicas hold whole gradients either way: no sync before the last micro-batch.
+    "ddp_accum2": (
+        ["parallel=ddp", "parallel.dp_replicate=4", "trainer.grad_accum_steps=2"],
+        "ddp_replicate",
+    ),
+    # TP's partial norm gradients, reduced with each of FSDP's reduce-scatters; HSDP over cp.
+    "fsdp_tp_accum2_every": (["parallel=fsdp_tp", "trainer.grad_accum_steps=2"], "hsdp_fp32"),
+    "hsdp_cp_accum2_every": (
+        ["parallel=hsdp", "parallel.dp_shard=1", "parallel.cp=2", "trainer.grad_accum_steps=2"],
+        "hsdp_cp",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def four_rank_runs():
     """DDP(4) through ``replicate`` and through ``fully_shard`` on a (4, 1) mesh; HSDP(2x2) in
-    fp32 and in bf16 for 20 steps, and HSDP sharded over cp (2 replicas x cp 2); all in one set
-    of four workers."""
+    fp32 and in bf16 for 20 steps, HSDP sharded over cp (2 replicas x cp 2), and the
+    accumulation cases (``ACCUM_CASES``); all in one set of four workers."""
     ddp = ["parallel=ddp", "parallel.dp_replicate=4", f"trainer.steps={STEPS}"]
     hsdp = ["parallel=hsdp", f"trainer.steps={BF16_STEPS}"]
     return run_workers(
@@ -188,6 +261,10 @@ def four_rank_runs():
             "hsdp_fp32": hsdp,
             "hsdp_bf16": [*hsdp, "precision=bf16"],
             "hsdp_cp": [*hsdp, "parallel.dp_shard=1", "parallel.cp=2"],
+            **{
+                name: [f"trainer.steps={ACCUM_STEPS}", *overrides]
+                for name, (overrides, _) in ACCUM_CASES.items()
+            },
         },
     )[0]
 
@@ -228,6 +305,40 @@ def test_bf16_stays_within_2e2_of_fp32(four_rank_runs):
     assert max(rel_diffs(bf16, fp32)) > 0  # bf16 really ran in bf16
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [name for name, (_, base) in ACCUM_CASES.items() if base])
+def test_accumulation_trains_as_one_micro_batch_in_every_layout(four_rank_runs, case):
+    """Losses and gradient norms of the first steps within the parity tolerance of the same
+    global batch in one micro-batch (fsdp_tp against HSDP, which the parity run shows equal:
+    both equal a single process)."""
+    records, facts = four_rank_runs[case]
+    base, _ = four_rank_runs[ACCUM_CASES[case][1]]
+    assert len(records) == ACCUM_STEPS
+    assert max(rel_diffs(records, base)) <= 1e-5, case
+    assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, case
+
+
+@pytest.mark.multiprocess
+def test_fsdp_tensor_peak_falls_with_micro_batches_when_every_one_reduces(four_rank_runs):
+    """At a fixed global batch, each micro-batch reduce-scattering its gradients
+    (``trainer.accum_reduce=every``) keeps only sharded gradients across micro-batches, so the
+    peak falls with the activations of a smaller micro-batch (measured: 7.25, 4.03 and 2.59 MiB
+    for 1, 2 and 4 micro-batches); with ``last`` every rank holds the model's unsharded
+    gradients until the last micro-batch: at 4 micro-batches its peak is higher by nearly
+    those gradients less the shard kept anyway (measured 0.59 MiB of 0.63)."""
+    peak = {
+        name: four_rank_runs[name][1]["tensor_peak_gib"]
+        for name in ACCUM_CASES
+        if name.startswith("fsdp_accum")
+    }
+    # llama3_tiny at 4 blocks: 4 x 49,280 + 32,832 trainable parameters, fp32, over 4 shards.
+    unsharded = 229_952 * 4 / 2**30
+    assert peak["fsdp_accum2_every"] < 0.75 * peak["fsdp_accum1"], peak
+    assert peak["fsdp_accum4_every"] < 0.85 * peak["fsdp_accum2_every"], peak
+    held = peak["fsdp_accum4_last"] - peak["fsdp_accum4_every"]
+    assert held >= 0.75 * (unsharded - unsharded / 4), peak
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -261,3 +372,23 @@ def test_a_layout_the_model_cannot_run_is_reported_as_skipped():
     assert (
         "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table
     )
+
+
+def test_make_parity_runs_every_preset_that_needs_no_more_arguments(monkeypatch, capsys):
+    # The README's `make parity` is `python -m hsdp_runner.parity $(PARITY_ARGS)`; --list
+    # composes the same default set and launches nothing. On CPU (no GPU to size it) `auto`
+    # needs a rank count, so it is left out with a note that says how to run it.
+    makefile = (REPO / "Makefile").read_text()
+    assert "\t$(PY) -m hsdp_runner.parity $(PARITY_ARGS)\n" in makefile
+    make_args = re.search(r"^PARITY_ARGS \?= (.*)$", makefile, re.M).group(1).split()
+    monkeypatch.setattr(parity_cli, "usable_gpus", lambda device: 0)
+    assert parity_cli.main(["--list", *make_args]) == 0
+    out = capsys.readouterr().out.splitlines()
+    runs = [line.split()[3] for line in out if line.startswith("parity: would run ")]
+    presets = {path.stem for path in (REPO / "conf" / "parallel").glob("*.yaml")}
+    assert {name.split(":")[0] for name in runs} == presets - {"auto"}
+    assert runs[0] == "single" and {"cp:parallel.cp=4", "cp:parallel.tp=2"} <= set(runs)
+    assert [line for line in out if "auto" in line] == [
+        "parity: left out auto: its degrees are chosen at launch (-1), which on CPU needs a "
+        "rank count; run it with --layouts auto:launcher.nproc_per_node=4"
+    ]

@@ -11,10 +11,13 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
   ``reshard_after_forward`` the blocks are gathered again in backward (the root is never
   resharded after forward, see ``sharding.apply_data_parallel``); one reduce-scatter per unit
-  of the trainable gradients in ``precision.reduce_dtype``, on the last micro-batch. FSDP pads
-  each parameter's dim 0 to a multiple of the shard degree; the model pads the same way.
+  of the trainable gradients in ``precision.reduce_dtype`` in every micro-batch with
+  ``trainer.accum_reduce=every``, in the last one alone with ``last``
+  (``grad_reductions``, ``sharding.set_gradient_sync``). FSDP pads each parameter's dim 0 to a
+  multiple of the shard degree; the model pads the same way.
 - HSDP adds one all-reduce per unit of the reduce-scattered gradient shard over
-  ``dp_replicate``; DDP (``dp_shard x cp`` = 1) is that all-reduce of the whole gradients.
+  ``dp_replicate``, once a step (after the last micro-batch, whatever ``accum_reduce``); DDP
+  (``dp_shard x cp`` = 1) is that all-reduce of the whole gradients, also once.
 - Context parallel (``context_parallel.SequenceShard``): per block and micro-batch one
   all-gather over ``cp`` of the rank's keys and values (2 x its tokens x the model's K/V width,
   ``ModelSpec.kv_dim``, in the compute dtype; gathered: the whole sequence's) in forward, and
@@ -26,7 +29,8 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
   (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
-  parameters' gradients (``ModelSpec.tp_partial_grad_numels``). Without sequence parallel
+  parameters' gradients (``ModelSpec.tp_partial_grad_numels``; once per reduction of the
+  gradients, ``grad_reductions``, when FSDP reduces them). Without sequence parallel
   those become all-reduces of the same tensors.
   With ``parallel.ac=full`` backward recomputes each block's forward, its TP collectives
   included, up to the last op whose output backward needs (torch's checkpoint stops early):
@@ -51,7 +55,7 @@ import math
 from collections import defaultdict
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
-from hsdp_runner.core.choices import AC
+from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.step_stats import STATS_BYTES
@@ -114,7 +118,8 @@ def analytic_comm(
     tally = _Tally()
     accum = trainer.grad_accum_steps
     units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
-    _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum)
+    reductions = grad_reductions(dims, trainer)
+    _data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, accum, reductions)
     compute = _dtype_bytes(precision.param_dtype)
     if dims.cp > 1:
         _context_parallel(
@@ -136,10 +141,21 @@ def analytic_comm(
             compute,
             accum,
             parallel.ac == AC.full,
+            reductions,
         )
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
+
+
+def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
+    """How many times a step reduce-scatters the gradients over FSDP's group
+    (``sharding.set_gradient_sync``): every micro-batch with ``trainer.accum_reduce=every``
+    when they are sharded (``dp_shard x cp`` > 1), else once, on the last micro-batch. Whole
+    replicas (DDP) and HSDP's replicate dim all-reduce once a step either way."""
+    if dims.dp_shard_cp > 1 and AccumReduce(trainer.accum_reduce) is AccumReduce.every:
+        return trainer.grad_accum_steps
+    return 1
 
 
 def world_dim(dims: ParallelDims) -> str:
@@ -180,6 +196,7 @@ def _data_parallel(
     reshard: bool,
     precision: PrecisionConfig,
     accum: int,
+    reductions: int,
 ) -> None:
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
@@ -193,7 +210,11 @@ def _data_parallel(
         )
         if reshard:
             tally.add(f"all_gather/{shard_dim}", len(blocks) * accum, sum(blocks) * gather * accum)
-        tally.add(f"reduce_scatter/{shard_dim}", len(trainable), sum(trainable.values()) * reduce)
+        tally.add(
+            f"reduce_scatter/{shard_dim}",
+            len(trainable) * reductions,
+            sum(trainable.values()) * reduce * reductions,
+        )
     if dims.dp_replicate > 1:
         shard = sum(trainable.values()) // dims.dp_shard_cp
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
@@ -228,6 +249,7 @@ def _tensor_parallel(
     compute: int,
     accum: int,
     recompute: bool = False,
+    reductions: int = 1,
 ) -> None:
     layers, dim = model_cfg.n_layers, model_cfg.dim
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
@@ -244,10 +266,10 @@ def _tensor_parallel(
         per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding
         tally.add("all_gather/tp", 2 * per_pass * accum, 2 * per_pass * act)
         tally.add("reduce_scatter/tp", 2 * per_pass * accum, 2 * per_pass * act)
-        # Once a step: the partial gradients accumulate over micro-batches and are reduced
-        # when first used (by FSDP's reduce-scatter, or by clip_grad_norm_ without FSDP).
+        # The partial gradients accumulate until they are first used: by each of FSDP's
+        # reduce-scatters (``reductions`` a step), or by clip_grad_norm_ without FSDP (once).
         norms = model_spec(model_cfg).tp_partial_grad_numels()
-        tally.add("all_reduce/tp", len(norms), sum(norms) * compute)
+        tally.add("all_reduce/tp", len(norms) * reductions, sum(norms) * compute * reductions)
     else:
         calls = 4 * layers + 2  # per block 2 in forward, 2 in backward; embedding; output
         tally.add("all_reduce/tp", calls * accum, calls * act)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
-from hsdp_runner.core.choices import AC, DDPImpl, DPMode
+from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
 from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ModelConfig, ParallelModule, model_spec
@@ -215,6 +215,32 @@ def apply_data_parallel(
     # hook. The trainer's loss reads the logits out of place only; a copy of the largest
     # activation to silence it would cost memory.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view")
+
+
+def set_gradient_sync(
+    model: nn.Module, dims: ParallelDims, accum_reduce: AccumReduce, last: bool
+) -> None:
+    """Set which gradient collectives the next backward of ``model`` runs: the backward of a
+    step's last micro-batch when ``last``, of an earlier one otherwise.
+
+    The last micro-batch always reduces everything. Before it, with ``trainer.accum_reduce=every``
+    and gradients sharded (``dp_shard x cp`` > 1: FSDP, HSDP), each backward reduce-scatters its
+    gradients, which then accumulate sharded, and HSDP's all-reduce over ``dp_replicate`` waits
+    for the last micro-batch (FSDP2's ``set_requires_all_reduce``: the reduce-scattered shards
+    are summed in the reduce dtype until then). With ``last``, and for whole replicas (DDP, where
+    a reduce-scatter would save nothing) or no data parallelism, sync is off: every rank keeps
+    the unsharded gradients until the last micro-batch. A model without a data-parallel wrapper
+    is left as it is. The trainer calls it before each micro-batch; a fake step that is to hold
+    the trainer's gradients calls it the same way.
+    """
+    if not hasattr(model, "set_requires_gradient_sync"):
+        return
+    if dims.dp_shard_cp > 1 and AccumReduce(accum_reduce) is AccumReduce.every:
+        model.set_requires_gradient_sync(True)  # sets the all-reduce flag too: reset below
+        if dims.dp_replicate > 1:
+            model.set_requires_all_reduce(last)
+    else:
+        model.set_requires_gradient_sync(last)
 
 
 def sync_buffers(model: nn.Module) -> int:

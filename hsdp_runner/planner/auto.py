@@ -12,12 +12,14 @@ with ``cluster.nodes`` and ``cluster.gpus_per_node`` always the job's own (the l
 
 Degrees left at -1 (the preset's) are the planner's to choose; a degree given explicitly
 (``parallel=auto parallel.tp=2``) is a constraint: only layouts with that degree are planned.
-The fastest layout that fits wins (the planner's rank 1); its degrees, ``plan.source`` (the
-plan.json written into the job's ``plan/`` folder) and the cluster are written into the config
-the workers receive, so nothing downstream plans again, and ``compare`` / summary.json find the
-prediction the way they find a planned sweep's. A model that fits on no layout raises
-ConfigError listing what would fit: activation checkpointing, a smaller global batch, more
-nodes (each planned, in one batch of measurements).
+With several micro-batches a step, ``trainer.accum_reduce`` is planned too (``planned_axes``)
+unless the command line sets it.
+The fastest layout that fits wins (the planner's rank 1); its degrees and planned choices,
+``plan.source`` (the plan.json written into the job's ``plan/`` folder) and the cluster are
+written into the config the workers receive, so nothing downstream plans again, and
+``compare`` / summary.json find the prediction the way they find a planned sweep's. A model
+that fits on no layout raises ConfigError listing what would fit: activation checkpointing, a
+smaller global batch, more nodes (each planned, in one batch of measurements).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
-from hsdp_runner.core.choices import AC
+from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.planner import memory as plan_memory
@@ -143,12 +145,13 @@ def plan_job(
         raise ConfigError(f"parallel=auto: {err}") from None
     node = cluster_node(run.cluster, world_size, ranks_per_node, device_name)
     cluster = resolve(node, run.precision.param_dtype)
+    axes = planned_axes(run, overrides)
     try:
         try:
-            rows = plan_layouts(cfg, cluster, fixed=fixed)
+            rows = plan_layouts(cfg, cluster, axes, fixed)
         except ConfigError as err:
             raise ConfigError(f"parallel=auto: {err}") from None
-        plan_json = _write_plan(out_dir, run, cluster, rows, overrides)
+        plan_json = _write_plan(out_dir, run, cluster, rows, overrides, axes)
         best, runner_up = choose(rows)
         if best is None:
             cfg.cluster = node
@@ -204,15 +207,32 @@ def describe_adopted(row: dict, plan_json: Path) -> str:
     )
 
 
+def planned_axes(run: RunConfig, overrides: list[str]) -> dict[str, list]:
+    """The choices an auto job plans beside its degrees ({dotted key: values}, as
+    ``plan.axes``): ``trainer.accum_reduce`` (every and last) when a step has several
+    micro-batches and the command line (``overrides``) does not choose it. The fastest layout
+    that fits then decides between the memory of unsharded gradients and the reduce-scatter of
+    every micro-batch."""
+    chosen = any(o.lstrip("+~").partition("=")[0] == "trainer.accum_reduce" for o in overrides)
+    if run.trainer.grad_accum_steps > 1 and not chosen:
+        return {"trainer.accum_reduce": [choice.value for choice in AccumReduce]}
+    return {}
+
+
 def _write_plan(
-    out_dir: Path, cfg: RunConfig, cluster: Cluster, rows: list[dict], overrides: list[str]
+    out_dir: Path,
+    cfg: RunConfig,
+    cluster: Cluster,
+    rows: list[dict],
+    overrides: list[str],
+    axes: dict,
 ) -> Path:
     """plan.md and plan.json of the job in ``out_dir``; return plan.json's absolute path."""
     for name in (plan_report.PLAN_JSON, plan_report.PLAN_MD):
         (out_dir / name).unlink(missing_ok=True)  # a rerun of this job plans afresh
     # A job's plan is a record, not a sweep.
     planned = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, write_sweep=None))
-    plan_report.write(out_dir, planned, cluster.describe(), rows, overrides, {})
+    plan_report.write(out_dir, planned, cluster.describe(), rows, overrides, axes)
     return (out_dir / plan_report.PLAN_JSON).resolve()
 
 
@@ -241,20 +261,27 @@ def describe(choice: AutoChoice) -> str:
 
 
 def _degrees(entry: dict) -> str:
-    """A layout row's degrees as ``dp_replicate=2 dp_shard=1 ...``."""
-    return " ".join(
+    """A layout row's degrees as ``dp_replicate=2 dp_shard=1 ...``, then any planned choice
+    (``planned_axes``) as its override."""
+    degrees = [
         f"{k.removeprefix('parallel.')}={v}"
         for k, v in entry["overrides"].items()
         if k.removeprefix("parallel.") in DIM_NAMES
-    )
+    ]
+    others = [
+        f"{k}={v}"
+        for k, v in entry["overrides"].items()
+        if k.removeprefix("parallel.") not in DIM_NAMES
+    ]
+    return " ".join(degrees + others)
 
 
 def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
     """What could make the job fit, each planned: (the change as an override, its best
     fitting row or None). Tried, one step each (each costs fake measurements): stronger
-    activation checkpointing, half the global batch, twice the nodes. More micro-batches are
-    not tried: the fake memory step cannot measure several micro-batches of a sharded model
-    yet (FSDPMemTracker refuses a second forward in one tracking window)."""
+    activation checkpointing, half the global batch, twice the micro-batches at the same
+    global batch (gradients reduced every micro-batch, so FSDP's stay sharded), twice the
+    nodes."""
     tried: list[tuple[str, Scenario]] = []
     order = [AC.none, AC.selective, AC.full]
     for ac in order[order.index(AC(cfg.parallel.ac)) + 1 :]:
@@ -267,6 +294,17 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
         tried.append(
             (
                 f"trainer.global_batch_size={variant.trainer.global_batch_size}",
+                Scenario(variant, cluster, {}, fixed),
+            )
+        )
+    accum = cfg.trainer.grad_accum_steps * 2
+    if cfg.trainer.global_batch_size % accum == 0:
+        variant = cfg.copy()
+        variant.trainer.grad_accum_steps = accum
+        variant.trainer.accum_reduce = AccumReduce.every.value
+        tried.append(
+            (
+                f"trainer.grad_accum_steps={accum} trainer.accum_reduce=every",
                 Scenario(variant, cluster, {}, fixed),
             )
         )

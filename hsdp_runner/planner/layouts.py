@@ -35,6 +35,7 @@ from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.planner import mem_phases
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster
@@ -273,6 +274,7 @@ def _memory_requests(
                     cluster.world_size,
                     cluster.gpus_per_node,
                     depth,
+                    accum_reduce=_plain(cfg.trainer.accum_reduce),
                 )
             )
     return requests, groups
@@ -331,7 +333,7 @@ def _entry(
             "rank": None,
         }
     group = groups[layout["mem_key"]]
-    cats = plan_memory.extrapolate(
+    phases = mem_phases.extrapolate(
         {d: measured[i] for d, i in group["index"].items()}, cfg.model.n_layers
     )
     ref = ParallelDims(
@@ -340,10 +342,12 @@ def _entry(
         ranks_per_node=dims.ranks_per_node,
     )
     memory = plan_memory.layout_memory(
-        cats,
+        phases,
         _state(cfg, ref, group.setdefault("states", {})),
         _state(cfg, dims, group["states"]),
         cluster.memory_reserve_gib,
+        cfg.model.n_layers,
+        cfg.trainer.grad_accum_steps,
     )
     time = step_time(cfg, dims, cluster)
     return {

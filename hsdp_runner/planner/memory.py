@@ -4,20 +4,22 @@ No device and no memory is used: a child process joins a *fake* process group of
 world size (``FakeStore``), builds the world mesh with ``ParallelDims.build_mesh``, applies
 ``sharding.parallelize`` to the configured model exactly as a job does, materialises it under
 ``FakeTensorMode`` and runs one training step's forward and backward (the trainer's loss, its
-micro-batches and gradient-sync switching) inside torch's ``FSDPMemTracker``, which records
-per-category peaks: sharded and unsharded parameters, gradients, activations, temporaries,
-all-gather and reduce-scatter buffers. The child keeps the fake group and fake tensors out of
-the caller's process.
+micro-batches and gradient reduction) inside torch's ``FSDPMemTracker``, which counts live
+bytes per category: sharded and unsharded parameters, gradients, activations, temporaries,
+all-gather and reduce-scatter buffers. ``mem_phases.PhaseRecorder`` keeps, per phase of the
+step, the categories at that phase's largest moment. The child keeps the fake group and fake
+tensors out of the caller's process.
 
 Gradient accumulation runs two micro-batches (more add nothing: each but the last looks like the
-first): the first with gradient sync off, so FSDP2 keeps every unsharded gradient (in the
-reduce dtype) until the second reduces it, and the peak holds those beside one micro-batch's
-activations.
+second), reducing gradients as the trainer does for ``trainer.accum_reduce``: with ``every``
+FSDP and HSDP reduce-scatter each micro-batch (gradient shards cross micro-batches); with
+``last``, and always for DDP, sync is off until the last, so FSDP2 keeps every unsharded
+gradient (in the reduce dtype) through the next micro-batch.
 
 Three things are worked out instead of measured, and said so in the plan:
-- **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; the peak grows
-  linearly in the number of blocks (each adds its parameters, gradients and saved
-  activations), so ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``.
+- **Depth.** Only ``plan.layers_measured`` blocks (default 1 and 2) are built; each phase of
+  the step grows linearly in the number of blocks, by a per-block growth that is measured
+  (``mem_phases.extrapolate``), and the peak is the largest phase at the model's depth.
 - **Shard size.** A measurement is reused by every layout with the same tp and cp degrees,
   micro-batch and data-parallel wrapper (whole parameters (DDP) or sharded (FSDP, HSDP)); the
   parts that scale with the shard (sharded parameters and gradients, over ``dp_shard x cp``)
@@ -58,9 +60,10 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
 from hsdp_runner.distributed.hardware import cache_dir
+from hsdp_runner.planner.mem_phases import PhaseRecorder, categories, phase_name
 
 GIB = 2**30
-CACHE_VERSION = 4  # bump when what a measurement holds changes (4: cp attention, two calls)
+CACHE_VERSION = 5  # bump when what a measurement holds changes (5: phases and marks)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 
@@ -76,8 +79,11 @@ def request(
     world_size: int,
     ranks_per_node: int,
     n_layers: int,
+    *,
+    accum_reduce: str,
 ) -> dict:
-    """Describe one fake measurement as a plain dict (what the child process needs)."""
+    """Describe one fake measurement as a plain dict (what the child process needs):
+    ``accum_reduce`` is ``trainer.accum_reduce``'s value, ``every`` or ``last``."""
     return {
         "model": {**model, "n_layers": n_layers},
         "parallel": parallel,
@@ -86,6 +92,7 @@ def request(
         "shape": list(shape),
         "micro_batch": micro_batch,
         "accum": min(accum, 2),
+        "accum_reduce": accum_reduce if accum > 1 else "every",  # one micro-batch: no choice
         "world_size": world_size,
         "ranks_per_node": ranks_per_node,
         "v": CACHE_VERSION,
@@ -148,23 +155,50 @@ def release_children() -> None:
 
 
 def _measure_all(requests: list[dict]) -> list[dict]:
-    """Child process: one fake process group per world size, then every request in turn."""
+    """Child process: every request in turn, each in a fake process group of its world size."""
     import warnings
 
+    warnings.filterwarnings("ignore")
+    out = []
+    for req in requests:
+        _join(req["world_size"])
+        out.append(_measure_one(req))
+    return out
+
+
+_WORLD: int | None = None  # the child's fake process group's size, kept between calls
+
+
+def _join(world_size: int) -> None:
+    """Make the child's fake process group ``world_size`` ranks, reusing the one it has.
+
+    DTensor caches its sharding decisions by mesh, and a mesh compares equal to the mesh of the
+    same shape built on an earlier process group: a group destroyed and made again would be
+    handed back the old mesh, whose collectives name the destroyed groups. So the group is kept
+    for as long as the world size stays, and the caches are cleared when it changes.
+    """
+    global _WORLD
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    warnings.filterwarnings("ignore")
-    out, world = [], None
-    for req in requests:
-        if req["world_size"] != world:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            dist.init_process_group("fake", rank=0, world_size=req["world_size"], store=FakeStore())
-            world = req["world_size"]
-        out.append(_measure_one(req))
-    dist.destroy_process_group()
-    return out
+    if _WORLD == world_size and dist.is_initialized():
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _forget_dtensor_caches()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    _WORLD = world_size
+
+
+def _forget_dtensor_caches() -> None:
+    """Clear DTensor's caches that hold meshes (torch 2.13's private names; see ``_join``)."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()
 
 
 def _measure_one(req: dict) -> dict:
@@ -211,6 +245,7 @@ def _measure_one(req: dict) -> dict:
         else:  # TP alone in the stored dtype: no data-parallel wrapper to hook
             tracker = MemTracker()
             tracker.track_external(model, tokens)
+        recorder = PhaseRecorder(tracker, model, model_cfg.n_layers)
         with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             for micro in range(accum):
                 if micro:
@@ -218,37 +253,47 @@ def _measure_one(req: dict) -> dict:
                     # their per-module stats are cleared; the device-wide peak and the live
                     # tensors (gradients held across micro-batches) are kept.
                     tracker.reset_mod_stats()
-                if hasattr(model, "set_requires_gradient_sync"):
-                    model.set_requires_gradient_sync(micro == accum - 1)
-                _loss(model, tokens).backward()
+                _set_sync(model, dims.dp_mode, req["accum_reduce"], micro == accum - 1)
+                recorder.start_micro(micro)
+                logits = model(tokens)
+                recorder.mark("end_fw")
+                loss = _loss(logits, tokens)
+                del logits  # the trainer's logits die with its loss call
+                loss.backward()
+                del loss
+                recorder.mark("end_bw")
         peak = tracker.get_tracker_snapshot("peak")
-    device = next(iter(peak))
-    cats = {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
-    # MemTracker's names for what FSDPMemTracker calls sharded (nothing is sharded there).
-    for plain, sharded in (("param", "sharded_param"), ("grad", "sharded_grad")):
-        if plain in cats:
-            cats[sharded] = cats.pop(plain)
-    return cats
+    return {
+        "peak": categories(next(iter(peak.values()))),
+        "phases": recorder.phases,
+        "marks": recorder.marks,
+    }
 
 
-def _loss(model, tokens):
-    """The trainer's loss (``Trainer.loss_on``): cross-entropy of the logits in fp32. The
-    logits die with this call, as in the trainer, so backward holds only what autograd saved
-    (the fp32 log-probabilities), not the logits themselves."""
+def _set_sync(model, mode, accum_reduce: str, last: bool) -> None:
+    """Gradient reduction of one micro-batch, as the trainer does it: with ``every``, FSDP and
+    HSDP reduce-scatter every micro-batch (HSDP's replicate all-reduce only on the last); with
+    ``last``, and always for whole replicas (DDP), nothing is reduced before the last."""
+    from hsdp_runner.core.choices import AccumReduce, DPMode
+
+    if not hasattr(model, "set_requires_gradient_sync"):
+        return
+    sharded = mode in (DPMode.fsdp, DPMode.hsdp)
+    if sharded and AccumReduce(accum_reduce) is AccumReduce.every:
+        model.set_requires_gradient_sync(True)
+        if mode is DPMode.hsdp:
+            model.set_requires_all_reduce(last)
+    else:
+        model.set_requires_gradient_sync(last)
+
+
+def _loss(logits, tokens):
+    """The trainer's loss (``Trainer.loss_on``): cross-entropy of the logits in fp32. The caller
+    drops the logits before backward, as the trainer does, so backward holds only what autograd
+    saved (the fp32 log-probabilities), not the logits themselves."""
     import torch.nn.functional as F
 
-    logits = model(tokens)
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-
-
-def extrapolate(measured: dict[int, dict], n_layers: int) -> dict:
-    """Categories at ``n_layers`` blocks from measurements at two depths, linear per block
-    (a model no deeper than the shallowest measurement is measured whole: returned as is)."""
-    if len(measured) == 1:
-        return dict(next(iter(measured.values())))
-    (l1, a), (l2, b) = sorted(measured.items())[:2]
-    per_layer = {k: (b.get(k, 0) - a.get(k, 0)) / (l2 - l1) for k in set(a) | set(b)}
-    return {k: max(0.0, a.get(k, 0) + (n_layers - l1) * per_layer[k]) for k in per_layer}
 
 
 def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:
@@ -264,32 +309,47 @@ def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:
     return {"params": params, "grads": grads, "optimizer": 2 * grads}
 
 
-def layout_memory(cats: dict, measured_state: dict, state: dict, reserve_gib: float) -> dict:
-    """Per-rank memory of a layout in GiB: the peak and its parts.
+def layout_memory(
+    phases: dict[str, dict],
+    measured_state: dict,
+    state: dict,
+    reserve_gib: float,
+    n_layers: int,
+    accum: int,
+) -> dict:
+    """Per-rank memory of a layout in GiB: the peak, the phase it falls in and its parts.
 
-    ``cats``: the tracker's categories at the peak, extrapolated to the model's depth, for the
-    layout the measurement was taken on (``measured_state`` its exact state); ``state``: this
-    layout's exact state. Sharded parameters and gradients are rescaled from one to the other.
+    ``phases``: per phase of the step, the tracker's categories at that phase's largest moment,
+    extrapolated to the model's depth (``mem_phases.extrapolate``), for the layout the
+    measurement was taken on (``measured_state`` its exact state); ``state``: this layout's
+    exact state. Sharded parameters and gradients are rescaled from one to the other, AdamW's
+    moments (live through every step after the first) are added to every phase, and the
+    optimizer step is one more phase: everything but activations, plus one shard-sized
+    temporary. ``phase_gib`` lists every phase by name.
     """
     scale_p = state["params"] / measured_state["params"] if measured_state["params"] else 1.0
     scale_g = state["grads"] / measured_state["grads"] if measured_state["grads"] else 1.0
-    params = cats.get("sharded_param", 0) * scale_p
-    grads_at_peak = cats.get("sharded_grad", 0) * scale_g
-    transient = sum(
-        v for k, v in cats.items() if k not in ("sharded_param", "sharded_grad", "total")
-    )
-    fwd_bwd = params + grads_at_peak + transient + state["optimizer"]
-    # The optimizer step: everything but activations is live, plus one shard-sized temporary.
-    opt_step = (
-        state["params"]
-        + state["grads"]
-        + state["optimizer"]
-        + state["grads"]
-        + cats.get("buffer", 0)
-    )
-    peak = max(fwd_bwd, opt_step) + reserve_gib * GIB
+
+    def total(cats: dict) -> float:
+        transient = sum(
+            v for k, v in cats.items() if k not in ("sharded_param", "sharded_grad", "total")
+        )
+        return (
+            cats.get("sharded_param", 0) * scale_p
+            + cats.get("sharded_grad", 0) * scale_g
+            + transient
+            + state["optimizer"]
+        )
+
+    named = {phase_name(k, n_layers, accum): (total(c), c) for k, c in phases.items()}
+    buffers = max((c.get("buffer", 0) for c in phases.values()), default=0)
+    optimizer = state["params"] + 2 * state["grads"] + state["optimizer"] + buffers
+    named["optimizer step"] = (optimizer, {})
+    peak_name = max(named, key=lambda n: named[n][0])
+    peak, cats = named[peak_name]
     return {
-        "peak_gib": peak / GIB,
+        "peak_gib": (peak + reserve_gib * GIB) / GIB,
+        "peak_phase": peak_name,
         "params_gib": state["params"] / GIB,
         "grads_gib": state["grads"] / GIB,
         "optimizer_gib": state["optimizer"] / GIB,
@@ -301,5 +361,5 @@ def layout_memory(cats: dict, measured_state: dict, state: dict, reserve_gib: fl
         )
         / GIB,
         "reserve_gib": reserve_gib,
-        "peak_phase": "optimizer" if opt_step > fwd_bwd else "forward/backward",
+        "phase_gib": {n: round((v + reserve_gib * GIB) / GIB, 3) for n, (v, _) in named.items()},
     }

@@ -3,7 +3,8 @@
 plan.json (version 1) holds ``model``, ``world_size``, ``cluster`` and one entry per layout:
 ``overrides`` (dotted key -> value: the degrees and any axes), ``valid``, ``reason``,
 ``fits``, ``mem_gib``, ``step_time_s``, ``tps_per_device``, ``mfu``, ``dominant``, ``rank``
-(1-based; null when invalid), plus the breakdowns (``memory``, ``compute_s``,
+(1-based; null when invalid), plus the breakdowns (``memory``: the peak's parts, the phase of
+the step it falls in, ``peak_phase``, and every phase's GiB, ``phase_gib``; ``compute_s``,
 ``exposed_comm_s``) and ``comm_links``: per communication term the group's placement on the
 nodes, the link, the algorithm and the bus bandwidth assumed (plan.md shows them for the best
 layout). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
@@ -52,18 +53,23 @@ def _dominant(entry: dict) -> str:
     return f"{name.replace('comm:', 'comm ')} {seconds / entry['step_time_s']:.0%}"
 
 
+def _peak_phase(entry: dict) -> str:
+    # plan.json files written before the phases were recorded have no peak phase.
+    return entry.get("memory", {}).get("peak_phase", "")
+
+
 def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
     head = (
-        "| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | step s | tok/s/device "
-        "| MFU | compute s | step end s | exposed comm s | dominant |"
+        "| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | memory peak | step s "
+        "| tok/s/device | MFU | compute s | step end s | exposed comm s | dominant |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for e in entries:
         if not e["valid"]:
             rows.append(
                 f"| — | {_degrees(e)} | {_axes(e)} | invalid: "
-                f"{e['reason'].replace('|', '/')} | | | | | | | |"
+                f"{e['reason'].replace('|', '/')} | | | | | | | | |"
             )
             continue
         mem = f"{e['mem_gib']:.2f}" + (
@@ -71,7 +77,7 @@ def table(entries: list[dict], cluster: dict) -> str:
         )
         comm = sum(e["exposed_comm_s"].values())
         rows.append(
-            f"| {e['rank']} | {_degrees(e)} | {_axes(e)} | {mem} | "
+            f"| {e['rank']} | {_degrees(e)} | {_axes(e)} | {mem} | {_peak_phase(e)} | "
             f"{e['step_time_s']:.4g} | {e['tps_per_device']:,.0f} | {e['mfu']:.1%} | "
             f"{e['compute_s']:.4g} | {e['step_end_s']:.3g} | {comm:.3g} | {_dominant(e)} |"
         )
@@ -88,9 +94,13 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
         + (f", calibrated from {cluster['calibrated_from']}" if cluster["calibrated_from"] else "")
         + ".",
         f"- Memory: the runner's model and sharding under a fake process group, tracked by "
-        f"FSDPMemTracker with {', '.join(map(str, layers))} block(s) and extrapolated per block "
-        f"to {cfg.model.n_layers}; flash attention forced (no seq x seq scores, as on GPU); "
-        "sharded state rescaled to each layout by exact arithmetic; AdamW moments added; "
+        f"FSDPMemTracker with {', '.join(map(str, layers))} block(s), phase by phase (forward "
+        "and backward of the embedding, the first, interior and last blocks and the output, "
+        "the loss, the gradient reduction); each phase extrapolated per block "
+        f"to {cfg.model.n_layers} by the measured growth of what it holds of the other "
+        "blocks, the peak the largest phase (named in the table); flash attention forced (no "
+        "seq x seq scores, as on GPU); sharded state rescaled to each layout by exact "
+        "arithmetic; AdamW moments added, the optimizer step a phase of its own; "
         f"{cluster['memory_reserve_gib']:.1f} GiB allocator reserve.",
         "- Step time: compute + the step end (clipping and fused AdamW over the rank's "
         f"trainable shard at {cluster['memory_gbps']:.4g} GB/s memory bandwidth) + exposed "

@@ -20,9 +20,12 @@
   the units before it, so only the last unit's (the root's) is exposed. The rest hides behind
   up to ``cluster.overlap`` x the compute of its pass. With ``trainer.grad_accum_steps`` = N
   every micro-batch is a forward and a backward pass of its own (all-gathers and exposures N
-  times, ``comm_model`` counts them so); the gradients are reduced once, in the last
-  micro-batch's backward (the trainer's ``set_requires_gradient_sync``), so they hide behind
-  1/N of the backward compute. In backward these collectives run at the
+  times, ``comm_model`` counts them so). Under FSDP/HSDP with ``trainer.accum_reduce=every``
+  each micro-batch also reduce-scatters its gradients (N reduce-scatters of the whole
+  gradients a step), each hidden behind its own micro-batch's backward; with ``last``, and
+  for DDP, they are reduced once, in the last micro-batch's backward, behind 1/N of the
+  backward compute. HSDP's replicate all-reduce runs once either way, in the last
+  micro-batch (``sharding.set_gradient_sync``). In backward these collectives run at the
   same time (FSDP2 issues them on separate streams): on a link they both use their times add,
   on different links (HSDP: the shard group's reduce-scatter on NVLink, the replicate
   all-reduce on the NICs) they run side by side, so the backward's communication takes its
@@ -47,7 +50,12 @@ from __future__ import annotations
 
 from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
-from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm, unit_sizes
+from hsdp_runner.distributed.comm_model import (
+    analytic_comm,
+    context_parallel_comm,
+    grad_reductions,
+    unit_sizes,
+)
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.models.base import ModelConfig, model_spec
@@ -131,6 +139,21 @@ def _without(comm: dict, part: dict) -> dict:
     return out
 
 
+def _spill(running: list[tuple[str, Price, float]], budget: float) -> dict[str, float]:
+    """Seconds of one backward pass's hidden collectives that its compute cannot hide, per
+    mesh dim: ``running`` holds (dim, price, share of the price that runs in this pass), all
+    at once (``concurrent_time``); what exceeds ``budget`` (overlap x the pass's compute) is
+    exposed, split over the dims in proportion to their seconds."""
+    seconds: dict[str, float] = {}
+    for dim, price, share in running:
+        seconds[dim] = seconds.get(dim, 0.0) + price.seconds * share
+    total = sum(seconds.values())
+    spill = max(
+        0.0, concurrent_time([p for _, p, _ in running], [f for _, _, f in running]) - budget
+    )
+    return {dim: spill * s / total for dim, s in seconds.items()} if total else {}
+
+
 def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``.
 
@@ -155,9 +178,6 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     # all-gathers: forward gathers every unit, backward (with reshard) the blocks again.
     ag_fwd_share = total / (total + (total * (1 - root) if reshard else 0))
     ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
-    grad_sync = {
-        k: v for k, v in times.items() if k in (f"reduce_scatter/{fsdp}", "all_reduce/dp_replicate")
-    }
     exposed: dict[str, float] = {}
 
     def expose(dim: str, seconds: float) -> None:
@@ -167,29 +187,31 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     expose(fsdp, ag_fwd * root)
     spill = max(0.0, ag_fwd * (1 - root) - cluster.overlap * fwd)
     expose(fsdp, spill)
-    # Backward, per micro-batch: every one gathers its blocks again, but the gradients are
-    # reduced in the last one's alone (the trainer switches gradient sync off for the others),
-    # so what is hidden is hidden behind one micro-batch's backward compute at a time.
+    # Backward, per micro-batch: each gathers its blocks again and hides what it runs behind
+    # its own backward compute. The gradients are reduce-scattered in every micro-batch
+    # (``trainer.accum_reduce=every`` under FSDP/HSDP, ``comm_model.grad_reductions``) or in
+    # the last alone; HSDP's and DDP's all-reduce over dp_replicate runs in the last alone.
     accum = cfg.trainer.grad_accum_steps
+    reductions = grad_reductions(dims, cfg.trainer)
     bwd_pass = bwd / accum
-    ag_share = (1 - ag_fwd_share) * (1 - 1 / blocks) / accum  # of the step's all-gather price
-    hidden_last = {fsdp: ag_bwd * (1 - 1 / blocks) / accum}
-    # What of each price runs hidden in the last backward, to find the links they share.
-    running = [(prices[f"all_gather/{fsdp}"], ag_share)] if ag else []
     expose(fsdp, ag_bwd / blocks)
-    if ag and accum > 1:  # the earlier micro-batches' backward: their all-gathers alone
-        alone = concurrent_time([prices[f"all_gather/{fsdp}"]], [ag_share])
-        expose(fsdp, (accum - 1) * max(0.0, alone - cluster.overlap * bwd_pass))
-    for key, seconds in grad_sync.items():
-        dim = key.split("/")[1]
-        expose(dim, seconds * root)
-        hidden_last[dim] = hidden_last.get(dim, 0.0) + seconds * (1 - root)
-        running.append((prices[key], 1 - root))
-    rest = sum(hidden_last.values())
-    together = concurrent_time([p for p, _ in running], [f for _, f in running])
-    spill = max(0.0, together - cluster.overlap * bwd_pass)
-    for dim, seconds in hidden_last.items():
-        expose(dim, spill * seconds / rest if rest else 0.0)
+    ag_share = (1 - ag_fwd_share) * (1 - 1 / blocks) / accum  # of the step's all-gather price
+    rs_key, ar_key = f"reduce_scatter/{fsdp}", "all_reduce/dp_replicate"
+    # The root's reductions are the last of each backward: exposed (each reduction's share).
+    for key in (rs_key, ar_key):
+        if key in times:
+            expose(key.split("/")[1], times[key] * root)
+    ag_running = [(fsdp, prices[f"all_gather/{fsdp}"], ag_share)] if ag else []
+    rs_running = [(fsdp, prices[rs_key], (1 - root) / reductions)] if rs_key in prices else []
+    earlier = ag_running + (rs_running if reductions > 1 else [])
+    last = ag_running + rs_running
+    if ar_key in prices:
+        last.append(("dp_replicate", prices[ar_key], 1 - root))
+    for dim, seconds in _spill(earlier, cluster.overlap * bwd_pass).items():
+        expose(dim, (accum - 1) * seconds)
+    for dim, seconds in _spill(last, cluster.overlap * bwd_pass).items():
+        expose(dim, seconds)
+    grad_sync = (rs_key, ar_key)
     for key, seconds in times.items():
         if key not in grad_sync and key != f"all_gather/{fsdp}":
             expose(key.split("/")[1], seconds)

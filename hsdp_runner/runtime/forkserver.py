@@ -20,14 +20,27 @@ start method; two things it does not do are done here:
   error that names the import. It is the worker that raises: an exception in the server kills
   multiprocessing's forkserver, and every worker start then fails with an EOFError that names
   nothing.
+- The server (and multiprocessing's resource tracker, started with it) is kept for the life of
+  the process, so later jobs (a sweep, parity) fork from it too; each ends when it reads EOF on
+  a pipe whose end the launcher holds, which is only after the launcher has exited, and init
+  reaps it. So the launcher stops both and waits for them at exit (``stop_server``, run by
+  multiprocessing's own exit handler after its other exit finalizers, which unlink the
+  semaphores the tracker would otherwise unlink first; while workers run, the launcher handles
+  the stop signals, so a job stopped by one exits through Python too; a launcher killed
+  outright, SIGKILL, cannot wait for anything).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
 import signal
+from multiprocessing import forkserver as mp_forkserver
+from multiprocessing import resource_tracker, util
+
+from hsdp_runner.runtime.reaper import wait_or_kill
 
 START_METHOD = "forkserver"
 SERVER_MODULE = "hsdp_runner.runtime.forkserver_server"
@@ -61,6 +74,12 @@ WORKER_IMPORTS = (
 _server_env: dict[str, str] | None = None
 # What initialised CUDA in the server ("importing <module>"), None while nothing did.
 _cuda_initialised_by: str | None = None
+# How long the launcher waits at exit for the server and the tracker before it SIGKILLs them
+# (each ends at once when no worker is left).
+STOP_TIMEOUT_S = 10.0
+# multiprocessing runs exit finalizers from the highest priority down; a SemLock's is 0.
+STOP_EXIT_PRIORITY = -100
+_stop_at_exit: util.Finalize | None = None
 
 
 def prepare_server() -> None:
@@ -106,10 +125,49 @@ def check_cuda_untouched() -> None:
 
 
 def use_server() -> str:
-    """Name the module the forkserver preloads; return the start method for torch's launcher.
-    Call before the first worker of this process starts (later calls change nothing)."""
+    """Name the module the forkserver preloads and have it stopped at exit; return the start
+    method for torch's launcher. Call before the first worker of this process starts (later
+    calls change nothing)."""
+    global _stop_at_exit
     multiprocessing.set_forkserver_preload([SERVER_MODULE])
+    if _stop_at_exit is None:  # once, however many jobs the process launches
+        _stop_at_exit = util.Finalize(None, stop_server, exitpriority=STOP_EXIT_PRIORITY)
     return START_METHOD
+
+
+def server_pids() -> list[int]:
+    """PIDs of multiprocessing's forkserver and resource tracker where this process started
+    them (kept between launches), else none."""
+    pids = [mp_forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+    return [pid for pid in pids if pid is not None]
+
+
+def stop_server(timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop multiprocessing's forkserver and resource tracker if this process started them,
+    and reap them: close the pipe each watches (it exits on EOF once no worker holds its
+    copy), wait up to ``timeout_s``, then SIGKILL. A later worker start starts new ones.
+
+    Python 3.11's multiprocessing stops them only in its own tests (``ForkServer._stop``,
+    ``ResourceTracker._stop``), which wait without a bound; this does what they do, bounded.
+    """
+    server = mp_forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            os.close(server._forkserver_alive_fd)
+            wait_or_kill(server._forkserver_pid, timeout_s)
+            address = server._forkserver_address
+            if address and not util.is_abstract_socket_namespace(address):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+            server._forkserver_pid = server._forkserver_alive_fd = None
+            server._forkserver_address = None
+    tracker = resource_tracker._resource_tracker
+    with tracker._lock:
+        if tracker._fd is not None:
+            os.close(tracker._fd)
+            if tracker._pid is not None:
+                wait_or_kill(tracker._pid, timeout_s)
+            tracker._fd = tracker._pid = None
 
 
 def run_forked(launcher_env: dict[str, str], fn, *args):

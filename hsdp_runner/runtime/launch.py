@@ -41,7 +41,7 @@ from hsdp_runner.distributed.hardware import (
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer_world_size
 from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
-from hsdp_runner.runtime import auto_job, forkserver
+from hsdp_runner.runtime import auto_job, forkserver, reaper
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
     begin_attempt,
@@ -242,6 +242,29 @@ def check_before_submit(config_loader, sweep_config: DictConfig, job_overrides, 
             raise SystemExit(EXIT_CONFIG) from None
 
 
+# LaunchConfig fields that older torch releases lack, and the environment variable their
+# elastic agent reads instead (torch 2.11, seen on an H100 machine, has no shutdown_timeout).
+LAUNCH_FIELD_ENV = {
+    "shutdown_timeout": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    "signals_to_handle": "TORCHELASTIC_SIGNALS_TO_HANDLE",
+}
+
+
+def launch_config(config_cls, **fields) -> tuple[object, dict[str, str]]:
+    """Build torch's ``LaunchConfig`` (``config_cls``) from ``fields``; return (config, the
+    environment variables to set for the launch). A field this torch's LaunchConfig lacks is
+    passed through its environment variable (``LAUNCH_FIELD_ENV``) instead of failing the
+    launch with a TypeError; an unknown field without one raises TypeError as before."""
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    env = {
+        LAUNCH_FIELD_ENV[name]: str(value)
+        for name, value in fields.items()
+        if name not in known and name in LAUNCH_FIELD_ENV
+    }
+    kept = {k: v for k, v in fields.items() if k in known or k not in LAUNCH_FIELD_ENV}
+    return config_cls(**kept), env
+
+
 def start_local_workers(
     fn,
     nproc: int,
@@ -250,7 +273,8 @@ def start_local_workers(
     agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
 ) -> dict:
     """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
-    forked from a server that imported torch once (``forkserver``).
+    forked from a server that imported torch once (``forkserver``). Returns once what the
+    workers started has ended too (``reaper``: at most ``shutdown_timeout`` after them).
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
     raises ``ChildFailedError`` (the others are stopped). On a signal named in
@@ -260,7 +284,8 @@ def start_local_workers(
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
+    config, agent_env = launch_config(
+        LaunchConfig,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -277,14 +302,18 @@ def start_local_workers(
     # its own default (1) unless the launching process has one (local_elastic_agent.py), so
     # a worker cannot set ours; the launcher can, for the launch only. A user's value wins.
     key, value = NCCL_ERROR_HANDLING
-    inherited = os.environ.get(key)
-    if inherited is None:
-        os.environ[key] = value
+    launch_env = {**agent_env, key: os.environ.get(key, value)}
+    saved = {name: os.environ.get(name) for name in launch_env}
+    os.environ.update(launch_env)
     try:
-        return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
+        with reaper.adopting_orphans(shutdown_timeout, keep=forkserver.server_pids):
+            return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
     finally:
-        if inherited is None:
-            os.environ.pop(key, None)
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
 
 
 def _launch_local(

@@ -27,6 +27,7 @@ from hsdp_runner.distributed import comm_counting as comm
 from hsdp_runner.distributed import step_stats
 from hsdp_runner.distributed.comm_model import comm_report
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.parallelize import set_gradient_sync
 from hsdp_runner.models.base import ModelSpec
 from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
@@ -184,9 +185,7 @@ class Trainer:
         accum = self.train.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                # Reduce gradients once, on the last micro-batch.
-                self.model.set_requires_gradient_sync(micro == accum - 1)
+            set_gradient_sync(self.model, self.dims, self.train.accum_reduce, micro == accum - 1)
             loss = self.loss_on(x, y) / accum
             if poison:
                 loss = loss * float("nan")

@@ -1,0 +1,238 @@
+"""The memory of a training step phase by phase, and its extrapolation to the model's depth.
+
+A fake step's tracker reports one peak; at one or two blocks that peak is often another moment
+of the step than at eighty (the loss's fp32 vocabulary-sized temporaries, or one block's
+recompute, against eighty blocks' saved activations), so extrapolating the peak's parts from
+shallow depths mixes unrelated moments. Instead the measuring child records, per **phase** of
+the step, the tracker's categories at that phase's own largest moment (``PhaseRecorder``):
+
+    per micro-batch: forward of the embedding, of the first block, of the last block, of the
+    final norm and output; the loss; the loss backward; backward of the output, of the last
+    block (the first one backward reaches), of the first block, of the embedding; what runs
+    after backward (the last gradient reduction).
+
+Inside one phase every other block is in one state: below the current point of the step
+(forward done, its saved activations live) or above it (not run yet in forward; backward done
+in backward, its gradients live). So each phase's live bytes are linear in depth, with a
+per-block growth that is measured, not assumed, at three crisp moments of each micro-batch
+(``marks``): its start (every block's sharded parameters, and gradients accumulated so far),
+the end of its forward (plus every block's saved activations, and parameters kept unsharded
+when ``reshard_after_forward`` is off) and the end of its backward (plus every block's
+gradients, sharded or not as the reduction left them). ``extrapolate`` takes each phase at the
+deepest measured depth and adds, per block more, the growth of that phase's kind; the step's
+peak is the largest phase, and its name is reported. Interior blocks are not extrapolated: a
+block with p blocks below and q above lies on the line between the first and the last block,
+so it never exceeds both.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Phase -> which growth per block applies: blocks still ahead in forward ("start"), blocks
+# whose forward is done ("end_fw"), blocks whose backward is done ("end_bw").
+PHASES = {
+    "fw:embed": "start",
+    "fw:first": "start",
+    "fw:last": "end_fw",
+    "fw:head": "end_fw",
+    "loss": "end_fw",
+    "loss_bw": "end_fw",
+    "bw:head": "end_fw",
+    "bw:last": "end_fw",
+    "bw:first": "end_bw",
+    "bw:embed": "end_bw",
+    "bw:end": "end_bw",
+}
+INTERIOR = ("fw:mid", "bw:mid")  # measured, used only when the model is measured whole
+
+
+class PhaseRecorder:
+    """Wraps a torch memory tracker (``MemTracker`` or ``FSDPMemTracker``) so that after every
+    op it also keeps, per phase of the step, the categories at that phase's largest total.
+
+    ``model``: the tracked root (its ``blocks()`` give the block names); ``depth``: its number of
+    blocks. Set ``micro`` before each micro-batch and call ``mark`` at its start, after its
+    forward (``"end_fw"``) and after its backward (``"end_bw"``).
+    """
+
+    def __init__(self, tracker, model, depth: int) -> None:
+        self.tracker, self.depth, self.micro = tracker, depth, 0
+        self.phases: dict[str, dict] = {}
+        self.marks: dict[str, dict] = {}
+        container = next(n for n, m in model.named_children() if m is model.blocks())
+        self._block = re.compile(rf"^[^.]+\.{re.escape(container)}\.(\d+)$")
+        self._seen_blocks = {False: False, True: False}  # per direction, this micro-batch
+        self._root_in_bw = False
+        self._after_forward = False
+        original = tracker._update_peak_stats
+
+        def update(peak_state) -> None:
+            original(peak_state)
+            self._record()
+
+        tracker._update_peak_stats = update
+
+    def start_micro(self, micro: int) -> None:
+        """Begin micro-batch ``micro`` (0-based): phases are recorded under its number."""
+        self.micro = micro
+        self._seen_blocks = {False: False, True: False}
+        self._root_in_bw = self._after_forward = False
+        self.mark("start")
+
+    def mark(self, name: str) -> None:
+        """Keep the tracker's current categories as ``<micro>/<name>``."""
+        if name == "end_fw":
+            self._after_forward = True
+        self.marks[f"{self.micro}/{name}"] = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        snap = self.tracker.get_tracker_snapshot()
+        if not snap:
+            return {"total": 0}
+        return categories(next(iter(snap.values())))
+
+    def _phases_now(self) -> list[str]:
+        mods = self.tracker._mod_tracker
+        backward = mods.is_bw
+        blocks = [int(m.group(1)) for p in mods.parents if (m := self._block.match(p))]
+        if blocks:
+            self._seen_blocks[backward] = True
+            # Two blocks are both listed for a moment where one hands over to the next: the
+            # one the step is moving into counts.
+            j = min(blocks) if backward else max(blocks)
+            where = []
+            if j == self.depth - 1:
+                where.append("last")
+            if j == 0:
+                where.append("first")
+            prefix = "bw:" if backward else "fw:"
+            return [prefix + w for w in where] or [prefix + "mid"]
+        inside_root = len(mods.parents) > 1
+        if backward:
+            if inside_root:
+                self._root_in_bw = True
+                return ["bw:embed" if self._seen_blocks[True] else "bw:head"]
+            return ["bw:end" if self._root_in_bw else "loss_bw"]
+        if inside_root:
+            return ["fw:head" if self._seen_blocks[False] else "fw:embed"]
+        return ["loss"] if self._after_forward else []
+
+    def _record(self) -> None:
+        phases = self._phases_now()
+        if not phases:
+            return
+        snap = self.tracker._curr_mem_snap
+        if not snap:
+            return
+        dev_snap = next(iter(snap.values()))
+        total = dev_snap.get("Total", 0)
+        for phase in phases:
+            key = f"{self.micro}/{phase}"
+            held = self.phases.get(key)
+            if held is None or total > held["total"]:
+                self.phases[key] = categories(dev_snap)
+
+
+def categories(dev_snap: dict) -> dict:
+    """A tracker snapshot of one device as {category name: bytes}, with MemTracker's names
+    for what FSDPMemTracker calls sharded (without FSDP nothing is sharded) made the same."""
+    cats = {str(k).split(".")[-1].lower(): int(v) for k, v in dev_snap.items()}
+    for plain, sharded in (("param", "sharded_param"), ("grad", "sharded_grad")):
+        if plain in cats:
+            cats[sharded] = cats.pop(plain)
+    return cats
+
+
+def extrapolate(measured: dict[int, dict], n_layers: int) -> dict[str, dict]:
+    """Per phase (``<micro>/<phase>``), the categories at ``n_layers`` blocks.
+
+    ``measured``: depth -> a child's result (``phases`` and ``marks``). A model no deeper than
+    a measurement is measured whole: its phases (interior blocks included) are returned as they
+    are. Otherwise each phase of the deepest measurement grows per added block by its kind's
+    growth, the difference of that kind's mark between the two deepest measurements, and the
+    interior blocks' backward is composed from the two ends (``_interior``).
+    """
+    if n_layers in measured:
+        return {k: dict(v) for k, v in measured[n_layers]["phases"].items()}
+    (lo, low), (hi, high) = sorted(measured.items())[-2:]
+    growth: dict[str, dict] = {}
+    for key, b in high["marks"].items():
+        a = low["marks"][key]
+        growth[key] = {k: (b.get(k, 0) - a.get(k, 0)) / (hi - lo) for k in set(a) | set(b)}
+    out = {}
+    for key, cats in high["phases"].items():
+        micro, phase = key.split("/")
+        if phase not in PHASES:
+            continue
+        per_block = growth[f"{micro}/{PHASES[phase]}"]
+        out[key] = _add(cats, per_block, n_layers - hi)
+    if n_layers >= 3:
+        for micro in {key.split("/")[0] for key in out}:
+            if f"{micro}/bw:last" in out and f"{micro}/bw:first" in out:
+                out[f"{micro}/bw:mid"] = _interior(
+                    out[f"{micro}/bw:last"],
+                    out[f"{micro}/bw:first"],
+                    growth[f"{micro}/end_fw"],
+                    growth[f"{micro}/end_bw"],
+                )
+    return out
+
+
+def _add(cats: dict, per_block: dict, blocks: float) -> dict:
+    """``cats`` plus ``blocks`` times ``per_block``, per category, never below zero."""
+    return {
+        k: max(0.0, cats.get(k, 0) + blocks * per_block.get(k, 0))
+        for k in set(cats) | set(per_block)
+    }
+
+
+def _interior(last: dict, first: dict, below: dict, above: dict) -> dict:
+    """The backward of an interior block, composed from the two ends of the same depth.
+
+    FSDP2 overlaps each block's backward with its neighbours' communication: the parameters of
+    the block below are gathered ahead (the last block shows that buffer, ``all_gather``) while
+    the reduce-scatter of the block above is still in flight (the first block shows that one,
+    ``reduce_scatter``); an interior block holds both. The block next to the last has one block
+    fewer below and one more above than the last (``below``/``above``: the per-block growth of
+    the end of forward and of backward), the block next to the first the converse; the larger
+    of the two is returned.
+    """
+    near_last = _add(_add(last, below, -1), above, 1)
+    near_first = _add(_add(first, above, -1), below, 1)
+    for cats, other, buffer in (
+        (near_last, first, "reduce_scatter"),
+        (near_first, last, "all_gather"),
+    ):
+        extra = max(0.0, other.get(buffer, 0) - cats.get(buffer, 0))
+        cats[buffer] = cats.get(buffer, 0) + extra
+        cats["total"] = cats.get("total", 0) + extra
+    return max(near_last, near_first, key=lambda c: c.get("total", 0))
+
+
+def phase_name(key: str, n_layers: int, accum: int) -> str:
+    """A reader's name for a phase key, e.g. ``backward of block 80 of 80`` (blocks counted from
+    the embedding), prefixed with the micro-batch when there are several."""
+    micro, phase = key.split("/")
+    names = {
+        "fw:embed": "forward of the embedding",
+        "fw:first": f"forward of block 1 of {n_layers}",
+        "fw:mid": "forward of an interior block",
+        "fw:last": f"forward of block {n_layers} of {n_layers}",
+        "fw:head": "forward of the final norm and output",
+        "loss": "loss",
+        "loss_bw": "loss backward",
+        "bw:head": "backward of the output and final norm",
+        "bw:last": f"backward of block {n_layers} of {n_layers}",
+        "bw:mid": "backward of an interior block (next to an end)",
+        "bw:first": f"backward of block 1 of {n_layers}",
+        "bw:embed": "backward of the embedding",
+        "bw:end": "gradient reduction after backward",
+    }
+    name = names[phase]
+    if accum > 1:
+        which = "micro-batch 1" if micro == "0" else f"micro-batches 2-{accum}"
+        if accum == 2 and micro != "0":
+            which = "micro-batch 2"
+        name = f"{name} ({which} of {accum})"
+    return name

@@ -1,0 +1,157 @@
+"""The planner's memory phase by phase: a peak that does not depend on the depths measured,
+equal to the tracker's measurement of the whole model, and accumulation that saves memory under
+``trainer.accum_reduce=every`` (FSDP reduce-scatters every micro-batch) but not under ``last``."""
+
+import pytest
+from clusters import fake_cluster
+from omegaconf import OmegaConf
+
+from hsdp_runner import plan
+from hsdp_runner.distributed.comm_model import unit_sizes
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.planner import mem_phases
+from hsdp_runner.planner import memory as plan_memory
+from hsdp_runner.planner.layouts import plan_layouts
+
+# An 8-block model whose blocks are wide and its sequences short (parameters outweigh
+# activations), so that FSDP's buffers of neighbouring blocks decide the peak: the shape on which
+# extrapolating the tracker's peak moment moved with the depths measured.
+WIDE = [
+    "model=llama3_tiny",
+    "model.n_layers=8",
+    "model.dim=512",
+    "model.ffn_hidden_dim=2048",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.seq_len=64",
+    "model.vocab_size=4096",
+    "cluster.gpus_per_node=4",
+]
+TINY = ["model=llama3_tiny", "model.seq_len=256", "cluster.gpus_per_node=4"]
+FSDP = {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
+
+
+def _peak(overrides: list[str], fixed: dict) -> dict:
+    row = plan_layouts(plan.compose(overrides), fake_cluster(nodes=1), {}, fixed)[0]
+    return row["memory"]
+
+
+def _largest_phase(phases: dict) -> float:
+    return max(cats["total"] for cats in phases.values())
+
+
+def _peak_moment_extrapolated(a: dict, b: dict, da: int, db: int, n: int) -> float:
+    """What the planner did before phases: each category at the tracker's peak moment, linear
+    per block from two depths (clamped at zero), summed."""
+    per = {k: (b.get(k, 0) - a.get(k, 0)) / (db - da) for k in set(a) | set(b) if k != "total"}
+    return sum(max(0.0, a.get(k, 0) + (n - da) * per[k]) for k in per)
+
+
+def test_peak_is_the_same_from_any_two_depths_and_equals_the_whole_model(cache):
+    """FSDP 4, one 64-token sequence per rank: the largest phase extrapolated from [1, 2] and from
+    [2, 3] agree, and equal the tracker's own peak of the 8-block model measured whole (within
+    5%); extrapolating the peak moment instead misses by more than 30% from [1, 2]."""
+    cfg = plan.compose(WIDE)
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    depths = (1, 2, 3, 8)
+    requests = [
+        plan_memory.request(
+            plain["model"],
+            plain["parallel"],
+            plain["precision"],
+            [],
+            (1, 4, 1, 1),
+            1,
+            1,
+            4,
+            4,
+            d,
+            accum_reduce="every",
+        )
+        for d in depths
+    ]
+    got = dict(zip(depths, plan_memory.measure(requests)))
+    whole = got[8]["peak"]["total"]
+    assert _largest_phase(got[8]["phases"]) == whole  # the phases cover the step
+    for pair in ((1, 2), (2, 3)):
+        predicted = _largest_phase(mem_phases.extrapolate({d: got[d] for d in pair}, 8))
+        assert abs(predicted / whole - 1) <= 0.05, pair
+    before = _peak_moment_extrapolated(got[1]["peak"], got[2]["peak"], 1, 2, 8)
+    assert before / whole - 1 > 0.3
+
+
+def test_extrapolation_grows_each_phase_by_what_it_holds_of_the_other_blocks():
+    """A phase after the forward grows by the end-of-forward growth per block, one after the
+    backward by the end-of-backward growth, and an interior block's backward holds both the
+    all-gather seen at the last block and the reduce-scatter seen at the first."""
+
+    def result(depth: int) -> dict:
+        marks = {
+            "0/start": {"sharded_param": 2 * depth, "total": 2 * depth},
+            "0/end_fw": {"sharded_param": 2 * depth, "act": 10 * depth, "total": 12 * depth},
+            "0/end_bw": {"sharded_param": 2 * depth, "sharded_grad": depth, "total": 3 * depth},
+        }
+        p = 2 * depth  # every block's sharded parameters, in every phase
+        phases = {
+            "0/loss_bw": {"sharded_param": p, "act": 10 * depth, "temp": 50},
+            "0/bw:last": {"sharded_param": p, "act": 10 * depth, "all_gather": 4},
+            "0/bw:first": {"sharded_param": p, "sharded_grad": depth, "reduce_scatter": 8},
+        }
+        for cats in phases.values():
+            cats["total"] = sum(cats.values())
+        return {"phases": phases, "marks": marks}
+
+    for depths in ((1, 2), (2, 3), (3, 4)):
+        out = mem_phases.extrapolate({d: result(d) for d in depths}, 40)
+        assert out["0/loss_bw"]["total"] == 40 * 12 + 50
+        assert out["0/bw:first"]["total"] == 40 * 3 + 8
+        # Next to the last block: one block fewer below (-12), one more above (+3), plus the
+        # reduce-scatter in flight from the block above (+8).
+        assert out["0/bw:mid"]["total"] == out["0/bw:last"]["total"] - 12 + 3 + 8
+    whole = result(5)
+    assert mem_phases.extrapolate({4: result(4), 5: whole}, 5) == whole["phases"]
+
+
+def test_accumulation_saves_memory_when_every_micro_batch_is_reduced(cache):
+    """FSDP 4, 8 sequences a step: with 2 micro-batches of 1 instead of 1 of 2, ``every``
+    (each micro-batch reduce-scattered, gradients stay sharded) predicts a lower peak, about
+    one micro-batch's; ``last`` holds the whole model's unsharded gradients (fp32, one TP rank's
+    part) through the second micro-batch, and the tracker sees exactly those bytes at its
+    start; so do whole replicas (DDP), which never reduce before the last micro-batch."""
+    accum = ["trainer.global_batch_size=8", "trainer.grad_accum_steps=2"]
+    one = _peak(TINY + ["trainer.global_batch_size=4"], FSDP)["peak_gib"]
+    two = _peak(TINY + ["trainer.global_batch_size=8"], FSDP)["peak_gib"]
+    every = _peak(TINY + accum, FSDP)
+    last = _peak(TINY + accum + ["trainer.accum_reduce=last"], FSDP)
+    assert every["peak_gib"] < two
+    assert every["peak_gib"] <= one * 1.05
+    assert last["peak_gib"] > every["peak_gib"]
+    assert "micro-batch 2 of 2" in every["peak_phase"]
+
+    cfg = plan.compose(TINY + ["model.n_layers=1"])
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    requests = [
+        plan_memory.request(
+            plain["model"],
+            plain["parallel"],
+            plain["precision"],
+            [],
+            shape,
+            1,
+            2,
+            4,
+            4,
+            1,
+            accum_reduce=reduce,
+        )
+        for shape, reduce in (((1, 4, 1, 1), "last"), ((4, 1, 1, 1), "every"))
+    ]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1, ranks_per_node=4)
+    whole = 4 * sum(u[1] for u in unit_sizes(cfg.model, dims).values())
+    for got in plan_memory.measure(requests, use_disk_cache=False):
+        assert got["marks"]["1/start"]["unsharded_grad"] == whole
