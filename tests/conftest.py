@@ -102,10 +102,10 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 # Under pytest-xdist (`make test`: two workers) a worker takes a whole file at a time, so a
 # module fixture runs once; files that share a session fixture go to one worker together, or
 # each worker would pay for it. The slowest files start first, so the run does not end with one
-# worker alone on a long file; the others keep their collection order. The order: the files
-# that still start CLI jobs (signals, sweeps, torchrun, SLURM, auto), then the forked-rank
-# fixtures, by the per-test times of the 2026-11-25 baseline run (`--durations`) less what
-# their move to forked ranks saved (docs/testing.md).
+# worker alone on a long file; the others keep their collection order. The order: each file's
+# time in the 2026-11-25 run of this suite (ranks forked, docs/testing.md; 7 min 52 s of
+# pytest), approximate sums from its --durations table: faults ~150 s, parity ~110, torchrun
+# ~65, comm ~50, many_nodes ~45, sweep ~40, then compile, checkpoint, dashboard, auto, gpu, cli.
 SHARED_SESSION_FIXTURE = {
     "test_placements.py": "eight_ranks",
     "test_correctness.py": "eight_ranks",
@@ -114,17 +114,17 @@ SHARED_SESSION_FIXTURE = {
 }
 SLOWEST_FIRST = (
     "test_faults.py",
-    "test_auto.py",
-    "test_many_nodes.py",
     "test_parity.py",
-    "test_compile.py",
-    "test_sweep.py",
-    "test_cli.py",
-    "test_gpu_failures.py",
-    "test_dashboard_browser.py",
-    "test_checkpoint.py",
     "test_comm.py",
     "test_torchrun.py",
+    "test_many_nodes.py",
+    "test_sweep.py",
+    "test_compile.py",
+    "test_checkpoint.py",
+    "test_dashboard_browser.py",
+    "test_auto.py",
+    "test_gpu_failures.py",
+    "test_cli.py",
 )
 
 

@@ -91,6 +91,7 @@ def _world_size():
 
 
 def test_a_failing_or_killed_rank_fails_the_call_naming_it_and_leaves_no_process():
+    before = set(multiprocessing.active_children())  # other tests' children (the planner's)
     with pytest.raises(ChildFailedError) as raised:
         run_workers(_rank_1_raises, 2)
     # Rank 0's barrier may fail too once rank 1 left; the launcher still names rank 1 first.
@@ -98,14 +99,14 @@ def test_a_failing_or_killed_rank_fails_the_call_naming_it_and_leaves_no_process
     assert rank == 1 and failure.exitcode == 1
     assert failure.message["message"] == "ValueError: rank 1's own error"
     assert "_rank_1_raises" in failure.message["extraInfo"]["py_callstack"]
-    assert multiprocessing.active_children() == []  # the peer in the barrier was ended too
+    assert set(multiprocessing.active_children()) <= before  # the peer in the barrier too
 
     with pytest.raises(ChildFailedError) as raised:
         run_workers(_rank_1_dies, 2)
     rank, failure = first_failure(raised.value.failures)
     assert rank == 1 and failure.exitcode == -signal.SIGKILL
     assert "Signal 9 (SIGKILL)" in failure.message
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
 
     assert run_workers(_world_size, 3) == {0: 3, 1: 3, 2: 3}
 
