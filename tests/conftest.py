@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,6 +50,43 @@ def run_cli(
     )
 
 
+def run_forked(out_dir: Path, *overrides: str) -> SimpleNamespace:
+    """Run one job of ``overrides`` through the runner's job path (``launch.run_job``:
+    validation, the resolved config, ``_launch_local``, ``run_worker`` on every rank: metrics,
+    summary, logs, checkpoints), its ranks forked by ``distributed.start_ranks`` instead of
+    started by torch's elastic launch (``distributed.forked_launcher``), into ``out_dir``.
+
+    For tests about what a job computes and records; a test about the command line or the
+    launch itself runs ``run_cli``. Returns (returncode, stdout, stderr) of the launching side,
+    like ``run_cli``'s result; the ranks' own output is in ``out_dir/logs``.
+    """
+    from distributed import forked_launcher
+
+    from hsdp_runner.config.compose import compose
+    from hsdp_runner.core.records import RunInfo
+    from hsdp_runner.runtime.launch import run_job
+
+    out, err = io.StringIO(), io.StringIO()
+    with forked_launcher(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_job(
+            compose(list(overrides)),
+            RunInfo(
+                output_dir=str(out_dir),
+                group="tests",
+                run_name=Path(out_dir).name,
+                tags=[],
+                multirun=False,
+                overrides=list(overrides),
+            ),
+        )
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def rank_logs(out_dir: Path) -> str:
+    """Every rank's log of a job dir (rank 0's stderr included, through its sidecar)."""
+    return "".join(p.read_text() for p in sorted((Path(out_dir) / "logs").glob("rank*.log")))
+
+
 def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
     """Return (metrics.jsonl records, summary.json) of a finished job dir."""
     metrics_path, summary_path = out_dir / "metrics.jsonl", out_dir / "summary.json"
@@ -61,9 +101,11 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 
 # Under pytest-xdist (`make test`: two workers) a worker takes a whole file at a time, so a
 # module fixture runs once; files that share a session fixture go to one worker together, or
-# each worker would pay for it. The slowest files start first (seconds on the 2-core machine:
-# 210, 150, 150, 120, 90, 60, 90, 60, 75, 70, 60), so the run does not end with one worker alone on a long
-# file; the others keep their collection order.
+# each worker would pay for it. The slowest files start first, so the run does not end with one
+# worker alone on a long file; the others keep their collection order. The order: each file's
+# time in the 2026-11-25 run of this suite (ranks forked, docs/testing.md; 7 min 52 s of
+# pytest), approximate sums from its --durations table: faults ~150 s, parity ~110, torchrun
+# ~65, comm ~50, many_nodes ~45, sweep ~40, then compile, checkpoint, dashboard, auto, gpu, cli.
 SHARED_SESSION_FIXTURE = {
     "test_placements.py": "eight_ranks",
     "test_correctness.py": "eight_ranks",
@@ -74,15 +116,16 @@ SHARED_SESSION_FIXTURE = {
 SLOWEST_FIRST = (
     "test_faults.py",
     "test_parity.py",
-    "test_checkpoint.py",
     "test_comm.py",
-    "test_sweep.py",
-    "test_options.py",
-    "test_many_nodes.py",
     "test_torchrun.py",
-    "test_auto.py",
+    "test_many_nodes.py",
+    "test_sweep.py",
     "test_compile.py",
+    "test_checkpoint.py",
     "test_dashboard_browser.py",
+    "test_auto.py",
+    "test_gpu_failures.py",
+    "test_cli.py",
 )
 
 
@@ -141,9 +184,10 @@ def eight_ranks() -> dict:
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory) -> Path:
-    """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export."""
+    """A finished single-rank tiny job with checkpoints step-1, step-2 and an fp32 HF export
+    (its rank forked by ``distributed.start_ranks``)."""
     out = tmp_path_factory.mktemp("trained")
-    result = run_cli(
+    result = run_forked(
         out,
         *TINY,
         "parallel=single",

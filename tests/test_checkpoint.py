@@ -1,9 +1,11 @@
-"""Checkpoints: exact resume, crash safety of a save, resharding across layouts (through the CLI),
-for Llama and for GPT-2 (the family added through the model seam)."""
+"""Checkpoints: exact resume, crash safety of a save, resharding across layouts, for Llama and
+for GPT-2 (the family added through the model seam). Each job runs through the runner's job
+path (validation, ``run_job``, ``run_worker``), its ranks forked without torch's elastic
+launch (conftest's ``run_forked``); a SIGKILLed rank ends the job as under the launcher."""
 
 import pytest
 import torch
-from conftest import TINY, read_job, run_cli
+from conftest import TINY, read_job, run_forked
 from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
@@ -37,13 +39,13 @@ def killed_then_resumed(tmp_path_factory):
         "checkpoint.interval=10",
         "checkpoint.keep_last=1",
     ]
-    killed = run_cli(
+    killed = run_forked(
         out, *job, "fault.rank=1", "fault.step=20", "fault.phase=save", "fault.kind=sigkill"
     )
     assert killed.returncode == 1 and "rank 1 failed" in killed.stderr, killed.stderr[-3000:]
     straight, _ = read_job(out)
     listing = sorted(p.name for p in (out / "checkpoints").iterdir())
-    resumed = run_cli(out, *job)
+    resumed = run_forked(out, *job)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return out, straight, listing
 
@@ -77,7 +79,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_cp_ddp_and_single(tmp_path):
     loss is compared with the loss the 8-rank run had at that step.
     """
     job = [*TINY, "trainer.steps=5", *SAVE]
-    ref = run_cli(
+    ref = run_forked(
         tmp_path / "hsdp_tp",
         *job,
         "parallel=hsdp_tp",
@@ -90,7 +92,7 @@ def test_checkpoint_reshards_hsdp_tp_to_fsdp_cp_ddp_and_single(tmp_path):
 
     source = tmp_path / "hsdp_tp" / "checkpoints" / "step-2"
     for layout, first in (("fsdp_cp", 3), ("ddp", 4), ("single", 5)):
-        result = run_cli(
+        result = run_forked(
             tmp_path / layout,
             *job,
             f"parallel={layout}",
@@ -126,7 +128,7 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
         "trainer.steps=4",
         *SAVE,
     ]
-    ref = run_cli(
+    ref = run_forked(
         tmp_path / "fsdp_tp",
         *job,
         "parallel=fsdp_tp",
@@ -137,7 +139,9 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "fsdp_tp")
     source = tmp_path / "fsdp_tp" / "checkpoints" / "step-2"
-    result = run_cli(tmp_path / "single", *job, "parallel=single", f"checkpoint.load_path={source}")
+    result = run_forked(
+        tmp_path / "single", *job, "parallel=single", f"checkpoint.load_path={source}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records, summary = read_job(tmp_path / "single")
     assert summary["loaded_from"] == str(source) and [r["step"] for r in records] == [3, 4]

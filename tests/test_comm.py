@@ -16,13 +16,13 @@ BASE = [
     "logger=none",
     "trainer.global_batch_size=8",
 ]
-# name -> overrides; all on 8 ranks. Each layout costs a model build and a step (~7 s), so each
-# covers a branch of the model the others do not: FSDP alone is hsdp's shard dim, TP alone
-# (with sequence parallel) hsdp_tp's tp dim, full AC without sequence parallel the same rule
-# as full AC with it. Gradient accumulation rides along (a micro-batch more costs little):
+# name -> overrides; all on 8 ranks (tp=8 needs 8 heads and 8 kv heads). Gradient accumulation
+# rides along (a micro-batch more costs little):
 # with trainer.accum_reduce=every a reduce-scatter per micro-batch (TP's partial norm gradients
 # reduced with each) and HSDP's replicate all-reduce once; with last both once; DDP once.
 LAYOUTS = {
+    "fsdp": ["parallel=fsdp", "parallel.dp_shard=8"],
+    "tp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8"],
     "hsdp": [
         "parallel=hsdp",
         "parallel.dp_shard=4",

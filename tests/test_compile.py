@@ -15,10 +15,14 @@ pytestmark = pytest.mark.multiprocess
 def _loss_and_embedding_grad(overrides):
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch._inductor import config as inductor_config
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
 
+    # Inductor's codegen in this process: its default pool of compile subprocesses (one per
+    # CPU, each importing torch) would start in each of the 4 ranks on a 2-core machine.
+    inductor_config.compile_threads = 1
     out = {}
     for compiled in (False, True):
         cfg = compose(overrides + [f"parallel.compile={str(compiled).lower()}"])

@@ -1,4 +1,8 @@
-"""Faults end a job in bounded time with a clear status: NaN, a hung rank, SIGTERM, no orphans."""
+"""Faults end a job in bounded time with a clear status: NaN, a hung rank, SIGTERM, no orphans.
+
+Signals, hangs and kills run CLI jobs (the launcher's handling is what they prove); the NaN
+jobs, a rank's own signal and the reruns that resume run through the runner's job path with
+their ranks forked without torch's elastic launch (conftest's ``run_forked``)."""
 
 import os
 import signal
@@ -9,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, cli_env, read_job, run_cli
+from conftest import REPO, TINY, cli_env, rank_logs, read_job, run_forked
 
 from hsdp_runner.runtime.signals import worker_pids
 
@@ -83,7 +87,7 @@ def remaining(processes: dict[tuple[int, str], str]) -> list[str]:
 
 
 def test_nan_loss_stops_the_run_by_default(job_dir):
-    result = run_cli(
+    result = run_forked(
         job_dir, *TINY, "parallel=fsdp", "fault.rank=1", "fault.step=3", "fault.kind=nan"
     )
     assert result.returncode == 1
@@ -94,7 +98,7 @@ def test_nan_loss_stops_the_run_by_default(job_dir):
 
 
 def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
-    result = run_cli(
+    result = run_forked(
         job_dir,
         *TINY,
         "parallel=fsdp",
@@ -117,7 +121,8 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
     ]
     assert len(tensor_peaks) == len(grown) == 4
     assert all(summary["mem_estimate_gib"]["total"] < t < g for t, g in zip(tensor_peaks, grown))
-    assert "USDT" not in result.stderr and "unknown size" not in result.stderr
+    output = result.stderr + rank_logs(job_dir)  # the ranks' stderr is in their logs
+    assert "USDT" not in output and "unknown size" not in output
 
 
 def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
@@ -250,7 +255,7 @@ def test_sigint_twice_to_the_process_group_checkpoints_and_the_rerun_resumes_and
     assert summary["last_checkpoint"].endswith(f"step-{stopped}")
     assert not (job_dir / "hf").exists() and "rerun the same command to resume" in stderr
 
-    rerun = run_cli(job_dir, *run)
+    rerun = run_forked(job_dir, *run)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["start_step"] == stopped
@@ -270,7 +275,7 @@ def test_sigterm_to_the_workers_only_stops_them_together_and_the_rerun_resumes(t
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
     assert summary["last_checkpoint"].endswith(f"step-{stopped}")
 
-    rerun = run_cli(job_dir, *RUN)
+    rerun = run_forked(job_dir, *RUN)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _, summary = read_job(job_dir)
     assert summary["status"] == "completed" and summary["start_step"] == stopped
@@ -324,7 +329,7 @@ def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(t
 
 
 def test_a_signal_during_the_last_step_completes_the_job(job_dir):
-    result = run_cli(
+    result = run_forked(
         job_dir,
         *TINY,
         "parallel=single",

@@ -1,10 +1,11 @@
 """One job's explainable figures: comm accounting in metrics.jsonl and summary.json, the memory
-estimate and per-rank peaks, and a profiler trace of the chosen step window."""
+estimate and per-rank peaks, and a profiler trace of the chosen step window (the job's ranks
+forked without torch's elastic launch: conftest's ``run_forked``)."""
 
 import json
 
 import pytest
-from conftest import TINY, read_job, run_cli
+from conftest import TINY, read_job, run_forked
 from hydra.core.global_hydra import GlobalHydra
 
 from hsdp_runner.runtime import app
@@ -12,7 +13,7 @@ from hsdp_runner.runtime import app
 
 @pytest.mark.multiprocess
 def test_job_records_comm_memory_and_a_profiler_trace(job_dir):
-    result = run_cli(
+    result = run_forked(
         job_dir,
         *TINY,
         "parallel=fsdp",

@@ -1,5 +1,6 @@
 """Workers forked from the forkserver see the launcher's environment of the moment and
-default signal handling, whatever the server inherited when it started."""
+default signal handling, whatever the server inherited when it started. (These are the
+launcher's workers, started by ``start_local_workers``; ``run_workers`` forks its own.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import signal
 
 import pytest
-from distributed import run_workers
+
+from hsdp_runner.runtime.launch import start_local_workers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,10 +28,12 @@ def _what_a_worker_sees() -> dict:
 
 def test_a_worker_gets_the_launchers_current_environment_and_default_signals(monkeypatch):
     monkeypatch.setenv("HSDP_TEST_GONE", "set when the server may have started")
-    run_workers(_what_a_worker_sees, 1)  # the server exists from here on, with that variable
+    start_local_workers(
+        _what_a_worker_sees, 1
+    )  # the server exists from here on, with that variable
     monkeypatch.setenv("HSDP_TEST_ENV", "set after the server started")
     monkeypatch.delenv("HSDP_TEST_GONE")
-    seen = run_workers(_what_a_worker_sees, 2)
+    seen = start_local_workers(_what_a_worker_sees, 2)
     assert [seen[r]["rank"] for r in (0, 1)] == ["0", "1"]
     for rank in (0, 1):
         assert seen[rank]["env"] == "set after the server started"

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY, cli_env, read_job, run_cli
+from conftest import REPO, TINY, cli_env, read_job, run_forked
 from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
@@ -108,10 +108,11 @@ def test_export_cli_splits_into_shards_with_an_index_above_the_size_limit(
 
 
 def test_training_starts_from_a_safetensors_folder_under_tp(trained_checkpoint, job_dir):
-    """init_from_hf under TP: the first loss is the exported weights' loss on batch 0."""
+    """init_from_hf under TP: the first loss is the exported weights' loss on batch 0 (the job's
+    ranks forked without torch's elastic launch: conftest's ``run_forked``)."""
     from hsdp_runner.train.data import TokenBatches
 
-    result = run_cli(
+    result = run_forked(
         job_dir,
         *TINY,
         "parallel=tp",

@@ -1,29 +1,30 @@
 """`hsdp_runner.parity`: every layout trains the same model as a single process.
 
 One parity run per model family (6 steps, fp32) is shared by the tests below; they also check
-that each preset trained (loss down, metrics, logs) through the real launch path. Tiny Llama
-runs every preset without context parallel, then cp with sequence-parallel TP (2 x 2: each cp
-rank's tokens split again over tp); `make parity` adds cp = 4,
-fsdp_cp and hsdp_cp_tp. Tiny GPT-2 runs the presets that reach every part of its seam at a
-third of the cost: hsdp_tp (its TP/SP plan, FSDP2 units on a 2-D mesh) and cp (learned
-positions in head-tail order); whole replicas (ddp) touch no part of the model that Llama's
-ddp does not; fsdp_tp (strided sharding) is checked by its
-resharding test in test_checkpoint.py, and `make parity PARITY_ARGS=model=gpt2_tiny` runs all
-of them (docs/layouts_and_parity.md).
+that each preset trained (loss down, metrics, logs) through the runner's job path (validation,
+``run_job``, ``run_worker`` on every rank), its ranks forked by tests/distributed.py instead of started by
+torch's elastic launch, which the CLI tests (test_cli.py, test_faults.py, ...) prove. Tiny
+Llama runs every preset: cp alone (2 ranks) and cp with sequence-parallel TP (2 x 2: each cp
+rank's tokens split again over tp); `make parity` adds cp = 4, fsdp_cp and hsdp_cp_tp. Tiny
+GPT-2 runs the presets that reach every part of its seam: ddp (whole replicas), hsdp_tp (its
+TP/SP plan, FSDP2 units on a 2-D mesh) and cp (learned positions in head-tail order); fsdp_tp
+(strided sharding) is checked by its resharding test in test_checkpoint.py, and `make parity
+PARITY_ARGS=model=gpt2_tiny` runs all of them (docs/layouts_and_parity.md).
 The DDP-implementation, HSDP-over-cp, bf16 and gradient-accumulation comparisons (each
 ``trainer.accum_reduce`` against one micro-batch, and the tensor peak falling with more
-micro-batches), which are about the numerics and not the launch path, train in one set of four
+micro-batches), which are about the numerics and not the job path, train in one set of four
 in-process workers.
 """
 
+import contextlib
+import io
 import re
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, cli_env, read_job
-from distributed import run_workers
+from conftest import REPO, read_job
+from distributed import forked_launcher, run_workers
 from test_config import compose
 
 from hsdp_runner import parity as parity_cli
@@ -39,9 +40,6 @@ WORLD = {
     "cp": 2,
     "cp:parallel.tp=2": 4,
 }
-# Llama's context parallel runs with sequence-parallel TP (cp alone: GPT-2's, and the attention
-# on 2 and 4 ranks in test_context_parallel.py).
-LLAMA_LAYOUTS = tuple(name for name in WORLD if name != "cp")
 METRIC_KEYS = {
     "step",
     "loss",
@@ -65,35 +63,31 @@ def rel_diffs(a, b, key="loss"):
 
 
 # One family each (the second one, GPT-2, came in through the model seam alone): its layouts.
-MODELS = {"llama3_tiny": LLAMA_LAYOUTS, "gpt2_tiny": ("single", "hsdp_tp", "cp")}
+MODELS = {"llama3_tiny": tuple(WORLD), "gpt2_tiny": ("single", "ddp", "hsdp_tp", "cp")}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def parity(request, tmp_path_factory):
-    """``python -m hsdp_runner.parity`` over one tiny model's layouts: (output dir, completed
-    process, the layouts)."""
+    """``hsdp_runner.parity`` over one tiny model's layouts, each job through the runner's job
+    path with its ranks forked by ``distributed.forked_launcher``: (output dir, the
+    exit code and what the parity run printed, the layouts)."""
     out = tmp_path_factory.mktemp(f"parity_{request.param}")
     layouts = MODELS[request.param]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hsdp_runner.parity",
-            "--steps",
-            str(STEPS),
-            "--layouts",
-            ",".join(layouts),
-            "--out",
-            str(out),
-            f"model={request.param}",
-            *LR,
-        ],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    printed, errors = io.StringIO(), io.StringIO()
+    with forked_launcher(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = parity_cli.main(
+            [
+                "--steps",
+                str(STEPS),
+                "--layouts",
+                ",".join(layouts),
+                "--out",
+                str(out),
+                f"model={request.param}",
+                *LR,
+            ]
+        )
+    result = SimpleNamespace(returncode=code, stdout=printed.getvalue(), stderr=errors.getvalue())
     return out, result, layouts
 
 
@@ -117,7 +111,7 @@ def test_every_layout_matches_single_process_within_1e5(parity):
 
 
 @pytest.mark.multiprocess
-def test_each_preset_trained_through_the_launch_path(parity):
+def test_each_preset_trained_through_the_job_path(parity):
     out, _, layouts = parity
     for layout in layouts:
         job = out / layout.replace(":", "+")
