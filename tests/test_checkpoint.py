@@ -178,12 +178,12 @@ def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
     from hsdp_runner import export
 
     job = [*TINY, "trainer.steps=4", *SAVE]
-    ref = run_cli(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2")
+    ref = run_forked(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2")
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "pp")
     source = tmp_path / "pp" / "checkpoints" / "step-2"
     for layout, first in (("single", 3), ("pp", 4)):
-        result = run_cli(
+        result = run_forked(
             tmp_path / f"{layout}_resumed",
             *job,
             f"parallel={layout}",
