@@ -293,3 +293,68 @@ def test_parity_skips_the_pipeline_layouts_a_model_is_too_shallow_for():
     assert reason("pp", "model=llama3_tiny") is None
     assert "model.n_layers=2 cannot split over 4" in reason("pp:parallel.pp=4", "model=llama3_tiny")
     assert reason("pp:parallel.pp=4", "model=llama3_tiny", "model.n_layers=4") is None
+
+
+def test_default_pp_degrees_are_powers_of_two_of_whole_nodes_and_four_blocks_or_more():
+    from hsdp_runner.planner.pipeline import default_pp_degrees, pp_degrees
+
+    assert default_pp_degrees(nodes=32, n_layers=80) == [1, 2, 4, 8, 16]
+    assert default_pp_degrees(nodes=32, n_layers=32) == [1, 2, 4, 8]
+    assert default_pp_degrees(nodes=12, n_layers=48) == [1, 2, 4]
+    assert default_pp_degrees(nodes=1, n_layers=80) == [1]  # a stage is whole nodes
+    assert default_pp_degrees(nodes=4, n_layers=2) == [1]  # tiny models plan no pipeline
+    assert pp_degrees([1, 4], nodes=4, n_layers=8) == [1, 4]
+
+
+def test_auto_plans_pipeline_degrees_and_applies_a_pp_choice(tmp_path, monkeypatch):
+    """``parallel=auto`` (pp = -1) plans the default pp degrees beside pp = 1 and writes a
+    pipeline row's pp, schedule and micro-batches into the job's config, which then validates
+    for the job's ranks; an explicit pp is a constraint, and checkpoint settings a pipeline
+    cannot honour keep pp at 1. Measurements are faked (no child process)."""
+    from clusters import fake_cluster
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.planner import auto, mem_phases
+    from hsdp_runner.planner import memory as plan_memory
+
+    monkeypatch.setattr(plan_memory, "measure", lambda requests: [{} for _ in requests])
+    monkeypatch.setattr(mem_phases, "extrapolate", lambda measured, n_layers: {"0/loss": {}})
+    job = [
+        "parallel=auto",
+        "model=llama3_tiny",
+        "model.n_layers=8",
+        "trainer.global_batch_size=8",
+        "cluster=h100_sxm",
+    ]
+    cluster = fake_cluster(nodes=2, gpus_per_node=2)
+    cfg = compose(job)
+    assert auto.planned_pp(to_run_config(cfg), cluster) == [1, 2]
+    rows = auto.plan_with_pipelines(cfg, cluster, {}, {})
+    piped = [r for r in rows if r["overrides"].get("parallel.pp") == 2]
+    flat = [r for r in rows if "parallel.pp" not in r["overrides"]]
+    assert piped and flat and [r["rank"] for r in rows if r["valid"]][:3] == [1, 2, 3]
+    schedules = {r["overrides"]["parallel.pp_schedule"] for r in piped}
+    assert schedules == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"}
+    best = min(piped, key=lambda r: r["step_time_s"])
+    auto.apply_choice(cfg, best["overrides"], tmp_path / "plan.json", cfg.cluster)
+    run = to_run_config(cfg)
+    assert (
+        run.parallel.pp == 2
+        and run.parallel.pp_schedule.value == best["overrides"]["parallel.pp_schedule"]
+    )
+    assert run.parallel.pp_microbatches == 4
+    dims = ParallelDims.from_config(run.parallel, run.model, 4, ranks_per_node=2)
+    assert dims.pp == 2 and dims.dims_across_nodes()[0] == "pp"
+    # A pp = 1 row leaves no -1 behind.
+    again = compose(job)
+    auto.apply_choice(again, flat[0]["overrides"], tmp_path / "plan.json", again.cluster)
+    assert to_run_config(again).parallel.pp == 1
+    # An explicit pp is planned alone; one the nodes cannot hold is refused, naming the key.
+    assert auto.planned_pp(to_run_config(compose(job + ["parallel.pp=2"])), cluster) == [2]
+    with pytest.raises(ConfigError, match="parallel.pp=4 with parallel=auto on 2 node"):
+        auto.planned_pp(to_run_config(compose(job + ["parallel.pp=4"])), cluster)
+    exporting = to_run_config(compose(job + ["checkpoint.export_at_end=true"]))
+    assert auto.planned_pp(exporting, cluster) == [1]
+    saving = compose(job + ["checkpoint.enable=true"])
+    kept = auto.plan_with_pipelines(saving, cluster, {}, {})
+    assert {r["overrides"].get("parallel.pp_stages_per_rank", 1) for r in kept} == {1}
