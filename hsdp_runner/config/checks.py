@@ -185,25 +185,17 @@ def validate_config(cfg: RunConfig) -> None:
 def _validate_pipeline_checkpoint(c: RunConfig) -> None:
     """Refuse what the checkpointer cannot do under pipeline parallel yet (``pipeline_refusal``);
     ``parallel.pp=-1`` (``parallel=auto``: the planner chooses) is checked per planned degree."""
-    problem = pipeline_refusal(c, c.parallel.pp, c.parallel.pp_stages_per_rank)
+    problem = pipeline_refusal(c, c.parallel.pp)
     if problem:
         raise ConfigError(problem)
 
 
-def pipeline_refusal(c: RunConfig, pp: int, stages_per_rank: int) -> str | None:
-    """Why config ``c`` cannot run ``pp`` stages of ``stages_per_rank`` per rank with its
-    checkpoint settings (a message naming key, value and fix), or None: several stages per
-    rank (the checkpointer saves one module), and whole-model gathers (HF export at the end,
-    HF import)."""
+def pipeline_refusal(c: RunConfig, pp: int) -> str | None:
+    """Why config ``c`` cannot run ``pp`` pipeline stages with its checkpoint settings (a message naming key, value and fix), or None: the whole-model
+    gathers of the HF export at the end and the HF import (rank 0 holds one stage). Any
+    number of stages per rank checkpoints (``pipeline.merged_view``)."""
     if pp in (1, -1):
         return None
-    if stages_per_rank > 1 and (c.checkpoint.enable or c.checkpoint.load_path):
-        return (
-            f"parallel.pp_stages_per_rank={stages_per_rank} with checkpoints: "
-            "checkpoints of interleaved schedules are not supported yet; set "
-            "checkpoint.enable=false and checkpoint.load_path=null, or use one stage per rank "
-            "(parallel.pp_schedule=1f1b or gpipe)"
-        )
     if c.checkpoint.export_at_end:
         return (
             f"checkpoint.export_at_end=true with parallel.pp={pp}: the end-of-run export "

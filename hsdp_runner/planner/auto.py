@@ -179,7 +179,7 @@ def planned_pp(run: RunConfig, cluster: Cluster) -> list[int]:
             )
         return [pp]
     degrees = pp_degrees(run.plan.pp_degrees, cluster.nodes, run.model.n_layers)
-    return [d for d in degrees if d == 1 or pipeline_refusal(run, d, 1) is None]
+    return [d for d in degrees if d == 1 or pipeline_refusal(run, d) is None]
 
 
 def plan_with_pipelines(cfg: DictConfig, cluster: Cluster, axes: dict, fixed: dict) -> list[dict]:
@@ -199,14 +199,11 @@ def plan_with_pipelines(cfg: DictConfig, cluster: Cluster, axes: dict, fixed: di
             if pp == 1:
                 rows += plan_layouts(flat, cluster, axes, fixed)
                 continue
-            staged = pipeline_entries(
+            rows += pipeline_entries(
                 flat, cluster, pp, lambda c, cl: plan_layouts(c, cl, axes, fixed)
             )
         except ConfigError as err:
             errors.append(str(err))
-            continue
-        per_rank = "parallel.pp_stages_per_rank"
-        rows += [r for r in staged if pipeline_refusal(run, pp, r["overrides"][per_rank]) is None]
     if not rows:
         raise ConfigError("; ".join(errors) or "no pipeline layout is valid for this job")
     plan_report.rank(rows)
