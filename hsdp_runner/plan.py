@@ -36,7 +36,7 @@ from hsdp_runner.planner.layouts import (
     check_plan_options,
     plan_layouts,
 )
-from hsdp_runner.planner.pipeline import check_pp_degrees, pipeline_entries
+from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
 
 AXES_PREFIX = "plan.axes."
 
@@ -110,9 +110,9 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     run = to_run_config(cfg)
     check_plan_options(run.plan)
     cluster = resolve(run.cluster, run.precision.param_dtype)
-    check_pp_degrees(list(run.plan.pp_degrees), cluster.nodes, run.model.n_layers)
+    degrees = pp_degrees(run.plan.pp_degrees, cluster.nodes, run.model.n_layers)
     entries = plan_layouts(cfg, cluster, axes)
-    for pp in sorted(set(run.plan.pp_degrees) - {1}):
+    for pp in [d for d in degrees if d > 1]:
         entries += pipeline_entries(cfg, cluster, pp, lambda c, cl: plan_layouts(c, cl, axes))
     plan_report.rank(entries)
     return cluster.describe(), entries

@@ -173,29 +173,33 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
 def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
     """A 2-stage pipeline job's step-2 checkpoint (each stage saved its own parameters, named
     as in the whole model) continues in one process with the pipeline's losses; that job's
-    step-3 checkpoint continues under the pipeline again; the pipeline's last checkpoint
-    exports to a Hugging Face folder holding every parameter."""
+    step-3 checkpoint continues under an interleaved pipeline (2 stages per rank, saved and
+    loaded through one view of both chunks); the pipeline's last checkpoint exports to a
+    Hugging Face folder holding every parameter."""
     from hsdp_runner import export
 
-    job = [*TINY, "trainer.steps=4", *SAVE]
+    job = [*TINY, "model.n_layers=4", "trainer.steps=4", *SAVE]
+    interleaved = "pp:parallel.pp_schedule=interleaved_1f1b:parallel.pp_stages_per_rank=2"
     ref = run_forked(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2")
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "pp")
     source = tmp_path / "pp" / "checkpoints" / "step-2"
-    for layout, first in (("single", 3), ("pp", 4)):
+    for layout, first in (("single", 3), (interleaved, 4)):
+        name, *extra = layout.split(":")
         result = run_forked(
-            tmp_path / f"{layout}_resumed",
+            tmp_path / f"{name}_resumed",
             *job,
-            f"parallel={layout}",
+            f"parallel={name}",
+            *extra,
             f"checkpoint.interval={first}",
             f"checkpoint.load_path={source}",
         )
         assert result.returncode == 0, (layout, result.stderr[-3000:])
-        records, summary = read_job(tmp_path / f"{layout}_resumed")
+        records, summary = read_job(tmp_path / f"{name}_resumed")
         assert summary["loaded_from"] == str(source) and records[0]["step"] == first
         for r in records:
             assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), layout
-        source = tmp_path / f"{layout}_resumed" / "checkpoints" / f"step-{first}"
+        source = tmp_path / f"{name}_resumed" / "checkpoints" / f"step-{first}"
 
     step4 = tmp_path / "pp" / "checkpoints" / "step-4"
     assert export.main([str(step4), str(tmp_path / "hf"), "--dtype", "float32"]) == 0

@@ -135,14 +135,14 @@ CASES = {
         "gpt2_4",
         _case("gpt2_tiny", 4, *PP, "parallel.pp=4", "parallel.pp_schedule=gpipe"),
     ),
-    "llama_pp2_fsdp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.dp_shard=2")),
-    "gpt2_pp2_tp2": (4, "gpt2_2", _case("gpt2_tiny", 2, *PP, "parallel.tp=2")),
-    "llama_pp2_cp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.cp=2")),
+    "llama_pp2_fsdp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.dp_shard=2", COMM)),
+    "gpt2_pp2_tp2": (4, "gpt2_2", _case("gpt2_tiny", 2, *PP, "parallel.tp=2", COMM)),
+    "llama_pp2_cp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.cp=2", COMM)),
 }
 # The composed cases ride in conftest's shared eight-rank run (``eight_ranks``).
 EIGHT_RANK_CASES = {
-    "llama_pp2_fsdp2_tp2": _case("llama3_tiny", 2, "parallel=pp_fsdp_tp"),
-    "gpt2_pp2_hsdp": _case("gpt2_tiny", 2, "parallel=pp_hsdp", "parallel.pp_schedule=gpipe"),
+    "llama_pp2_fsdp2_tp2": _case("llama3_tiny", 2, "parallel=pp_fsdp_tp", COMM),
+    "gpt2_pp2_hsdp": _case("gpt2_tiny", 2, "parallel=pp_hsdp", "parallel.pp_schedule=gpipe", COMM),
 }
 EIGHT_RANK_BASELINE = {"llama_pp2_fsdp2_tp2": "llama2", "gpt2_pp2_hsdp": "gpt2_2"}
 BASELINES = {
@@ -187,15 +187,37 @@ def test_pipeline_composed_with_fsdp_tp_and_hsdp_trains_what_one_process_trains(
 ):
     records = eight_ranks[0]["pipeline"][case][0]
     _assert_equal(records, runs[EIGHT_RANK_BASELINE[case]])
+    _assert_comm_modelled([eight_ranks[r]["pipeline"][case][1] for r in range(8)], alone=False)
+
+
+def _assert_comm_modelled(comm: list[dict], alone: bool) -> None:
+    """Measured communication equals the analytic model on every rank: exactly for pp alone;
+    inside composed stages every collective the model counts carries its bytes and calls, and
+    what it leaves out (``comm_model``: clip_grad_norm_'s per-parameter norm all-reduce, TP's
+    repeated norm-gradient all-reduces) stays small and is an all-reduce."""
+    for rank, facts in enumerate(comm):
+        measured, analytic = facts["comm_measured"], facts["comm_analytic"]
+        if alone:
+            assert measured == analytic, rank
+            assert facts["comm_ratio"] == 1.0
+            continue
+        assert facts["comm_ratio"] == pytest.approx(1.0, abs=0.01), (rank, facts)
+        assert "send/pp" in analytic and len(analytic) > 3, (rank, analytic)
+        for key, want in analytic.items():
+            got = measured[key]
+            if key.startswith("all_reduce/") and key != "all_reduce/pp":
+                assert got["bytes"] >= want["bytes"] and got["calls"] >= want["calls"], (rank, key)
+            else:
+                assert got == want, (rank, key, facts)
+        for key in set(measured) - set(analytic):
+            assert measured[key]["bytes"] < 0.001 * facts["comm_bytes_analytic"], (key, facts)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", [name for name, c in CASES.items() if COMM in c[2]])
 def test_stage_to_stage_sends_equal_the_analytic_model_on_every_rank(runs, case):
     comm = runs[f"{case}/comm"]
-    for rank, facts in enumerate(comm):
-        assert facts["comm_measured"] == facts["comm_analytic"], rank
-        assert facts["comm_ratio"] == 1.0
+    _assert_comm_modelled(comm, alone=CASES[case][0] == 2 or "parallel.pp=4" in CASES[case][2])
     # 1F1B on 2 stages: 4 micro-batches of 2 rows x 32 tokens x 64 fp32 each way.
     if case == "llama_1f1b":
         assert comm[0]["comm_measured"]["send/pp"] == {"calls": 4, "bytes": 4 * 2 * 32 * 64 * 4}
@@ -271,3 +293,65 @@ def test_parity_skips_the_pipeline_layouts_a_model_is_too_shallow_for():
     assert reason("pp", "model=llama3_tiny") is None
     assert "model.n_layers=2 cannot split over 4" in reason("pp:parallel.pp=4", "model=llama3_tiny")
     assert reason("pp:parallel.pp=4", "model=llama3_tiny", "model.n_layers=4") is None
+
+
+def test_default_pp_degrees_are_powers_of_two_of_whole_nodes_and_four_blocks_or_more():
+    from hsdp_runner.planner.pipeline import default_pp_degrees, pp_degrees
+
+    assert default_pp_degrees(nodes=32, n_layers=80) == [1, 2, 4, 8, 16]
+    assert default_pp_degrees(nodes=32, n_layers=32) == [1, 2, 4, 8]
+    assert default_pp_degrees(nodes=12, n_layers=48) == [1, 2, 4]
+    assert default_pp_degrees(nodes=1, n_layers=80) == [1]  # a stage is whole nodes
+    assert default_pp_degrees(nodes=4, n_layers=2) == [1]  # tiny models plan no pipeline
+    assert pp_degrees([1, 4], nodes=4, n_layers=8) == [1, 4]
+
+
+def test_auto_plans_pipeline_degrees_and_applies_a_pp_choice(tmp_path, monkeypatch):
+    """``parallel=auto`` (pp = -1) plans the default pp degrees beside pp = 1 and writes a
+    pipeline row's pp, schedule and micro-batches into the job's config, which then validates
+    for the job's ranks; an explicit pp is a constraint, and checkpoint settings a pipeline
+    cannot honour (the end-of-run HF export) keep pp at 1. Measurements are faked (no child process)."""
+    from clusters import fake_cluster
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.planner import auto, mem_phases
+    from hsdp_runner.planner import memory as plan_memory
+
+    monkeypatch.setattr(plan_memory, "measure", lambda requests: [{} for _ in requests])
+    monkeypatch.setattr(mem_phases, "extrapolate", lambda measured, n_layers: {"0/loss": {}})
+    job = [
+        "parallel=auto",
+        "model=llama3_tiny",
+        "model.n_layers=8",
+        "trainer.global_batch_size=8",
+        "cluster=h100_sxm",
+    ]
+    cluster = fake_cluster(nodes=2, gpus_per_node=2)
+    cfg = compose(job)
+    assert auto.planned_pp(to_run_config(cfg), cluster) == [1, 2]
+    rows = auto.plan_with_pipelines(cfg, cluster, {}, {})
+    piped = [r for r in rows if r["overrides"].get("parallel.pp") == 2]
+    flat = [r for r in rows if "parallel.pp" not in r["overrides"]]
+    assert piped and flat and [r["rank"] for r in rows if r["valid"]][:3] == [1, 2, 3]
+    schedules = {r["overrides"]["parallel.pp_schedule"] for r in piped}
+    assert schedules == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"}
+    best = min(piped, key=lambda r: r["step_time_s"])
+    auto.apply_choice(cfg, best["overrides"], tmp_path / "plan.json", cfg.cluster)
+    run = to_run_config(cfg)
+    assert (
+        run.parallel.pp == 2
+        and run.parallel.pp_schedule.value == best["overrides"]["parallel.pp_schedule"]
+    )
+    assert run.parallel.pp_microbatches == 4
+    dims = ParallelDims.from_config(run.parallel, run.model, 4, ranks_per_node=2)
+    assert dims.pp == 2 and dims.dims_across_nodes()[0] == "pp"
+    # A pp = 1 row leaves no -1 behind.
+    again = compose(job)
+    auto.apply_choice(again, flat[0]["overrides"], tmp_path / "plan.json", again.cluster)
+    assert to_run_config(again).parallel.pp == 1
+    # An explicit pp is planned alone; one the nodes cannot hold is refused, naming the key.
+    assert auto.planned_pp(to_run_config(compose(job + ["parallel.pp=2"])), cluster) == [2]
+    with pytest.raises(ConfigError, match="parallel.pp=4 with parallel=auto on 2 node"):
+        auto.planned_pp(to_run_config(compose(job + ["parallel.pp=4"])), cluster)
+    exporting = to_run_config(compose(job + ["checkpoint.export_at_end=true"]))
+    assert auto.planned_pp(exporting, cluster) == [1]

@@ -53,6 +53,7 @@ ALLOWED = {
     "planner/layouts.py::plan_layouts(cfg)": "a Scenario of the composed config",
     "planner/pipeline.py::pipeline_entries(cfg)": "a stage's copy of the composed config",
     "planner/auto.py::plan_job(cfg)": "writes the plan's choice into the composed config",
+    "planner/auto.py::plan_with_pipelines(cfg)": "copies of the composed config: a flat one and its stages",
     "planner/auto.py::apply_choice(cfg)": "writes the plan's choice into the composed config",
     "planner/auto.py::apply_choice(node)": "a preset's node, or the dict rank 0 published",
     "planner/auto.py::adopt_plan(cfg)": "writes the plan's choice into the composed config",

@@ -57,6 +57,7 @@ from hsdp_runner.config.schema import CheckpointConfig, DataConfig, PrecisionCon
 from hsdp_runner.core.choices import FaultPhase, StartSource
 from hsdp_runner.core.faults import inject_fault
 from hsdp_runner.distributed import float8
+from hsdp_runner.distributed.pipeline import merged_view
 from hsdp_runner.models.base import ModelConfig, model_fields
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.train.trainer import Trainer
@@ -148,7 +149,7 @@ class Checkpointer:
         self.ckpt, self.model_cfg = ckpt_cfg, model
         self.dims, self.device = trainer.dims, trainer.device
         self.model, self.optimizer, self.scheduler = (
-            trainer.model,
+            merged_view(trainer.parts),  # a pipeline rank's stage chunks, by their names
             trainer.optimizer,
             trainer.scheduler,
         )

@@ -184,30 +184,32 @@ def validate_config(cfg: RunConfig) -> None:
 
 
 def _validate_pipeline_checkpoint(c: RunConfig) -> None:
-    """Refuse what the checkpointer cannot do under pipeline parallel yet: several stages per
-    rank (it saves one module), and whole-model gathers (HF export at the end, HF import)."""
-    pp = c.parallel.pp
-    if pp == 1:
-        return
-    if c.parallel.pp_stages_per_rank > 1 and (c.checkpoint.enable or c.checkpoint.load_path):
-        raise ConfigError(
-            f"parallel.pp_stages_per_rank={c.parallel.pp_stages_per_rank} with checkpoints: "
-            "checkpoints of interleaved schedules are not supported yet; set "
-            "checkpoint.enable=false and checkpoint.load_path=null, or use one stage per rank "
-            "(parallel.pp_schedule=1f1b or gpipe)"
-        )
+    """Refuse what the checkpointer cannot do under pipeline parallel yet (``pipeline_refusal``);
+    ``parallel.pp=-1`` (``parallel=auto``: the planner chooses) is checked per planned degree."""
+    problem = pipeline_refusal(c, c.parallel.pp)
+    if problem:
+        raise ConfigError(problem)
+
+
+def pipeline_refusal(c: RunConfig, pp: int) -> str | None:
+    """Why config ``c`` cannot run ``pp`` pipeline stages with its checkpoint settings (a message naming key, value and fix), or None: the whole-model
+    gathers of the HF export at the end and the HF import (rank 0 holds one stage). Any
+    number of stages per rank checkpoints (``pipeline.merged_view``)."""
+    if pp in (1, -1):
+        return None
     if c.checkpoint.export_at_end:
-        raise ConfigError(
+        return (
             f"checkpoint.export_at_end=true with parallel.pp={pp}: the end-of-run export "
             "gathers one stage only; set checkpoint.export_at_end=false and export the "
             "checkpoint with python -m hsdp_runner.export <checkpoint> <out_dir>"
         )
     if c.checkpoint.init_from_hf:
-        raise ConfigError(
+        return (
             f"checkpoint.init_from_hf with parallel.pp={pp} is not supported yet; start from "
             "the Hugging Face folder under parallel.pp=1, save a checkpoint and resume it "
             "with checkpoint.load_path under pp"
         )
+    return None
 
 
 def validate_float8(precision: PrecisionConfig, tp: int = 1) -> None:

@@ -223,8 +223,9 @@ class PlanConfig:
     out_dir: Optional[str] = None
     layers_measured: list = field(default_factory=lambda: [1, 2])
     cp_degrees: Optional[list] = None  # null: every cp the sequence and the node allow
-    # Pipeline degrees priced beside the pp = 1 layouts (planner/pipeline.py); [1]: none.
-    pp_degrees: list = field(default_factory=lambda: [1])
+    # Pipeline degrees priced beside the pp = 1 layouts (planner/pipeline.py); [1]: none;
+    # null: 1 and the powers of two dividing the nodes and the blocks (default_pp_degrees).
+    pp_degrees: Optional[list] = None
 
 
 @dataclass

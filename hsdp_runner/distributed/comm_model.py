@@ -43,13 +43,21 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
   output, which backward never needs. ``selective`` saves their outputs (``sharding.apply_ac``)
   and repeats none.
-- Pipeline parallel (pp alone: with data, tensor or context parallel inside the stages the
-  model does not yet restrict their collectives to the rank's stage, and the trainer counts
-  nothing): per micro-batch, each of the rank's stages but the last sends its output hidden
-  state (micro-batch rows x seq_len x dim, in the compute dtype) to the next stage, and each
-  but the first sends the gradient of its input (the same size) back; the grad norm's squares
-  are summed over ``pp`` (one fp32). The first step also sends the stages' shape metadata
-  (torch's runtime shape inference): count a later one (``metrics.comm_step=2``).
+- Pipeline parallel: everything above is counted per stage the rank holds (its blocks, the
+  embedding on the first stage, the output layer and logits on the last; ``unit_sizes`` with
+  ``stage``), over ``pp_microbatches`` micro-batches of ``global_batch / dp / m`` rows. Per
+  micro-batch, each of the rank's stages but the last sends its output hidden state (rows x
+  seq_len / cp x dim in the compute dtype, / tp when sequence parallel leaves it
+  sequence-sharded) to the next stage, and each but the first sends the gradient of its input
+  (the same size) back. torch's schedules reduce FSDP's gradients once a step, after the last
+  micro-batch (``PipelineStage.perform_reduce_grad``, whatever ``trainer.accum_reduce``; the
+  norms' TP partial gradients with them), and keep the parameters gathered after each
+  micro-batch's backward: a block resharded after forward is gathered 1 + m times a step, the
+  root once (``_stage_data_parallel``). TP and CP collectives run per micro-batch. The grad
+  norm's squares are summed over ``pp`` (one fp32). The first step also sends the stages'
+  shape metadata (torch's runtime shape inference): count a later one
+  (``metrics.comm_step=2``). Not covered: the zero-bubble schedule with FSDP inside the stages
+  (``pipeline_comm_modelled``).
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).
 
@@ -69,12 +77,18 @@ from collections import defaultdict
 from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
-from hsdp_runner.core.choices import AC, AccumReduce
+from hsdp_runner.core.choices import AC, AccumReduce, PPSchedule
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.step_stats import STATS_BYTES
-from hsdp_runner.models.base import ModelConfig, block_prefix, build_meta_model, model_spec
+from hsdp_runner.models.base import (
+    ModelConfig,
+    block_prefix,
+    build_meta_model,
+    model_spec,
+    stage_blocks,
+)
 from hsdp_runner.models.params import frozen_names, torch_dtype
 
 
@@ -99,18 +113,28 @@ def _local_params(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel:
 
 
 def unit_sizes(
-    model_cfg: ModelConfig, dims: ParallelDims, freeze=(), sequence_parallel: bool = True
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    freeze=(),
+    sequence_parallel: bool = True,
+    stage: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Elements per FSDP unit ('<blocks>.<i>', e.g. 'layers.0', or 'root'): (all parameters,
     trainable ones).
 
     Sizes are one TP rank's part of each parameter (``ModelSpec.tp_split_dim``), dim 0 padded
-    to a multiple of ``dp_shard x cp`` (the FSDP shard degree) as FSDP pads it.
+    to a multiple of ``dp_shard x cp`` (the FSDP shard degree) as FSDP pads it. With
+    ``stage`` (a pipeline stage index of ``dims.pp_stages``), only that stage's parameters
+    (``models/base.keep_stage``); a stage without embeddings or output layer has no root unit.
     """
-    params = dict(build_meta_model(model_cfg).named_parameters())
+    model = build_meta_model(model_cfg)
+    params = dict(model.named_parameters())
+    blocks = block_prefix(model) + "."
     frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel):
+        if stage is not None and not _on_stage(model, name, blocks, stage, dims):
+            continue
         units[unit][0] += numel
         units[unit][1] += 0 if name in frozen else numel
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
@@ -138,6 +162,16 @@ def float8_weight_sizes(
         ):
             sizes[unit].append(numel)
     return dict(sizes)
+
+
+def _on_stage(model, name: str, blocks: str, stage: int, dims: ParallelDims) -> bool:
+    """Whether parameter ``name`` of the unsplit ``model`` lives on pipeline ``stage``."""
+    if name.startswith(blocks):
+        block = int(name[len(blocks) :].split(".")[0])
+        return block in stage_blocks(len(model.blocks()), dims.pp_stages)[stage]
+    first, last = model.pipeline_ends()
+    top = name.split(".")[0]
+    return (stage == 0 and top in first) or (stage == dims.pp_stages - 1 and top in last)
 
 
 class _Tally:
@@ -169,7 +203,7 @@ def analytic_comm(
     if dims.pp > 1:
         if not pipeline_comm_modelled(dims):
             raise ValueError(f"no communication model for layout {dims.layout}")
-        _pipeline(tally, model_cfg, dims, _dtype_bytes(precision.param_dtype), trainer, pp_rank)
+        _pipeline(tally, model_cfg, dims, parallel, precision, trainer, pp_rank)
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
         return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
     accum = trainer.grad_accum_steps
@@ -222,28 +256,84 @@ def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
 
 
 def pipeline_comm_modelled(dims: ParallelDims) -> bool:
-    """True when ``analytic_comm`` covers the layout: any layout without pp, and pp alone."""
-    return dims.pp == 1 or dims.world_size == dims.pp
+    """True when ``analytic_comm`` covers the layout: every layout but a zero-bubble schedule
+    with FSDP inside the stages, whose split backward (input, then weights) may gather the
+    parameters on another pattern than ``_stage_data_parallel`` counts (not measured yet)."""
+    return not (dims.pp_schedule is PPSchedule["interleaved_zb"] and dims.dp_shard_cp > 1)
 
 
 def _pipeline(
     tally: _Tally,
     model_cfg: ModelConfig,
     dims: ParallelDims,
-    compute: int,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
     trainer: TrainerConfig,
     pp_rank: int,
 ) -> None:
-    """The stage-to-stage sends of the rank at ``pp`` coordinate ``pp_rank`` and the grad
-    norm's all-reduce over ``pp`` (module docstring)."""
-    m = dims.pp_microbatches
-    rows = trainer.global_batch_size // dims.dp // m
-    hidden = rows * model_cfg.seq_len * model_cfg.dim * compute  # one micro-batch's
+    """What the rank at ``pp`` coordinate ``pp_rank`` sends in a step: for each of its stages
+    the stage-to-stage sends and the collectives of the data, context and tensor parallel
+    dims inside the stage, then the grad norm's all-reduce over ``pp`` (module docstring)."""
+    m, compute = dims.pp_microbatches, _dtype_bytes(precision.param_dtype)
+    rows = trainer.global_batch_size // dims.dp  # the rank's rows a step, over micro-batches
+    tokens = rows * model_cfg.seq_len // dims.cp
+    sharded = dims.tp > 1 and parallel.sequence_parallel  # stage outputs are sequence-sharded
+    hidden = rows // m * model_cfg.seq_len // dims.cp * model_cfg.dim * compute
+    hidden //= dims.tp if sharded else 1
     last = dims.pp_stages - 1
+    blocks = stage_blocks(model_cfg.n_layers, dims.pp_stages)
     for stage in (pp_rank + i * dims.pp for i in range(dims.pp_stages_per_rank)):
-        sends = (stage != last) + (stage != 0)  # activations forward, gradients back
+        ends = (stage == 0, stage == last)
+        sends = (not ends[1]) + (not ends[0])  # activations forward, gradients back
         tally.add("send/pp", sends * m, sends * m * hidden)
+        units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel, stage)
+        _stage_data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, m)
+        layers = len(blocks[stage])
+        if dims.cp > 1:
+            _context_parallel(
+                tally, model_cfg, dims, rows, compute, m, parallel.ac == AC.full, layers
+            )
+        if dims.tp > 1:
+            _tensor_parallel(
+                tally,
+                model_cfg,
+                tokens,
+                parallel.sequence_parallel,
+                compute,
+                m,
+                parallel.ac == AC.full,
+                1,
+                layers,
+                ends,
+            )
     tally.add("all_reduce/pp", 1, 4)
+
+
+def _stage_data_parallel(
+    tally: _Tally,
+    units: dict,
+    dims: ParallelDims,
+    reshard: bool,
+    precision: PrecisionConfig,
+    m: int,
+) -> None:
+    """FSDP/HSDP/DDP collectives of one pipeline stage's ``units`` over ``m`` micro-batches.
+
+    torch's schedules keep a stage's parameters gathered after each micro-batch's backward
+    and reduce its gradients once, after the last one (``PipelineStage.
+    backward_maybe_with_nosync`` and ``perform_reduce_grad``). So a block resharded after
+    forward is gathered again only by the action after a forward: with every stage's actions
+    ending in a backward, that is once per micro-batch, plus the first forward's gather
+    (1 + m a step, whatever the schedule's order); without resharding, and for the root
+    (never resharded after forward), once a step.
+    """
+    gather = _dtype_bytes(precision.param_dtype)
+    if dims.dp_shard_cp > 1:
+        shard_dim = dims.same_group("dp_shard_cp")
+        for unit, (size, _) in units.items():
+            calls = 1 + m if reshard and unit != "root" else 1
+            tally.add(f"all_gather/{shard_dim}", calls, calls * size * gather)
+    _data_parallel(tally, units, dims, reshard, precision, accum=0, reductions=1)
 
 
 def world_dim(dims: ParallelDims) -> str:
@@ -324,10 +414,12 @@ def _context_parallel(
     compute: int,
     accum: int,
     recompute: bool,
+    layers: int | None = None,
 ) -> None:
     """The K/V all-gather of every block (again under full AC) and its gradients'
-    reduce-scatter, for ``rows`` sequences a step (over the micro-batches)."""
-    layers = model_cfg.n_layers
+    reduce-scatter, for ``rows`` sequences a step (over the micro-batches); ``layers``: the
+    blocks counted (all by default, a pipeline stage's)."""
+    layers = model_cfg.n_layers if layers is None else layers
     kv_width = model_spec(model_cfg).kv_dim() // dims.tp  # the rank's K/V heads under TP
     gathered = 2 * rows * model_cfg.seq_len * kv_width * compute  # keys and values, all S
     passes = 2 if recompute else 1
@@ -346,8 +438,15 @@ def _tensor_parallel(
     accum: int,
     recompute: bool = False,
     reductions: int = 1,
+    layers: int | None = None,
+    ends: tuple[bool, bool] = (True, True),
 ) -> None:
-    layers, dim = model_cfg.n_layers, model_cfg.dim
+    """TP's activation collectives for ``tokens`` a step over ``accum`` passes, and the norms'
+    partial gradients ``reductions`` times. ``layers`` (default all) and ``ends`` (whether the
+    embedding and the output layer are held) restrict it to a pipeline stage."""
+    all_layers, dim = model_cfg.n_layers, model_cfg.dim
+    layers = all_layers if layers is None else layers
+    first, last = ends
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
         again = (
@@ -357,17 +456,24 @@ def _tensor_parallel(
         )
         for kind, per_block in again.items():
             tally.add(kind, per_block * layers * accum, per_block * layers * act)
-    tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
+    if last:
+        tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
     if sequence_parallel:
-        per_pass = 2 * layers + 1  # 2 per block + the output layer's input (fwd) / embedding
-        tally.add("all_gather/tp", 2 * per_pass * accum, 2 * per_pass * act)
-        tally.add("reduce_scatter/tp", 2 * per_pass * accum, 2 * per_pass * act)
+        # 2 per block in each pass, the output layer's input all-gather (forward) and the
+        # embedding's (backward); the reduce-scatters mirror them
+        calls = 4 * layers + first + last
+        tally.add("all_gather/tp", calls * accum, calls * act)
+        tally.add("reduce_scatter/tp", calls * accum, calls * act)
         # The partial gradients accumulate until they are first used: by each of FSDP's
         # reduce-scatters (``reductions`` a step), or by clip_grad_norm_ without FSDP (once).
+        # Each norm's entries (weight, bias) come per norm: 2 a block and the final one.
         norms = model_spec(model_cfg).tp_partial_grad_numels()
-        tally.add("all_reduce/tp", len(norms) * reductions, sum(norms) * compute * reductions)
+        per_norm = len(norms) // (2 * all_layers + 1)
+        held = per_norm * (2 * layers + last)
+        numel = sum(norms[:held])
+        tally.add("all_reduce/tp", held * reductions, numel * compute * reductions)
     else:
-        calls = 4 * layers + 2  # per block 2 in forward, 2 in backward; embedding; output
+        calls = 4 * layers + first + last  # per block 2 in forward, 2 in backward; the ends
         tally.add("all_reduce/tp", calls * accum, calls * act)
 
 

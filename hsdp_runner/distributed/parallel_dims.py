@@ -161,11 +161,6 @@ class ParallelDims:
     def _check_pipeline(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
         if self.pp == 1:
             return
-        if _get(parallel, "auto", False):
-            raise ConfigError(
-                f"parallel.pp={self.pp} with parallel=auto: the planner does not enumerate "
-                "pipeline layouts yet; set parallel.pp=1 or choose the degrees yourself"
-            )
         stages, m = self.pp_stages, self.pp_microbatches
         if model is not None and model.n_layers < stages:
             raise ConfigError(

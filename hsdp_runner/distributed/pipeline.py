@@ -135,6 +135,31 @@ def total_grad_norm(
     return norm
 
 
+def merged_view(chunks: list[nn.Module]) -> nn.Module:
+    """One module holding every chunk of ``chunks`` (a rank's stage chunks) under the unsplit
+    model's names: the blocks of all chunks in one ModuleDict, each end module (embedding,
+    final norm, output) once; the chunk itself when there is one. The modules are shared, not
+    copied. For what reads or writes a model's state by name: torch's ``get_state_dict`` /
+    ``set_state_dict`` take one module holding every parameter the optimizer steps, and an
+    ``nn.ModuleList`` of the chunks would prefix each name with its chunk's index."""
+    if len(chunks) == 1:
+        return chunks[0]
+    view = nn.Module()
+    for chunk in chunks:
+        if next(chunk.parameters(recurse=False), None) is not None:
+            raise ValueError("a stage chunk with parameters of its own cannot be merged by name")
+        for name, child in chunk.named_children():
+            if isinstance(child, nn.ModuleDict):
+                held = view._modules.get(name)
+                if held is None:
+                    held = nn.ModuleDict()
+                    setattr(view, name, held)
+                held.update(child)
+            elif child is not None:
+                setattr(view, name, child)
+    return view
+
+
 def build_pipeline(
     model_cfg: ModelConfig,
     dims: ParallelDims,

@@ -33,6 +33,7 @@ from typing import Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from hsdp_runner.config.checks import pipeline_refusal
 from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
@@ -49,6 +50,7 @@ from hsdp_runner.planner.layouts import (
     plan_scenarios,
     with_degrees,
 )
+from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
 
 CPU_PRESET = "this_machine"
 PLAN_DIR = "plan"  # the job's plan.md and plan.json, inside its output dir
@@ -148,7 +150,7 @@ def plan_job(
     axes = planned_axes(run, overrides)
     try:
         try:
-            rows = plan_layouts(cfg, cluster, axes, fixed)
+            rows = plan_with_pipelines(cfg, cluster, axes, fixed)
         except ConfigError as err:
             raise ConfigError(f"parallel=auto: {err}") from None
         plan_json = _write_plan(out_dir, run, cluster, rows, overrides, axes)
@@ -162,14 +164,61 @@ def plan_job(
     return AutoChoice(best, runner_up, cluster.describe(), plan_json, time.perf_counter() - start)
 
 
+def planned_pp(run: RunConfig, cluster: Cluster) -> list[int]:
+    """The pipeline degrees an auto job plans: ``parallel.pp`` when the job sets it (a
+    constraint; it must divide the nodes, as the planner prices stages of whole nodes), else
+    ``plan.pp_degrees`` (null: ``pipeline.default_pp_degrees``) less those the job's checkpoint
+    settings refuse (``checks.pipeline_refusal``: such a job plans pp = 1 only)."""
+    pp = run.parallel.pp
+    if pp != -1:
+        if cluster.nodes % pp:
+            raise ConfigError(
+                f"parallel.pp={pp} with parallel=auto on {cluster.nodes} node(s): the planner "
+                "prices pipeline stages of whole nodes; use a divisor of the node count, "
+                "or parallel.pp=-1 to let it choose"
+            )
+        return [pp]
+    degrees = pp_degrees(run.plan.pp_degrees, cluster.nodes, run.model.n_layers)
+    return [d for d in degrees if d == 1 or pipeline_refusal(run, d) is None]
+
+
+def plan_with_pipelines(cfg: DictConfig, cluster: Cluster, axes: dict, fixed: dict) -> list[dict]:
+    """Rows of every layout an auto job may run, ranked: the pp = 1 layouts (``plan_layouts``)
+    and, for each degree of ``planned_pp`` above 1, the pipeline rows priced from one stage
+    (``pipeline.pipeline_entries``: each schedule, its micro-batches and stages per rank), the
+    ``fixed`` degrees holding inside the stage. A degree whose stages have no valid layout adds
+    no row; ConfigError when no degree has one."""
+    run = to_run_config(cfg)
+    degrees = planned_pp(run, cluster)
+    flat = cfg.copy()
+    flat.parallel.pp = 1  # a stage, and a pp = 1 layout, is planned as a job without pp
+    rows: list[dict] = []
+    errors: list[str] = []
+    for pp in degrees:
+        try:
+            if pp == 1:
+                rows += plan_layouts(flat, cluster, axes, fixed)
+                continue
+            rows += pipeline_entries(
+                flat, cluster, pp, lambda c, cl: plan_layouts(c, cl, axes, fixed)
+            )
+        except ConfigError as err:
+            errors.append(str(err))
+    if not rows:
+        raise ConfigError("; ".join(errors) or "no pipeline layout is valid for this job")
+    plan_report.rank(rows)
+    return rows
+
+
 def apply_choice(
     cfg: DictConfig, overrides: dict, plan_json: Path | str, node: ClusterConfig | dict
 ) -> None:
-    """Write a planned choice into ``cfg``: the chosen layout's ``overrides`` (its degrees),
-    ``plan.source`` = ``plan_json`` and the ``cluster`` node it was planned for (a config node,
-    or its plain dict as another rank published it)."""
+    """Write a planned choice into ``cfg``: the chosen layout's ``overrides`` (its degrees;
+    ``parallel.pp`` = 1 unless it is a pipeline row), ``plan.source`` = ``plan_json`` and the
+    ``cluster`` node it was planned for (a config node, or its plain dict as another rank
+    published it)."""
     cfg.cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), node)
-    for key, value in overrides.items():
+    for key, value in {"parallel.pp": 1, **overrides}.items():
         OmegaConf.update(cfg, key, value, merge=False)
     cfg.plan.source = str(plan_json)
 

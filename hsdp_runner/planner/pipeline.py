@@ -49,6 +49,33 @@ from hsdp_runner.planner.cluster import Cluster
 
 # The schedules the planner prices, with the stages per rank each runs.
 PRICED = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2}
+# The fewest blocks a stage gets among the degrees planned by default (``default_pp_degrees``):
+# below it the first stage's embedding and the last one's output layer weigh like blocks of
+# their own (Llama 3 8B's output layer is 2.4 blocks' parameters and matmul FLOPs), so the
+# stages are unbalanced, and the busiest stage the planner prices is far above a 1/pp share.
+MIN_BLOCKS_PER_STAGE = 4
+
+
+def default_pp_degrees(nodes: int, n_layers: int) -> list[int]:
+    """The pipeline degrees planned when ``plan.pp_degrees`` is null (the CLI and
+    ``parallel=auto``): 1 and every power of two that divides ``nodes`` (a stage is whole
+    nodes) and ``n_layers`` (stages of equal blocks) with ``MIN_BLOCKS_PER_STAGE`` blocks or
+    more a stage. A single node, or a model that shallow, plans no pipeline."""
+    out, pp = [1], 2
+    while pp <= nodes:
+        if nodes % pp == 0 and n_layers % pp == 0 and n_layers // pp >= MIN_BLOCKS_PER_STAGE:
+            out.append(pp)
+        pp *= 2
+    return out
+
+
+def pp_degrees(plan_pp_degrees: list | None, nodes: int, n_layers: int) -> list[int]:
+    """The pipeline degrees to plan: ``plan.pp_degrees`` as given (checked:
+    ``check_pp_degrees``), or ``default_pp_degrees`` when it is null."""
+    if plan_pp_degrees is None:
+        return default_pp_degrees(nodes, n_layers)
+    check_pp_degrees(list(plan_pp_degrees), nodes, n_layers)
+    return sorted(set(plan_pp_degrees))
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:

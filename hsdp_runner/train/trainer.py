@@ -165,8 +165,8 @@ class Trainer:
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
         if not pipeline_comm_modelled(dims):
-            # The communication model covers pp alone, not collectives inside the stages yet:
-            # no step is compared with it.
+            # The communication model does not cover this pipeline layout
+            # (``pipeline_comm_modelled``): no step is compared with it.
             self.comm_step = None
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
