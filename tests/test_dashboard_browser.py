@@ -189,7 +189,7 @@ def test_every_chart_of_a_real_sweep_draws_in_chromium_without_errors(small_swee
     assert dom.count("chart-bars", "point") == 2 * len(jobs)
     # parallel coordinates: 4 degrees + tokens/s, MFU, memory (no other override varies)
     assert dom.count("chart-parcoords", "parcoords") == 1
-    assert dom.count("chart-parcoords", "y-axis") == 7
+    assert dom.count("chart-parcoords", "y-axis") == 8
     # loss and step time: one line each per job, the legend naming every job
     assert dom.count("chart-curves", "trace", "scatter") == 2 * len(jobs)
     labels = {j.label for j in jobs}

@@ -72,7 +72,7 @@ def test_two_torchrun_agents_form_one_auto_planned_hsdp_job_with_replicate_acros
     records, summary = read_job(job)
     assert summary["status"] == "completed" and len(records) == 6
     assert (summary["world_size"], summary["nodes"], summary["ranks_per_node"]) == (4, 2, 2)
-    assert summary["mesh_shape"] == [2, 2, 1, 1]
+    assert summary["mesh_shape"] == [1, 2, 2, 1, 1]
     assert summary["dims_across_nodes"] == ["dp_replicate"]
     # Read from the real process groups and each agent's node rank: how every dim's groups sit
     # on the two nodes is exactly what the planner's arithmetic prices.

@@ -273,7 +273,7 @@ def four_rank_runs():
 def test_ddp_replicate_equals_hsdp_with_shard_size_one(four_rank_runs):
     replicate, _ = four_rank_runs["ddp_replicate"]
     hsdp_n1, facts = four_rank_runs["ddp_fully_shard"]
-    assert facts["dp_mode"] == "ddp" and facts["mesh_shape"] == [4, 1, 1, 1]
+    assert facts["dp_mode"] == "ddp" and facts["mesh_shape"] == [1, 4, 1, 1, 1]
     assert len(hsdp_n1) == STEPS
     assert max(rel_diffs(hsdp_n1, replicate)) <= 1e-6
     assert max(rel_diffs(hsdp_n1, replicate, "grad_norm")) <= 1e-6
@@ -288,7 +288,7 @@ def test_hsdp_over_context_parallel_ranks_equals_hsdp_over_20_steps(four_rank_ru
     assert (facts["dp_mode"], facts["layout"], facts["mesh_shape"]) == (
         "hsdp",
         "hsdp_cp",
-        [2, 1, 2, 1],
+        [1, 2, 1, 2, 1],
     )
     assert len(hsdp_cp) == BF16_STEPS
     assert max(rel_diffs(hsdp_cp, hsdp)) <= 1e-5

@@ -59,8 +59,17 @@ def test_combination_that_does_not_fit_the_sweeps_world_size_is_skipped(four_job
     records, summary = read_job(jobs["too_big"])
     assert summary["status"] == "skipped" and summary["error"] is None
     assert "parallel.dp_shard=2" in summary["reason"] and "world size is 2" in summary["reason"]
-    assert summary["requested_degrees"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
-    assert "skipped (not counted as a failure): parallel.dp_replicate=2" in result.stdout
+    assert summary["requested_degrees"] == {
+        "pp": 1,
+        "dp_replicate": 2,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 1,
+    }
+    assert (
+        "skipped (not counted as a failure): parallel.pp=1 x parallel.dp_replicate=2"
+        in result.stdout
+    )
     assert records == [] and not (jobs["too_big"] / "logs").exists()  # nothing started
     assert (jobs["too_big"] / "config_resolved.yaml").exists()
 
@@ -71,7 +80,7 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(four_jobs):
     records, summary = read_job(jobs["crash"])
     assert summary["status"] == "failed" and summary["failed_rank"] == 1
     assert "injected fault (fault.kind=exception) on rank 1 at step 2" in summary["error"]
-    assert summary["mesh_shape"] == [1, 1, 1, 2]
+    assert summary["mesh_shape"] == [1, 1, 1, 1, 2]
     # Step 1's figures would have been read once step 2's work was queued (docs/
     # figures_and_performance.md, Performance); rank 0 was inside step 2 when rank 1 failed.
     assert records == []
@@ -81,7 +90,7 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(four_jobs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case, mesh", [("ddp", [2, 1, 1, 1]), ("fsdp", [1, 2, 1, 1])])
+@pytest.mark.parametrize("case, mesh", [("ddp", [1, 2, 1, 1, 1]), ("fsdp", [1, 1, 2, 1, 1])])
 def test_good_jobs_have_metrics_and_steady_state_figures(four_jobs, case, mesh):
     _, _, jobs = four_jobs
     records, summary = read_job(jobs[case])
@@ -143,7 +152,9 @@ def test_compare_writes_the_table_and_both_plots(four_jobs):
     assert "(best)**" in rows[0] and rows[0].endswith("| ok |")
     assert "case=ddp" in rows[0] + rows[1] and "case=fsdp" in rows[0] + rows[1]
     assert "case=crash" in rows[2] and "failed (rank 1): RuntimeError: injected fault" in rows[2]
-    assert "case=too_big" in rows[3] and "skipped: parallel.dp_replicate=2" in rows[3]
+    assert (
+        "case=too_big" in rows[3] and "skipped: parallel.pp=1 x parallel.dp_replicate=2" in rows[3]
+    )
     assert "\n".join(rows) in (sweep_dir / "compare.md").read_text()
     for name in ("throughput_memory.png", "loss.png"):
         png = (sweep_dir / name).read_bytes()

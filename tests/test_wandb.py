@@ -29,7 +29,7 @@ def test_offline_wandb_run_has_group_config_and_steps(job_dir):
     assert "parallel=ddp" in run["name"] and "precision=bf16" in run["name"]
     assert "parallel=ddp" in run["tags"] and "model=llama3_tiny" in run["tags"]
     assert run["config"]["parallel"]["dp_replicate"] == 2
-    assert run["config"]["derived"]["mesh_shape"] == [2, 1, 1, 1]
+    assert run["config"]["derived"]["mesh_shape"] == [1, 2, 1, 1, 1]
     assert run["config"]["derived"]["world_size"] == 2
     assert run["config"]["derived"]["precision"] == "bf16"  # compare's label (recipe, +compile)
     assert [h["step"] for h in run["history"]] == list(range(1, 7))

@@ -333,7 +333,7 @@ def _stage_data_parallel(
         for unit, (size, _) in units.items():
             calls = 1 + m if reshard and unit != "root" else 1
             tally.add(f"all_gather/{shard_dim}", calls, calls * size * gather)
-    _data_parallel(tally, units, dims, reshard, precision, accum=0, reductions=1)
+    _data_parallel(tally, units, {}, dims, reshard, precision, accum=0, reductions=1)
 
 
 def world_dim(dims: ParallelDims) -> str:
