@@ -105,7 +105,8 @@ def test_two_torchrun_agents_form_one_auto_planned_hsdp_job_with_replicate_acros
     assert stdout.count("hsdp_runner: parallel=auto chose dp_replicate=2 dp_shard=2") == 1, stdout
     for r in range(4):
         rank_log = (job / "logs" / f"rank{r}.log").read_text()
-        assert "mesh {'dp_replicate': 2, 'dp_shard': 2, 'cp': 1, 'tp': 1}" in rank_log, r
+        mesh = "mesh {'pp': 1, 'dp_replicate': 2, 'dp_shard': 2, 'cp': 1, 'tp': 1}"
+        assert mesh in rank_log, r
     plan = json.loads((job / "plan" / "plan.json").read_text())
     assert plan["cluster"]["nodes"] == 2 and plan["cluster"]["gpus_per_node"] == 2
     assert OmegaConf.load(job / "config_resolved.yaml").plan.source == str(
