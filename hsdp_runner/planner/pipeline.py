@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
-from hsdp_runner.core.choices import PPSchedule
+from hsdp_runner.core.choices import AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
@@ -120,6 +120,9 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     stage_cfg = cfg.copy()
     stage_cfg.model.n_layers = math.ceil(run.model.n_layers / pp)
     stage_cfg.trainer.grad_accum_steps = m
+    # torch's PipelineStage turns FSDP's gradient sync off until the last micro-batch's
+    # backward: the stage holds unsharded gradients and reduces once, as accum_reduce=last.
+    stage_cfg.trainer.accum_reduce = AccumReduce.last.value
     stage_cluster = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
     stage_rows = [row for row in plan_stage(stage_cfg, stage_cluster) if row["valid"]]
     compute_bytes = torch_dtype(run.precision.param_dtype).itemsize
