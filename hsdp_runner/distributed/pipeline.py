@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
@@ -110,29 +109,6 @@ class Pipeline:
         if not self.is_last:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
-
-
-def total_grad_norm(
-    params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Clip the gradients of ``params`` to a total 2-norm of ``max_norm`` over every stage;
-    return that norm (plain 0-dim tensor, the same on every rank).
-
-    Each rank's norm covers its stages' parameters (DTensor gradients reduce over their data
-    and tensor-parallel meshes); the squares are summed over the ``pp`` group (None: no
-    pipeline) before clipping, so every stage clips by the same factor as one process would.
-    torch's ``clip_grad_norm_`` does not know about stages, hence its two halves here.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    if pp_group is not None:
-        square = norm.float() ** 2
-        dist.all_reduce(square, op=dist.ReduceOp.SUM, group=pp_group)
-        norm = square.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
 
 
 def merged_view(chunks: list[nn.Module]) -> nn.Module:

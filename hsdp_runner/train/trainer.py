@@ -28,12 +28,13 @@ from hsdp_runner.distributed import step_stats
 from hsdp_runner.distributed.comm_model import comm_report, pipeline_comm_modelled
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import set_gradient_sync
-from hsdp_runner.distributed.pipeline import Pipeline, total_grad_norm
+from hsdp_runner.distributed.pipeline import Pipeline
 from hsdp_runner.models.base import ModelSpec
 from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
+from hsdp_runner.train.grad_clip import clip_grad_norm
 from hsdp_runner.train.sinks import Tracker
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 # Eval batches come from step indices no training run reaches.
 EVAL_STEP_OFFSET = 1 << 40
 # Reads and writes of each trainable shard element at the end of a step (``_forward_backward``'s
-# clipping, ``_update``'s optimizer step), for the planner's price of it: clip_grad_norm_ reads
+# clipping, ``_update``'s optimizer step), for the planner's price of it: ``clip_grad_norm`` reads
 # every gradient for the norm, then reads and writes it to scale it (3); fused AdamW reads the
 # parameter, its gradient and both moments and writes the parameter and the moments (7).
 # Gradients and moments have the parameter's (master) dtype.
@@ -92,11 +93,6 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient norm and ``trainer.on_nan=stop``."""
-
-
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The value of a (replicated) DTensor as a plain tensor; a plain tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 @contextlib.contextmanager
@@ -215,7 +211,7 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = _plain(torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True))
+        grad_norm = clip_grad_norm(params, self.grad_clip)
         stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
@@ -227,7 +223,7 @@ class Trainer:
         (the loss on the last stage), the grad norm is clipped over every stage's gradients."""
         loss = self.pipeline.step(inputs, targets, poison)
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
-        grad_norm = total_grad_norm(params, self.grad_clip, self.pipeline.pp_group)
+        grad_norm = clip_grad_norm(params, self.grad_clip, self.pipeline.pp_group)
         stats = step_stats.pack(loss, grad_norm, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
