@@ -160,17 +160,35 @@ def job_dir(tmp_path: Path) -> Path:
     return tmp_path / "job"
 
 
-def _eight_rank_cases() -> dict:
-    """Every eight-rank in-process case of test_placements, test_correctness and test_pipeline, in one set
-    of workers (starting eight workers costs more than all the cases together)."""
+def _eight_rank_cases(configs: dict) -> dict:
+    """Every eight-rank in-process case of test_placements, test_correctness and test_pipeline,
+    in one set of workers (starting eight workers costs more than all the cases together), each
+    from its config composed by the test process (``_eight_rank_configs``)."""
     import test_correctness
     import test_pipeline
     import test_placements
 
     return {
-        **test_placements._eight_rank_layouts(),
-        "state_dicts": test_correctness._two_models_state_dicts(test_correctness.TWO_MODELS),
-        "pipeline": test_pipeline._train_cases(test_pipeline.EIGHT_RANK_CASES),
+        **test_placements._eight_rank_layouts(configs["placements"]),
+        "state_dicts": test_correctness._two_models_state_dicts(configs["state_dicts"]),
+        "pipeline": test_pipeline._train_cases(configs["pipeline"]),
+    }
+
+
+def _eight_rank_configs() -> dict:
+    """The configs of ``_eight_rank_cases``, composed once here rather than on every rank."""
+    import test_correctness
+    import test_pipeline
+    import test_placements
+    from test_config import compose
+
+    def composed(cases):
+        return {name: compose(overrides) for name, overrides in cases.items()}
+
+    return {
+        "placements": composed(test_placements.EIGHT_RANK_LAYOUTS),
+        "state_dicts": composed(test_correctness.TWO_MODELS),
+        "pipeline": test_pipeline.compose_cases(test_pipeline.EIGHT_RANK_CASES),
     }
 
 
@@ -179,7 +197,7 @@ def eight_ranks() -> dict:
     """{rank: _eight_rank_cases()} from eight in-process gloo workers."""
     from distributed import run_workers
 
-    return run_workers(_eight_rank_cases, 8)
+    return run_workers(_eight_rank_cases, 8, _eight_rank_configs())
 
 
 @pytest.fixture(scope="session")

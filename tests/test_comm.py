@@ -1,6 +1,6 @@
 """Communication accounting: what one step measurably sends equals the analytic model (+-1%).
 
-One 8-rank gloo run trains one step of the tiny model in each layout, counting collectives with
+One 4-rank and one 8-rank gloo run train one step of the tiny model in each layout, counting collectives with
 ``comm.CommCounter``, and returns measured and analytic figures per (kind, mesh dim).
 """
 
@@ -16,16 +16,17 @@ BASE = [
     "logger=none",
     "trainer.global_batch_size=8",
 ]
-# name -> overrides; all on 8 ranks (tp=8 needs 8 heads and 8 kv heads). Gradient accumulation
-# rides along (a micro-batch more costs little):
+# name -> overrides. Three layouts need eight ranks (three dims of 2; cp x tp beside FSDP); the
+# rest run on four (every dim they use at degree 2 or 4), which halves what their step costs
+# (tp=4 needs 4 kv heads). Gradient accumulation rides along (a micro-batch more costs little):
 # with trainer.accum_reduce=every a reduce-scatter per micro-batch (TP's partial norm gradients
 # reduced with each) and HSDP's replicate all-reduce once; with last both once; DDP once.
 LAYOUTS = {
-    "fsdp": ["parallel=fsdp", "parallel.dp_shard=8"],
-    "tp": ["parallel=tp", "parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8"],
+    "fsdp": ["parallel=fsdp", "parallel.dp_shard=4"],
+    "tp": ["parallel=tp", "parallel.tp=4", "model.n_kv_heads=4"],
     "hsdp": [
         "parallel=hsdp",
-        "parallel.dp_shard=4",
+        "parallel.dp_shard=2",
         "precision=bf16",
         "trainer.global_batch_size=16",
         "trainer.grad_accum_steps=2",
@@ -33,7 +34,6 @@ LAYOUTS = {
     ],
     "fsdp_tp": [
         "parallel=fsdp_tp",
-        "parallel.dp_shard=4",
         "precision=bf16_pure",
         "trainer.grad_accum_steps=2",
         "trainer.accum_reduce=every",
@@ -46,24 +46,24 @@ LAYOUTS = {
     ],
     # Float8 all-gather: the float8 linears' weights gathered at one byte per element, the
     # scales' amax all-reduce after the optimizer step (distributed/float8.py).
-    "hsdp_float8": ["parallel=hsdp", "parallel.dp_shard=4", "precision=float8"],
+    "hsdp_float8": ["parallel=hsdp", "precision=float8"],
     "ddp_tp_no_sp": [
         "parallel=hsdp_tp",
-        "parallel.dp_replicate=4",
+        "parallel.dp_replicate=2",
         "parallel.dp_shard=1",
         "parallel.sequence_parallel=false",
         "trainer.grad_accum_steps=2",
     ],
     # Activation checkpointing with TP: selective repeats no collective, full repeats the
     # blocks' forward ones in backward (with or without sequence parallel: the same rule).
-    "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=selective"],
-    "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.dp_shard=4", "parallel.ac=full"],
+    "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.ac=selective"],
+    "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.ac=full"],
     # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel).
     "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
     "gpt2_ddp_tp_no_sp": [
         "model=gpt2_tiny",
         "parallel=hsdp_tp",
-        "parallel.dp_replicate=4",
+        "parallel.dp_replicate=2",
         "parallel.dp_shard=1",
         "parallel.sequence_parallel=false",
     ],
@@ -77,20 +77,35 @@ LAYOUTS = {
     ],
     "hsdp_cp_full_ac": [
         "parallel=hsdp_cp_tp",
-        "parallel.cp=4",
+        "parallel.cp=2",
         "parallel.tp=1",
         "parallel.ac=full",
     ],
     "gpt2_cp_selective_ac": [
         "model=gpt2_tiny",
         "parallel=cp",
-        "parallel.cp=8",
+        "parallel.cp=4",
         "parallel.ac=selective",
     ],
 }
+EIGHT_RANKS = ("hsdp_tp", "gpt2_hsdp_tp", "fsdp_cp_tp")
 
 
-def _measure_layouts():
+def _layout_configs(names):
+    """{layout: its composed config} for ``names``: composed once here, not on every rank."""
+    configs = {}
+    for name in names:
+        overrides = LAYOUTS[name]
+        base = [
+            o
+            for o in BASE
+            if not (o.startswith("model=") and any(m.startswith("model=") for m in overrides))
+        ]
+        configs[name] = compose(base + overrides)
+    return configs
+
+
+def _measure_layouts(configs):
     import torch.distributed as dist
 
     from hsdp_runner.config.compose import to_run_config
@@ -100,13 +115,7 @@ def _measure_layouts():
     from hsdp_runner.train.figures import compute_run_figures
 
     out = {}
-    for name, overrides in LAYOUTS.items():
-        base = [
-            o
-            for o in BASE
-            if not (o.startswith("model=") and any(m.startswith("model=") for m in overrides))
-        ]
-        cfg = compose(base + overrides)
+    for name, cfg in configs.items():
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
         device = torch.device("cpu")
@@ -120,14 +129,22 @@ def _measure_layouts():
 
 @pytest.fixture(scope="module")
 def facts():
-    return run_workers(_measure_layouts, 8)
+    """{layout: {rank: its communication facts}}: one set of four workers, one of eight."""
+    out = {}
+    for world, names in (
+        (4, [n for n in LAYOUTS if n not in EIGHT_RANKS]),
+        (8, list(EIGHT_RANKS)),
+    ):
+        ranks = run_workers(_measure_layouts, world, _layout_configs(names))
+        for name in names:
+            out[name] = {rank: per_layout[name] for rank, per_layout in ranks.items()}
+    return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
-    for rank, per_layout in facts.items():
-        f = per_layout[layout]
+    for rank, f in facts[layout].items():
         assert f["comm_ratio"] == pytest.approx(1.0, abs=0.01), (rank, f)
         assert f["comm_bytes_measured"] >= f["comm_bytes_analytic"], (rank, f)
         # Every (kind, mesh dim) carrying 1% of the bytes or more: the same bytes and calls,

@@ -20,14 +20,13 @@ class GradientProbe(nn.Module):
         return (self.weight * x).sum()
 
 
-def _reduced_gradients():
+def _reduced_gradients(precision):
     import torch.distributed as dist
 
     from hsdp_runner.config.schema import ParallelConfig
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import apply_data_parallel
 
-    precision = compose([]).precision
     out = {}
     for name, degrees in {
         "ddp": (4, 1),
@@ -49,9 +48,10 @@ def _reduced_gradients():
     return out
 
 
-def _four_rank_cases(eval_cases):
-    """The gradient probe, then the eval/frozen cases: one set of four workers serves both."""
-    return {"grads": _reduced_gradients(), "eval": _train_eval_frozen(eval_cases)}
+def _four_rank_cases(precision, eval_cases):
+    """The gradient probe (the default ``precision``), then the eval/frozen cases: one set of
+    four workers serves both."""
+    return {"grads": _reduced_gradients(precision), "eval": _train_eval_frozen(eval_cases)}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def four_ranks():
     cases = [
         (layout, reshard) for layout in ("fsdp", "hsdp", "fsdp_tp") for reshard in (True, False)
     ]
-    return run_workers(_four_rank_cases, 4, cases)[0]
+    return run_workers(_four_rank_cases, 4, compose([]).precision, _eval_configs(cases))[0]
 
 
 def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
@@ -74,7 +74,29 @@ def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
 FROZEN = "tok_embeddings.weight"
 
 
+def _eval_configs(cases):
+    """[((layout, reshard_after_forward), composed config)] of the eval/frozen cases: 3 steps of
+    tiny Llama with the embedding frozen; composed here, not on every rank."""
+    return [
+        (
+            (layout, reshard),
+            compose(
+                [
+                    f"parallel={layout}",
+                    "model=llama3_tiny",
+                    "trainer.steps=3",
+                    "logger=none",
+                    f"parallel.reshard_after_forward={str(reshard).lower()}",
+                    "trainer.freeze=['tok_embeddings.*']",
+                ]
+            ),
+        )
+        for layout, reshard in cases
+    ]
+
+
 def _train_eval_frozen(cases):
+    """Train, evaluate and check the frozen embedding for each of ``_eval_configs``."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -88,17 +110,7 @@ def _train_eval_frozen(cases):
     from hsdp_runner.train.trainer import EVAL_STEP_OFFSET
 
     results = {}
-    for layout, reshard in cases:
-        cfg = compose(
-            [
-                f"parallel={layout}",
-                "model=llama3_tiny",
-                "trainer.steps=3",
-                "logger=none",
-                f"parallel.reshard_after_forward={str(reshard).lower()}",
-                "trainer.freeze=['tok_embeddings.*']",
-            ]
-        )
+    for (layout, reshard), cfg in cases:
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
         model = build_model(
@@ -173,10 +185,11 @@ def test_eval_after_training_and_frozen_params_on_four_ranks(four_ranks):
 
 
 def test_eval_after_training_and_frozen_params_on_two_ranks():
-    _check_eval_and_frozen(run_workers(_train_eval_frozen, 2, [("ddp", True), ("tp", True)])[0])
+    cases = _eval_configs([("ddp", True), ("tp", True)])
+    _check_eval_and_frozen(run_workers(_train_eval_frozen, 2, cases)[0])
 
 
-def _two_models_state_dicts(specs):
+def _two_models_state_dicts(configs):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -188,8 +201,7 @@ def _two_models_state_dicts(specs):
     from hsdp_runner.distributed.parallelize import build_model
 
     models = {}
-    for name, overrides in specs.items():
-        cfg = compose(overrides + ["model=llama3_tiny"])
+    for name, cfg in configs.items():
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         models[name] = build_model(
             cfg.model,
@@ -222,9 +234,13 @@ def _two_models_state_dicts(specs):
     return ok
 
 
-TWO_MODELS = {"hsdp_tp": ["parallel=hsdp_tp"], "fsdp8": ["parallel=fsdp", "parallel.dp_shard=8"]}
+TWO_MODELS = {
+    "hsdp_tp": ["parallel=hsdp_tp", "model=llama3_tiny"],
+    "fsdp8": ["parallel=fsdp", "parallel.dp_shard=8", "model=llama3_tiny"],
+}
 
 
 def test_hsdp_tp_and_fsdp_models_in_one_process_keep_separate_state_dicts(eight_ranks):
-    """Runs in conftest's ``eight_ranks`` workers (``_two_models_state_dicts(TWO_MODELS)``)."""
+    """Runs in conftest's ``eight_ranks`` workers (``_two_models_state_dicts`` of
+    ``TWO_MODELS``)."""
     assert eight_ranks[0]["state_dicts"] == {"hsdp_tp": True, "fsdp8": True}

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY
 from distributed import run_workers
 from test_config import compose
+from test_parity import compose_cases
 
 # Largest relative loss difference, float8 (tensorwise) against bf16 over the first 50 steps of
 # tiny Llama under FSDP(4): measured 2.5e-4 (rowwise 2.8e-4) on 2026-11-25, docs/precision.md;
@@ -61,17 +62,38 @@ def test_bf16_and_fp32_presets_train_no_float8():
         assert not float8.gathers_float8(precision, DPMode.fsdp)
 
 
-def _train(cases):
-    """Train each ``{name: overrides}`` case on these ranks; return {name: step records}."""
+def _train(configs):
+    """Train each ``{name: composed config}`` case on these ranks; return {name: step
+    records}."""
     from test_parity import _train_cases
 
-    return {name: records for name, (records, _) in _train_cases(cases).items()}
+    return {name: records for name, (records, _) in _train_cases(configs).items()}
 
 
-def _checkpoint_legs(root):
-    """float8 FSDP(4) 4 steps saving at 2 (HF export at the end), bf16 from step 2 saving at 3,
-    float8 again from step 3, through the job's own checkpointer; returns ({leg: records},
-    root)."""
+def _leg_configs(root):
+    """The composed configs of ``_checkpoint_legs``: float8 FSDP(4) 4 steps saving at 2 (HF
+    export at the end), bf16 from step 2 saving at 3, float8 again from step 3."""
+    legs = (
+        ("float8", "float8", ["checkpoint.interval=2", "checkpoint.export_at_end=true"]),
+        (
+            "bf16",
+            "bf16",
+            ["checkpoint.interval=3", f"checkpoint.load_path={root}/float8/checkpoints/step-2"],
+        ),
+        ("back", "float8", [f"checkpoint.load_path={root}/bf16/checkpoints/step-3"]),
+    )
+    return {
+        name: compose(
+            [*TINY, "parallel=fsdp", "trainer.steps=4", f"precision={precision}"]
+            + ["checkpoint.enable=true", "checkpoint.export_dtype=float32", *extra]
+        )
+        for name, precision, extra in legs
+    }
+
+
+def _checkpoint_legs(configs, root):
+    """Run the legs of ``_leg_configs`` in turn through the job's own checkpointer; returns
+    ({leg: records}, root)."""
     import torch.distributed as dist
 
     from hsdp_runner.checkpoint import start as checkpoint_start
@@ -82,20 +104,7 @@ def _checkpoint_legs(root):
     from hsdp_runner.train.figures import compute_run_figures
 
     cpu, out = torch.device("cpu"), {}
-    legs = (
-        ("float8", "float8", ["checkpoint.interval=2", "checkpoint.export_at_end=true"]),
-        (
-            "bf16",
-            "bf16",
-            ["checkpoint.interval=3", f"checkpoint.load_path={root}/float8/checkpoints/step-2"],
-        ),
-        ("back", "float8", [f"checkpoint.load_path={root}/bf16/checkpoints/step-3"]),
-    )
-    for name, precision, extra in legs:
-        cfg = compose(
-            [*TINY, "parallel=fsdp", "trainer.steps=4", f"precision={precision}"]
-            + ["checkpoint.enable=true", "checkpoint.export_dtype=float32", *extra]
-        )
+    for name, cfg in configs.items():
         run = to_run_config(cfg)
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
@@ -109,8 +118,8 @@ def _checkpoint_legs(root):
     return out, root
 
 
-def _train_and_resume(cases, root):
-    return {**_train(cases), "checkpoint_legs": _checkpoint_legs(root)}
+def _train_and_resume(configs, legs, root):
+    return {**_train(configs), "checkpoint_legs": _checkpoint_legs(legs, root)}
 
 
 @pytest.fixture(scope="module")
@@ -120,24 +129,21 @@ def four_rank_float8(tmp_path_factory):
     legs (``_checkpoint_legs``)."""
     short = ["precision=float8", f"trainer.steps={STEPS}", "metrics.memory_steps=0", *LR]
     long = [f"trainer.steps={LONG_STEPS}", "metrics.memory_steps=0", "metrics.comm_step=null"]
-    return run_workers(
-        _train_and_resume,
-        4,
-        {
-            "fsdp": ["parallel=fsdp", *short],
-            "hsdp": ["parallel=hsdp", *short],
-            "fsdp_tp": ["parallel=fsdp_tp", *short],
-            "fsdp_compiled_selective": [
-                "parallel=fsdp",
-                *short,
-                "parallel.compile=true",
-                "parallel.ac=selective",
-            ],
-            "bf16_long": ["parallel=fsdp", "precision=bf16", *long],
-            "float8_long": ["parallel=fsdp", "precision=float8", *long],
-        },
-        tmp_path_factory.mktemp("float8_checkpoints"),
-    )[0]
+    root = tmp_path_factory.mktemp("float8_checkpoints")
+    cases = {
+        "fsdp": ["parallel=fsdp", *short],
+        "hsdp": ["parallel=hsdp", *short],
+        "fsdp_tp": ["parallel=fsdp_tp", *short],
+        "fsdp_compiled_selective": [
+            "parallel=fsdp",
+            *short,
+            "parallel.compile=true",
+            "parallel.ac=selective",
+        ],
+        "bf16_long": ["parallel=fsdp", "precision=bf16", *long],
+        "float8_long": ["parallel=fsdp", "precision=float8", *long],
+    }
+    return run_workers(_train_and_resume, 4, compose_cases(cases), _leg_configs(root), root)[0]
 
 
 @pytest.mark.multiprocess

@@ -134,12 +134,28 @@ def test_fsdp_and_hsdp_are_identical_at_step_one(parity):
     assert fsdp[0]["grad_norm"] == pytest.approx(hsdp[0]["grad_norm"], rel=1e-6)
 
 
-def _train_cases(cases):
-    """Train each ``{name: overrides}`` case in turn on these ranks (tiny model, fp32 unless
-    the overrides say otherwise); return {name: (step records, ParallelDims.describe() and
-    ``tensor_peak_gib``)}. The tensor peak (``TensorMemoryMeter``, from before the model is
-    built through ``metrics.memory_steps`` steps, as a job measures it) is measured only where
-    the overrides set ``metrics.memory_steps``; it is None elsewhere."""
+# What every ``_train_cases`` case starts from (its overrides come after).
+TRAIN_BASE = [
+    "model=llama3_tiny",
+    "trainer.global_batch_size=8",
+    "logger=none",
+    "metrics.memory_steps=0",
+]
+
+
+def compose_cases(cases: dict) -> dict:
+    """{name: the composed config of ``TRAIN_BASE`` + overrides} for ``{name: overrides}``:
+    composed once in the test process, not again on every rank."""
+    return {name: compose([*TRAIN_BASE, *overrides]) for name, overrides in cases.items()}
+
+
+def _train_cases(configs):
+    """Train each ``{name: composed config}`` case (``compose_cases``) in turn on these ranks
+    (tiny model, fp32 unless the overrides say otherwise); return {name: (step records,
+    ParallelDims.describe() and ``tensor_peak_gib``)}. The tensor peak
+    (``TensorMemoryMeter``, from before the model is built through ``metrics.memory_steps``
+    steps, as a job measures it) is measured only where the overrides set
+    ``metrics.memory_steps``; it is None elsewhere."""
     import torch.distributed as dist
 
     from hsdp_runner.config.compose import to_run_config
@@ -150,16 +166,7 @@ def _train_cases(cases):
     from hsdp_runner.train.tensor_memory import TensorMemoryMeter
 
     out = {}
-    for name, overrides in cases.items():
-        cfg = compose(
-            [
-                "model=llama3_tiny",
-                "trainer.global_batch_size=8",
-                "logger=none",
-                "metrics.memory_steps=0",
-                *overrides,
-            ]
-        )
+    for name, cfg in configs.items():
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
         meter = TensorMemoryMeter(torch.device("cpu"), cfg.metrics.memory_steps)
@@ -224,6 +231,20 @@ ACCUM_CASES = {
         )
         for n, choice in ((2, "every"), (4, "every"), (4, "last"))
     },
+    # The 4-micro-batch peaks again, twice each (``_least_peaks``).
+    **{
+        f"fsdp_accum4_{choice}_{again}": (
+            [
+                *FSDP_16,
+                "metrics.memory_steps=1",
+                "trainer.grad_accum_steps=4",
+                f"trainer.accum_reduce={choice}",
+            ],
+            "fsdp_accum1",
+        )
+        for choice in ("every", "last")
+        for again in (2, 3)
+    },
     **{
         f"hsdp_accum2_{choice}": (
             ["parallel=hsdp", "trainer.grad_accum_steps=2", f"trainer.accum_reduce={choice}"],
@@ -255,17 +276,19 @@ def four_rank_runs():
     return run_workers(
         _train_cases,
         4,
-        {
-            "ddp_replicate": ddp,
-            "ddp_fully_shard": [*ddp, "parallel.ddp_impl=fully_shard"],
-            "hsdp_fp32": hsdp,
-            "hsdp_bf16": [*hsdp, "precision=bf16"],
-            "hsdp_cp": [*hsdp, "parallel.dp_shard=1", "parallel.cp=2"],
-            **{
-                name: [f"trainer.steps={ACCUM_STEPS}", *overrides]
-                for name, (overrides, _) in ACCUM_CASES.items()
-            },
-        },
+        compose_cases(
+            {
+                "ddp_replicate": ddp,
+                "ddp_fully_shard": [*ddp, "parallel.ddp_impl=fully_shard"],
+                "hsdp_fp32": hsdp,
+                "hsdp_bf16": [*hsdp, "precision=bf16"],
+                "hsdp_cp": [*hsdp, "parallel.dp_shard=1", "parallel.cp=2"],
+                **{
+                    name: [f"trainer.steps={ACCUM_STEPS}", *overrides]
+                    for name, (overrides, _) in ACCUM_CASES.items()
+                },
+            }
+        ),
     )[0]
 
 
@@ -325,18 +348,28 @@ def test_fsdp_tensor_peak_falls_with_micro_batches_when_every_one_reduces(four_r
     peak falls with the activations of a smaller micro-batch (measured: 7.25, 4.03 and 2.59 MiB
     for 1, 2 and 4 micro-batches); with ``last`` every rank holds the model's unsharded
     gradients until the last micro-batch: at 4 micro-batches its peak is higher by nearly
-    those gradients less the shard kept anyway (measured 0.59 MiB of 0.63)."""
+    those gradients less the shard kept anyway (least of three runs: 0.52 to 0.60 MiB of
+    0.64)."""
     peak = {
         name: four_rank_runs[name][1]["tensor_peak_gib"]
         for name in ACCUM_CASES
         if name.startswith("fsdp_accum")
     }
+    # A reduce-scatter's input (one block's unsharded gradients, 0.19 MiB here) is freed by
+    # gloo's worker thread, sometimes after the next allocations: a measured peak may hold 0, 1
+    # or 2 of them (0.19 MiB steps, seen from 2.59 to 2.96 MiB for the same 4-micro-batch run).
+    # The least of three runs (each already the least over its ranks) is the step's own peak.
+    for choice in ("every", "last"):
+        name = f"fsdp_accum4_{choice}"
+        peak[name] = min([peak[name]] + [peak.pop(f"{name}_{again}") for again in (2, 3)])
     # llama3_tiny at 4 blocks: 4 x 49,280 + 32,832 trainable parameters, fp32, over 4 shards.
     unsharded = 229_952 * 4 / 2**30
+    block = 49_280 * 4 / 2**30
     assert peak["fsdp_accum2_every"] < 0.75 * peak["fsdp_accum1"], peak
     assert peak["fsdp_accum4_every"] < 0.85 * peak["fsdp_accum2_every"], peak
     held = peak["fsdp_accum4_last"] - peak["fsdp_accum4_every"]
-    assert held >= 0.75 * (unsharded - unsharded / 4), peak
+    # Less one late-freed block, which the least of three runs may still hold.
+    assert held >= 0.75 * (unsharded - unsharded / 4) - block, peak
 
 
 @pytest.mark.parametrize(

@@ -65,30 +65,29 @@ def test_interleaved_micro_batches_must_come_in_rounds_of_pp():
     assert _dims(pp=4, dp_shard=2, pp_microbatches=8, **interleaved).pp_stages == 8
 
 
-def _train_cases(cases: dict) -> dict:
-    """Train each ``{name: overrides}`` case on these ranks (tiny model, fp32); return
+def compose_cases(cases: dict) -> dict:
+    """{name: typed config} of ``{name: overrides}`` cases (tiny model, fp32, ``STEPS`` steps):
+    composed once in the test process, not again on every rank."""
+    from hsdp_runner.config.compose import to_run_config
+
+    base = ["trainer.global_batch_size=8", "logger=none", f"trainer.steps={STEPS}"]
+    return {
+        name: to_run_config(compose([*base, "metrics.comm_step=null", *LR, *overrides]))
+        for name, overrides in cases.items()
+    }
+
+
+def _train_cases(configs: dict) -> dict:
+    """Train each ``{name: typed config}`` case (``compose_cases``) on these ranks; return
     {name: (step records, measured vs analytic communication or {})}."""
     import torch.distributed as dist
 
-    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.runtime.rank_training import build_rank_model, make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
     out = {}
     cpu = torch.device("cpu")
-    for name, overrides in cases.items():
-        cfg = to_run_config(
-            compose(
-                [
-                    "trainer.global_batch_size=8",
-                    "logger=none",
-                    f"trainer.steps={STEPS}",
-                    "metrics.comm_step=null",
-                    *LR,
-                    *overrides,
-                ]
-            )
-        )
+    for name, cfg in configs.items():
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
         model, pipeline = build_rank_model(cfg, dims, world, cpu)
@@ -156,10 +155,12 @@ BASELINES = {
 @pytest.fixture(scope="module")
 def runs() -> dict:
     """{case or baseline name: rank 0's step records}: one run of workers per world size."""
-    out = {name: r[0] for name, r in run_workers(_train_cases, 1, BASELINES)[0].items()}
+    out = {
+        name: r[0] for name, r in run_workers(_train_cases, 1, compose_cases(BASELINES))[0].items()
+    }
     for world in (2, 4):
         cases = {name: c[2] for name, c in CASES.items() if c[0] == world}
-        ranks = run_workers(_train_cases, world, cases)
+        ranks = run_workers(_train_cases, world, compose_cases(cases))
         for name in cases:
             out[name] = ranks[0][name][0]
             out[f"{name}/comm"] = [ranks[r][name][1] for r in sorted(ranks)]

@@ -8,13 +8,14 @@ from test_config import compose
 pytestmark = pytest.mark.multiprocess
 
 
-def _build(overrides):
+def _build(cfg):
+    """Build the model of composed config ``cfg`` on these ranks; return (dims, world mesh,
+    model)."""
     import torch.distributed as dist
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
 
-    cfg = compose(overrides)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
     world = dims.build_mesh("cpu")
     model = build_model(
@@ -23,10 +24,10 @@ def _build(overrides):
     return dims, world, model
 
 
-def _placements(overrides):
+def _placements(cfg):
     from torch.distributed.tensor import DTensor
 
-    dims, world, model = _build(overrides)
+    dims, world, model = _build(cfg)
     params = {}
     for name, p in model.named_parameters():
         clean = name.replace("_checkpoint_wrapped_module.", "")
@@ -48,20 +49,24 @@ def _placements(overrides):
     }
 
 
-def _eight_rank_layouts():
-    """hsdp_tp, fsdp (8), hsdp (2x4) and ddp (8) placements, then hsdp buffers: conftest's
-    ``eight_ranks`` workers serve every test below but the single-process reference."""
-    tiny = ["model=llama3_tiny"]
-    return {
-        "hsdp_tp": _placements(["parallel=hsdp_tp", *tiny]),
-        "fsdp": _placements(["parallel=fsdp", "parallel.dp_shard=8", *tiny]),
-        "hsdp": _placements(
-            ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=4", *tiny]
-        ),
-        "ddp": _placements(["parallel=ddp", "parallel.dp_replicate=8", *tiny]),
-        "gpt2_hsdp_tp": _placements(["parallel=hsdp_tp", "model=gpt2_tiny"]),
-        "buffers": _buffers_after_build(["parallel=hsdp", "parallel.dp_shard=4", *tiny]),
-    }
+TINY = ["model=llama3_tiny"]
+# The eight-rank cases: {name: overrides}; "buffers" is built with a per-rank buffer added.
+EIGHT_RANK_LAYOUTS = {
+    "hsdp_tp": ["parallel=hsdp_tp", *TINY],
+    "fsdp": ["parallel=fsdp", "parallel.dp_shard=8", *TINY],
+    "hsdp": ["parallel=hsdp", "parallel.dp_replicate=2", "parallel.dp_shard=4", *TINY],
+    "ddp": ["parallel=ddp", "parallel.dp_replicate=8", *TINY],
+    "gpt2_hsdp_tp": ["parallel=hsdp_tp", "model=gpt2_tiny"],
+    "buffers": ["parallel=hsdp", "parallel.dp_shard=4", *TINY],
+}
+
+
+def _eight_rank_layouts(configs):
+    """hsdp_tp, fsdp (8), hsdp (2x4) and ddp (8) placements, then hsdp buffers, of the composed
+    ``EIGHT_RANK_LAYOUTS``: conftest's ``eight_ranks`` workers serve every test below but the
+    single-process reference."""
+    out = {name: _placements(cfg) for name, cfg in configs.items() if name != "buffers"}
+    return {**out, "buffers": _buffers_after_build(configs["buffers"])}
 
 
 def test_hsdp_tp_parameters_are_replicate_strided_shard_and_shard_on_3d_mesh(eight_ranks):
@@ -104,7 +109,7 @@ def test_gpt2_biases_follow_their_layers_and_positions_split_by_sequence(eight_r
 
 
 def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights(eight_ranks):
-    single = run_workers(_placements, 1, ["parallel=single", "model=llama3_tiny"])[0]
+    single = run_workers(_placements, 1, compose(["parallel=single", *TINY]))[0]
     fsdp, hsdp, ddp = (eight_ranks[0][layout] for layout in ("fsdp", "hsdp", "ddp"))
     key = "layers.1.feed_forward.w2.weight"
     assert single["params"][key][0] is None
@@ -119,14 +124,14 @@ def test_fsdp_hsdp_and_ddp_placements_and_identical_initial_weights(eight_ranks)
             assert layout["params"][name][2] == pytest.approx(total, rel=1e-6, abs=1e-6), name
 
 
-def _buffers_after_build(overrides):
+def _buffers_after_build(cfg):
     import torch.distributed as dist
 
     # A buffer that differs per rank at creation must agree after the model is built.
     torch.manual_seed(dist.get_rank())
     from hsdp_runner.distributed.parallelize import sync_buffers
 
-    dims, world, model = _build(overrides)
+    dims, world, model = _build(cfg)
     model.register_buffer("noise", torch.randn(4))
     before = model.noise.clone()
     sync_buffers(model)
