@@ -1,6 +1,7 @@
 """Sweeps: a 4-job CPU multirun end to end, and every ready sweep file in sweeps/."""
 
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -180,29 +181,37 @@ def sweep_jobs(sweep_file: Path) -> int:
     return len(list(itertools.product(*(str(v).split(",") for v in params.values()))))
 
 
+SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def ready_sweeps(tmp_path_factory):
+    """Every sweep file's multirun, each through the command-line entry point with a missing
+    corpus, in one process (tests/sweep_files.py): (its exit codes by stem, the output root)."""
+    root = tmp_path_factory.mktemp("ready_sweeps")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "sweep_files.py"), str(root), *map(str, SWEEP_FILES)],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1]), root
+
+
 @pytest.mark.multiprocess  # a CLI multirun per sweep file (no worker starts)
-@pytest.mark.parametrize(
-    "sweep_file", sorted((REPO / "sweeps").glob("*.yaml")), ids=lambda p: p.stem
-)
-def test_ready_sweep_composes_every_job_and_skips_only_misfits(sweep_file, tmp_path):
+@pytest.mark.parametrize("sweep_file", SWEEP_FILES, ids=lambda p: p.stem)
+def test_ready_sweep_composes_every_job_and_skips_only_misfits(sweep_file, ready_sweeps):
     text = sweep_file.read_text()
     assert text.startswith("# Question:"), "each sweep says which question it answers"
     # A missing corpus is checked after the degrees: jobs with fitting degrees are skipped for
     # it, so every combination is composed and validated without starting a process.
-    result = run_cli(
-        tmp_path,
-        "--config-dir",
-        "sweeps",
-        "--config-name",
-        sweep_file.stem,
-        "data=text",
-        "data.path=no_such_corpus.txt",
-        f"hydra.sweep.dir={tmp_path}",
-        pin_dir=False,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr[-3000:]  # no job ran
-    reasons = [read_job(d)[1]["reason"] for d in sorted(tmp_path.iterdir()) if d.is_dir()]
+    codes, root = ready_sweeps
+    assert codes[sweep_file.stem] == 2  # no job ran
+    sweep_dir = root / sweep_file.stem
+    reasons = [read_job(d)[1]["reason"] for d in sorted(sweep_dir.iterdir()) if d.is_dir()]
     assert len(reasons) == sweep_jobs(sweep_file)
     misfits = [r for r in reasons if "data.path" not in r]
     if sweep_file.stem == "degrees_8":  # dp_shard x tp = 16, 16, 32 do not divide 8 ranks
