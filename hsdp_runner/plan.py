@@ -37,6 +37,7 @@ from hsdp_runner.planner.layouts import (
     plan_layouts,
 )
 from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
+from hsdp_runner.runtime import forkserver
 
 AXES_PREFIX = "plan.axes."
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides)
         run = to_run_config(cfg)
         validate_config(run)
+        forkserver.plan_children()
         cluster, entries = predict(cfg, check_axes(cfg, overrides, axes))
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)

@@ -19,6 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TINY = ["model=llama3_tiny", "trainer.global_batch_size=8", "trainer.steps=6", "logger=none"]
 
 
+def pytest_configure(config):
+    """The planner measures in children forked from the runner's forkserver, as a job's
+    launcher and ``python -m hsdp_runner.plan`` have it do (``forkserver.plan_children``)."""
+    from hsdp_runner.runtime import forkserver
+
+    forkserver.plan_children()
+
+
 def cli_env(extra: dict | None = None) -> dict:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     # Subprocesses (and the processes they start, e.g. submitit's) import the checkout under

@@ -40,3 +40,31 @@ def test_a_worker_gets_the_launchers_current_environment_and_default_signals(mon
         assert seen[rank]["gone"] is None and seen[rank]["world"] == "2"
         assert seen[rank]["sigterm_default"] and seen[rank]["sigusr2_default"]
         assert seen[rank]["sigint_raises"]
+
+
+def _what_a_planning_child_sees() -> dict:
+    return {
+        "parent": os.getppid(),
+        "env": os.environ.get("HSDP_TEST_ENV"),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    }
+
+
+def test_the_planners_children_are_forked_from_the_server_with_the_launchers_state(monkeypatch):
+    """``plan_children`` (a job's launcher and ``python -m hsdp_runner.plan`` call it before
+    planning): the measuring children come from the forkserver, which imported torch already,
+    with the environment of the moment and the stop signals' default handling back."""
+    from hsdp_runner.planner import memory
+    from hsdp_runner.runtime import forkserver
+
+    memory.release_children()  # this test process's children so far may be older
+    monkeypatch.setenv("HSDP_TEST_ENV", "set before planning")
+    forkserver.plan_children()
+    try:
+        seen = memory._children().submit(_what_a_planning_child_sees).result(timeout=120)
+    finally:
+        memory.release_children()
+    assert seen["parent"] in forkserver.server_pids()
+    assert seen["env"] == "set before planning"
+    assert seen["sigterm_default"] and seen["sigint_raises"]

@@ -66,6 +66,9 @@ GIB = 2**30
 CACHE_VERSION = 5  # bump when what a measurement holds changes (5: phases and marks)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
+# How the measuring children start (``start_children_in``): spawned unless the caller has a
+# server that imported torch already.
+_START: dict = {"method": "spawn", "initializer": None, "initargs": ()}
 
 
 def request(
@@ -136,13 +139,28 @@ def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
     return [results[i] for i in range(len(requests))]
 
 
+def start_children_in(method: str, initializer=None, initargs: tuple = ()) -> None:
+    """Start the measuring children not yet started with multiprocessing start method
+    ``method``, each running ``initializer(*initargs)`` first. The launcher hands over its
+    forkserver this way (``runtime.forkserver``: torch and the runner imported once, the stop
+    signals set back in each child by the initializer), so a child skips the ~3 s of imports a
+    spawned one pays; the planner cannot start that server itself (it sits below the runtime)."""
+    _START.update(method=method, initializer=initializer, initargs=tuple(initargs))
+
+
 def _children() -> ProcessPoolExecutor:
-    """The measuring child processes, started on first use (spawn: the caller's threads and
-    process groups stay out) and kept until ``release_children``, so that a plan that measures
-    again (``parallel=auto`` planning its remedies when nothing fits) skips their start-up."""
+    """The measuring child processes, started on first use (spawned, or forked from the server
+    ``start_children_in`` named: the caller's threads and process groups stay out) and kept
+    until ``release_children``, so that a plan that measures again (``parallel=auto`` planning
+    its remedies when nothing fits) skips their start-up."""
     global _POOL
     if _POOL is None:
-        _POOL = ProcessPoolExecutor(MAX_CHILDREN, mp_context=get_context("spawn"))
+        _POOL = ProcessPoolExecutor(
+            MAX_CHILDREN,
+            mp_context=get_context(_START["method"]),
+            initializer=_START["initializer"],
+            initargs=_START["initargs"],
+        )
     return _POOL
 
 

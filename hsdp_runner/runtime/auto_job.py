@@ -31,6 +31,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.planner import auto as plan_auto
 from hsdp_runner.planner.report import PLAN_JSON
+from hsdp_runner.runtime import forkserver
 from hsdp_runner.runtime.slurm import in_submitit_job
 
 STORE_KEY = "hsdp_runner/parallel_auto"
@@ -149,6 +150,7 @@ def plan_here(
     this_machine), write the choice into ``cfg`` and the plan into ``plan_dir``, print the
     choice and the runner-up; return the choice. ConfigError when nothing fits."""
     device_name = torch.cuda.get_device_name(0) if gpus else None
+    forkserver.plan_children()
     choice = plan_auto.plan_job(cfg, world_size, ranks_per_node, device_name, plan_dir, overrides)
     print(f"hsdp_runner: {plan_auto.describe(choice)}", flush=True)
     return choice

@@ -178,14 +178,31 @@ def run_forked(launcher_env: dict[str, str], fn, *args):
     server's own start environment; it is laid over ``launcher_env``. In a process not forked
     from the server (spawned) everything is already in place and ``fn`` runs as it is.
     """
-    if _server_env is not None:
-        check_cuda_untouched()
-        rank_env = {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
-        os.environ.clear()
-        os.environ.update(launcher_env)
-        os.environ.update(rank_env)
-        for signum in STOP_SIGNALS:
-            signal.signal(
-                signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-            )
+    adopt_launcher_state(launcher_env)
     return fn(*args)
+
+
+def adopt_launcher_state(launcher_env: dict[str, str]) -> None:
+    """In a process forked from the server: take ``launcher_env`` (what the server's own start
+    environment lacks or differs in stays: torch's agent's settings for a rank) and the default
+    handling of the stop signals the server ignores. Does nothing in any other process. Also
+    the initializer of the planner's measuring children (``plan_children``)."""
+    if _server_env is None:
+        return
+    check_cuda_untouched()
+    own_env = {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(own_env)
+    for signum in STOP_SIGNALS:
+        signal.signal(
+            signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        )
+
+
+def plan_children() -> None:
+    """Have the planner's measuring children forked from this process's server (started here
+    if it is not yet, and stopped at exit like the workers'), instead of each spawned afresh."""
+    from hsdp_runner.planner import memory
+
+    memory.start_children_in(use_server(), adopt_launcher_state, (dict(os.environ),))
