@@ -61,7 +61,7 @@ test: venv
 
 # The tests that start no worker process (pyproject.toml's `multiprocess` marker).
 test-fast: venv
-	WANDB_MODE=offline $(PY) -m pytest -q -m "not multiprocess" tests $(ARGS)
+	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess" tests $(ARGS)
 
 # ruff (settings in pyproject.toml). `make format` rewrites files; `make lint` only checks.
 lint: venv
