@@ -38,6 +38,8 @@ import uuid
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+from hsdp_runner.runtime.forkserver import STOP_SIGNALS
+
 # Short collective timeout: a test that deadlocks fails in minutes instead of hanging. Meshes
 # built without a timeout (ParallelDims.build_mesh) give every group the default group's.
 TEST_TIMEOUT_S = 120
@@ -46,15 +48,8 @@ TEST_TIMEOUT_S = 120
 TASK_DEADLINE_S = 900
 # After one rank fails, how long the others get to report their own error before they are ended.
 FAILURE_GRACE_S = 2.0
-_RESTORED_SIGNALS = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGALRM,
-)
+# The stop signals the forkserver ignores, and the alarm a test may have set.
+_RESTORED_SIGNALS = (*STOP_SIGNALS, signal.SIGALRM)
 
 
 # In a rank: when fn's own error was raised (before the teardown; None: not through _wrapped).
