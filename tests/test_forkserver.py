@@ -68,3 +68,35 @@ def test_the_planners_children_are_forked_from_the_server_with_the_launchers_sta
     assert seen["parent"] in forkserver.server_pids()
     assert seen["env"] == "set before planning"
     assert seen["sigterm_default"] and seen["sigint_raises"]
+
+
+def _fail_or_hang(marker: str) -> None:
+    """Rank 1 fails at once; rank 0 remembers a SIGTERM, as a worker's stop request does, and
+    sleeps on, as a rank blocked in a collective whose peer has failed would."""
+    import time
+
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1 fails")
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_a_failed_jobs_hung_worker_is_killed_after_the_launchers_timeout(tmp_path):
+    """torch's launcher ends a failed group's other workers with a fixed 30 s between SIGTERM
+    and SIGKILL; the launcher gives them ``shutdown_timeout`` (here 2 s) before SIGTERM and
+    as long after (``agent_shutdown``). Measured alone: 7.7 s, where torch's wait took 33 s."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    marker = tmp_path / "rank0.pid"
+    start = time.monotonic()
+    with pytest.raises(ChildFailedError) as failed:
+        start_local_workers(_fail_or_hang, 2, str(marker), shutdown_timeout=2)
+    assert time.monotonic() - start < 25  # 30 s and more with torch's own wait
+    assert "rank 1 fails" in str(failed.value)
+    pid = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

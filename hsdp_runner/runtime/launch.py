@@ -43,6 +43,7 @@ from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, infer
 from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import auto_job, forkserver, reaper
+from hsdp_runner.runtime.agent_shutdown import stopping_failed_workers_within
 from hsdp_runner.runtime.failures import (
     NCCL_ERROR_HANDLING,
     begin_attempt,
@@ -283,7 +284,8 @@ def start_local_workers(
     workers started has ended too (``reaper``: at most ``shutdown_timeout`` after them).
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
-    raises ``ChildFailedError`` (the others are stopped). On a signal named in
+    raises ``ChildFailedError`` (the others get ``shutdown_timeout``, at most 15 s, to end,
+    and as long again after SIGTERM: ``agent_shutdown``). On a signal named in
     ``agent_signals`` torch's agent passes it on, gives the workers ``shutdown_timeout``
     seconds to stop before killing them, then raises ``SignalException``; ``_launch_local``
     leaves SIGTERM/SIGINT out and handles them itself.
@@ -312,7 +314,10 @@ def start_local_workers(
     saved = {name: os.environ.get(name) for name in launch_env}
     os.environ.update(launch_env)
     try:
-        with reaper.adopting_orphans(shutdown_timeout, keep=forkserver.server_pids):
+        with (
+            reaper.adopting_orphans(shutdown_timeout, keep=forkserver.server_pids),
+            stopping_failed_workers_within(shutdown_timeout),
+        ):
             return elastic_launch(config, forkserver.run_forked)(dict(os.environ), fn, *args)
     finally:
         for name, old in saved.items():
