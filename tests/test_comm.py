@@ -92,7 +92,10 @@ EIGHT_RANKS = ("hsdp_tp", "gpt2_hsdp_tp", "fsdp_cp_tp")
 
 
 def _layout_configs(names):
-    """{layout: its composed config} for ``names``: composed once here, not on every rank."""
+    """{layout: its typed config} for ``names``: composed and converted once here, not on
+    every rank."""
+    from hsdp_runner.config.compose import to_run_config
+
     configs = {}
     for name in names:
         overrides = LAYOUTS[name]
@@ -101,14 +104,13 @@ def _layout_configs(names):
             for o in BASE
             if not (o.startswith("model=") and any(m.startswith("model=") for m in overrides))
         ]
-        configs[name] = compose(base + overrides)
+        configs[name] = to_run_config(compose(base + overrides))
     return configs
 
 
 def _measure_layouts(configs):
     import torch.distributed as dist
 
-    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.rank_training import make_trainer
@@ -121,7 +123,7 @@ def _measure_layouts(configs):
         device = torch.device("cpu")
         model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
         figures = compute_run_figures(cfg, dims, model, device)
-        trainer = make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
+        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
         trainer.fit()
         out[name] = trainer.comm_facts
     return out

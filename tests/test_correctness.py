@@ -75,20 +75,24 @@ FROZEN = "tok_embeddings.weight"
 
 
 def _eval_configs(cases):
-    """[((layout, reshard_after_forward), composed config)] of the eval/frozen cases: 3 steps of
-    tiny Llama with the embedding frozen; composed here, not on every rank."""
+    """[((layout, reshard_after_forward), typed config)] of the eval/frozen cases: 3 steps of
+    tiny Llama with the embedding frozen; composed and converted here, not on every rank."""
+    from hsdp_runner.config.compose import to_run_config
+
     return [
         (
             (layout, reshard),
-            compose(
-                [
-                    f"parallel={layout}",
-                    "model=llama3_tiny",
-                    "trainer.steps=3",
-                    "logger=none",
-                    f"parallel.reshard_after_forward={str(reshard).lower()}",
-                    "trainer.freeze=['tok_embeddings.*']",
-                ]
+            to_run_config(
+                compose(
+                    [
+                        f"parallel={layout}",
+                        "model=llama3_tiny",
+                        "trainer.steps=3",
+                        "logger=none",
+                        f"parallel.reshard_after_forward={str(reshard).lower()}",
+                        "trainer.freeze=['tok_embeddings.*']",
+                    ]
+                )
             ),
         )
         for layout, reshard in cases
@@ -100,7 +104,6 @@ def _train_eval_frozen(cases):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.models.llama import Llama
@@ -133,7 +136,7 @@ def _train_eval_frozen(cases):
         before = full_weights()
         cpu = torch.device("cpu")
         trainer = make_trainer(
-            to_run_config(cfg),
+            cfg,
             dims,
             world,
             model,

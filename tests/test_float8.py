@@ -63,7 +63,7 @@ def test_bf16_and_fp32_presets_train_no_float8():
 
 
 def _train(configs):
-    """Train each ``{name: composed config}`` case on these ranks; return {name: step
+    """Train each ``{name: typed config}`` case on these ranks; return {name: step
     records}."""
     from test_parity import _train_cases
 
@@ -71,7 +71,7 @@ def _train(configs):
 
 
 def _leg_configs(root):
-    """The composed configs of ``_checkpoint_legs``: float8 FSDP(4) 4 steps saving at 2 (HF
+    """The typed configs of ``_checkpoint_legs`` (converted here, not on every rank): float8 FSDP(4) 4 steps saving at 2 (HF
     export at the end), bf16 from step 2 saving at 3, float8 again from step 3."""
     legs = (
         ("float8", "float8", ["checkpoint.interval=2", "checkpoint.export_at_end=true"]),
@@ -82,10 +82,14 @@ def _leg_configs(root):
         ),
         ("back", "float8", [f"checkpoint.load_path={root}/bf16/checkpoints/step-3"]),
     )
+    from hsdp_runner.config.compose import to_run_config
+
     return {
-        name: compose(
-            [*TINY, "parallel=fsdp", "trainer.steps=4", f"precision={precision}"]
-            + ["checkpoint.enable=true", "checkpoint.export_dtype=float32", *extra]
+        name: to_run_config(
+            compose(
+                [*TINY, "parallel=fsdp", "trainer.steps=4", f"precision={precision}"]
+                + ["checkpoint.enable=true", "checkpoint.export_dtype=float32", *extra]
+            )
         )
         for name, precision, extra in legs
     }
@@ -97,19 +101,17 @@ def _checkpoint_legs(configs, root):
     import torch.distributed as dist
 
     from hsdp_runner.checkpoint import start as checkpoint_start
-    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.rank_training import make_checkpointer, make_trainer
     from hsdp_runner.train.figures import compute_run_figures
 
     cpu, out = torch.device("cpu"), {}
-    for name, cfg in configs.items():
-        run = to_run_config(cfg)
-        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
+    for name, run in configs.items():
+        dims = ParallelDims.from_config(run.parallel, run.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
-        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, cpu, 0)
-        figures = compute_run_figures(cfg, dims, model, cpu)
+        model = build_model(run.model, dims, world, run.parallel, run.precision, cpu, 0)
+        figures = compute_run_figures(run, dims, model, cpu)
         trainer = make_trainer(run, dims, world, model, cpu, figures, sinks=[])
         ckpt = make_checkpointer(run, root / name, trainer)
         start = checkpoint_start.agree_on_start(run.checkpoint, run.model, root / name)

@@ -193,9 +193,9 @@ def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(
 
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
     from test_config import compose
 
+    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.core.records import RunInfo
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.runtime import worker
@@ -229,7 +229,7 @@ def test_a_failing_nccl_rank_aborts_its_groups_and_records_its_own_error(
         output_dir=str(tmp_path), group="g", run_name="r", tags=[], multirun=False, overrides=[]
     )
     with pytest.raises(torch.OutOfMemoryError):
-        worker.run_worker(OmegaConf.to_container(cfg, resolve=True), dims, run_info)
+        worker.run_worker(to_run_config(cfg), dims, run_info)
     assert calls == ["init", "abort" if backend == "nccl" else "destroy"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["failed_rank"] == 0

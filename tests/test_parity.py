@@ -144,9 +144,13 @@ TRAIN_BASE = [
 
 
 def compose_cases(cases: dict) -> dict:
-    """{name: the composed config of ``TRAIN_BASE`` + overrides} for ``{name: overrides}``:
-    composed once in the test process, not again on every rank."""
-    return {name: compose([*TRAIN_BASE, *overrides]) for name, overrides in cases.items()}
+    """{name: the typed config of ``TRAIN_BASE`` + overrides} for ``{name: overrides}``:
+    composed and converted once in the test process, not again on every rank."""
+    from hsdp_runner.config.compose import to_run_config
+
+    return {
+        name: to_run_config(compose([*TRAIN_BASE, *overrides])) for name, overrides in cases.items()
+    }
 
 
 def _train_cases(configs):
@@ -158,7 +162,6 @@ def _train_cases(configs):
     ``metrics.memory_steps``; it is None elsewhere."""
     import torch.distributed as dist
 
-    from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.runtime.rank_training import make_trainer
@@ -182,7 +185,7 @@ def _train_cases(configs):
         )
         cpu = torch.device("cpu")
         trainer = make_trainer(
-            to_run_config(cfg),
+            cfg,
             dims,
             world,
             model,

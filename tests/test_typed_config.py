@@ -41,9 +41,7 @@ ALLOWED = {
     "runtime/auto_job.py::submitted_job_dir(cfg)": "reads the hydra node of a sweep job",
     "runtime/launch.py::run_job(cfg)": "Hydra's task body: the composed config",
     "runtime/launch.py::check_before_submit(sweep_config)": "Hydra's sweep config",
-    "runtime/launch.py::_launch_local(cfg_dict)": "the plain container sent to workers",
     "runtime/launch.py::_record_skipped(cfg)": "a sweep job's composed config",
-    "runtime/worker.py::run_worker(cfg_dict)": "the plain container; converted here, once",
     # The planner: axes are dotted-key overrides of the composed config; each candidate is
     # converted once (planner/layouts.axis_configs) and planned typed from there.
     "plan.py::check_axes(cfg)": "axis values composed as overrides",

@@ -62,9 +62,10 @@ def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
 
 def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     """The typed config: the schema dataclasses (``RunConfig``, the model as its family's
-    dataclass), built once where a config arrives (a worker, the launcher, a pre-submit check).
+    dataclass), built once where a config arrives (the launcher, which sends it to its workers
+    typed; a torchrun or SLURM rank; a pre-submit check).
 
-    Takes a composed DictConfig or its plain resolved container (the form sent to workers);
+    Takes a composed DictConfig or its plain resolved container (a checkpoint's or a run's copy);
     ``hydra`` (present in a sweep job's config) is dropped. Raises ConfigError naming the key
     for a choice outside its Enum or a key the schema does not know (added with ``+``).
     """

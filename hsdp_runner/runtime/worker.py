@@ -20,8 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hsdp_runner.checkpoint import start as checkpoint_start
-from hsdp_runner.config.compose import to_run_config
-from hsdp_runner.config.schema import CheckpointConfig
+from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
@@ -78,14 +77,13 @@ def setup_logging(output_dir: Path, rank: int) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def run_worker(cfg_dict: dict, dims: ParallelDims, run_info: RunInfo) -> RunSummary | None:
-    """Train one rank of the job described by the resolved config ``cfg_dict``.
+def run_worker(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo) -> RunSummary | None:
+    """Train one rank of the job described by ``cfg``.
 
-    Takes the plain resolved config (converted here, once, into the typed ``RunConfig``), the
-    validated ParallelDims and run facts (output dir, W&B group, run name, tags). Returns rank
-    0's summary (None on other ranks).
+    Takes the typed config (converted once, by the launching process), the validated
+    ParallelDims and run facts (output dir, W&B group, run name, tags). Returns rank 0's
+    summary (None on other ranks).
     """
-    cfg = to_run_config(cfg_dict)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # A stop signal (interrupt.py) only sets a flag: the ranks agree to stop at the next step
