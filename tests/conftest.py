@@ -16,7 +16,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# The per-job meters cost a tiny job about a fifth of its CPU (the tensor-memory peak runs
+# torch.profiler over a step on every CPU rank; the communication count wraps a step's
+# collectives), so the tiny jobs leave them off; the tests about them turn them back on (the
+# NaN-skip job in test_faults, test_figures, test_options' accumulation cases, test_comm,
+# test_auto, the browser test's sweep).
+METERS_OFF = ["metrics.memory_steps=0", "metrics.comm_step=null"]
 TINY = ["model=llama3_tiny", "trainer.global_batch_size=8", "trainer.steps=6", "logger=none"]
+TINY += METERS_OFF
 
 
 def pytest_configure(config):

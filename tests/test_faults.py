@@ -106,6 +106,7 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
         "fault.step=3",
         "fault.kind=nan",
         "trainer.on_nan=skip",
+        "metrics.memory_steps=1",
     )
     assert result.returncode == 0, result.stderr[-2000:]
     records, summary = read_job(job_dir)

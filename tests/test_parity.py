@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, read_job
+from conftest import METERS_OFF, REPO, read_job
 from distributed import forked_launcher, run_workers
 from test_config import compose
 
@@ -85,6 +85,7 @@ def parity(request, tmp_path_factory):
                 str(out),
                 f"model={request.param}",
                 *LR,
+                *METERS_OFF,  # losses are the point here; test_comm and others check the meters
             ]
         )
     result = SimpleNamespace(returncode=code, stdout=printed.getvalue(), stderr=errors.getvalue())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, cli_env, read_job, run_cli
+from conftest import METERS_OFF, REPO, cli_env, read_job, run_cli
 from wandb_records import iter_records, read_run
 
 from hsdp_runner.runtime import sweep
@@ -23,6 +23,7 @@ FOUR_JOBS = [
     "trainer.steps=4",
     "metrics.warmup_steps=1",
     "logger=wandb",
+    *METERS_OFF,
 ]
 
 
