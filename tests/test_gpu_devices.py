@@ -443,7 +443,7 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     run_info = RunInfo(
         output_dir=str(tmp_path), group="g", run_name="r", tags=[], multirun=False, overrides=[]
     )
-    launch._launch_local(to_run_config(cfg), {"launcher": {"timeout_s": 5}}, dims, run_info)
+    launch._launch_local(to_run_config(cfg), dims, run_info)
     assert seen["threads"] == "3"
 
 
