@@ -55,13 +55,19 @@ parity: venv
 # slowest first): in one process the suite leaves the CPUs idle a quarter of the time
 # (start-ups, waits for signals and timeouts). More workers oversubscribe the 4-8-rank jobs;
 # TEST_WORKERS=0 runs in one process.
+# The suite starts a few hundred Python processes, each importing the runner (forked ranks
+# also import the test module that holds their function): where the environment sets
+# PYTHONDONTWRITEBYTECODE (CI images often do), each compiled them from source again and pytest
+# rewrote every test file again in each worker (~0.3 CPU-s a process, 1.5 s a worker), so the
+# test targets let Python cache bytecode (in the ignored __pycache__ folders).
+TEST_ENV = PYTHONDONTWRITEBYTECODE= WANDB_MODE=offline
 TEST_WORKERS ?= 2
 test: venv
-	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests $(ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests $(ARGS)
 
 # The tests that start no worker process (pyproject.toml's `multiprocess` marker).
 test-fast: venv
-	WANDB_MODE=offline $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess" tests $(ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess" tests $(ARGS)
 
 # ruff (settings in pyproject.toml). `make format` rewrites files; `make lint` only checks.
 lint: venv
