@@ -138,10 +138,10 @@ def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
     )
     assert result.returncode == 1
     assert "Timed out" in result.stderr and "launcher.timeout_s" in result.stderr
-    # Start-up, the 6 s timeout, then the launcher's grace for the others (6 s before SIGTERM,
-    # 6 s after it, then SIGKILL for the hung rank, which sleeps on; a rank stuck in C++ would
-    # not even run a handler; agent_shutdown.py): ~25 s alone, where torch's own fixed 30 s
-    # after SIGTERM took ~45 s. A job that waited for the hung rank would run into
+    # Start-up, the 6 s timeout, then SIGTERM and 6 s more (launcher.timeout_s, where torch
+    # waits a fixed 30 s: agent_shutdown.py) before SIGKILL for the hung rank, which sleeps
+    # on (a rank stuck in C++ would not even run a handler): ~20 s alone, ~45 s with torch's
+    # wait. A job that waited for the hung rank would run into
     # run_marked's 240 s.
     assert seconds < 150
     _, summary = read_job(job_dir)

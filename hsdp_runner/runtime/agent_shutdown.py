@@ -1,40 +1,42 @@
 """How long torch's elastic launcher lets a failed job's other workers stop before it kills them.
 
 When a worker fails, torch 2.13's launcher ends the others through
-``torch.multiprocessing.ProcessContext.join()`` without a grace period, which sends SIGTERM and
-waits a fixed 30 s before SIGKILL (``spawn.py``; the elastic agent's ``shutdown_timeout`` is
-used only when the agent itself is signalled). A worker left when a peer failed is either
-leaving already (its collectives fail with the peer's connection) or blocked in a collective
-that will never complete, and one still running once the collective timeout has passed will
-not stop. So the launcher passes a grace period of ``min(launcher.timeout_s, 15 s)``
-(``stopping_failed_workers_within``): torch waits that long for the workers to end by
-themselves, then that long again after SIGTERM, never longer in all than its own 30 s.
+``torch.multiprocessing.ProcessContext.join()``: SIGTERM at once, then a fixed 30 s before
+SIGKILL (``spawn.py``; the elastic agent's ``shutdown_timeout`` is used only when the agent
+itself is signalled). A worker left when a peer failed is either leaving already (its
+collectives fail with the peer's connection) or blocked in a collective that will never
+complete, and one still running once the collective timeout has passed will not stop. So the
+launcher caps that wait at ``launcher.timeout_s`` (``stopping_failed_workers_within``): never
+longer than torch's 30 s, shorter when the collective timeout is.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-# torch waits a grace period before SIGTERM and another after it; two of these are its 30 s.
-MAX_GRACE_S = 15
+TORCH_WAIT_AFTER_SIGTERM_S = 30
 
 
 @contextlib.contextmanager
 def stopping_failed_workers_within(seconds: float):
-    """Within it, when one of torch's worker processes fails, the others get a grace period
-    of ``min(seconds, 15)`` to end by themselves and as long again after SIGTERM before
-    SIGKILL. torch has no setting for it, so ``ProcessContext.join`` is wrapped to pass the
-    grace period where its caller gives none, and put back after."""
+    """Within it, when one of torch's worker processes fails, the others get at most
+    ``seconds`` (and never more than torch's 30 s) between SIGTERM and SIGKILL. torch has no
+    setting for it, so the wait of ``ProcessContext.join`` (its ``_join_procs_with_timeout``,
+    called only on that path) is capped for the duration and put back after; a torch
+    without that method is left as it is."""
     from torch.multiprocessing.spawn import ProcessContext
 
-    original = ProcessContext.__dict__["join"]
-    grace = min(seconds, MAX_GRACE_S)
+    original = ProcessContext.__dict__.get("_join_procs_with_timeout")
+    if original is None:
+        yield
+        return
+    cap = min(seconds, TORCH_WAIT_AFTER_SIGTERM_S)
 
-    def join(self, timeout=None, grace_period=None):
-        return original(self, timeout, grace if grace_period is None else grace_period)
+    def _join_procs_with_timeout(self, timeout):
+        return original(self, min(timeout, cap))
 
-    ProcessContext.join = join
+    ProcessContext._join_procs_with_timeout = _join_procs_with_timeout
     try:
         yield
     finally:
-        ProcessContext.join = original
+        ProcessContext._join_procs_with_timeout = original

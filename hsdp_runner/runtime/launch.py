@@ -291,8 +291,8 @@ def start_local_workers(
     workers started has ended too (``reaper``: at most ``shutdown_timeout`` after them).
 
     ``fn`` must live in an importable module. Returns {rank: return value}; a failing rank
-    raises ``ChildFailedError`` (the others get ``shutdown_timeout``, at most 15 s, to end,
-    and as long again after SIGTERM: ``agent_shutdown``). On a signal named in
+    raises ``ChildFailedError`` (the others get SIGTERM, then at most ``shutdown_timeout``,
+    never more than torch's 30 s, before SIGKILL: ``agent_shutdown``). On a signal named in
     ``agent_signals`` torch's agent passes it on, gives the workers ``shutdown_timeout``
     seconds to stop before killing them, then raises ``SignalException``; ``_launch_local``
     leaves SIGTERM/SIGINT out and handles them itself.
