@@ -30,7 +30,8 @@ from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import usable_gpus
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.models.base import model_spec, stage_blocks
-from hsdp_runner.runtime.launch import run_job, validate
+from hsdp_runner.runtime.launch import run_job
+from hsdp_runner.runtime.prelaunch import validate
 from hsdp_runner.train import sinks as tracking
 
 BASELINE = "single"

@@ -5,7 +5,7 @@ import pytest
 from conftest import TINY, run_cli
 from hydra.core.global_hydra import GlobalHydra
 
-from hsdp_runner.runtime import app, launch
+from hsdp_runner.runtime import app, prelaunch
 
 # (overrides, words the message must contain, GPUs the machine pretends to have or None)
 BAD_INPUTS = [
@@ -115,7 +115,7 @@ def test_bad_input_exits_2_naming_key_and_fix_before_any_worker(
 ):
     overrides = [o.replace("EMPTY", str(empty_file)) for o in overrides]
     if gpus is not None:
-        monkeypatch.setattr(launch, "usable_gpus", lambda device: gpus)
+        monkeypatch.setattr(prelaunch, "usable_gpus", lambda device: gpus)
         monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY, *overrides])
     GlobalHydra.instance().clear()

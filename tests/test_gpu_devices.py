@@ -62,7 +62,7 @@ def test_fp32_peak_is_the_non_tensor_core_figure():
 def _validate(overrides, tmp_path, gpus=1):
     from test_config import compose
 
-    from hsdp_runner.runtime import launch
+    from hsdp_runner.runtime import prelaunch
 
     cfg = compose(
         [
@@ -74,7 +74,7 @@ def _validate(overrides, tmp_path, gpus=1):
             *overrides,
         ]
     )
-    return launch.validate(cfg, tmp_path)
+    return prelaunch.validate(cfg, tmp_path)
 
 
 def test_bf16_emulated_in_software_is_refused(tmp_path, monkeypatch):
@@ -268,7 +268,7 @@ def test_hidden_gpus_are_named_as_the_cause(gpu_node_without_cuda, monkeypatch):
 def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, tmp_path, capsys):
     from test_config import compose
 
-    from hsdp_runner.runtime import launch
+    from hsdp_runner.runtime import prelaunch
 
     monkeypatch.setattr(
         "hsdp_runner.distributed.hardware.gpus_present", lambda root=None: (8, "NVIDIA")
@@ -276,9 +276,9 @@ def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, t
     monkeypatch.setattr("torch.version.cuda", None)
     monkeypatch.setattr("torch.version.hip", None)
     base = ["model=llama3_tiny", "logger=none", "parallel=fsdp"]
-    launch.validate(compose(base), tmp_path)
+    prelaunch.validate(compose(base), tmp_path)
     assert "warning: device=auto: 8 NVIDIA GPU(s) present" in capsys.readouterr().err
-    launch.validate(compose(base + ["device=cpu"]), tmp_path)
+    prelaunch.validate(compose(base + ["device=cpu"]), tmp_path)
     assert capsys.readouterr().err == ""
 
 
@@ -319,10 +319,10 @@ def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(
     from test_config import compose
 
     from hsdp_runner.core.errors import ConfigError
-    from hsdp_runner.runtime import launch
+    from hsdp_runner.runtime import prelaunch
 
     base = ["model=llama3_tiny", "logger=none", "parallel=fsdp", "precision=bf16"]
-    dims = launch.validate(compose(base), tmp_path)  # not "this GPU does not support bfloat16"
+    dims = prelaunch.validate(compose(base), tmp_path)  # not "this GPU does not support bfloat16"
     assert dims.world_size == 4  # the CPU layout: no GPU counted
     err = capsys.readouterr().err
     assert "8 NVIDIA GPU(s) present but torch" in err and "(CUDA 12.8) cannot use them" in err
@@ -333,7 +333,7 @@ def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(
         r"12.8\) cannot use them: CUDA initialization: The "
         r"NVIDIA driver on your system is too old",
     ):
-        launch.validate(compose(base + ["device=cuda", "launcher.nproc_per_node=8"]), tmp_path)
+        prelaunch.validate(compose(base + ["device=cuda", "launcher.nproc_per_node=8"]), tmp_path)
 
 
 def test_a_cpu_torch_with_device_cuda_says_it_is_a_cpu_build(tmp_path, monkeypatch):

@@ -30,18 +30,18 @@ def test_gpu_readiness_single_gpu_run_and_every_printed_command_validate_on_a_gp
 ):
     from test_config import compose
 
-    from hsdp_runner.runtime import launch
+    from hsdp_runner.runtime import prelaunch
 
     _gpu_node(monkeypatch, gpus)
     readiness = _readiness()
-    launch.validate(compose(readiness.overrides_for(1, "llama3_1b", 4)), tmp_path)  # the probe
+    prelaunch.validate(compose(readiness.overrides_for(1, "llama3_1b", 4)), tmp_path)  # the probe
     printed = readiness.commands("llama3_1b", 4, visible=gpus)
     assert gpus in printed and {1, 2, 4, 8} <= set(printed)
     for n, command in printed.items():
         if n > gpus:
             continue  # needs a bigger node
         assert command.startswith("python -m hsdp_runner ")
-        dims = launch.validate(compose(command.split()[3:]), tmp_path)
+        dims = prelaunch.validate(compose(command.split()[3:]), tmp_path)
         assert dims.world_size == n and dims.dp == n
 
 
@@ -84,11 +84,11 @@ def test_gpu_readiness_reports_the_nccl_setting_and_the_attention_kernel(monkeyp
 
 def test_parity_runs_each_layout_on_its_own_rank_count_on_a_gpu_node(monkeypatch, tmp_path):
     from hsdp_runner import parity
-    from hsdp_runner.runtime import launch
+    from hsdp_runner.runtime import prelaunch
 
     _gpu_node(monkeypatch, 8)
     sizes = {
-        layout: launch.validate(
+        layout: prelaunch.validate(
             parity.compose(layout, ["model=llama3_tiny"]), tmp_path / layout
         ).world_size
         for layout in ("single", "ddp", "tp", "hsdp_tp")

@@ -14,7 +14,7 @@ from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.runtime.app import torchrun_problem
-from hsdp_runner.runtime.launch import validate
+from hsdp_runner.runtime.prelaunch import validate
 from hsdp_runner.runtime.slurm import join_submitit_job
 
 MODEL = NS(n_heads=16, n_kv_heads=8, seq_len=512)

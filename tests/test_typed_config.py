@@ -34,13 +34,13 @@ ALLOWED = {
     # The launcher: it writes parallel=auto's choice into the composed config and sends the
     # workers its plain resolved container (spawned workers have no Hydra context); each worker
     # converts it once, on arrival.
-    "runtime/launch.py::validate(cfg)": "the app's DictConfig or a RunConfig; converted here",
+    "runtime/prelaunch.py::validate(cfg)": "the app's DictConfig or a RunConfig; converted here",
     "runtime/auto_job.py::settle(cfg)": "parallel=auto writes its choice into it",
     "runtime/auto_job.py::_plan_on_rank_0(cfg)": "parallel=auto writes its choice into it",
     "runtime/auto_job.py::plan_here(cfg)": "parallel=auto writes its choice into it",
     "runtime/auto_job.py::submitted_job_dir(cfg)": "reads the hydra node of a sweep job",
     "runtime/launch.py::run_job(cfg)": "Hydra's task body: the composed config",
-    "runtime/launch.py::check_before_submit(sweep_config)": "Hydra's sweep config",
+    "runtime/prelaunch.py::check_before_submit(sweep_config)": "Hydra's sweep config",
     "runtime/launch.py::_record_skipped(cfg)": "a sweep job's composed config",
     # The planner: axes are dotted-key overrides of the composed config; each candidate is
     # converted once (planner/layouts.axis_configs) and planned typed from there.

@@ -2,14 +2,14 @@
 job comes to run the degrees it chose (the planning itself is ``planner.auto``).
 
 - ``launcher=local``: the process that starts the workers plans, before they start.
-- torchrun: every rank runs ``launch.validate``. Rank 0 alone plans (into the job's dir), then
+- torchrun: every rank runs ``prelaunch.validate``. Rank 0 alone plans (into the job's dir), then
   publishes the choice, or its ConfigError's text, in torchrun's agent store: the TCPStore
   the elastic agent hosts at MASTER_ADDR:MASTER_PORT (``TORCHELASTIC_USE_AGENT_STORE``), under
   a key of the run id and restart count, so a restarted group never reads an old plan. The
   other ranks wait for it (up to ``launcher.timeout_s``) and write it into their config, or
   exit 2 with rank 0's error. The world comes from torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE.
 - SLURM (``launcher=slurm`` / ``slurm_local``): the submitting process plans each job before
-  anything is queued (``launch.check_before_submit``), for ``launcher.nnodes`` x
+  anything is queued (``prelaunch.check_before_submit``), for ``launcher.nnodes`` x
   ``launcher.nproc_per_node`` ranks on ``cluster=<preset>`` (a login node has no GPU to name
   one), into the dir Hydra will give the job; the job's tasks run that plan.json's choice and
   never plan (``planner.auto.adopt_plan``).

@@ -9,7 +9,7 @@ the runner's side of that contract:
   submitit's helper, so the task runs like a torchrun rank;
 - ``requeue_if_asked``: rank 0 of a job stopped by the time-limit signal hands over to
   submitit's requeue handler (``launcher.requeue``).
-The pre-submit check of every job of a sweep is ``launch.check_before_submit``; the stop
+The pre-submit check of every job of a sweep is ``prelaunch.check_before_submit``; the stop
 signals themselves are ``signals``'.
 """
 

@@ -2,7 +2,7 @@
 
 ``launcher=slurm`` and ``launcher=slurm_local`` point ``hydra.launcher._target_`` here. The only
 change to the plugin: ``launch`` first composes each job's config and runs hsdp_runner's
-pre-launch checks on it (``launch.check_before_submit``), so a bad degree in one job of a sweep
+pre-launch checks on it (``prelaunch.check_before_submit``), so a bad degree in one job of a sweep
 fails in seconds on the login node instead of after a queue wait. The plugin has no hook for
 this, and Hydra's ``on_multirun_start`` callback sees only the sweep's base config, not each
 job's. Hydra instantiates launchers only from the ``hydra_plugins`` package, hence this module.
@@ -22,7 +22,7 @@ class _CheckBeforeSubmit:
     ) -> Sequence[JobReturn]:
         """Validate every job (exit 2 naming the bad one), then submit them as the plugin does."""
         from hsdp_runner.runtime.app import mark_jobs_submitted
-        from hsdp_runner.runtime.launch import check_before_submit
+        from hsdp_runner.runtime.prelaunch import check_before_submit
 
         check_before_submit(
             self.hydra_context.config_loader, self.config, job_overrides, initial_job_idx
