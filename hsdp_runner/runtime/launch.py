@@ -28,9 +28,7 @@ from hsdp_runner.core.choices import LauncherName, RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
-from hsdp_runner.distributed.hardware import (
-    cpu_threads,
-)
+from hsdp_runner.distributed.hardware import cpu_threads
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.runtime import forkserver, reaper
 from hsdp_runner.runtime.agent_shutdown import stopping_failed_workers_within
