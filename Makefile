@@ -57,7 +57,7 @@ parity: venv
 # TEST_WORKERS=0 runs in one process.
 # The suite starts a few hundred Python processes, each importing the runner (forked ranks
 # also import the test module that holds their function): where the environment sets
-# PYTHONDONTWRITEBYTECODE (CI images often do), each compiled them from source again and pytest
+# PYTHONDONTWRITEBYTECODE (this machine's does), each compiled them from source again and pytest
 # rewrote every test file again in each worker (~0.3 CPU-s a process, 1.5 s a worker), so the
 # test targets let Python cache bytecode (in the ignored __pycache__ folders).
 TEST_ENV = PYTHONDONTWRITEBYTECODE= WANDB_MODE=offline
