@@ -16,6 +16,7 @@ this times (n-1)/n (x2 for an all-reduce).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -131,3 +132,22 @@ class CommCounter(TorchDispatchMode):
     def result(self) -> dict[str, dict[str, int]]:
         """Return the counts as a plain dict sorted by key."""
         return {key: dict(self.totals[key]) for key in sorted(self.totals)}
+
+
+@contextlib.contextmanager
+def counting(counter: CommCounter | None):
+    """Run the block under ``counter`` (a ``CommCounter``) if there is one, with every
+    ``torch.compile``d function running eagerly meanwhile; without a counter, as it is.
+
+    Dynamo does not compile a frame first called under a dispatch mode, and such a frame stays
+    uncompiled afterwards (seen with torch 2.13 here and 2.11 on an H100): a counted first step
+    left a job's compiled blocks eager for the whole run, float8 + compile at half its speed. Under the ``force_eager`` stance nothing is compiled while the counter
+    is on, so the next step compiles the blocks as it would have. The collectives counted are
+    the same: FSDP's are issued outside the compiled blocks, and a compiled block runs the
+    same TP collectives as its eager code.
+    """
+    if counter is None:
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"), counter:
+        yield

@@ -8,7 +8,6 @@ next batch is made in a background thread (``data.Prefetcher``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
@@ -93,16 +92,6 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 class NonFiniteError(RuntimeError):
     """A step produced a NaN/inf loss or gradient norm and ``trainer.on_nan=stop``."""
-
-
-@contextlib.contextmanager
-def _counting(counter):
-    """Run the block under ``counter`` (a CommCounter) if there is one."""
-    if counter is None:
-        yield
-        return
-    with counter:
-        yield
 
 
 def progress_bar(steps: int, start_step: int, rank: int, console=None) -> tqdm:
@@ -290,7 +279,7 @@ class Trainer:
             for step in range(start_step, steps):
                 counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
-                with _counting(counter):
+                with comm.counting(counter):
                     stats, grad_norm = self._forward_backward(
                         step, data, stop.signum if stop is not None else None
                     )
@@ -301,7 +290,7 @@ class Trainer:
                     break
                 marks.append(step_stats.mark(self.device))
                 lr = self.scheduler.get_last_lr()[0]
-                with _counting(counter):
+                with comm.counting(counter):
                     self._update(stats)
                 marks.append(step_stats.mark(self.device))
                 pending = step_stats.PendingStep(
