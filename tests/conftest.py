@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -45,6 +46,9 @@ def cli_env(extra: dict | None = None) -> dict:
     return env
 
 
+_cli_server = None
+
+
 def run_cli(
     out_dir: Path,
     *overrides: str,
@@ -55,13 +59,23 @@ def run_cli(
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python -m hsdp_runner`` with overrides, its output dir pinned to ``out_dir``
-    (``env``: extra environment variables)."""
-    cmd = (prefix or [sys.executable]) + ["-m", "hsdp_runner"]
-    if pin_dir:
-        cmd.append(f"hydra.run.dir={out_dir}")
-    cmd += list(overrides)
+    (``env``: extra environment variables). Without a ``prefix`` (torchrun's) it runs in a
+    process forked from one that imported the CLI once (tests/cli_forks.py), else in a fresh
+    interpreter; either way the result is ``subprocess.run``'s."""
+    global _cli_server
+    from cli_forks import ENV_READ_AT_IMPORT, CliServer
+
+    args = [f"hydra.run.dir={out_dir}"] if pin_dir else []
+    args += list(overrides)
+    full_env = cli_env(env)
+    if prefix is None and not set(env or ()) & set(ENV_READ_AT_IMPORT):
+        if _cli_server is None:
+            _cli_server = CliServer(cli_env())
+            atexit.register(_cli_server.close)
+        return _cli_server.run(args, full_env, cwd or REPO, timeout, Path(out_dir).parent)
+    cmd = (prefix or [sys.executable]) + ["-m", "hsdp_runner", *args]
     return subprocess.run(
-        cmd, cwd=cwd or REPO, env=cli_env(env), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -1,0 +1,145 @@
+"""Command lines of ``python -m hsdp_runner`` run in processes forked from one that imported the
+CLI once, instead of each started afresh.
+
+A fresh interpreter spends ~3 CPU-seconds importing torch, Hydra and the runner before it parses
+its first override; the suite runs a few dozen command lines. This module's server (one per
+pytest process, started on the first call) imports ``hsdp_runner.runtime.app`` (what
+``python -m hsdp_runner`` imports before it reads its arguments) and nothing else, runs no
+torch op and starts no thread, then forks one child per command line. The child does what a
+new process would: it takes the working directory and the whole environment of the call, reads
+stdin from /dev/null, writes stdout and stderr to files, runs ``hsdp_runner`` as ``__main__``
+with the arguments, and exits through the interpreter's own shutdown (the exit handlers that
+stop the runner's forkserver run as in a fresh process). The exit status comes back to the
+caller as ``subprocess.run``'s would.
+
+What differs from a fresh process: modules are imported before the call's environment is set, so
+a variable read at import time (none in the runner; torch reads a few debug ones, e.g.
+``TORCH_LOGS``) would be the server's; ``run_cli`` starts a fresh interpreter whenever the call
+sets one of ``ENV_READ_AT_IMPORT``, and for any other command (torchrun's prefix).
+Python's subprocess module cannot fork from an existing process, multiprocessing's forkserver
+runs functions rather than command lines with their own stdio and exit, hence this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Environment variables torch reads when it is imported: a call that sets one gets a fresh
+# interpreter.
+ENV_READ_AT_IMPORT = ("TORCH_LOGS", "TORCHDYNAMO_VERBOSE", "TORCH_CPP_LOG_LEVEL")
+_POLL_S = 0.02
+
+
+class CliServer:
+    """The caller's handle on the server process: ``run(argv, env, cwd, timeout)``."""
+
+    def __init__(self, env: dict):
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+
+    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float, out_dir: Path):
+        """Run ``python -m hsdp_runner *argv`` in a forked child; return a
+        ``subprocess.CompletedProcess`` (stdout and stderr as text), or raise
+        ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the child is SIGKILLed, as
+        ``subprocess.run`` does)."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = f"{os.getpid()}_{time.monotonic_ns()}"
+        out, err = out_dir / f"cli_{stamp}.out", out_dir / f"cli_{stamp}.err"
+        request = {
+            "argv": argv,
+            "env": env,
+            "cwd": str(cwd),
+            "out": str(out),
+            "err": str(err),
+            "timeout": timeout,
+        }
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the CLI server exited (code {self._proc.poll()})")
+        reply = json.loads(line)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink()
+        err.unlink()
+        cmd = [sys.executable, "-m", "hsdp_runner", *argv]
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+
+    def close(self) -> None:
+        """End the server (it exits when its stdin closes) and reap it."""
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
+# --- the server's side ------------------------------------------------------------------------
+
+
+def _child(request: dict, channels) -> None:
+    """In the forked child: close the server's ``channels`` (file objects) and become the
+    command line of ``request``. Does not return."""
+    for channel in channels:
+        channel.close()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    streams = (
+        os.open(os.devnull, os.O_RDONLY),
+        os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+        os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+    )
+    for target, fd in enumerate(streams):
+        os.dup2(fd, target)
+        os.close(fd)
+    import random
+    import runpy
+
+    random.seed()  # not the server's sequence: temp file names differ between children
+    sys.argv = ["-m", *request["argv"]]
+    runpy.run_module("hsdp_runner", run_name="__main__", alter_sys=True)
+    sys.exit(0)  # __main__ returned without sys.exit
+
+
+def _serve() -> None:
+    """Read one JSON request a line from stdin, fork a child for it, wait (killing it past its
+    timeout) and write {returncode, timed_out} a line to stdout; exit when stdin closes."""
+    import hsdp_runner.runtime.app  # noqa: F401  (what every child would import first)
+
+    requests = os.fdopen(os.dup(0), "r")
+    replies = os.fdopen(os.dup(1), "w")
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request, (requests, replies))
+        deadline = time.monotonic() + request["timeout"]
+        timed_out = False
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline and not timed_out:
+                os.kill(pid, signal.SIGKILL)
+                timed_out = True
+            time.sleep(_POLL_S)
+        returncode = os.waitstatus_to_exitcode(status)
+        replies.write(json.dumps({"returncode": returncode, "timed_out": timed_out}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    _serve()
