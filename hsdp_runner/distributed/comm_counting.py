@@ -141,10 +141,11 @@ def counting(counter: CommCounter | None):
 
     Dynamo does not compile a frame first called under a dispatch mode, and such a frame stays
     uncompiled afterwards (seen with torch 2.13 here and 2.11 on an H100): a counted first step
-    left a job's compiled blocks eager for the whole run, float8 + compile at half its speed. Under the ``force_eager`` stance nothing is compiled while the counter
-    is on, so the next step compiles the blocks as it would have. The collectives counted are
-    the same: FSDP's are issued outside the compiled blocks, and a compiled block runs the
-    same TP collectives as its eager code.
+    left a job's compiled blocks eager for the whole run, float8 + compile at half its speed.
+    Under the ``force_eager`` stance nothing is compiled while the counter is on, so the next
+    step compiles the blocks as it would have. The collectives counted are the same: FSDP's are
+    issued outside the compiled blocks, and a compiled block runs the same TP collectives as
+    its eager code.
     """
     if counter is None:
         yield
