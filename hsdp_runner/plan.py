@@ -114,7 +114,9 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     degrees = pp_degrees(run.plan.pp_degrees, cluster.nodes, run.model.n_layers)
     entries = plan_layouts(cfg, cluster, axes)
     for pp in [d for d in degrees if d > 1]:
-        entries += pipeline_entries(cfg, cluster, pp, lambda c, cl: plan_layouts(c, cl, axes))
+        entries += pipeline_entries(
+            cfg, cluster, pp, lambda c, cl, **kw: plan_layouts(c, cl, axes, **kw)
+        )
     plan_report.rank(entries)
     return cluster.describe(), entries
 

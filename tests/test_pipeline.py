@@ -266,7 +266,10 @@ def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
     cfg = plan.compose(["model=llama3_tiny", "model.n_layers=4", "cluster.gpus_per_node=2"])
     fsdp = {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
     rows = pipeline_entries(
-        cfg, fake_cluster(nodes=2, gpus_per_node=2), 2, lambda c, cl: plan_layouts(c, cl, {}, fsdp)
+        cfg,
+        fake_cluster(nodes=2, gpus_per_node=2),
+        2,
+        lambda c, cl, **kw: plan_layouts(c, cl, {}, fsdp, **kw),
     )
     by_schedule = {r["overrides"]["parallel.pp_schedule"]: r for r in rows}
     assert set(by_schedule) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"}
@@ -282,6 +285,44 @@ def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
     )
     assert by_schedule["interleaved_zb"]["bubble_s"] < by_schedule["interleaved_1f1b"]["bubble_s"]
     assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]
+    # The stage's 2 blocks stay gathered between micro-batches: fp32, half of each held.
+    with torch.device("meta"):
+        block = model_spec(compose(["model=llama3_tiny"]).model).build().layers["0"]
+    block_bytes = sum(p.numel() for p in block.parameters()) * 4
+    assert one["memory"]["pipeline_gathered_blocks_gib"] == pytest.approx(
+        2 * block_bytes / 2 / 2**30
+    )
+
+
+def test_a_pipeline_stage_gathers_in_its_first_forward_and_in_each_backward():
+    """A stage's schedule keeps its parameters gathered after each micro-batch's backward
+    (1 + m gathers of a resharded block a step, the root once), where accumulation gathers
+    every unit in each micro-batch's forward: the planner prices a stage the first way, so its
+    forward exposes the root's gather once, not m times."""
+    from clusters import fake_cluster
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed.comm_model import fsdp_gathers
+    from hsdp_runner.planner.step_time import step_time
+
+    assert fsdp_gathers(4, reshard=True, pipeline_stage=True) == (1, 4)
+    assert fsdp_gathers(4, reshard=False, pipeline_stage=True) == (1, 0)
+    assert fsdp_gathers(4, reshard=True, pipeline_stage=False) == (4, 4)
+    run = to_run_config(
+        compose(
+            ["model=llama3_tiny", "model.n_layers=2", "parallel=fsdp", "parallel.dp_shard=8"]
+            + ["trainer.global_batch_size=32", "trainer.grad_accum_steps=4"]
+            + ["trainer.accum_reduce=last"]
+        )
+    )
+    dims = ParallelDims.from_config(run.parallel, run.model, 8)
+    stage = step_time(run, dims, fake_cluster(), pipeline_stage=True)
+    accumulation = step_time(run, dims, fake_cluster())
+    blocks_and_root = 3
+    assert stage["comm"]["all_gather/dp_shard"]["calls"] == blocks_and_root + 4 * 2
+    assert accumulation["comm"]["all_gather/dp_shard"]["calls"] == 4 * blocks_and_root + 4 * 2
+    assert stage["comm"]["reduce_scatter/dp_shard"]["calls"] == blocks_and_root
+    assert stage["exposed_comm_s"]["dp_shard"] < accumulation["exposed_comm_s"]["dp_shard"]
 
 
 def test_parity_skips_the_pipeline_layouts_a_model_is_too_shallow_for():

@@ -53,7 +53,7 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   micro-batch (``PipelineStage.perform_reduce_grad``, whatever ``trainer.accum_reduce``; the
   norms' TP partial gradients with them), and keep the parameters gathered after each
   micro-batch's backward: a block resharded after forward is gathered 1 + m times a step, the
-  root once (``_stage_data_parallel``). TP and CP collectives run per micro-batch. The grad
+  root once (``fsdp_gathers``). TP and CP collectives run per micro-batch. The grad
   norm's squares are summed over ``pp`` (one fp32). The first step also sends the stages'
   shape metadata (torch's runtime shape inference): count a later one
   (``metrics.comm_step=2``). Not covered: the zero-bubble schedule with FSDP inside the stages
@@ -191,13 +191,17 @@ def analytic_comm(
     precision: PrecisionConfig,
     trainer: TrainerConfig,
     pp_rank: int = 0,
+    pipeline_stage: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
     Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes, the job's
     ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate (its stages differ
-    in what they send). See the module docstring for what is counted; raises ValueError for
-    a pipeline layout the model does not cover (``pipeline_comm_modelled``).
+    in what they send). ``pipeline_stage``: the job (pp = 1) is one stage of a pipeline, as the
+    planner prices a stage, with ``trainer.grad_accum_steps`` its micro-batches: FSDP gathers
+    and reduces as a stage does (``fsdp_gathers``), without the stage-to-stage sends. See the
+    module docstring for what is counted; raises ValueError for a pipeline layout the model
+    does not cover (``pipeline_comm_modelled``).
     """
     tally = _Tally()
     if dims.pp > 1:
@@ -213,10 +217,9 @@ def analytic_comm(
         if float8.gathers_float8(precision, dims.dp_mode)
         else {}
     )
-    reductions = grad_reductions(dims, trainer)
-    _data_parallel(
-        tally, units, f8, dims, parallel.reshard_after_forward, precision, accum, reductions
-    )
+    reductions = 1 if pipeline_stage else grad_reductions(dims, trainer)
+    gathers = fsdp_gathers(accum, parallel.reshard_after_forward, pipeline_stage)
+    _data_parallel(tally, units, f8, dims, precision, gathers, reductions)
     compute = _dtype_bytes(precision.param_dtype)
     if dims.cp > 1:
         _context_parallel(
@@ -258,7 +261,7 @@ def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
 def pipeline_comm_modelled(dims: ParallelDims) -> bool:
     """True when ``analytic_comm`` covers the layout: every layout but a zero-bubble schedule
     with FSDP inside the stages, whose split backward (input, then weights) may gather the
-    parameters on another pattern than ``_stage_data_parallel`` counts (not measured yet)."""
+    parameters on another pattern than ``fsdp_gathers`` counts (not measured yet)."""
     return not (dims.pp_schedule is PPSchedule["interleaved_zb"] and dims.dp_shard_cp > 1)
 
 
@@ -287,7 +290,8 @@ def _pipeline(
         sends = (not ends[1]) + (not ends[0])  # activations forward, gradients back
         tally.add("send/pp", sends * m, sends * m * hidden)
         units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel, stage)
-        _stage_data_parallel(tally, units, dims, parallel.reshard_after_forward, precision, m)
+        gathers = fsdp_gathers(m, parallel.reshard_after_forward, pipeline_stage=True)
+        _data_parallel(tally, units, {}, dims, precision, gathers, reductions=1)
         layers = len(blocks[stage])
         if dims.cp > 1:
             _context_parallel(
@@ -309,31 +313,22 @@ def _pipeline(
     tally.add("all_reduce/pp", 1, 4)
 
 
-def _stage_data_parallel(
-    tally: _Tally,
-    units: dict,
-    dims: ParallelDims,
-    reshard: bool,
-    precision: PrecisionConfig,
-    m: int,
-) -> None:
-    """FSDP/HSDP/DDP collectives of one pipeline stage's ``units`` over ``m`` micro-batches.
+def fsdp_gathers(micro_batches: int, reshard: bool, pipeline_stage: bool) -> tuple[int, int]:
+    """How often a step all-gathers FSDP's parameters: (each unit in forward, each block in
+    backward), over ``micro_batches`` micro-batches.
 
-    torch's schedules keep a stage's parameters gathered after each micro-batch's backward
-    and reduce its gradients once, after the last one (``PipelineStage.
-    backward_maybe_with_nosync`` and ``perform_reduce_grad``). So a block resharded after
-    forward is gathered again only by the action after a forward: with every stage's actions
-    ending in a backward, that is once per micro-batch, plus the first forward's gather
-    (1 + m a step, whatever the schedule's order); without resharding, and for the root
-    (never resharded after forward), once a step.
+    With accumulation every micro-batch's forward gathers every unit (FSDP reshards after each
+    backward), and its backward the blocks again when they are resharded after forward
+    (``reshard``). A pipeline stage's schedule keeps the parameters gathered after each
+    micro-batch's backward and reduces its gradients once, after the last one
+    (``PipelineStage.backward_maybe_with_nosync`` and ``perform_reduce_grad``): a block
+    resharded after forward is gathered again only by the action after a forward, so with
+    every stage's actions ending in a backward, once per micro-batch in backward, plus the
+    first forward's gather (1 + m a step, whatever the schedule's order); without resharding,
+    and for the root (never resharded after forward), once a step.
     """
-    gather = _dtype_bytes(precision.param_dtype)
-    if dims.dp_shard_cp > 1:
-        shard_dim = dims.same_group("dp_shard_cp")
-        for unit, (size, _) in units.items():
-            calls = 1 + m if reshard and unit != "root" else 1
-            tally.add(f"all_gather/{shard_dim}", calls, calls * size * gather)
-    _data_parallel(tally, units, {}, dims, reshard, precision, accum=0, reductions=1)
+    backward = micro_batches if reshard else 0
+    return (1 if pipeline_stage else micro_batches), backward
 
 
 def world_dim(dims: ParallelDims) -> str:
@@ -372,14 +367,14 @@ def _data_parallel(
     units: dict,
     float8_sizes: dict,
     dims: ParallelDims,
-    reshard: bool,
     precision: PrecisionConfig,
-    accum: int,
+    gathers: tuple[int, int],
     reductions: int,
 ) -> None:
-    """FSDP's all-gathers and reduce-scatters, HSDP's and DDP's all-reduces; the elements of
-    ``float8_sizes`` (per unit) are gathered at one byte each, and their scales are
-    precomputed once a step (one fp32 amax per float8 weight, all-reduced over the shards)."""
+    """FSDP's all-gathers (``gathers``: ``fsdp_gathers``) and reduce-scatters (``reductions``
+    a step), HSDP's and DDP's all-reduces; the elements of ``float8_sizes`` (per unit) are
+    gathered at one byte each, and their scales are precomputed once a step (one fp32 amax per
+    float8 weight, all-reduced over the shards)."""
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
     if dims.dp_shard_cp > 1:
@@ -390,9 +385,9 @@ def _data_parallel(
             return (sum(units[u][0] for u in unit_names) - f8) * gather + f8
 
         blocks = [unit for unit in units if unit != "root"]
-        tally.add(f"all_gather/{shard_dim}", len(units) * accum, gathered(units) * accum)
-        if reshard:
-            tally.add(f"all_gather/{shard_dim}", len(blocks) * accum, gathered(blocks) * accum)
+        forward, backward = gathers
+        tally.add(f"all_gather/{shard_dim}", len(units) * forward, gathered(units) * forward)
+        tally.add(f"all_gather/{shard_dim}", len(blocks) * backward, gathered(blocks) * backward)
         tally.add(
             f"reduce_scatter/{shard_dim}",
             len(trainable) * reductions,

@@ -200,7 +200,7 @@ def plan_with_pipelines(cfg: DictConfig, cluster: Cluster, axes: dict, fixed: di
                 rows += plan_layouts(flat, cluster, axes, fixed)
                 continue
             rows += pipeline_entries(
-                flat, cluster, pp, lambda c, cl: plan_layouts(c, cl, axes, fixed)
+                flat, cluster, pp, lambda c, cl, **kw: plan_layouts(c, cl, axes, fixed, **kw)
             )
         except ConfigError as err:
             errors.append(str(err))

@@ -36,7 +36,7 @@ from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
-from hsdp_runner.planner import mem_phases
+from hsdp_runner.planner import mem_phases, pipeline
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster
@@ -47,12 +47,15 @@ from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
 class Scenario:
     """What to plan: ``cfg`` on ``cluster``, times every combination of ``axes`` (dotted key ->
     values), keeping only the layouts whose degrees equal ``fixed`` (dim name -> degree).
-    ``cfg`` is the composed config: the axes are dotted-key overrides applied to it."""
+    ``cfg`` is the composed config: the axes are dotted-key overrides applied to it.
+    ``pipeline_stage``: each layout is one stage of a pipeline whose micro-batches are
+    ``trainer.grad_accum_steps`` (``planner.pipeline``)."""
 
     cfg: DictConfig
     cluster: Cluster
     axes: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)
+    pipeline_stage: bool = False
 
 
 def check_plan_options(plan: PlanConfig) -> None:
@@ -221,7 +224,7 @@ def plan_scenarios(
             out.append(None)
             continue
         entries = [
-            _entry(chosen, variant, layout, groups, measured, scenario.cluster, step_time)
+            _entry(chosen, variant, layout, groups, measured, scenario, step_time)
             for chosen, variant, layouts in variants
             for layout in layouts
         ]
@@ -231,11 +234,15 @@ def plan_scenarios(
 
 
 def plan_layouts(
-    cfg: DictConfig, cluster: Cluster, axes: dict | None = None, fixed: dict | None = None
+    cfg: DictConfig,
+    cluster: Cluster,
+    axes: dict | None = None,
+    fixed: dict | None = None,
+    pipeline_stage: bool = False,
 ) -> list[dict]:
-    """Rows of every layout of ``cfg`` on ``cluster`` (times ``axes``, degrees ``fixed`` held),
-    ranked; ConfigError when none is valid."""
-    return plan_scenarios([Scenario(cfg, cluster, axes or {}, fixed or {})])[0]
+    """Rows of every layout of ``cfg`` on ``cluster`` (times ``axes``, degrees ``fixed`` held;
+    ``pipeline_stage``: see ``Scenario``), ranked; ConfigError when none is valid."""
+    return plan_scenarios([Scenario(cfg, cluster, axes or {}, fixed or {}, pipeline_stage)])[0]
 
 
 def _memory_requests(
@@ -314,9 +321,10 @@ def _entry(
     layout: dict,
     groups: dict,
     measured: list[dict],
-    cluster: Cluster,
-    step_time: Callable[[RunConfig, ParallelDims, Cluster], dict],
+    scenario: Scenario,
+    step_time: Callable[..., dict],
 ) -> dict:
+    cluster = scenario.cluster
     overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
     overrides.update({k: _plain(_at(cfg, k)) for k in chosen})
     dims = layout["dims"]
@@ -350,7 +358,10 @@ def _entry(
         cfg.model.n_layers,
         cfg.trainer.grad_accum_steps,
     )
-    time = step_time(cfg, dims, cluster)
+    if scenario.pipeline_stage:
+        held = pipeline.gathered_blocks_gib(cfg, dims)
+        memory.update(peak_gib=memory["peak_gib"] + held, pipeline_gathered_blocks_gib=held)
+    time = step_time(cfg, dims, cluster, pipeline_stage=scenario.pipeline_stage)
     return {
         "overrides": overrides,
         "valid": True,

@@ -6,8 +6,10 @@ outermost mesh dim). Each stage is planned as a job of its own (``layouts.plan_l
 ``nodes / pp`` nodes, with the busiest stage's blocks (ceil(n_layers / pp), embedding and output
 layer counted in full) and ``trainer.grad_accum_steps`` = the pipeline's micro-batches ``m``:
 that is what a stage does in a step: m forward and backward passes of one micro-batch each,
-FSDP's all-gathers again in every micro-batch (when it reshards), gradients reduced once after
-the last (the pipeline stage defers gradient sync as accumulation does). On top of the stage:
+priced as a stage runs them (``pipeline_stage``: the schedule keeps the parameters gathered
+after each backward, so a block resharded after forward is gathered 1 + m times a step and the
+root once, ``comm_model.fsdp_gathers``), gradients reduced once after the last. On top of the
+stage:
 
 - **Bubble**: with pp stages and m micro-batches, GPipe and 1F1B idle a fraction
   (pp - 1) / (m + pp - 1) of the step (pp - 1 slots of the m + pp - 1 a stage passes through);
@@ -22,7 +24,8 @@ the last (the pipeline stage defers gradient sync as accumulation does). On top 
   the m + pp - 1 slots of the critical path each wait for one send each way, priced as a
   2-rank exchange over the link between neighbouring stages (across nodes when a stage fills
   whole nodes); interleaving sends v times as often.
-- **Memory**: the stage's measured peak holds one micro-batch's activations; the first stage
+- **Memory**: the stage's measured peak holds one micro-batch's activations, plus its blocks
+  gathered between micro-batches (``gathered_blocks_gib``); the first stage
   holds more before its first backward: GPipe all m, 1F1B min(m, pp), interleaved 1F1B
   (2 (pp - 1) + (v - 1) pp + 1) / v of a rank's micro-batch (Megatron's warm-up, each chunk
   1/v of the rank's blocks), at most m.
@@ -42,6 +45,8 @@ from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.comm_model import unit_sizes
+from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
 from hsdp_runner.models.params import torch_dtype
@@ -112,8 +117,8 @@ def check_pp_degrees(degrees: list, nodes: int, n_layers: int) -> None:
 
 def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> list[dict]:
     """Plan rows of every ``pp``-stage layout of ``cfg`` on ``cluster``, one per stage layout
-    and priced schedule. ``plan_stage(cfg, cluster) -> rows`` plans a stage (the planner's
-    ``plan_layouts``). Rows carry the pipeline's overrides, its terms (``bubble_s``, exposed
+    and priced schedule. ``plan_stage(cfg, cluster, pipeline_stage=True) -> rows`` plans a
+    stage (the planner's ``plan_layouts``). Rows carry the pipeline's overrides, its terms (``bubble_s``, exposed
     ``pp`` sends) and the stage row they came from (``stage``)."""
     run = to_run_config(cfg)
     m = run.parallel.pp_microbatches or 2 * pp
@@ -124,7 +129,8 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     # backward: the stage holds unsharded gradients and reduces once, as accum_reduce=last.
     stage_cfg.trainer.accum_reduce = AccumReduce.last.value
     stage_cluster = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
-    stage_rows = [row for row in plan_stage(stage_cfg, stage_cluster) if row["valid"]]
+    stage_rows = plan_stage(stage_cfg, stage_cluster, pipeline_stage=True)
+    stage_rows = [row for row in stage_rows if row["valid"]]
     compute_bytes = torch_dtype(run.precision.param_dtype).itemsize
     out = []
     for row in stage_rows:
@@ -200,6 +206,24 @@ def _entry(
         "dims_across_nodes": ["pp"] * (pair.nodes > 1) + row["dims_across_nodes"],
         "rank": None,
     }
+
+
+def gathered_blocks_gib(run: RunConfig, dims: ParallelDims) -> float:
+    """GiB a stage's rank holds beyond its shards because the schedule keeps the stage's
+    blocks gathered between micro-batches (``comm_model.fsdp_gathers``): after a micro-batch's
+    backward every block stays unsharded until the next forward passes it, so the forward
+    after a backward starts with all of them gathered (in ``precision.param_dtype``), next to
+    the activations the stage holds. Nothing when FSDP does not shard (``dp_shard x cp`` = 1)
+    or blocks are not resharded after forward (then one micro-batch's measured peak already
+    holds them all gathered). ``run`` is the stage's config (its blocks), ``dims`` its layout.
+    Counted on top of the measured peak, which holds up to two blocks gathered already: high
+    by at most those."""
+    if dims.dp_shard_cp == 1 or not run.parallel.reshard_after_forward:
+        return 0.0
+    units = unit_sizes(run.model, dims, run.trainer.freeze, run.parallel.sequence_parallel)
+    blocks = sum(size for unit, (size, _) in units.items() if unit != "root")
+    itemsize = torch_dtype(run.precision.param_dtype).itemsize
+    return blocks * itemsize * (1 - 1 / dims.dp_shard_cp) / 2**30
 
 
 def _flops_ratio(run: RunConfig, pp: int) -> float:

@@ -56,6 +56,7 @@ from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import (
     analytic_comm,
     context_parallel_comm,
+    fsdp_gathers,
     grad_reductions,
     unit_sizes,
 )
@@ -158,8 +159,13 @@ def _spill(running: list[tuple[str, Price, float]], budget: float) -> dict[str, 
     return {dim: spill * s / total for dim, s in seconds.items()} if total else {}
 
 
-def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
-    """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``.
+def step_time(
+    cfg: RunConfig, dims: ParallelDims, cluster: Cluster, pipeline_stage: bool = False
+) -> dict:
+    """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``;
+    ``pipeline_stage``: the job is one stage of a pipeline whose micro-batches are
+    ``trainer.grad_accum_steps`` (``planner.pipeline``), so FSDP gathers and reduces as a
+    stage does (``comm_model.fsdp_gathers``).
 
     Returns compute, exposed communication per mesh dim, the step time, tokens/s/device, MFU
     and the dominant term.
@@ -168,7 +174,9 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     compute_parts = precision_cost.compute_seconds(cfg, dims, cluster, hw_flops)
     compute = sum(compute_parts.values())
     fwd, bwd = compute / 3, 2 * compute / 3
-    comm = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    comm = analytic_comm(
+        cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer, pipeline_stage=pipeline_stage
+    )
     kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     prices = comm_prices(_without(comm, kv), dims, cluster)
     times = {key: p.seconds for key, p in prices.items()}
@@ -180,8 +188,11 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     reshard = cfg.parallel.reshard_after_forward
     blocks = max(1, cfg.model.n_layers)
     ag = times.get(f"all_gather/{fsdp}", 0.0)
-    # all-gathers: forward gathers every unit, backward (with reshard) the blocks again.
-    ag_fwd_share = total / (total + (total * (1 - root) if reshard else 0))
+    accum = cfg.trainer.grad_accum_steps
+    # all-gathers: forward gathers every unit, backward (with reshard) the blocks again; a
+    # pipeline stage gathers in its first forward alone.
+    forward_gathers, backward_gathers = fsdp_gathers(accum, reshard, pipeline_stage)
+    ag_fwd_share = forward_gathers / (forward_gathers + backward_gathers * (1 - root))
     ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
     exposed: dict[str, float] = {}
 
@@ -196,8 +207,7 @@ def step_time(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> dict:
     # its own backward compute. The gradients are reduce-scattered in every micro-batch
     # (``trainer.accum_reduce=every`` under FSDP/HSDP, ``comm_model.grad_reductions``) or in
     # the last alone; HSDP's and DDP's all-reduce over dp_replicate runs in the last alone.
-    accum = cfg.trainer.grad_accum_steps
-    reductions = grad_reductions(dims, cfg.trainer)
+    reductions = 1 if pipeline_stage else grad_reductions(dims, cfg.trainer)
     bwd_pass = bwd / accum
     expose(fsdp, ag_bwd / blocks)
     ag_share = (1 - ag_fwd_share) * (1 - 1 / blocks) / accum  # of the step's all-gather price
