@@ -44,6 +44,7 @@ from hsdp_runner.distributed.topology import Placement  # noqa: E402
 from hsdp_runner.planner import memory as plan_memory  # noqa: E402
 from hsdp_runner.planner.cluster import resolve  # noqa: E402
 from hsdp_runner.planner.layouts import plan_layouts  # noqa: E402
+from hsdp_runner.planner.pipeline import pipeline_entries  # noqa: E402
 from hsdp_runner.planner.step_time import step_time  # noqa: E402
 
 DATA = Path(__file__).with_name("published_figures.yaml")
@@ -56,13 +57,16 @@ def load() -> dict:
 
 
 def predict_tps(case: dict, efficiency: float | None = None) -> dict:
-    """step_time of the published layout of ``case``, with ``efficiency`` if given."""
+    """step_time of the published layout of ``case``, with ``efficiency`` if given; a
+    pipeline figure (``pp``, ``pp_schedule``) is its plan row (``pipeline_row``)."""
     cfg = plan.compose(
         case["overrides"] + [f"cluster={case['cluster']}", f"cluster.nodes={case['nodes']}"]
     )
     cluster = resolve(to_run_config(cfg).cluster, cfg.precision.param_dtype)
     if efficiency is not None:
         cluster.compute_efficiency = efficiency
+    if case.get("pp", 1) > 1:
+        return pipeline_row(case, cfg, cluster)
     world = cluster.world_size
     rep, shard, tp = case["layout"]  # (dp_replicate, dp_shard, tp); cp apart, default 1
     dims = ParallelDims(
@@ -74,6 +78,18 @@ def predict_tps(case: dict, efficiency: float | None = None) -> dict:
         ranks_per_node=cluster.gpus_per_node,
     )
     return step_time(cfg, dims, cluster)
+
+
+def pipeline_row(case: dict, cfg, cluster) -> dict:
+    """The plan row of a pipeline figure: its stage layout (``layout``: dp_replicate, dp_shard,
+    tp of each stage; ``cp``) planned as a stage of ``pp`` (``pipeline.pipeline_entries``), under
+    its ``pp_schedule`` with the stages per rank the planner prices for it."""
+    rep, shard, tp = case["layout"]
+    fixed = {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
+    rows = pipeline_entries(
+        cfg, cluster, case["pp"], lambda c, cl, **kw: plan_layouts(c, cl, {}, fixed, **kw)
+    )
+    return next(r for r in rows if r["overrides"]["parallel.pp_schedule"] == case["pp_schedule"])
 
 
 def fit_efficiency(cases: list[dict]) -> float:
@@ -226,6 +242,8 @@ def predict_memory(case: dict, cluster_name: str | None = None) -> dict:
     cluster = resolve(to_run_config(cfg).cluster, cfg.precision.param_dtype)
     if case.get("device_gib"):
         cluster.device_memory_gib = case["device_gib"]
+    if case.get("pp", 1) > 1:
+        return pipeline_row(case, cfg, cluster)
     rep, shard, tp = case["layout"]
     fixed = {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
     return plan_layouts(cfg, cluster, {}, fixed)[0]

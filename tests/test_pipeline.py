@@ -242,7 +242,12 @@ def test_compare_table_shows_the_stages_before_the_stage_layout():
 
 
 def test_bubble_of_each_schedule_and_the_activations_the_first_stage_holds():
-    from hsdp_runner.planner.pipeline import bubble_fraction, check_pp_degrees, held_microbatches
+    from hsdp_runner.planner.pipeline import (
+        bubble_fraction,
+        check_pp_degrees,
+        held_microbatches,
+        stage_peak_gib,
+    )
 
     assert bubble_fraction("1f1b", 4, 8) == bubble_fraction("gpipe", 4, 8) == 3 / 11
     assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == 3 / 19
@@ -250,6 +255,12 @@ def test_bubble_of_each_schedule_and_the_activations_the_first_stage_holds():
     assert bubble_fraction("1f1b", 1, 8) == 0.0
     assert held_microbatches("gpipe", 4, 8) == 8 and held_microbatches("1f1b", 4, 8) == 4
     assert held_microbatches("interleaved_1f1b", 4, 8, 2) == (6 + 4 + 1) / 2
+    # The first stage holds more micro-batches but runs no output layer or loss; the last runs
+    # them with one micro-batch held (all m under GPipe).
+    stage = {"saved_activations_gib": 1.0, "peak_gib": 10.0, "peak_without_head_gib": 6.0}
+    assert stage_peak_gib(stage, "1f1b", 4, 8) == 10.0  # 6 + 3 held beyond one < 10
+    assert stage_peak_gib(stage, "1f1b", 8, 8) == 13.0  # 6 + 7
+    assert stage_peak_gib(stage, "gpipe", 4, 8) == 17.0  # 10 + 7
     with pytest.raises(ConfigError, match=r"plan.pp_degrees=\[1, 3\]: 3 is not"):
         check_pp_degrees([1, 3], nodes=4, n_layers=8)
 
@@ -279,10 +290,15 @@ def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
         one["stage_step_time_s"] + one["bubble_s"] + one["exposed_comm_s"]["pp"]
     )
     assert one["layout"] == "pp_fsdp" and one["dims_across_nodes"][0] == "pp"
-    # GPipe holds all 4 micro-batches' activations on the first stage, 1F1B 2 (= pp).
-    assert by_schedule["gpipe"]["memory"]["pipeline_held_activations_gib"] == pytest.approx(
-        3 * one["memory"]["pipeline_held_activations_gib"]
-    )
+    # GPipe holds all 4 micro-batches' saved activations on every stage, the last one (with
+    # the output layer and loss) included; 1F1B holds 2 (= pp) on the first stage alone, which
+    # runs no output layer or loss.
+    stage = by_schedule["gpipe"]["memory"]
+    saved, peak = stage["saved_activations_gib"], stage["peak_gib"]
+    assert saved > 0
+    assert stage["pipeline_held_activations_gib"] == pytest.approx(3 * saved)
+    first = stage["peak_without_head_gib"] + saved
+    assert one["mem_gib"] == pytest.approx(max(first, peak - 3 * saved))
     assert by_schedule["interleaved_zb"]["bubble_s"] < by_schedule["interleaved_1f1b"]["bubble_s"]
     assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]
     # The stage's 2 blocks stay gathered between micro-batches: fp32, half of each held.

@@ -360,7 +360,11 @@ def _entry(
     )
     if scenario.pipeline_stage:
         held = pipeline.gathered_blocks_gib(cfg, dims)
-        memory.update(peak_gib=memory["peak_gib"] + held, pipeline_gathered_blocks_gib=held)
+        memory.update(
+            peak_gib=memory["peak_gib"] + held,
+            peak_without_head_gib=memory["peak_without_head_gib"] + held,
+            pipeline_gathered_blocks_gib=held,
+        )
     time = step_time(cfg, dims, cluster, pipeline_stage=scenario.pipeline_stage)
     return {
         "overrides": overrides,

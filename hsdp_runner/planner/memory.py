@@ -328,6 +328,10 @@ def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:
     return {"params": params, "grads": grads, "optimizer": 2 * grads}
 
 
+# The phases of the output layer and the loss: only the last pipeline stage runs them.
+HEAD_PHASES = ("fw:head", "loss", "loss_bw", "bw:head")
+
+
 def layout_memory(
     phases: dict[str, dict],
     measured_state: dict,
@@ -345,6 +349,11 @@ def layout_memory(
     moments (live through every step after the first) are added to every phase, and the
     optimizer step is one more phase: everything but activations, plus one shard-sized
     temporary. ``phase_gib`` lists every phase by name.
+
+    For pipeline stages (``planner.pipeline``) it also gives ``saved_activations_gib``, what
+    one micro-batch's forward leaves saved through the blocks (the activations at the last
+    block's forward), and ``peak_without_head_gib``, the peak over every phase but the output
+    layer's and the loss's (a stage without the output layer peaks there).
     """
     scale_p = state["params"] / measured_state["params"] if measured_state["params"] else 1.0
     scale_g = state["grads"] / measured_state["grads"] if measured_state["grads"] else 1.0
@@ -366,6 +375,10 @@ def layout_memory(
     named["optimizer step"] = (optimizer, {})
     peak_name = max(named, key=lambda n: named[n][0])
     peak, cats = named[peak_name]
+    without_head = max(
+        [total(c) for k, c in phases.items() if k.split("/")[1] not in HEAD_PHASES] + [optimizer]
+    )
+    saved = max((c.get("act", 0) for k, c in phases.items() if k.endswith("/fw:last")), default=0)
     return {
         "peak_gib": (peak + reserve_gib * GIB) / GIB,
         "peak_phase": peak_name,
@@ -381,4 +394,6 @@ def layout_memory(
         / GIB,
         "reserve_gib": reserve_gib,
         "phase_gib": {n: round((v + reserve_gib * GIB) / GIB, 3) for n, (v, _) in named.items()},
+        "saved_activations_gib": saved / GIB,
+        "peak_without_head_gib": (without_head + reserve_gib * GIB) / GIB,
     }

@@ -25,10 +25,14 @@ stage:
   2-rank exchange over the link between neighbouring stages (across nodes when a stage fills
   whole nodes); interleaving sends v times as often.
 - **Memory**: the stage's measured peak holds one micro-batch's activations, plus its blocks
-  gathered between micro-batches (``gathered_blocks_gib``); the first stage
-  holds more before its first backward: GPipe all m, 1F1B min(m, pp), interleaved 1F1B
-  (2 (pp - 1) + (v - 1) pp + 1) / v of a rank's micro-batch (Megatron's warm-up, each chunk
-  1/v of the rank's blocks), at most m.
+  gathered between micro-batches (``gathered_blocks_gib``); the first stage holds the saved
+  activations of more micro-batches before its first backward: GPipe all m, 1F1B min(m, pp),
+  interleaved 1F1B (2 (pp - 1) + (v - 1) pp + 1) / v of a rank's micro-batch (Megatron's
+  warm-up, each chunk 1/v of the rank's blocks), at most m; but it runs no output layer or
+  loss, whose transients make the measured peak of the stage planned (which carries both
+  ends). So the first stage is priced at the peak of its other phases plus the micro-batches
+  it holds beyond one, the last at the measured peak (plus m - 1 under GPipe), and the
+  larger taken (``stage_peak_gib``).
 
 Fitted nothing: every term is arithmetic on the stage's prediction, which ``planner.md``
 checks against measurements.
@@ -92,6 +96,19 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
         return (pp - 1) / (m + pp - 1)
     bubble = (pp - 1) / (v * m + pp - 1)
     return bubble / 3 if schedule == "interleaved_zb" else bubble
+
+
+def stage_peak_gib(memory: dict, schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """The peak of the busiest rank of a pipeline from its stage's planned ``memory`` (one
+    micro-batch in flight; ``saved_activations_gib`` and ``peak_without_head_gib`` as
+    ``planner.memory.layout_memory`` gives them): the first stage holds the activations
+    ``held_microbatches`` says but runs no output layer or loss; the last runs them and, but
+    under GPipe (every stage holds all m), holds one micro-batch. The stage planned carries
+    both ends, so each is priced from it and the larger taken."""
+    saved = memory["saved_activations_gib"]
+    first = memory["peak_without_head_gib"] + (held_microbatches(schedule, pp, m, v) - 1) * saved
+    last = memory["peak_gib"] + ((m if schedule == "gpipe" else 1) - 1) * saved
+    return max(first, last)
 
 
 def held_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -170,8 +187,8 @@ def _entry(
     world = cluster.world_size
     tokens = run.trainer.global_batch_size * run.model.seq_len
     memory = dict(row["memory"])
-    extra = (held_microbatches(schedule, pp, m, v) - 1) * memory["activations_gib"]
-    memory.update(peak_gib=memory["peak_gib"] + extra, pipeline_held_activations_gib=extra)
+    peak = stage_peak_gib(memory, schedule, pp, m, v)
+    memory.update(peak_gib=peak, pipeline_held_activations_gib=peak - memory["peak_gib"])
     exposed = {**row["exposed_comm_s"], "pp": sends.seconds}
     terms = {
         "compute": row["compute_s"],
