@@ -44,6 +44,16 @@ BAD_INPUTS = [
     (["parallel=pp", "parallel.pp_schedule=interleaved_1f1b"], "pp_stages_per_rank=2", None),
     (["parallel=pp", "trainer.grad_accum_steps=2"], "micro-batches are the accumulation", None),
     (
+        [
+            "parallel=pp_fsdp",
+            "model.n_layers=4",
+            "parallel.pp_schedule=interleaved_zb",
+            "parallel.pp_stages_per_rank=2",
+        ],
+        "set parallel.reshard_after_forward=false, or parallel.pp_schedule=interleaved_1f1b",
+        None,
+    ),
+    (
         ["parallel=pp", "parallel.pp_schedule=1F1B"],
         "is not one of gpipe, 1f1b, interleaved_1f1b",
         None,

@@ -56,8 +56,8 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   root once (``fsdp_gathers``). TP and CP collectives run per micro-batch. The grad
   norm's squares are summed over ``pp`` (one fp32). The first step also sends the stages'
   shape metadata (torch's runtime shape inference): count a later one
-  (``metrics.comm_step=2``). Not covered: the zero-bubble schedule with FSDP inside the stages
-  (``pipeline_comm_modelled``).
+  (``metrics.comm_step=2``). The zero-bubble schedule's split backward (input, then weights)
+  gathers and reduces as the others do: measured so with FSDP inside the stages.
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).
 
@@ -77,7 +77,7 @@ from collections import defaultdict
 from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
-from hsdp_runner.core.choices import AC, AccumReduce, PPSchedule
+from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.comm_counting import GROUP_NAMES
 from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -200,13 +200,10 @@ def analytic_comm(
     in what they send). ``pipeline_stage``: the job (pp = 1) is one stage of a pipeline, as the
     planner prices a stage, with ``trainer.grad_accum_steps`` its micro-batches: FSDP gathers
     and reduces as a stage does (``fsdp_gathers``), without the stage-to-stage sends. See the
-    module docstring for what is counted; raises ValueError for a pipeline layout the model
-    does not cover (``pipeline_comm_modelled``).
+    module docstring for what is counted.
     """
     tally = _Tally()
     if dims.pp > 1:
-        if not pipeline_comm_modelled(dims):
-            raise ValueError(f"no communication model for layout {dims.layout}")
         _pipeline(tally, model_cfg, dims, parallel, precision, trainer, pp_rank)
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
         return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
@@ -256,13 +253,6 @@ def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
     if dims.dp_shard_cp > 1 and AccumReduce(trainer.accum_reduce) is AccumReduce.every:
         return trainer.grad_accum_steps
     return 1
-
-
-def pipeline_comm_modelled(dims: ParallelDims) -> bool:
-    """True when ``analytic_comm`` covers the layout: every layout but a zero-bubble schedule
-    with FSDP inside the stages, whose split backward (input, then weights) may gather the
-    parameters on another pattern than ``fsdp_gathers`` counts (not measured yet)."""
-    return not (dims.pp_schedule is PPSchedule["interleaved_zb"] and dims.dp_shard_cp > 1)
 
 
 def _pipeline(

@@ -50,7 +50,7 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
-from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.parallel_dims import ParallelDims, zero_bubble_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
 from hsdp_runner.models.params import torch_dtype
@@ -158,9 +158,12 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
         hidden = run.trainer.global_batch_size // dp // m * tokens * run.model.dim * compute_bytes
         shape = (pp, *(o.get(f"parallel.{d}", 1) for d in DIM_NAMES[1:]))
         pair = dataclasses.replace(placement(shape, DIM_NAMES, "pp", cluster.gpus_per_node), size=2)
+        shard_cp = o.get("parallel.dp_shard", 1) * cp
         for schedule, v in PRICED.items():
             if v > 1 and run.model.n_layers < pp * v:
                 continue
+            if zero_bubble_refusal(schedule, shard_cp, run.parallel.reshard_after_forward):
+                continue  # a combination the runner refuses
             out.append(_entry(row, run, cluster, pp, m, v, schedule, hidden, pair))
     return out
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from hsdp_runner.config.schema import RunConfig
-from hsdp_runner.distributed.comm_model import analytic_comm, pipeline_comm_modelled
+from hsdp_runner.distributed.comm_model import analytic_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.train import metrics
@@ -46,7 +46,7 @@ def compute_run_figures(
     )
     comm = (
         None
-        if cfg.metrics.comm_step is None or not pipeline_comm_modelled(dims)
+        if cfg.metrics.comm_step is None
         else analytic_comm(
             cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer, dims.pp_rank_of(rank)
         )

@@ -24,7 +24,7 @@ from hsdp_runner.core.choices import OnNan
 from hsdp_runner.core.faults import inject_fault
 from hsdp_runner.distributed import comm_counting as comm
 from hsdp_runner.distributed import step_stats
-from hsdp_runner.distributed.comm_model import comm_report, pipeline_comm_modelled
+from hsdp_runner.distributed.comm_model import comm_report
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import set_gradient_sync
 from hsdp_runner.distributed.pipeline import Pipeline
@@ -149,10 +149,6 @@ class Trainer:
         self.parts = pipeline.chunks if pipeline is not None else [model]
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
-        if not pipeline_comm_modelled(dims):
-            # The communication model does not cover this pipeline layout
-            # (``pipeline_comm_modelled``): no step is compared with it.
-            self.comm_step = None
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
         self.after_update = after_update
