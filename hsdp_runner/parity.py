@@ -211,7 +211,12 @@ def unsupported_reason(cfg: RunConfig) -> str | None:
             cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel
         )
         if cfg.parallel.pp > 1:
-            stage_blocks(cfg.model.n_layers, cfg.parallel.pp * cfg.parallel.pp_stages_per_rank)
+            stage_blocks(
+                cfg.model.n_layers,
+                cfg.parallel.pp * cfg.parallel.pp_stages_per_rank,
+                cfg.parallel.pp_first_stage_less_blocks,
+                cfg.parallel.pp_last_stage_less_blocks,
+            )
     except ConfigError as err:
         return str(err)
     return None

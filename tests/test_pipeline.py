@@ -30,20 +30,27 @@ def test_blocks_split_evenly_with_the_remainder_in_the_middle_never_on_the_last(
     assert stage_blocks(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
     with pytest.raises(ConfigError, match="model.n_layers=2 cannot split over 4"):
         stage_blocks(2, 4)
+    # The end stages counted as holding one block more (embedding; output layer and loss).
+    assert [len(r) for r in stage_blocks(8, 4, 1, 1)] == [1, 3, 3, 1]
+    assert [len(r) for r in stage_blocks(126, 8, 1, 1)] == [15] + [16] * 6 + [15]
+    assert stage_blocks(4, 2, 2, 0) == [range(0, 1), range(1, 4)]
+    with pytest.raises(ConfigError, match="pp_first_stage_less_blocks=1 and .* without a block"):
+        stage_blocks(4, 4, 1, 0)
 
 
 @pytest.mark.parametrize("family", ["llama3_tiny", "gpt2_tiny"])
 def test_stages_keep_the_unsplit_names_and_together_hold_every_parameter(family):
     cfg = compose([f"model={family}", FOUR_LAYERS]).model
     whole = {n: p.shape for n, p in build_meta_model(cfg).named_parameters()}
-    seen = {}
-    for stage in range(3):
-        with torch.device("meta"):
-            part = keep_stage(model_spec(cfg).build(), stage, 3)
-        names = {n: p.shape for n, p in part.named_parameters()}
-        assert not set(names) & set(seen)
-        seen.update(names)
-    assert seen == whole
+    for less in ((0, 0), (1, 1)):  # even, and the end stages weighted (blocks 1, 2, 1)
+        seen = {}
+        for stage in range(3):
+            with torch.device("meta"):
+                part = keep_stage(model_spec(cfg).build(), stage, 3, *less)
+            names = {n: p.shape for n, p in part.named_parameters()}
+            assert not set(names) & set(seen)
+            seen.update(names)
+        assert seen == whole, less
 
 
 def _dims(**parallel):
@@ -110,6 +117,12 @@ INTERLEAVED = ["parallel.pp_stages_per_rank=2"]
 CASES = {
     "llama_gpipe": (2, "llama2", _case("llama3_tiny", 2, *PP, "parallel.pp_schedule=gpipe")),
     "llama_1f1b": (2, "llama2", _case("llama3_tiny", 2, *PP, COMM)),
+    # The first stage weighted as two blocks more: 1 block, then 3 (``stage_blocks``).
+    "llama_1f1b_first_less": (
+        2,
+        "llama4",
+        _case("llama3_tiny", 4, *PP, "parallel.pp_first_stage_less_blocks=2", COMM),
+    ),
     "llama_interleaved": (
         2,
         "llama4",

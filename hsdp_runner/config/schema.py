@@ -58,10 +58,13 @@ class ParallelConfig:
     allow_cp_across_nodes: bool = False
     # Pipeline parallel (pp > 1; distributed/pipeline.py): the schedule, the micro-batches each
     # step's local batch is cut into (None: 2 x pp, resolved by ParallelDims) and the stages
-    # each rank holds (> 1 only for the interleaved schedules).
+    # each rank holds (> 1 only for the interleaved schedules); blocks the first and the last
+    # stage get fewer than an even split, for the embedding and the output layer they also run.
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
     pp_microbatches: Optional[int] = None
     pp_stages_per_rank: int = 1
+    pp_first_stage_less_blocks: int = 0
+    pp_last_stage_less_blocks: int = 0
     # parallel=auto: one process plans the degrees left at -1 for every rank (runtime/auto_job.py).
     auto: bool = False
 

@@ -83,6 +83,8 @@ class RunSummary:
     pp_schedule: Optional[str] = None
     pp_microbatches: Optional[int] = None
     pp_stages_per_rank: Optional[int] = None
+    pp_first_stage_less_blocks: Optional[int] = None
+    pp_last_stage_less_blocks: Optional[int] = None
     # Per mesh dim and flattened view, read from the real process groups and the launcher's
     # node ranks: {name: {size, ranks_per_node, groups_per_node, nodes}} (topology.Placement).
     mesh_placement: Optional[dict] = None

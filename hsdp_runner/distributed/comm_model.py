@@ -87,7 +87,6 @@ from hsdp_runner.models.base import (
     block_prefix,
     build_meta_model,
     model_spec,
-    stage_blocks,
 )
 from hsdp_runner.models.params import frozen_names, torch_dtype
 
@@ -168,7 +167,7 @@ def _on_stage(model, name: str, blocks: str, stage: int, dims: ParallelDims) -> 
     """Whether parameter ``name`` of the unsplit ``model`` lives on pipeline ``stage``."""
     if name.startswith(blocks):
         block = int(name[len(blocks) :].split(".")[0])
-        return block in stage_blocks(len(model.blocks()), dims.pp_stages)[stage]
+        return block in dims.stage_blocks(len(model.blocks()))[stage]
     first, last = model.pipeline_ends()
     top = name.split(".")[0]
     return (stage == 0 and top in first) or (stage == dims.pp_stages - 1 and top in last)
@@ -274,7 +273,7 @@ def _pipeline(
     hidden = rows // m * model_cfg.seq_len // dims.cp * model_cfg.dim * compute
     hidden //= dims.tp if sharded else 1
     last = dims.pp_stages - 1
-    blocks = stage_blocks(model_cfg.n_layers, dims.pp_stages)
+    blocks = dims.stage_blocks(model_cfg.n_layers)
     for stage in (pp_rank + i * dims.pp for i in range(dims.pp_stages_per_rank)):
         ends = (stage == 0, stage == last)
         sends = (not ends[1]) + (not ends[0])  # activations forward, gradients back

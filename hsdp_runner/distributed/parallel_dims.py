@@ -40,7 +40,7 @@ from hsdp_runner.distributed.world_mesh import (
     WorldMesh,
     build_world_mesh,
 )
-from hsdp_runner.models.base import ModelConfig
+from hsdp_runner.models.base import ModelConfig, stage_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +60,9 @@ class ParallelDims:
     pp_schedule: PPSchedule = PPSchedule["1f1b"]
     pp_microbatches: int = 1
     pp_stages_per_rank: int = 1
+    # Blocks the first and the last stage get fewer than an even split (``stage_blocks``).
+    pp_first_stage_less_blocks: int = 0
+    pp_last_stage_less_blocks: int = 0
 
     @classmethod
     def from_config(
@@ -169,6 +172,8 @@ class ParallelDims:
                 f"{self.pp_stages_per_rank}): every stage needs a block; lower parallel.pp or "
                 "parallel.pp_stages_per_rank"
             )
+        if model is not None:
+            self.stage_blocks(model.n_layers)  # raises for end stages left without a block
         if self.pp_schedule is PPSchedule["1f1b"] and m < self.pp:
             raise ConfigError(
                 f"parallel.pp_microbatches={m} is fewer than the parallel.pp={self.pp} stages: "
@@ -186,6 +191,16 @@ class ParallelDims:
                 f"{self.pp_schedule} with parallel.pp={self.pp}: interleaved schedules run "
                 f"micro-batches in rounds of pp; use a multiple of {self.pp}"
             )
+
+    def stage_blocks(self, n_layers: int) -> list[range]:
+        """The block indices of each pipeline stage of a model of ``n_layers`` blocks
+        (``models.base.stage_blocks`` with this layout's stages and end-stage weights)."""
+        return stage_blocks(
+            n_layers,
+            self.pp_stages,
+            self.pp_first_stage_less_blocks,
+            self.pp_last_stage_less_blocks,
+        )
 
     @property
     def pp_stages(self) -> int:
@@ -348,6 +363,8 @@ class ParallelDims:
                     "pp_schedule": self.pp_schedule.value,
                     "pp_microbatches": self.pp_microbatches,
                     "pp_stages_per_rank": self.pp_stages_per_rank,
+                    "pp_first_stage_less_blocks": self.pp_first_stage_less_blocks,
+                    "pp_last_stage_less_blocks": self.pp_last_stage_less_blocks,
                 }
                 if self.pp > 1
                 else {}
@@ -416,8 +433,18 @@ def pipeline_settings(parallel: ParallelConfig, pp: int) -> dict:
     schedule = PPSchedule(_get(parallel, "pp_schedule", "1f1b"))
     per_rank = _get(parallel, "pp_stages_per_rank", 1)
     micro = _get(parallel, "pp_microbatches", None)
+    less = {
+        key: _get(parallel, key, 0)
+        for key in ("pp_first_stage_less_blocks", "pp_last_stage_less_blocks")
+    }
     if pp == 1:
         return {"pp_schedule": schedule, "pp_microbatches": 1, "pp_stages_per_rank": 1}
+    for key, value in less.items():
+        if value < 0:
+            raise ConfigError(
+                f"parallel.{key}={value} must be >= 0: blocks the end stage gets fewer than an "
+                "even split (0 = an even split)"
+            )
     if per_rank < 1:
         raise ConfigError(
             f"parallel.pp_stages_per_rank={per_rank} must be >= 1; use 1, or 2 or more with an "
@@ -442,7 +469,12 @@ def pipeline_settings(parallel: ParallelConfig, pp: int) -> dict:
             f"parallel.pp_microbatches={micro} must be >= 1; use null (2 x parallel.pp) or a "
             "positive count"
         )
-    return {"pp_schedule": schedule, "pp_microbatches": micro, "pp_stages_per_rank": per_rank}
+    return {
+        "pp_schedule": schedule,
+        "pp_microbatches": micro,
+        "pp_stages_per_rank": per_rank,
+        **less,
+    }
 
 
 def check_degree_values(degrees: dict) -> None:

@@ -318,7 +318,13 @@ def build_model(
         torch.set_default_dtype(default_dtype)
     freeze_parameters(model, freeze)  # on the whole model: a pattern may name another stage's
     if stage is not None:
-        keep_stage(model, stage, dims.pp_stages)
+        keep_stage(
+            model,
+            stage,
+            dims.pp_stages,
+            dims.pp_first_stage_less_blocks,
+            dims.pp_last_stage_less_blocks,
+        )
     spec = model_spec(model_cfg)
     float8.convert(
         model,

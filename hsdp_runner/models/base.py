@@ -236,32 +236,49 @@ def block_prefix(model: nn.Module) -> str:
 # so checkpoints, initial values and the Hugging Face export see the same names.
 
 
-def stage_blocks(n_layers: int, n_stages: int) -> list[range]:
+def stage_blocks(
+    n_layers: int, n_stages: int, first_less: int = 0, last_less: int = 0
+) -> list[range]:
     """The block indices of each of ``n_stages`` stages, in order.
 
-    Each stage gets ``n_layers // n_stages`` blocks; the remainder goes one each to the middle
-    stages first (1, 2, ...), then to the first stage, never to the last, which also computes
-    the output layer and the loss. Raises ConfigError when a stage would get no block.
+    The first stage counts as ``first_less`` blocks more than it holds and the last as
+    ``last_less`` more (``parallel.pp_first_stage_less_blocks``, ``..._last_...``: room for the
+    embedding, and for the output layer and the loss, which they also run; torchtitan's
+    ``pipeline_parallel_first/last_stage_less_layers``). Of the ``n_layers + first_less +
+    last_less`` so counted each stage gets ``// n_stages``; the remainder goes one each to the
+    middle stages first (1, 2, ...), then to the first stage, never to the last. Raises
+    ConfigError when a stage would get no block.
     """
     if n_stages > n_layers:
         raise ConfigError(
             f"model.n_layers={n_layers} cannot split over {n_stages} pipeline stages: every "
             "stage needs a block; lower parallel.pp or parallel.pp_stages_per_rank"
         )
-    base, extra = divmod(n_layers, n_stages)
+    base, extra = divmod(n_layers + first_less + last_less, n_stages)
     takers = [*range(1, n_stages - 1), 0][:extra]
     sizes = [base + (stage in takers) for stage in range(n_stages)]
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    if min(sizes) < 1:
+        raise ConfigError(
+            f"parallel.pp_first_stage_less_blocks={first_less} and parallel.pp_last_stage_less_"
+            f"blocks={last_less} leave an end stage of {n_stages} without a block "
+            f"(model.n_layers={n_layers}); lower them"
+        )
     starts = [sum(sizes[:stage]) for stage in range(n_stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def keep_stage(model: ParallelModule, stage: int, n_stages: int) -> ParallelModule:
+def keep_stage(
+    model: ParallelModule, stage: int, n_stages: int, first_less: int = 0, last_less: int = 0
+) -> ParallelModule:
     """Cut ``model`` (fresh, unwrapped, any device) down to pipeline stage ``stage`` of
-    ``n_stages`` in place: blocks of other stages are deleted, the first modules
-    (``pipeline_ends()[0]``) kept on stage 0 only, the last ones on the last stage only.
-    Returns the model, whose forward then maps the stage's input to its output."""
+    ``n_stages`` in place (blocks split by ``stage_blocks`` with ``first_less``, ``last_less``):
+    blocks of other stages are deleted, the first modules (``pipeline_ends()[0]``) kept on
+    stage 0 only, the last ones on the last stage only. Returns the model, whose forward then
+    maps the stage's input to its output."""
     blocks = model.blocks()
-    mine = stage_blocks(len(blocks), n_stages)[stage]
+    mine = stage_blocks(len(blocks), n_stages, first_less, last_less)[stage]
     for key in list(blocks.keys()):
         if int(key) not in mine:
             del blocks[key]

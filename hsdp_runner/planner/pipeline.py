@@ -3,8 +3,8 @@ and the activations the first stage holds.
 
 A pp layout runs ``pp`` stages of ``world / pp`` ranks each (whole nodes: stages are the
 outermost mesh dim). Each stage is planned as a job of its own (``layouts.plan_layouts``) on
-``nodes / pp`` nodes, with the busiest stage's blocks (ceil(n_layers / pp), embedding and output
-layer counted in full) and ``trainer.grad_accum_steps`` = the pipeline's micro-batches ``m``:
+``nodes / pp`` nodes, with the busiest stage's blocks (``busiest_stage_blocks``: ceil(n_layers /
+pp) on an even split; embedding and output layer counted in full) and ``trainer.grad_accum_steps`` = the pipeline's micro-batches ``m``:
 that is what a stage does in a step: m forward and backward passes of one micro-batch each,
 priced as a stage runs them (``pipeline_stage``: the schedule keeps the parameters gathered
 after each backward, so a block resharded after forward is gathered 1 + m times a step and the
@@ -41,7 +41,6 @@ checks against measurements.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from omegaconf import DictConfig
 
@@ -53,6 +52,7 @@ from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims, zero_bubble_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
+from hsdp_runner.models.base import stage_blocks
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner.cluster import Cluster
 
@@ -140,7 +140,7 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     run = to_run_config(cfg)
     m = run.parallel.pp_microbatches or 2 * pp
     stage_cfg = cfg.copy()
-    stage_cfg.model.n_layers = math.ceil(run.model.n_layers / pp)
+    stage_cfg.model.n_layers = busiest_stage_blocks(run, pp)
     stage_cfg.trainer.grad_accum_steps = m
     # torch's PipelineStage turns FSDP's gradient sync off until the last micro-batch's
     # backward: the stage holds unsharded gradients and reduces once, as accum_reduce=last.
@@ -246,11 +246,24 @@ def gathered_blocks_gib(run: RunConfig, dims: ParallelDims) -> float:
     return blocks * itemsize * (1 - 1 / dims.dp_shard_cp) / 2**30
 
 
+def busiest_stage_blocks(run: RunConfig, pp: int) -> int:
+    """The most blocks one of ``pp`` stages holds (``stage_blocks``, with the end stages'
+    weights: then a middle stage). The stage is planned with these and both ends' modules:
+    the busiest stage, priced high rather than low."""
+    split = stage_blocks(
+        run.model.n_layers,
+        pp,
+        run.parallel.pp_first_stage_less_blocks,
+        run.parallel.pp_last_stage_less_blocks,
+    )
+    return max(len(blocks) for blocks in split)
+
+
 def _flops_ratio(run: RunConfig, pp: int) -> float:
     """The whole model's FLOPs per token over pp x the busiest stage's (MFU counts the model's
     useful work once; the stage planned carries the embedding and output in full)."""
     from hsdp_runner.models.base import model_spec
 
     whole = model_spec(run.model).flops_per_token()
-    stage_model = dataclasses.replace(run.model, n_layers=math.ceil(run.model.n_layers / pp))
+    stage_model = dataclasses.replace(run.model, n_layers=busiest_stage_blocks(run, pp))
     return whole / (pp * model_spec(stage_model).flops_per_token())
