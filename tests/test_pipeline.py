@@ -150,7 +150,7 @@ CASES = {
     "llama_pp2_fsdp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.dp_shard=2", COMM)),
     # The zero-bubble schedule's split backward (input, then weight gradients) under FSDP
     # without resharding after forward (with it torch 2.13 trains wrong: refused,
-    # ``parallel_dims.zero_bubble_refusal``).
+    # ``pipeline_settings.zero_bubble_refusal``).
     "llama_zb_fsdp2": (
         4,
         "llama4",

@@ -26,8 +26,13 @@ from math import prod
 from typing import Optional
 
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
-from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, DPMode, PPSchedule
+from hsdp_runner.core.choices import DPMode, PPSchedule
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.pipeline_settings import (
+    PIPELINE_KEYS,
+    check_pipeline,
+    pipeline_settings,
+)
 
 # The mesh's dim names and views are world_mesh.py's; the runner imports them (and WorldMesh)
 # from here, beside the degrees they name.
@@ -110,10 +115,12 @@ class ParallelDims:
             world_size=world_size,
             ranks_per_node=ranks_per_node,
             **degrees,
-            **pipeline_settings(parallel, degrees["pp"]),
+            **pipeline_settings(
+                {key: _get(parallel, key, None) for key in PIPELINE_KEYS}, degrees["pp"]
+            ),
         )
         dims._check_product()
-        dims._check_pipeline(parallel, model)
+        check_pipeline(dims, model, _get(parallel, "reshard_after_forward", True))
         dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
@@ -159,37 +166,6 @@ class ParallelDims:
                 f"model.seq_len={seq_len} is not divisible by {what} "
                 "with parallel.sequence_parallel=true; change the sequence length "
                 "or set parallel.sequence_parallel=false"
-            )
-
-    def _check_pipeline(self, parallel: ParallelConfig, model: Optional[ModelConfig]) -> None:
-        if self.pp == 1:
-            return
-        stages, m = self.pp_stages, self.pp_microbatches
-        if model is not None and model.n_layers < stages:
-            raise ConfigError(
-                f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
-                f"(parallel.pp={self.pp} x parallel.pp_stages_per_rank="
-                f"{self.pp_stages_per_rank}): every stage needs a block; lower parallel.pp or "
-                "parallel.pp_stages_per_rank"
-            )
-        if model is not None:
-            self.stage_blocks(model.n_layers)  # raises for end stages left without a block
-        if self.pp_schedule is PPSchedule["1f1b"] and m < self.pp:
-            raise ConfigError(
-                f"parallel.pp_microbatches={m} is fewer than the parallel.pp={self.pp} stages: "
-                f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
-                f"parallel.pp_microbatches>={self.pp} or parallel.pp_schedule=gpipe"
-            )
-        reshard = _get(parallel, "reshard_after_forward", True)
-        refusal = zero_bubble_refusal(self.pp_schedule, self.dp_shard_cp, reshard)
-        if refusal:
-            raise ConfigError(refusal)
-        rounds = max(1, m // self.pp)
-        if self.pp_schedule in INTERLEAVED_SCHEDULES and m % rounds:
-            raise ConfigError(
-                f"parallel.pp_microbatches={m} does not suit parallel.pp_schedule="
-                f"{self.pp_schedule} with parallel.pp={self.pp}: interleaved schedules run "
-                f"micro-batches in rounds of pp; use a multiple of {self.pp}"
             )
 
     def stage_blocks(self, n_layers: int) -> list[range]:
@@ -397,84 +373,6 @@ def _get(node, key: str, default):
     if isinstance(node, dict):
         return node.get(key, default)
     return getattr(node, key, default)
-
-
-def zero_bubble_refusal(schedule, dp_shard_cp: int, reshard_after_forward: bool) -> str | None:
-    """Why the pipeline ``schedule`` cannot run with FSDP over ``dp_shard_cp`` ranks inside the
-    stages (a message naming the keys and the fix), or None.
-
-    torch 2.13's zero-bubble schedule splits each backward into the input gradients, then the
-    weights'; with FSDP resharding after forward the weight gradients come out wrong (the loss
-    of the second step differs from one process's by 0.5% on tiny Llama, pp 2 x FSDP 2,
-    measured 2026-11-26), while FSDP without resharding, DDP and TP inside the stages match
-    one process. So that one combination is refused.
-    """
-    if PPSchedule(schedule) is PPSchedule["interleaved_zb"] and dp_shard_cp > 1:
-        if reshard_after_forward:
-            return (
-                f"parallel.pp_schedule=interleaved_zb with FSDP inside the stages (parallel."
-                f"dp_shard x parallel.cp = {dp_shard_cp}) and parallel.reshard_after_forward="
-                "true computes wrong weight gradients in torch 2.13; set "
-                "parallel.reshard_after_forward=false, or parallel.pp_schedule=interleaved_1f1b"
-            )
-    return None
-
-
-def pipeline_settings(parallel: ParallelConfig, pp: int) -> dict:
-    """The pipeline fields of ParallelDims from ``parallel`` for ``pp`` stages' ranks: the
-    schedule, the micro-batches (``parallel.pp_microbatches``; None: 2 x pp) and the stages per
-    rank. Raises ConfigError for a schedule and stage count that do not go together.
-
-    The default, 2 x pp micro-batches: 1F1B needs at least pp to fill the pipeline, and at
-    2 x pp its bubble (pp - 1) / (m + pp - 1) stays under a third while the micro-batches stay
-    as large as that allows (more of them shrink the bubble but also each matmul). Users who
-    can afford a larger batch set more.
-    """
-    schedule = PPSchedule(_get(parallel, "pp_schedule", "1f1b"))
-    per_rank = _get(parallel, "pp_stages_per_rank", 1)
-    micro = _get(parallel, "pp_microbatches", None)
-    less = {
-        key: _get(parallel, key, 0)
-        for key in ("pp_first_stage_less_blocks", "pp_last_stage_less_blocks")
-    }
-    if pp == 1:
-        return {"pp_schedule": schedule, "pp_microbatches": 1, "pp_stages_per_rank": 1}
-    for key, value in less.items():
-        if value < 0:
-            raise ConfigError(
-                f"parallel.{key}={value} must be >= 0: blocks the end stage gets fewer than an "
-                "even split (0 = an even split)"
-            )
-    if per_rank < 1:
-        raise ConfigError(
-            f"parallel.pp_stages_per_rank={per_rank} must be >= 1; use 1, or 2 or more with an "
-            "interleaved parallel.pp_schedule"
-        )
-    if schedule in INTERLEAVED_SCHEDULES and per_rank == 1:
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule} needs several stages per rank, but "
-            "parallel.pp_stages_per_rank=1; set parallel.pp_stages_per_rank=2 (or more), or "
-            "parallel.pp_schedule=1f1b"
-        )
-    if schedule not in INTERLEAVED_SCHEDULES and per_rank > 1:
-        raise ConfigError(
-            f"parallel.pp_stages_per_rank={per_rank} needs an interleaved schedule, but "
-            f"parallel.pp_schedule={schedule} runs one stage per rank; set "
-            "parallel.pp_schedule=interleaved_1f1b or parallel.pp_stages_per_rank=1"
-        )
-    if micro is None:
-        micro = 2 * pp
-    elif micro < 1:
-        raise ConfigError(
-            f"parallel.pp_microbatches={micro} must be >= 1; use null (2 x parallel.pp) or a "
-            "positive count"
-        )
-    return {
-        "pp_schedule": schedule,
-        "pp_microbatches": micro,
-        "pp_stages_per_rank": per_rank,
-        **less,
-    }
 
 
 def check_degree_values(degrees: dict) -> None:

@@ -49,7 +49,8 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
-from hsdp_runner.distributed.parallel_dims import ParallelDims, zero_bubble_refusal
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.pipeline_settings import zero_bubble_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
 from hsdp_runner.models.base import stage_blocks
