@@ -26,12 +26,12 @@ from math import prod
 from typing import Optional
 
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
-from hsdp_runner.core.choices import DPMode, PPSchedule
+from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, DPMode, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.pipeline_settings import (
     PIPELINE_KEYS,
-    check_pipeline,
     pipeline_settings,
+    zero_bubble_refusal,
 )
 
 # The mesh's dim names and views are world_mesh.py's; the runner imports them (and WorldMesh)
@@ -120,7 +120,7 @@ class ParallelDims:
             ),
         )
         dims._check_product()
-        check_pipeline(dims, model, _get(parallel, "reshard_after_forward", True))
+        dims._check_pipeline(model, _get(parallel, "reshard_after_forward", True))
         dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
@@ -166,6 +166,41 @@ class ParallelDims:
                 f"model.seq_len={seq_len} is not divisible by {what} "
                 "with parallel.sequence_parallel=true; change the sequence length "
                 "or set parallel.sequence_parallel=false"
+            )
+
+    def _check_pipeline(self, model: Optional[ModelConfig], reshard_after_forward: bool) -> None:
+        """Raise ConfigError for a pipeline layout these degrees cannot run: a ``model`` with fewer
+        blocks than stages or end-stage weights that leave a stage without one, fewer
+        micro-batches than stages under 1F1B, zero-bubble with FSDP resharding after forward
+        (``zero_bubble_refusal``), micro-batches an interleaved schedule cannot run in rounds of
+        pp. Nothing without pp."""
+        if self.pp == 1:
+            return
+        stages, m = self.pp_stages, self.pp_microbatches
+        if model is not None and model.n_layers < stages:
+            raise ConfigError(
+                f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
+                f"(parallel.pp={self.pp} x parallel.pp_stages_per_rank="
+                f"{self.pp_stages_per_rank}): every stage needs a block; lower parallel.pp or "
+                "parallel.pp_stages_per_rank"
+            )
+        if model is not None:
+            self.stage_blocks(model.n_layers)  # raises for end stages left without a block
+        if self.pp_schedule is PPSchedule["1f1b"] and m < self.pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} is fewer than the parallel.pp={self.pp} stages: "
+                f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
+                f"parallel.pp_microbatches>={self.pp} or parallel.pp_schedule=gpipe"
+            )
+        refusal = zero_bubble_refusal(self.pp_schedule, self.dp_shard_cp, reshard_after_forward)
+        if refusal:
+            raise ConfigError(refusal)
+        rounds = max(1, m // self.pp)
+        if self.pp_schedule in INTERLEAVED_SCHEDULES and m % rounds:
+            raise ConfigError(
+                f"parallel.pp_microbatches={m} does not suit parallel.pp_schedule="
+                f"{self.pp_schedule} with parallel.pp={self.pp}: interleaved schedules run "
+                f"micro-batches in rounds of pp; use a multiple of {self.pp}"
             )
 
     def stage_blocks(self, n_layers: int) -> list[range]:

@@ -3,19 +3,14 @@ which combinations a pipeline cannot run (each a ConfigError naming the key and 
 raised before any worker starts).
 
 ``ParallelDims.from_config`` resolves them (``pipeline_settings``) and checks the layout they
-make (``check_pipeline``); the planner skips what ``zero_bubble_refusal`` refuses.
+make (``ParallelDims._check_pipeline``, which asks ``zero_bubble_refusal``); the planner skips
+what ``zero_bubble_refusal`` refuses.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
-
 from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, PPSchedule
 from hsdp_runner.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.models.base import ModelConfig
 
 # The ``parallel.*`` keys ``pipeline_settings`` reads.
 PIPELINE_KEYS = (
@@ -84,44 +79,6 @@ def pipeline_settings(values: dict, pp: int) -> dict:
         "pp_stages_per_rank": per_rank,
         **less,
     }
-
-
-def check_pipeline(
-    dims: ParallelDims, model: Optional[ModelConfig], reshard_after_forward: bool
-) -> None:
-    """Raise ConfigError for a pipeline layout ``dims`` cannot run: a ``model`` with fewer
-    blocks than stages or end-stage weights that leave a stage without one, fewer
-    micro-batches than stages under 1F1B, zero-bubble with FSDP resharding after forward
-    (``zero_bubble_refusal``), micro-batches an interleaved schedule cannot run in rounds of
-    pp. Nothing without pp."""
-    if dims.pp == 1:
-        return
-    stages, m = dims.pp_stages, dims.pp_microbatches
-    if model is not None and model.n_layers < stages:
-        raise ConfigError(
-            f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
-            f"(parallel.pp={dims.pp} x parallel.pp_stages_per_rank="
-            f"{dims.pp_stages_per_rank}): every stage needs a block; lower parallel.pp or "
-            "parallel.pp_stages_per_rank"
-        )
-    if model is not None:
-        dims.stage_blocks(model.n_layers)  # raises for end stages left without a block
-    if dims.pp_schedule is PPSchedule["1f1b"] and m < dims.pp:
-        raise ConfigError(
-            f"parallel.pp_microbatches={m} is fewer than the parallel.pp={dims.pp} stages: "
-            f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
-            f"parallel.pp_microbatches>={dims.pp} or parallel.pp_schedule=gpipe"
-        )
-    refusal = zero_bubble_refusal(dims.pp_schedule, dims.dp_shard_cp, reshard_after_forward)
-    if refusal:
-        raise ConfigError(refusal)
-    rounds = max(1, m // dims.pp)
-    if dims.pp_schedule in INTERLEAVED_SCHEDULES and m % rounds:
-        raise ConfigError(
-            f"parallel.pp_microbatches={m} does not suit parallel.pp_schedule="
-            f"{dims.pp_schedule} with parallel.pp={dims.pp}: interleaved schedules run "
-            f"micro-batches in rounds of pp; use a multiple of {dims.pp}"
-        )
 
 
 def zero_bubble_refusal(schedule, dp_shard_cp: int, reshard_after_forward: bool) -> str | None:
