@@ -315,6 +315,19 @@ def write_plan(path: Path, rows: list[tuple[int, int, float, float | None]]) -> 
     return path
 
 
+def test_a_pipeline_jobs_unset_micro_batches_match_the_plan_rows_resolved_ones():
+    """A plan row states ``parallel.pp_microbatches`` resolved (2 x pp by default); a job that
+    left it null matches it, and its degree left at -1 reads the mesh it ran."""
+    config = {"parallel": {"pp": -1, "pp_microbatches": None, "pp_schedule": "gpipe"}}
+    values = prediction._job_values(config, [2, 1, 2, 1, 1])
+    assert values("parallel.pp") == 2 and values("parallel.pp_microbatches") == 4
+    assert values("parallel.pp_schedule") == "gpipe" and values("parallel.dp_shard") is None
+    plan = {"layouts": [{"overrides": {"parallel.pp": 2, "parallel.pp_microbatches": 4}}]}
+    assert prediction.layout_of(plan, values) is plan["layouts"][0]
+    no_pp = prediction._job_values({"parallel": {"pp": 1}}, None)
+    assert no_pp("parallel.pp_microbatches") is None
+
+
 def test_predictions_match_a_layout_by_every_override_key(sweep, tmp_path_factory):
     plan = write_plan(
         tmp_path_factory.mktemp("plan") / "plan.json",
