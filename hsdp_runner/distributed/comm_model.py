@@ -54,9 +54,9 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   norms' TP partial gradients with them), and keep the parameters gathered after each
   micro-batch's backward: a block resharded after forward is gathered 1 + m times a step, the
   root once (``fsdp_gathers``). TP and CP collectives run per micro-batch. The grad
-  norm's squares are summed over ``pp`` (one fp32). The first step also sends the stages'
-  shape metadata (torch's runtime shape inference): count a later one
-  (``metrics.comm_step=2``). The zero-bubble schedule's split backward (input, then weights)
+  norm's squares are summed over ``pp`` (one fp32). The first step also runs torch's runtime
+  shape inference (metadata sends and a forward that gathers FSDP's units once more), so a
+  pipeline job counts a later one (``metrics.comm_step=1``, the default, counts step 2 there). The zero-bubble schedule's split backward (input, then weights)
   gathers and reduces as the others do: measured so with FSDP inside the stages.
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).

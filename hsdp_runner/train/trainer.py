@@ -149,6 +149,11 @@ class Trainer:
         self.parts = pipeline.chunks if pipeline is not None else [model]
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
+        if pipeline is not None and self.comm_step == 1:
+            # A pipeline's first step also runs torch's runtime shape inference (a forward
+            # that all-gathers FSDP's units once more, and metadata sends): its second step is
+            # the one every later step repeats, so that is the one counted by default.
+            self.comm_step = 2
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
         self.after_update = after_update
