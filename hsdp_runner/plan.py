@@ -111,7 +111,9 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     run = to_run_config(cfg)
     check_plan_options(run.plan)
     cluster = resolve(run.cluster, run.precision.param_dtype)
-    degrees = pp_degrees(run.plan.pp_degrees, cluster.nodes, run.model.n_layers)
+    degrees = pp_degrees(
+        run.plan.pp_degrees, cluster.nodes, run.model.n_layers, cluster.gpus_per_node
+    )
     entries = plan_layouts(cfg, cluster, axes)
     for pp in [d for d in degrees if d > 1]:
         entries += pipeline_entries(

@@ -336,6 +336,16 @@ def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
     first = stage["peak_without_head_gib"] + saved
     assert one["mem_gib"] == pytest.approx(max(first, peak - 3 * saved))
     assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]
+    # On one node of 4 GPUs a stage is 2 of them (asked for: plan.pp_degrees), the same stage
+    # layout, its sends over the node's own link.
+    inside = pipeline_entries(
+        cfg,
+        fake_cluster(nodes=1, gpus_per_node=4),
+        2,
+        lambda c, cl, **kw: plan_layouts(c, cl, {}, fsdp, **kw),
+    )
+    assert {r["layout"] for r in inside} == {"pp_fsdp"} and len(inside) == len(rows)
+    assert all(r["dims_across_nodes"] == [] for r in inside)
     # The stage's 2 blocks stay gathered between micro-batches: fp32, half of each held.
     with torch.device("meta"):
         block = model_spec(compose(["model=llama3_tiny"]).model).build().layers["0"]
@@ -397,6 +407,10 @@ def test_default_pp_degrees_are_powers_of_two_of_whole_nodes_and_four_blocks_or_
     assert default_pp_degrees(nodes=1, n_layers=80) == [1]  # a stage is whole nodes
     assert default_pp_degrees(nodes=4, n_layers=2) == [1]  # tiny models plan no pipeline
     assert pp_degrees([1, 4], nodes=4, n_layers=8) == [1, 4]
+    # Asked for on one node, a stage is a share of its GPUs; across nodes, whole nodes.
+    assert pp_degrees([2, 4], nodes=1, n_layers=8, gpus_per_node=4) == [2, 4]
+    with pytest.raises(ConfigError, match="plan.pp_degrees=\\[2\\]: 2 is not"):
+        pp_degrees([2], nodes=3, n_layers=8, gpus_per_node=8)
 
 
 def test_auto_plans_pipeline_degrees_and_applies_a_pp_choice(tmp_path, monkeypatch):

@@ -79,12 +79,14 @@ def default_pp_degrees(nodes: int, n_layers: int) -> list[int]:
     return out
 
 
-def pp_degrees(plan_pp_degrees: list | None, nodes: int, n_layers: int) -> list[int]:
+def pp_degrees(
+    plan_pp_degrees: list | None, nodes: int, n_layers: int, gpus_per_node: int = 1
+) -> list[int]:
     """The pipeline degrees to plan: ``plan.pp_degrees`` as given (checked:
     ``check_pp_degrees``), or ``default_pp_degrees`` when it is null."""
     if plan_pp_degrees is None:
         return default_pp_degrees(nodes, n_layers)
-    check_pp_degrees(list(plan_pp_degrees), nodes, n_layers)
+    check_pp_degrees(list(plan_pp_degrees), nodes, n_layers, gpus_per_node)
     return sorted(set(plan_pp_degrees))
 
 
@@ -121,15 +123,20 @@ def held_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return min(float(m), (2 * (pp - 1) + (v - 1) * pp + 1) / v)
 
 
-def check_pp_degrees(degrees: list, nodes: int, n_layers: int) -> None:
+def check_pp_degrees(degrees: list, nodes: int, n_layers: int, gpus_per_node: int = 1) -> None:
     """Raise ConfigError naming ``plan.pp_degrees`` for a degree that is not a positive
-    divisor of ``nodes`` (a stage is whole nodes) or exceeds the model's ``n_layers``."""
+    divisor of ``nodes`` (a stage is whole nodes) or, on one node, of its ``gpus_per_node``
+    (a stage is a share of them: asked for explicitly, never a default), or that exceeds the
+    model's ``n_layers``."""
     for pp in degrees:
-        if not isinstance(pp, int) or pp < 1 or nodes % pp or pp > n_layers:
+        whole = isinstance(pp, int) and pp >= 1 and nodes % pp == 0
+        shared = isinstance(pp, int) and pp >= 1 and nodes == 1 and gpus_per_node % pp == 0
+        if not (whole or shared) or pp > n_layers:
             raise ConfigError(
                 f"plan.pp_degrees={list(degrees)}: {pp} is not a pipeline degree for "
                 f"cluster.nodes={nodes} and model.n_layers={n_layers}; each must divide the "
-                "nodes (a stage is whole nodes) and be at most the blocks, e.g. [1,2,4]"
+                "nodes (a stage is whole nodes; on one node, its GPUs) and be at most the "
+                "blocks, e.g. [1,2,4]"
             )
 
 
@@ -146,7 +153,12 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     # torch's PipelineStage turns FSDP's gradient sync off until the last micro-batch's
     # backward: the stage holds unsharded gradients and reduces once, as accum_reduce=last.
     stage_cfg.trainer.accum_reduce = AccumReduce.last.value
-    stage_cluster = dataclasses.replace(cluster, nodes=cluster.nodes // pp)
+    stage_cluster = (
+        dataclasses.replace(cluster, nodes=cluster.nodes // pp)
+        if cluster.nodes % pp == 0
+        # On one node (``check_pp_degrees``) a stage is a share of its GPUs.
+        else dataclasses.replace(cluster, gpus_per_node=cluster.gpus_per_node // pp)
+    )
     stage_rows = plan_stage(stage_cfg, stage_cluster, pipeline_stage=True)
     stage_rows = [row for row in stage_rows if row["valid"]]
     compute_bytes = torch_dtype(run.precision.param_dtype).itemsize
