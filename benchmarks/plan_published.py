@@ -84,12 +84,17 @@ def pipeline_row(case: dict, cfg, cluster) -> dict:
     """The plan row of a pipeline figure: its stage layout (``layout``: dp_replicate, dp_shard,
     tp of each stage; ``cp``) planned as a stage of ``pp`` (``pipeline.pipeline_entries``), under
     its ``pp_schedule`` with the stages per rank the planner prices for it."""
-    rep, shard, tp = case["layout"]
-    fixed = {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
+    fixed = _fixed_degrees(case)
     rows = pipeline_entries(
         cfg, cluster, case["pp"], lambda c, cl, **kw: plan_layouts(c, cl, {}, fixed, **kw)
     )
     return next(r for r in rows if r["overrides"]["parallel.pp_schedule"] == case["pp_schedule"])
+
+
+def _fixed_degrees(case: dict) -> dict:
+    """The degrees a figure's ``layout`` (dp_replicate, dp_shard, tp) and ``cp`` hold fixed."""
+    rep, shard, tp = case["layout"]
+    return {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
 
 
 def fit_efficiency(cases: list[dict]) -> float:
@@ -244,9 +249,7 @@ def predict_memory(case: dict, cluster_name: str | None = None) -> dict:
         cluster.device_memory_gib = case["device_gib"]
     if case.get("pp", 1) > 1:
         return pipeline_row(case, cfg, cluster)
-    rep, shard, tp = case["layout"]
-    fixed = {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
-    return plan_layouts(cfg, cluster, {}, fixed)[0]
+    return plan_layouts(cfg, cluster, {}, _fixed_degrees(case))[0]
 
 
 def memory(data: dict) -> None:
