@@ -86,6 +86,7 @@ BAD_INPUTS = [
     (["trainer.freeze=[nope.*]"], "trainer.freeze pattern 'nope.*' matches no parameter", None),
     (["trainer.on_nan=ignore"], "trainer.on_nan='ignore'", None),
     (["parallel.ac=sometimes"], "parallel.ac='sometimes'", None),
+    (["parallel.compile_backend=tvm"], "parallel.compile_backend='tvm'", None),
     (["logger.mode=cloud"], "logger.mode='cloud'", None),
     (["optim.lr=0"], "optim.lr=0.0 must be positive", None),
     (["metrics.memory_steps=-1"], "metrics.memory_steps=-1 must be >= 0", None),

@@ -161,19 +161,34 @@ def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
 
 
 @pytest.mark.parametrize(
-    "precision, compiled, label",
+    "precision, parallel, label",
     [
-        ({"name": "bf16", "float8": "none"}, False, "bf16"),
-        ({"name": "bf16"}, True, "bf16 +compile"),  # a run from before the float8 keys
-        ({"name": "float8", "float8": "tensorwise"}, True, "float8 (tensorwise) +compile"),
-        ({"name": "float8_rowwise", "float8": "rowwise"}, False, "float8_rowwise (rowwise)"),
+        ({"name": "bf16", "float8": "none"}, {"compile": False}, "bf16"),
+        # Runs from before the float8 keys and the backend key.
+        ({"name": "bf16"}, {"compile": True}, "bf16 +compile"),
+        (
+            {"name": "float8", "float8": "tensorwise"},
+            {"compile": True, "compile_backend": "inductor"},
+            "float8 (tensorwise) +compile",
+        ),
+        (
+            {"name": "bf16", "float8": "none"},
+            {"compile": True, "compile_backend": "aot_eager"},
+            "bf16 +compile(aot_eager)",
+        ),
+        (
+            {"name": "float8_rowwise", "float8": "rowwise"},
+            {"compile": False, "compile_backend": "eager"},
+            "float8_rowwise (rowwise)",
+        ),
     ],
 )
-def test_the_precision_column_names_the_float8_recipe_and_compile(precision, compiled, label):
+def test_the_precision_column_names_the_float8_recipe_and_compile(precision, parallel, label):
     from hsdp_runner.core.records import precision_label
     from hsdp_runner.report.runs import COLUMNS, Job
 
-    assert precision_label(precision, compiled) == label
+    backend = parallel.get("compile_backend", "inductor")
+    assert precision_label(precision, parallel["compile"], backend) == label
     cell = dict((name, text) for name, text, _ in COLUMNS)["precision"]
-    config = {"precision": precision, "parallel": {"compile": compiled}}
+    config = {"precision": precision, "parallel": parallel}
     assert cell(Job(Path("."), 0, [], config, None, [])) == label

@@ -1,7 +1,12 @@
 """torch.compile per block gives the same loss and gradients as eager, with TP and FSDP on.
 
 Guards a torch 2.13 bug: compiled blocks fed directly by the TP embedding give an all-zero
-embedding gradient under TP+FSDP (see sharding.apply_compile).
+embedding gradient under TP+FSDP (see parallelize.apply_compile). The bug lives in what Dynamo
+and AOTAutograd make of the TP DTensors, not in inductor's code generation: through
+``parallel.compile_backend=aot_eager`` the gradient is just as zero without the clone
+(measured 2026-11-26: 0.0 against 0.988 eager), at a third of the CPU of inductor's C++
+compiles on four ranks (14 vs 45 CPU-s). Inductor itself runs in tests/test_float8.py's
+compiled case.
 """
 
 import pytest
@@ -15,14 +20,11 @@ pytestmark = pytest.mark.multiprocess
 def _loss_and_embedding_grad(overrides):
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch._inductor import config as inductor_config
+    from torch._dynamo.utils import counters
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
 
-    # Inductor's codegen in this process: its default pool of compile subprocesses (one per
-    # CPU, each importing torch) would start in each of the 4 ranks on a 2-core machine.
-    inductor_config.compile_threads = 1
     out = {}
     for compiled in (False, True):
         cfg = compose(overrides + [f"parallel.compile={str(compiled).lower()}"])
@@ -42,12 +44,15 @@ def _loss_and_embedding_grad(overrides):
         loss.backward()
         grad = model.tok_embeddings.weight.grad.full_tensor()
         out[compiled] = (loss.item(), grad.norm().item())
+    out["graphs"] = counters["stats"]["unique_graphs"]
     return out
 
 
 def test_compiled_fsdp_tp_matches_eager_including_embedding_grad():
-    result = run_workers(_loss_and_embedding_grad, 4, ["parallel=fsdp_tp", "model=llama3_tiny"])[0]
+    overrides = ["parallel=fsdp_tp", "model=llama3_tiny", "parallel.compile_backend=aot_eager"]
+    result = run_workers(_loss_and_embedding_grad, 4, overrides)[0]
     (eager_loss, eager_grad), (comp_loss, comp_grad) = result[False], result[True]
+    assert result["graphs"] > 0  # the blocks did compile
     assert eager_grad > 0
     assert comp_loss == pytest.approx(eager_loss, rel=1e-5)
     assert comp_grad == pytest.approx(eager_grad, rel=1e-4)

@@ -53,6 +53,15 @@ def test_compile_cuts_the_memory_bound_time_and_not_the_matmuls():
     )
     assert compiled["matmul"] == eager["matmul"] == pytest.approx(1e12 / (1000e12 * 0.5))
     assert 0 < compiled["memory"] < eager["memory"]
+    # The debugging backends fuse nothing: priced as eager.
+    for backend in ("aot_eager", "eager"):
+        unfused_run = precision_cost.compute_seconds(
+            _cfg("precision=bf16", "parallel.compile=true", f"parallel.compile_backend={backend}"),
+            FSDP8,
+            cluster,
+            1e12,
+        )
+        assert unfused_run == eager, backend
     # In the blocks (compiled); the embedding, final norm and loss stay eager in both.
     cfg = _cfg("precision=bf16")
     fused, unfused = (precision_cost.traffic(cfg.model, cfg.precision, c) for c in (True, False))

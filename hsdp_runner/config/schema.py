@@ -18,6 +18,7 @@ from omegaconf import MISSING
 from hsdp_runner.core.choices import (
     AC,
     AccumReduce,
+    CompileBackend,
     DataKind,
     DDPImpl,
     Device,
@@ -53,6 +54,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     ac: AC = AC.none
     compile: bool = False
+    compile_backend: CompileBackend = CompileBackend.inductor
     ddp_impl: DDPImpl = DDPImpl.replicate
     allow_tp_across_nodes: bool = False
     allow_cp_across_nodes: bool = False

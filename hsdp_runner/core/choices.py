@@ -35,6 +35,16 @@ class AC(Choice):
     selective = "selective"
 
 
+class CompileBackend(Choice):
+    """``parallel.compile_backend``: what ``torch.compile`` hands each block's graph to. Below
+    inductor, the rungs of torch's ladder for finding where a compile bug lives: ``eager``
+    (Dynamo's capture only), ``aot_eager`` (+ AOTAutograd's joint graph and partition)."""
+
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
+
+
 class DDPImpl(Choice):
     """``parallel.ddp_impl``: what wraps the model under pure data parallelism."""
 

@@ -22,16 +22,20 @@ from hsdp_runner.core.choices import RunStatus
 SUMMARY_FILE = "summary.json"
 
 
-def precision_label(section: dict, compiled: bool) -> str:
+def precision_label(section: dict, compiled: bool, backend: str = "inductor") -> str:
     """How reports name a run's numerics: the precision preset's name, its float8 recipe when
     it has one, and whether the blocks were compiled (``section``: the config's ``precision``
-    section as a plain dict, old runs' too; ``compiled``: ``parallel.compile``). E.g. ``bf16``,
-    ``float8 (tensorwise) +compile``. compare, the dashboard and W&B (a derived fact) show it."""
+    section as a plain dict, old runs' too; ``compiled``: ``parallel.compile``; ``backend``:
+    ``parallel.compile_backend``, named when it is not inductor). E.g. ``bf16``, ``float8
+    (tensorwise) +compile``, ``bf16 +compile(aot_eager)``. compare, the dashboard and W&B (a
+    derived fact) show it."""
     label = str(section.get("name", "?"))
     recipe = str(section.get("float8") or "none")
     if recipe != "none":
         label += f" ({recipe})"
-    return label + (" +compile" if compiled else "")
+    if not compiled:
+        return label
+    return label + (" +compile" if str(backend) == "inductor" else f" +compile({backend})")
 
 
 @dataclass(frozen=True)

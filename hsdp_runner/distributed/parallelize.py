@@ -151,15 +151,16 @@ def apply_ac(model: ParallelModule, mode: AC) -> None:
         blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
-def apply_compile(model: ParallelModule, tp: int) -> None:
-    """Compile each block in place (names and state-dict keys stay unchanged)."""
+def apply_compile(model: ParallelModule, tp: int, backend: str = "inductor") -> None:
+    """Compile each block in place through ``backend`` (``parallel.compile_backend``); names
+    and state-dict keys stay unchanged."""
     if tp > 1:
         # torch 2.13 computes an all-zero embedding gradient (TP+FSDP) or crashes in backward
         # (TP alone) when compiled blocks take the TP embedding's output directly; a clone
         # between them avoids it (see tests/test_compile.py).
         model.clone_embedding_output = True
     for block in model.blocks().values():
-        block.compile()
+        block.compile(backend=str(backend))
 
 
 def apply_data_parallel(
@@ -283,7 +284,7 @@ def parallelize(
         apply_cp(model, world, seq_len)
     apply_ac(model, parallel.ac)
     if parallel.compile:
-        apply_compile(model, dims.tp)
+        apply_compile(model, dims.tp, parallel.compile_backend)
     apply_data_parallel(
         model, dims, world, precision, parallel.reshard_after_forward, parallel.ddp_impl
     )

@@ -17,7 +17,7 @@ efficiency standing in for everything a step does on the device. Here (``compute
   the trainer's loss and backward on the meta device under a dispatch mode that sees every op.
   Matmuls, attention and views move nothing here; every other op, eager, reads its inputs and
   writes its outputs once (``eager``). Compiled (``parallel.compile``: each block through
-  Inductor), a run of such ops between two matmuls is assumed to be one fused kernel, so only
+  Inductor; the debugging backends of ``parallel.compile_backend`` are priced eager), a run of such ops between two matmuls is assumed to be one fused kernel, so only
   tensors that cross a boundary move (``compiled``): one written by an element-wise op and read
   by a matmul, by the other pass (forward -> backward) or by nothing in the block, and one
   produced by a matmul or from outside and read by an element-wise op. Assumed: fusion never
@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hsdp_runner.config.schema import PrecisionConfig, RunConfig
-from hsdp_runner.core.choices import AC, DPMode
+from hsdp_runner.core.choices import AC, CompileBackend, DPMode
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -326,7 +326,9 @@ def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flo
     if f8_flops:
         f8_peak = float8_peak_tflops(cfg, cluster) * 1e12 * cluster.compute_efficiency
         parts["float8_matmul"] = f8_flops / f8_peak
-    t = traffic(cfg.model, cfg.precision, parallel.compile)
+    # Only inductor generates fused kernels; the debugging backends run the blocks' ops as eager.
+    fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
+    t = traffic(cfg.model, cfg.precision, fused)
     # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).
     micro_tokens = trainer.global_batch_size * cfg.model.seq_len / dims.dp / dims.cp
     micro_tokens /= trainer.grad_accum_steps

@@ -152,8 +152,12 @@ def _shape_text(shape: list) -> str:
 
 
 def _precision(job: Job) -> str:
-    compiled = bool((job.config.get("parallel") or {}).get("compile"))
-    return precision_label(job.config.get("precision") or {}, compiled)
+    parallel = job.config.get("parallel") or {}
+    return precision_label(
+        job.config.get("precision") or {},
+        bool(parallel.get("compile")),
+        parallel.get("compile_backend") or "inductor",  # runs from before the key: inductor
+    )
 
 
 # The job table's columns: heading, the cell's text, the value it sorts by (the job's own

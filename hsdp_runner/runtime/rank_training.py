@@ -82,7 +82,9 @@ def train_rank(
         _prepare_metrics(cfg.checkpoint, output_dir, start)
         facts = {**run_facts(dims, device), "mesh_placement": placements}
         # W&B's grouping key for the numerics (config.derived.precision), as compare shows it.
-        label = precision_label(dataclasses.asdict(cfg.precision), cfg.parallel.compile)
+        label = precision_label(
+            dataclasses.asdict(cfg.precision), cfg.parallel.compile, cfg.parallel.compile_backend
+        )
         config = {**plain_config(cfg), "derived": {**facts, "precision": label}}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
