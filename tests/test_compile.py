@@ -5,8 +5,8 @@ embedding gradient under TP+FSDP (see parallelize.apply_compile). The bug lives 
 and AOTAutograd make of the TP DTensors, not in inductor's code generation: through
 ``parallel.compile_backend=aot_eager`` the gradient is just as zero without the clone
 (measured 2026-11-26: 0.0 against 0.988 eager), at a third of the CPU of inductor's C++
-compiles on four ranks (14 vs 45 CPU-s). Inductor itself runs in tests/test_float8.py's
-compiled case.
+compiles on four ranks (14 vs 45 CPU-s). Inductor's code generation runs in the GPU check
+(benchmarks/float8_gpu_check.py; docs/testing.md says why not here).
 """
 
 import pytest
