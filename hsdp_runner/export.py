@@ -11,46 +11,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
-
-import torch
 
 from hsdp_runner.checkpoint import hf
 from hsdp_runner.checkpoint import start as checkpoint_start
+from hsdp_runner.checkpoint.start import load_full_weights
 from hsdp_runner.core.choices import Dtype
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
-
-
-def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a checkpoint's model weights unsharded into this process.
-
-    Checks the checkpoint first (``checkpoint_start.inspect``). Returns ({name: full tensor},
-    manifest).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    manifest = checkpoint_start.inspect(path, None)
-    metadata = FileSystemReader(str(path)).read_metadata()
-    weights = {
-        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.")
-    }
-    try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process: intended here
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
-    except (Exception, dcp.CheckpointException) as err:
-        raise checkpoint_start.CheckpointError(
-            f"checkpoint {path} could not be read ({checkpoint_start.load_failure(err)}); it "
-            "may be damaged"
-        ) from err
-    return weights, manifest
 
 
 def export(
@@ -69,13 +39,7 @@ def export(
     path = checkpoint_start.resolve(source, "checkpoint")
     weights, manifest = load_full_weights(path)
     model_cfg = model_spec(manifest["model"])  # the family config its _target_ names
-    out_dtype = torch_dtype(dtype)
-    return hf.write_folder(
-        hf.to_hf(weights, model_cfg, out_dtype),
-        hf.hf_config(model_cfg, out_dtype),
-        out_dir,
-        int(max_shard_gib * 2**30),
-    )
+    return hf.write_export(weights, model_cfg, torch_dtype(dtype), out_dir, max_shard_gib)
 
 
 def main(argv: list[str] | None = None) -> int:

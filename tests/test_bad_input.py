@@ -60,7 +60,11 @@ BAD_INPUTS = [
         "is not one of gpipe, 1f1b, interleaved_1f1b",
         None,
     ),
-    (["parallel=pp", "checkpoint.export_at_end=true"], "python -m hsdp_runner.export", None),
+    (
+        ["parallel=pp", "checkpoint.export_at_end=true"],
+        "checkpoint.export_at_end=true with parallel.pp=2 needs checkpoint.enable=true",
+        None,
+    ),
     (["precision=bf16"], "needs bfloat16, which this GPU does not support", 4),
     (["precision.float8=fp8"], "precision.float8='fp8'", None),
     (

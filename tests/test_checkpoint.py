@@ -175,12 +175,14 @@ def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
     as in the whole model) continues in one process with the pipeline's losses; that job's
     step-3 checkpoint continues under an interleaved pipeline (2 stages per rank, saved and
     loaded through one view of both chunks); the pipeline's last checkpoint exports to a
-    Hugging Face folder holding every parameter."""
+    Hugging Face folder holding every parameter, through the CLI and at the job's end; a
+    pipeline job starts from that folder (``init_from_hf``) as one process does."""
     from hsdp_runner import export
 
     job = [*TINY, "model.n_layers=4", "trainer.steps=4", *SAVE]
     interleaved = "pp:parallel.pp_schedule=interleaved_1f1b:parallel.pp_stages_per_rank=2"
-    ref = run_forked(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2")
+    at_end = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=float32"]
+    ref = run_forked(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2", *at_end)
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "pp")
     source = tmp_path / "pp" / "checkpoints" / "step-2"
@@ -208,5 +210,20 @@ def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
     exported = hf.read_folder(tmp_path / "hf", model_cfg, expected_shapes(model_cfg))
     assert manifest["layout"]["mesh_shape"] == [2, 1, 1, 1, 1]
     assert set(weights) == {name for name, _ in model_spec(model_cfg).build().named_parameters()}
+    at_end = hf.read_folder(tmp_path / "pp" / "hf", model_cfg, expected_shapes(model_cfg))
     for name, tensor in weights.items():
-        assert torch.equal(tensor, exported[name]), name
+        assert torch.equal(tensor, exported[name]) and torch.equal(tensor, at_end[name]), name
+
+    # Rank 0 reads the folder and every stage keeps its own parameters of the broadcast.
+    first_losses = {}
+    for layout in ("single", "pp"):
+        out = tmp_path / f"hf_{layout}"
+        started = run_forked(
+            out, *TINY, "model.n_layers=4", "trainer.steps=2", f"parallel={layout}",
+            f"checkpoint.init_from_hf={tmp_path / 'hf'}",
+        )  # fmt: skip
+        assert started.returncode == 0, (layout, started.stderr[-3000:])
+        records, summary = read_job(out)
+        assert summary["loaded_from"] == str(tmp_path / "hf") and len(records) == 2
+        first_losses[layout] = [r["loss"] for r in records]
+    assert first_losses["pp"] == pytest.approx(first_losses["single"], rel=1e-5)

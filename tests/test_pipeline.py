@@ -417,7 +417,8 @@ def test_auto_plans_pipeline_degrees_and_applies_a_pp_choice(tmp_path, monkeypat
     """``parallel=auto`` (pp = -1) plans the default pp degrees beside pp = 1 and writes a
     pipeline row's pp, schedule and micro-batches into the job's config, which then validates
     for the job's ranks; an explicit pp is a constraint, and checkpoint settings a pipeline
-    cannot honour (the end-of-run HF export) keep pp at 1. Measurements are faked (no child process)."""
+    cannot honour (the end-of-run HF export without checkpoints) keep pp at 1. Measurements
+    are faked (no child process)."""
     from clusters import fake_cluster
 
     from hsdp_runner.config.compose import to_run_config
@@ -460,5 +461,8 @@ def test_auto_plans_pipeline_degrees_and_applies_a_pp_choice(tmp_path, monkeypat
     assert auto.planned_pp(to_run_config(compose(job + ["parallel.pp=2"])), cluster) == [2]
     with pytest.raises(ConfigError, match="parallel.pp=4 with parallel=auto on 2 node"):
         auto.planned_pp(to_run_config(compose(job + ["parallel.pp=4"])), cluster)
-    exporting = to_run_config(compose(job + ["checkpoint.export_at_end=true"]))
-    assert auto.planned_pp(exporting, cluster) == [1]
+    # The export at the end reads a pipeline's last checkpoint: without checkpoints, no pp.
+    exporting = job + ["checkpoint.export_at_end=true"]
+    assert auto.planned_pp(to_run_config(compose(exporting)), cluster) == [1]
+    saving = to_run_config(compose(exporting + ["checkpoint.enable=true"]))
+    assert auto.planned_pp(saving, cluster) == [1, 2]

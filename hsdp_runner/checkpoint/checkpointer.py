@@ -52,6 +52,7 @@ from hsdp_runner.checkpoint.start import (
     expected_shapes,
     export_dir,
     load_failure,
+    load_full_weights,
 )
 from hsdp_runner.config.schema import CheckpointConfig, DataConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import FaultPhase, StartSource
@@ -274,11 +275,21 @@ class Checkpointer:
             )
             or {}
         )
-        set_model_state_dict(
+        # Under pp rank 0's folder holds every stage's weights (read_folder checked the names
+        # and shapes against the whole model) and each rank keeps those of its own stage: the
+        # others are not "unexpected", but a parameter of this stage left unset would be.
+        pipelined = self.dims.pp > 1
+        keys = set_model_state_dict(
             self.model,
             full,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=not pipelined
+            ),
         )
+        if keys.missing_keys:
+            raise CheckpointError(
+                f"Hugging Face folder {folder} set no value for {', '.join(keys.missing_keys)}"
+            )
         if self.rank == 0:
             log.info(
                 "weights from Hugging Face folder %s (fine-tuning start; optimizer, LR "
@@ -378,20 +389,27 @@ class Checkpointer:
         c = self.ckpt
         if not c.export_at_end:
             return
-        # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
-        full = float8.plain_state(
-            get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = None
+        if self.dims.pp == 1:
+            # Gathered on rank 0's CPU: the RoPE row permutation needs whole heads.
+            full = float8.plain_state(
+                get_model_state_dict(
+                    self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                )
             )
-        )
 
         def write():
+            weights = full
+            if weights is None:
+                # Under pp rank 0 holds its own stage; the last step's checkpoint (saved just
+                # before: the checks make checkpoint.enable a condition) holds every stage's
+                # shards, read whole in this process as python -m hsdp_runner.export does. A
+                # job that trained no step started from a checkpoint of its last step.
+                source = self.facts["last_checkpoint"] or self.facts["loaded_from"]
+                weights, _ = load_full_weights(Path(source))
             dtype = torch_dtype(c.export_dtype)
-            hf.write_folder(
-                hf.to_hf(full, self.model_cfg, dtype),
-                hf.hf_config(self.model_cfg, dtype),
-                self.export_folder,
-                int(c.export_max_shard_gib * 2**30),
+            hf.write_export(
+                weights, self.model_cfg, dtype, self.export_folder, c.export_max_shard_gib
             )
             log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)
 

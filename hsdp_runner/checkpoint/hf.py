@@ -135,6 +135,24 @@ def write_folder(
     return [out_dir / name for name in names]
 
 
+def write_export(
+    weights: dict[str, torch.Tensor],
+    model_cfg: ModelConfig,
+    dtype: torch.dtype,
+    out_dir: Path,
+    max_shard_gib: float,
+) -> list[Path]:
+    """Write the runner's full ``weights`` of ``model_cfg`` as a Hugging Face folder in
+    ``dtype`` (weights and config.json, shards above ``max_shard_gib``); return the weight
+    files."""
+    return write_folder(
+        to_hf(weights, model_cfg, dtype),
+        hf_config(model_cfg, dtype),
+        out_dir,
+        int(max_shard_gib * 2**30),
+    )
+
+
 def read_config(folder: Path, model_cfg: ModelConfig) -> dict:
     """Return the folder's config.json; HFFormatError if it is missing or of another family
     (or asks for what the model cannot compute)."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from hsdp_runner.checkpoint import hf
@@ -169,6 +171,32 @@ def _check_shapes(path: Path, metadata, manifest: dict, model_cfg: ModelConfig) 
             f" ({'; '.join(keys) or 'see its ' + MANIFEST}); load it with the "
             "model config it was saved with"
         )
+
+
+def load_full_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a checkpoint's model weights unsharded into this process.
+
+    Checks the checkpoint first (``inspect``). Returns ({name: full tensor}, manifest).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    manifest = inspect(path, None)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    weights = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: intended here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:
+        raise CheckpointError(
+            f"checkpoint {path} could not be read ({load_failure(err)}); it may be damaged"
+        ) from err
+    return weights, manifest
 
 
 def plan_start(ckpt_cfg: CheckpointConfig, model_cfg: ModelConfig, output_dir: Path) -> Start:

@@ -192,22 +192,17 @@ def _validate_pipeline_checkpoint(c: RunConfig) -> None:
 
 
 def pipeline_refusal(c: RunConfig, pp: int) -> str | None:
-    """Why config ``c`` cannot run ``pp`` pipeline stages with its checkpoint settings (a message naming key, value and fix), or None: the whole-model
-    gathers of the HF export at the end and the HF import (rank 0 holds one stage). Any
-    number of stages per rank checkpoints (``pipeline.merged_view``)."""
+    """Why config ``c`` cannot run ``pp`` pipeline stages with its checkpoint settings (a
+    message naming key, value and fix), or None. The HF export at the end reads the last
+    step's checkpoint back whole (rank 0 holds one stage), so it needs checkpointing on."""
     if pp in (1, -1):
         return None
-    if c.checkpoint.export_at_end:
+    if c.checkpoint.export_at_end and not c.checkpoint.enable:
         return (
-            f"checkpoint.export_at_end=true with parallel.pp={pp}: the end-of-run export "
-            "gathers one stage only; set checkpoint.export_at_end=false and export the "
-            "checkpoint with python -m hsdp_runner.export <checkpoint> <out_dir>"
-        )
-    if c.checkpoint.init_from_hf:
-        return (
-            f"checkpoint.init_from_hf with parallel.pp={pp} is not supported yet; start from "
-            "the Hugging Face folder under parallel.pp=1, save a checkpoint and resume it "
-            "with checkpoint.load_path under pp"
+            f"checkpoint.export_at_end=true with parallel.pp={pp} needs checkpoint.enable=true: "
+            "rank 0 holds one stage, so the export reads the last step's checkpoint back "
+            "whole; set checkpoint.enable=true, or export a checkpoint later with python -m "
+            "hsdp_runner.export <checkpoint> <out_dir>"
         )
     return None
 
