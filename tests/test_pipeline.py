@@ -129,6 +129,21 @@ CASES = {
         "llama4",
         _case("llama3_tiny", 4, *PP, "parallel.pp_schedule=interleaved_1f1b", *INTERLEAVED, COMM),
     ),
+    # Each rank's two stage chunks with their blocks compiled (through Dynamo and AOTAutograd:
+    # the runner's compile path; inductor's C++ code generation is left to the GPU check).
+    "llama_interleaved_compiled": (
+        2,
+        "llama4",
+        _case(
+            "llama3_tiny",
+            4,
+            *PP,
+            "parallel.pp_schedule=interleaved_1f1b",
+            *INTERLEAVED,
+            "parallel.compile=true",
+            "parallel.compile_backend=aot_eager",
+        ),
+    ),
     "llama_zero_bubble": (
         2,
         "llama4",
