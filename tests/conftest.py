@@ -132,9 +132,10 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 # module fixture runs once; files that share a session fixture go to one worker together, or
 # each worker would pay for it. The slowest files start first, so the run does not end with one
 # worker alone on a long file; the others keep their collection order. The order: each file's
-# time in the 2026-11-25 run of this suite (ranks forked, docs/testing.md; 7 min 52 s of
-# pytest), approximate sums from its --durations table: faults ~150 s, parity ~110, torchrun
-# ~65, comm ~50, many_nodes ~45, sweep ~40, then compile, checkpoint, dashboard, auto, gpu, cli.
+# (or shared fixture's files') time in a `make test` run of 2026-11-26 (314.5 s of pytest,
+# docs/testing.md), summed from its --durations table: faults 105 s, parity 74, sweep 53, the
+# eight-rank files 44, many_nodes 41, checkpoint 30, torchrun 29, float8 24, gpu_failures 22,
+# auto 22, comm 20, plan 17, then config, dashboard_browser, bad_input, options, wandb.
 SHARED_SESSION_FIXTURE = {
     "test_placements.py": "eight_ranks",
     "test_correctness.py": "eight_ranks",
@@ -145,16 +146,23 @@ SHARED_SESSION_FIXTURE = {
 SLOWEST_FIRST = (
     "test_faults.py",
     "test_parity.py",
-    "test_comm.py",
-    "test_torchrun.py",
-    "test_many_nodes.py",
     "test_sweep.py",
-    "test_compile.py",
+    "test_correctness.py",
+    "test_pipeline.py",
+    "test_placements.py",
+    "test_many_nodes.py",
     "test_checkpoint.py",
-    "test_dashboard_browser.py",
-    "test_auto.py",
+    "test_torchrun.py",
+    "test_float8.py",
     "test_gpu_failures.py",
-    "test_cli.py",
+    "test_auto.py",
+    "test_comm.py",
+    "test_plan.py",
+    "test_config.py",
+    "test_dashboard_browser.py",
+    "test_bad_input.py",
+    "test_options.py",
+    "test_wandb.py",
 )
 
 
