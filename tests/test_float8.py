@@ -159,6 +159,7 @@ def four_rank_float8(tmp_path_factory):
             "parallel.compile=true",
             "parallel.compile_backend=aot_eager",
             "parallel.ac=selective",
+            "metrics.comm_step=1",  # the default, which the frames check is about
         ],
         "bf16_long": [*fsdp2, "precision=bf16", *long],
         "float8_long": [*fsdp2, "precision=float8", *long],
