@@ -17,10 +17,11 @@ efficiency standing in for everything a step does on the device. Here (``compute
   the trainer's loss and backward on the meta device under a dispatch mode that sees every op.
   Matmuls, attention and views move nothing here; every other op, eager, reads its inputs and
   writes its outputs once (``eager``). Compiled (``parallel.compile``: each block through
-  Inductor; the debugging backends of ``parallel.compile_backend`` are priced eager), a run of such ops between two matmuls is assumed to be one fused kernel, so only
-  tensors that cross a boundary move (``compiled``): one written by an element-wise op and read
-  by a matmul, by the other pass (forward -> backward) or by nothing in the block, and one
-  produced by a matmul or from outside and read by an element-wise op. Assumed: fusion never
+  Inductor; the debugging backends of ``parallel.compile_backend`` are priced eager), a run of
+  such ops between two matmuls is assumed to be one fused kernel, so only tensors that cross a
+  boundary move (``compiled``): one written by an element-wise op and read by a matmul, by the
+  other pass (forward -> backward) or by nothing in the block, and one produced by a matmul or
+  from outside and read by an element-wise op. Assumed: fusion never
   spans a matmul, a reduction's output is written once, the kernels run at the full datasheet
   bandwidth. Outside the blocks (embedding, final norm, loss) nothing is compiled: eager
   bytes. The per-token and per-forward parts (weight casts do not grow with tokens) come from
