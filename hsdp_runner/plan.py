@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides)
         run = to_run_config(cfg)
         validate_config(run)
-        forkserver.plan_children()
+        forkserver.plan_children(from_here=True)
         cluster, entries = predict(cfg, check_axes(cfg, overrides, axes))
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)

@@ -100,3 +100,82 @@ def test_a_failed_jobs_hung_worker_is_killed_after_the_launchers_timeout(tmp_pat
     pid = int(marker.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+# A launcher's first server start, as ``_launch_local`` makes it: first while a second thread
+# runs (not safe to fork: the server is spawned when a worker starts, so none is running yet),
+# then, as a fresh process's first start, with only the main thread left.
+_LAUNCHER = """
+import json, os, sys, threading, time
+from multiprocessing import forkserver as mp_forkserver
+sys.path.insert(0, sys.argv[1])
+from hsdp_runner.runtime import forkserver
+from hsdp_runner.runtime.launch import start_local_workers
+from test_forkserver import _what_a_worker_sees
+
+thread = threading.Thread(target=time.sleep, args=(0.5,))
+thread.start()
+forkserver.use_server(from_here=True)
+running_with_a_thread = mp_forkserver._forkserver._forkserver_pid is not None
+thread.join()
+forkserver._first_use[0] = True
+os.environ["HSDP_TEST_ENV"] = "set before the workers start"
+seen = start_local_workers(_what_a_worker_sees, 2, fork_server_here=True)
+server = forkserver.server_pids()[0]
+stat = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()
+same_command = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
+print(json.dumps({"running_with_a_thread": running_with_a_thread, "server_parent": int(stat[1]),
+                  "launcher": os.getpid(), "same_command": same_command, "seen": seen}))
+"""
+
+
+def test_a_launcher_forks_its_server_from_itself_only_when_that_is_safe():
+    """The launcher's own fork is the server (its command line, its child) and the workers
+    forked from it see what workers of a spawned server see; with a second thread running,
+    nothing is forked."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, str(REPO / "tests")],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not facts["running_with_a_thread"]
+    assert facts["server_parent"] == facts["launcher"] and facts["same_command"]
+    for rank in ("0", "1"):
+        seen = facts["seen"][rank]
+        assert seen["env"] == "set before the workers start" and seen["rank"] == rank
+        assert seen["sigterm_default"] and seen["sigusr2_default"] and seen["sigint_raises"]
+
+
+def test_forking_the_server_is_refused_with_an_accelerator_build_a_thread_or_a_server(
+    monkeypatch,
+):
+    import threading
+    from multiprocessing import forkserver as mp_forkserver
+
+    import torch
+
+    from hsdp_runner.runtime import forkserver
+
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(mp_forkserver._forkserver, "_forkserver_pid", None)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+    assert forkserver.fork_is_safe()
+    with monkeypatch.context() as m:
+        m.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+        assert not forkserver.fork_is_safe()
+    with monkeypatch.context() as m:
+        m.setattr(threading, "active_count", lambda: 2)
+        assert not forkserver.fork_is_safe()
+    with monkeypatch.context() as m:
+        m.setattr(mp_forkserver._forkserver, "_forkserver_pid", 12345)
+        assert not forkserver.fork_is_safe()

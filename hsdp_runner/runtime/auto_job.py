@@ -98,7 +98,7 @@ def settle(
     line, recorded in plan.md. ConfigError when nothing fits, or rank 0 could not plan."""
     rank, plan_dir = _rank(), output_dir / plan_auto.PLAN_DIR
     if rank is None:
-        plan_here(cfg, world_size, ranks_per_node, gpus, plan_dir, overrides)
+        plan_here(cfg, world_size, ranks_per_node, gpus, plan_dir, overrides, in_launcher=True)
     elif in_submitit_job():
         plan_json = plan_dir / PLAN_JSON
         row = plan_auto.adopt_plan(cfg, plan_json, world_size, ranks_per_node)
@@ -145,12 +145,14 @@ def plan_here(
     gpus: int,
     plan_dir: Path,
     overrides: list[str],
+    in_launcher: bool = False,
 ) -> plan_auto.AutoChoice:
     """Plan the job in this process (the cluster: ``cluster=``, else GPU 0's preset, else
     this_machine), write the choice into ``cfg`` and the plan into ``plan_dir``, print the
-    choice and the runner-up; return the choice. ConfigError when nothing fits."""
+    choice and the runner-up; return the choice. ConfigError when nothing fits.
+    ``in_launcher``: this is the job's launcher, not a rank (``forkserver.plan_children``)."""
     device_name = torch.cuda.get_device_name(0) if gpus else None
-    forkserver.plan_children()
+    forkserver.plan_children(from_here=in_launcher)
     choice = plan_auto.plan_job(cfg, world_size, ranks_per_node, device_name, plan_dir, overrides)
     print(f"hsdp_runner: {plan_auto.describe(choice)}", flush=True)
     return choice

@@ -136,6 +136,7 @@ def start_local_workers(
     *args,
     shutdown_timeout: int = 30,
     agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    fork_server_here: bool = False,
 ) -> dict:
     """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
     forked from a server that imported torch once (``forkserver``). Returns once what the
@@ -146,7 +147,8 @@ def start_local_workers(
     never more than torch's 30 s, before SIGKILL: ``agent_shutdown``). On a signal named in
     ``agent_signals`` torch's agent passes it on, gives the workers ``shutdown_timeout``
     seconds to stop before killing them, then raises ``SignalException``; ``_launch_local``
-    leaves SIGTERM/SIGINT out and handles them itself.
+    leaves SIGTERM/SIGINT out and handles them itself. ``fork_server_here``: this process is
+    a job's launcher, which may fork the server from itself (``forkserver.use_server``).
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -159,7 +161,7 @@ def start_local_workers(
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        start_method=forkserver.use_server(),
+        start_method=forkserver.use_server(from_here=fork_server_here),
         monitor_interval=0.1,
         shutdown_timeout=shutdown_timeout,
         signals_to_handle=agent_signals,
@@ -214,6 +216,7 @@ def _launch_local(
             dataclasses.replace(run_info, local_launch=True),
             shutdown_timeout=cfg.launcher.timeout_s,
             agent_signals="SIGHUP,SIGQUIT",
+            fork_server_here=True,
         )
     except SignalException as err:  # a stop signal while no worker was running
         print(

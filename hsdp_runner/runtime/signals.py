@@ -136,7 +136,9 @@ def worker_pids(parent: int | None = None) -> list[int]:
     """PIDs of the worker processes torch's launcher started from ``parent`` (default: this
     process): the children of its forkserver (or, started by spawn, its children that run
     multiprocessing's ``spawn_main``), which leaves out the resource tracker and anything a
-    worker starts. Read from /proc (psutil is not a dependency); [] where there is none."""
+    worker starts. The forkserver is the child that runs multiprocessing's server, spawned, or
+    the parent's own command line, forked from it (``forkserver.fork_server_here``). Read from
+    /proc (psutil is not a dependency); [] where there is none."""
     parent = os.getpid() if parent is None else parent
     children: dict[int, list[tuple[int, bytes]]] = {}
     for proc in Path("/proc").glob("[0-9]*"):
@@ -145,10 +147,14 @@ def worker_pids(parent: int | None = None) -> list[int]:
             children.setdefault(ppid, []).append((int(proc.name), (proc / "cmdline").read_bytes()))
         except (OSError, IndexError, ValueError):
             continue
+    try:
+        own = Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        return []
     found = []
     for pid, cmdline in children.get(parent, []):
         if b"spawn_main" in cmdline:
             found.append(pid)
-        elif b"multiprocessing.forkserver" in cmdline:
+        elif b"multiprocessing.forkserver" in cmdline or cmdline == own:
             found += [child for child, _ in children.get(pid, [])]
     return found
