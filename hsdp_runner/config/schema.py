@@ -255,8 +255,11 @@ class RunConfig:
 
 def register_schemas() -> None:
     """Store ``RunConfig`` as ``run_schema`` so ``conf/config.yaml`` can extend it, and each
-    model family's schema as ``model/<family>_schema`` for its ``conf/model/*.yaml``."""
+    model family's schema as ``model/<family>_schema`` for its ``conf/model/*.yaml``. Once a
+    process: storing converts every dataclass to a config again, a sixth of a composition."""
     store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunConfig)
+    if "run_schema.yaml" in store.repo:  # stored last, below
+        return
     for name, schema in family_schemas().items():
         store.store(group="model", name=name, node=schema)
+    store.store(name="run_schema", node=RunConfig)
