@@ -158,16 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides)
         run = to_run_config(cfg)
         validate_config(run)
+        out_dir = Path(
+            run.plan.out_dir
+            or datetime.datetime.now().strftime(f"plans/%Y-%m-%d_%H-%M-%S_{run.model.name}")
+        )
+        plan_report.check_targets(run, out_dir)
         forkserver.plan_children(from_here=True)
         cluster, entries = predict(cfg, check_axes(cfg, overrides, axes))
+        paths = plan_report.write(out_dir, run, cluster, entries, overrides, axes)
     except ConfigError as err:
         print(f"plan: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    out_dir = Path(
-        run.plan.out_dir
-        or datetime.datetime.now().strftime(f"plans/%Y-%m-%d_%H-%M-%S_{run.model.name}")
-    )
-    paths = plan_report.write(out_dir, run, cluster, entries, overrides, axes)
     print(plan_report.table(entries, cluster))
     print("plan: wrote " + ", ".join(str(p) for p in paths))
     if not any(e["fits"] for e in entries):

@@ -449,6 +449,29 @@ def test_an_axis_value_is_checked_like_the_same_override_in_one_line(args, messa
     assert err.count("\n") == 1 and message in err
 
 
+@pytest.mark.parametrize("target", ["plan.write_sweep", "plan.out_dir"])
+def test_a_plan_over_earlier_files_exits_2_before_measuring_and_keeps_them(
+    planned, target, tmp_path, monkeypatch, capsys
+):
+    """Rerunning the README's plan command: the sweep it wrote (or a plan dir) exists. One
+    line naming the key and the fix, before minutes of planning, and the files stay."""
+    out, _ = planned
+    kept = {p: p.read_bytes() for p in (out / "planned.yaml", out / "plan.json")}
+    monkeypatch.setattr(plan_memory, "measure", lambda *a, **k: pytest.fail("measured"))
+    args = {
+        "plan.write_sweep": [
+            f"plan.out_dir={tmp_path / 'new'}",
+            f"plan.write_sweep={out}/planned.yaml",
+        ],
+        "plan.out_dir": [f"plan.out_dir={out}"],
+    }[target]
+    assert plan.main(TINY + args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{target}=" in err and f"choose another {target}" in err
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert not (tmp_path / "new").exists()
+
+
 def test_model_that_fits_nowhere_is_listed_and_exits_2(monkeypatch_module, tmp_path, capsys):
     code = plan.main(TINY + [f"plan.out_dir={tmp_path}", "cluster.device_memory_gib=0.0001"])
     captured = capsys.readouterr()

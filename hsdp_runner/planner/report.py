@@ -20,6 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from hsdp_runner.config.schema import RunConfig
+from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
@@ -184,12 +185,11 @@ def write(
     overrides: list[str],
     axes: dict,
 ) -> list[Path]:
-    """Write plan.md, plan.json (and the sweep with ``plan.write_sweep``); return the paths."""
+    """Write plan.md, plan.json (and the sweep with ``plan.write_sweep``); return the paths.
+    ConfigError where one exists already (``check_targets``): nothing is overwritten."""
+    check_targets(cfg, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_json = (out_dir / PLAN_JSON).resolve()
-    for path in (plan_json, out_dir / PLAN_MD):
-        if path.exists():
-            raise FileExistsError(f"{path} exists; pick another plan.out_dir")
     data = {
         "version": 1,
         "model": cfg.model.name,
@@ -222,6 +222,31 @@ def write(
     return paths
 
 
+def check_targets(cfg: RunConfig, out_dir: Path) -> None:
+    """Raise ConfigError naming the key and the fix when a file the plan would write into
+    ``out_dir`` or ``plan.write_sweep`` exists already: checked before planning (minutes for a
+    large model) and again before writing, so that nothing saved before is overwritten."""
+    for path in (out_dir / PLAN_JSON, out_dir / PLAN_MD):
+        if path.exists():
+            raise ConfigError(
+                f"plan.out_dir={out_dir} already holds {path.name}; choose another "
+                "plan.out_dir (or leave it unset for a new time-stamped one)"
+            )
+    if cfg.plan.write_sweep:
+        path = Path(cfg.plan.write_sweep)
+        for existing in (path, sweep_layout_dir(path)):
+            if existing.exists():
+                raise ConfigError(
+                    f"plan.write_sweep={path}: {existing} exists already; choose another "
+                    f"plan.write_sweep, or move the old sweep away first"
+                )
+
+
+def sweep_layout_dir(path: Path) -> Path:
+    """The folder of layout configs that a sweep file written at ``path`` names."""
+    return path.parent / f"{path.stem}_layouts"
+
+
 def write_sweep(
     path: Path,
     cfg: RunConfig,
@@ -232,10 +257,8 @@ def write_sweep(
 ) -> list[Path]:
     """Write a Hydra sweep of the top-k fitting layouts: ``path`` plus ``<stem>_layouts/``."""
     top = [e for e in entries if e["valid"] and e["fits"]][: cfg.plan.top_k]
-    group = f"{path.stem}_layouts"
-    layout_dir = path.parent / group
-    if path.exists() or layout_dir.exists():
-        raise FileExistsError(f"{path} or {layout_dir} exists; choose another plan.write_sweep")
+    layout_dir = sweep_layout_dir(path)
+    group = layout_dir.name
     layout_dir.mkdir(parents=True)
     names = []
     for entry in top:
