@@ -156,7 +156,7 @@ def test_a_launcher_forks_its_server_from_itself_only_when_that_is_safe():
         assert seen["sigterm_default"] and seen["sigusr2_default"] and seen["sigint_raises"]
 
 
-def test_forking_the_server_is_refused_with_an_accelerator_build_a_thread_or_a_server(
+def test_forking_the_server_is_refused_with_an_accelerator_build_a_thread_a_server_or_a_key(
     monkeypatch,
 ):
     import threading
@@ -178,4 +178,7 @@ def test_forking_the_server_is_refused_with_an_accelerator_build_a_thread_or_a_s
         assert not forkserver.fork_is_safe()
     with monkeypatch.context() as m:
         m.setattr(mp_forkserver._forkserver, "_forkserver_pid", 12345)
+        assert not forkserver.fork_is_safe()
+    with monkeypatch.context() as m:  # a Python whose forkserver clients authenticate
+        m.setattr(mp_forkserver._forkserver, "_forkserver_authkey", b"key", raising=False)
         assert not forkserver.fork_is_safe()

@@ -156,13 +156,16 @@ def use_server(from_here: bool = False) -> str:
 
 def fork_is_safe() -> bool:
     """Whether this process may fork the forkserver from itself now (see the module
-    docstring): a torch build without an accelerator, only the main thread, no server yet."""
+    docstring): a torch build without an accelerator, only the main thread, no server yet,
+    and multiprocessing's server protocol as ``fork_server_here`` speaks it (the Pythons
+    whose clients authenticate to the server, with a key it is handed, are left to spawn)."""
     import torch
 
     return (
         torch.accelerator.current_accelerator() is None  # compile time: touches no driver
         and threading.active_count() == 1
         and mp_forkserver._forkserver._forkserver_pid is None
+        and not hasattr(mp_forkserver._forkserver, "_forkserver_authkey")
     )
 
 
