@@ -15,7 +15,13 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _what_a_worker_sees() -> dict:
+    import torch
+
+    from hsdp_runner.distributed.hardware import set_cpu_threads
+
+    set_cpu_threads(int(os.environ["LOCAL_WORLD_SIZE"]))  # as a runner worker does first
     return {
+        "threads": (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]),
         "env": os.environ.get("HSDP_TEST_ENV"),
         "gone": os.environ.get("HSDP_TEST_GONE"),
         "rank": os.environ["RANK"],
@@ -40,6 +46,7 @@ def test_a_worker_gets_the_launchers_current_environment_and_default_signals(mon
         assert seen[rank]["gone"] is None and seen[rank]["world"] == "2"
         assert seen[rank]["sigterm_default"] and seen[rank]["sigusr2_default"]
         assert seen[rank]["sigint_raises"]
+        assert seen[rank]["threads"][0] == int(seen[rank]["threads"][1])
 
 
 def _what_a_planning_child_sees() -> dict:
@@ -120,6 +127,10 @@ running_with_a_thread = mp_forkserver._forkserver._forkserver_pid is not None
 thread.join()
 forkserver._first_use[0] = True
 os.environ["HSDP_TEST_ENV"] = "set before the workers start"
+# As _launch_local does, after torch was imported with another thread count.
+import torch
+torch.set_num_threads(3)
+os.environ["OMP_NUM_THREADS"] = "1"
 seen = start_local_workers(_what_a_worker_sees, 2, fork_server_here=True)
 server = forkserver.server_pids()[0]
 stat = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()
@@ -154,6 +165,7 @@ def test_a_launcher_forks_its_server_from_itself_only_when_that_is_safe():
         seen = facts["seen"][rank]
         assert seen["env"] == "set before the workers start" and seen["rank"] == rank
         assert seen["sigterm_default"] and seen["sigusr2_default"] and seen["sigint_raises"]
+        assert seen["threads"] == [1, "1"]  # the launcher's variable, not its torch's 3 threads
 
 
 def test_forking_the_server_is_refused_with_an_accelerator_build_a_thread_a_server_or_a_key(

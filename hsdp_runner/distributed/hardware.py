@@ -256,11 +256,16 @@ def cpu_threads(local_world_size: int, mask: set | None = None, env=None) -> int
 
 
 def set_cpu_threads(local_world_size: int) -> int:
-    """Set ``OMP_NUM_THREADS`` and torch's intra-op threads unless the user set them; return
-    the thread count in effect."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(cpu_threads(local_world_size))
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    """Set ``OMP_NUM_THREADS`` to this rank's share of the CPUs (``cpu_threads``) unless it is
+    set already (by the user or the launcher), then torch's intra-op threads to it; return the
+    thread count in effect.
+
+    torch reads the variable only when it is imported: a worker forked from a process that
+    imported torch before the variable was set (the launcher's own forkserver) would keep that
+    process's thread count, every rank using all the CPUs."""
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(local_world_size)))
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     return torch.get_num_threads()
 
 
