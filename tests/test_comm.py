@@ -60,12 +60,15 @@ LAYOUTS = {
     "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.ac=full"],
     # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel).
     "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
+    # ... and its logits all-gathered for the loss (the other TP layouts run the loss on
+    # vocabulary-sharded logits: three all-reduces of a float per token).
     "gpt2_ddp_tp_no_sp": [
         "model=gpt2_tiny",
         "parallel=hsdp_tp",
         "parallel.dp_replicate=2",
         "parallel.dp_shard=1",
         "parallel.sequence_parallel=false",
+        "parallel.loss_parallel=false",
     ],
     # Context parallel: the K/V all-gather per block and its gradients' reduce-scatter (again
     # under full AC; selective saves it); FSDP shards over dp_shard x cp.

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.multiprocess
 
 def _loss_and_embedding_grad(overrides):
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch._dynamo.utils import counters
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import build_model
+    from hsdp_runner.train.loss import loss_context, loss_parallel_on, next_token_loss
 
     out = {}
     for compiled in (False, True):
@@ -39,9 +39,10 @@ def _loss_and_embedding_grad(overrides):
             (2, cfg.model.seq_len + 1),
             generator=torch.Generator().manual_seed(1),
         )
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
+        # The trainer's loss, on the logits the TP plan leaves sharded over the vocabulary.
+        with loss_context(loss_parallel_on(cfg.parallel.loss_parallel, dims.tp)):
+            loss = next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
         grad = model.tok_embeddings.weight.grad.full_tensor()
         out[compiled] = (loss.item(), grad.norm().item())
     out["graphs"] = counters["stats"]["unique_graphs"]

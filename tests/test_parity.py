@@ -265,8 +265,13 @@ ACCUM_CASES = {
         ["parallel=ddp", "parallel.dp_replicate=4", "trainer.grad_accum_steps=2"],
         "ddp_replicate",
     ),
-    # TP's partial norm gradients, reduced with each of FSDP's reduce-scatters; HSDP over cp.
-    "fsdp_tp_accum2_every": (["parallel=fsdp_tp", "trainer.grad_accum_steps=2"], "hsdp_fp32"),
+    # TP's partial norm gradients, reduced with each of FSDP's reduce-scatters (and the loss on
+    # all-gathered logits: every other TP layout here and in the parity run shards it); HSDP
+    # over cp.
+    "fsdp_tp_accum2_every": (
+        ["parallel=fsdp_tp", "trainer.grad_accum_steps=2", "parallel.loss_parallel=false"],
+        "hsdp_fp32",
+    ),
     "hsdp_cp_accum2_every": (
         ["parallel=hsdp", "parallel.dp_shard=1", "parallel.cp=2", "trainer.grad_accum_steps=2"],
         "hsdp_cp",

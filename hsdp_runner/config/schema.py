@@ -51,6 +51,9 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     sequence_parallel: bool = True
+    # tp > 1: the output layer leaves the logits sharded over the vocabulary and the loss is
+    # computed on them (torch's loss_parallel), instead of all-gathering them on every rank.
+    loss_parallel: bool = True
     reshard_after_forward: bool = True
     ac: AC = AC.none
     compile: bool = False

@@ -33,7 +33,10 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   parallel, per block an all-gather before attention and before the FFN and a reduce-scatter after each (and
   their mirror images in backward), the embedding's reduce-scatter (all-gather in backward),
   the output layer's input all-gather (reduce-scatter in backward), the logits' all-gather
-  (n x vocab; its backward is a local slice), and the all-reduce of the sequence-parallel norm
+  (n x vocab; its backward is a local slice) or, with ``parallel.loss_parallel`` (the default),
+  instead of it the loss's three all-reduces of n fp32 each on the vocabulary-sharded logits
+  (row max, sum of exponentials, target logit; ``train/loss.py``; its backward is local), and
+  the all-reduce of the sequence-parallel norm
   parameters' gradients (``ModelSpec.tp_partial_grad_numels``; once per reduction of the
   gradients, ``grad_reductions``, when FSDP reduces them). Without sequence parallel
   those become all-reduces of the same tensors.
@@ -89,6 +92,9 @@ from hsdp_runner.models.base import (
     model_spec,
 )
 from hsdp_runner.models.params import frozen_names, torch_dtype
+
+# The loss on vocabulary-sharded logits reduces fp32 values (it runs on the fp32 logits).
+LOSS_BYTES = 4
 
 
 def _dtype_bytes(name: str) -> int:
@@ -238,6 +244,7 @@ def analytic_comm(
             accum,
             parallel.ac == AC.full,
             reductions,
+            loss_parallel=parallel.loss_parallel,
         )
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
@@ -298,6 +305,7 @@ def _pipeline(
                 1,
                 layers,
                 ends,
+                parallel.loss_parallel,
             )
     tally.add("all_reduce/pp", 1, 4)
 
@@ -424,10 +432,12 @@ def _tensor_parallel(
     reductions: int = 1,
     layers: int | None = None,
     ends: tuple[bool, bool] = (True, True),
+    loss_parallel: bool = False,
 ) -> None:
     """TP's activation collectives for ``tokens`` a step over ``accum`` passes, and the norms'
     partial gradients ``reductions`` times. ``layers`` (default all) and ``ends`` (whether the
-    embedding and the output layer are held) restrict it to a pipeline stage."""
+    embedding and the output layer are held) restrict it to a pipeline stage;
+    ``loss_parallel``: the loss runs on vocabulary-sharded logits (``train/loss.py``)."""
     all_layers, dim = model_cfg.n_layers, model_cfg.dim
     layers = all_layers if layers is None else layers
     first, last = ends
@@ -440,7 +450,9 @@ def _tensor_parallel(
         )
         for kind, per_block in again.items():
             tally.add(kind, per_block * layers * accum, per_block * layers * act)
-    if last:
+    if last and loss_parallel:  # per token: the row max, the sum of exponentials, the target
+        tally.add("all_reduce/tp", 3 * accum, 3 * tokens * LOSS_BYTES)
+    elif last:
         tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
     if sequence_parallel:
         # 2 per block in each pass, the output layer's input all-gather (forward) and the

@@ -49,11 +49,15 @@ def mixed_precision_policy(precision: PrecisionConfig):
     )
 
 
-def apply_tp(model: ParallelModule, world: WorldMesh, sequence_parallel: bool) -> None:
+def apply_tp(
+    model: ParallelModule, world: WorldMesh, sequence_parallel: bool, loss_parallel: bool
+) -> None:
     """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model
-    (torchao's float8 styles for float8 linears on GPUs, ``float8.tp_styles``)."""
+    (torchao's float8 styles for float8 linears on GPUs, ``float8.tp_styles``); with
+    ``loss_parallel`` the logits stay sharded over the vocabulary for the loss."""
     tp_mesh = world["tp"]
-    model.tp_plan(tp_mesh, sequence_parallel, float8.tp_styles(model, tp_mesh.device_type))
+    styles = float8.tp_styles(model, tp_mesh.device_type)
+    model.tp_plan(tp_mesh, sequence_parallel, styles, loss_parallel)
 
 
 def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
@@ -279,7 +283,7 @@ def parallelize(
     """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
     checkpointing, compile and data parallel, in that order."""
     if dims.tp > 1:
-        apply_tp(model, world, parallel.sequence_parallel)
+        apply_tp(model, world, parallel.sequence_parallel, parallel.loss_parallel)
     if dims.cp > 1:
         apply_cp(model, world, seq_len)
     apply_ac(model, parallel.ac)

@@ -72,10 +72,12 @@ class ParallelModule(Protocol):
         that run before the blocks (the embeddings: held by the first stage) and after them
         (final norm and output layer: held by the last)."""
 
-    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles=None) -> None:
+    def tp_plan(
+        self, tp_mesh, sequence_parallel: bool, styles=None, loss_parallel: bool = False
+    ) -> None:
         """Apply the family's tensor (and optionally sequence) parallel plan on ``tp_mesh``;
         the blocks' linears and their inputs take ``styles`` (``common.TPStyles``, default
-        torch's)."""
+        torch's); the output layer is ``common.output_layer_style(stream, loss_parallel)``."""
 
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer; each parameter's full value must be a function of

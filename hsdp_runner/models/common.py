@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -33,6 +33,18 @@ class TPStyles:
     colwise: type = ColwiseParallel
     rowwise: type = RowwiseParallel
     prepare_input: type = PrepareModuleInput
+
+
+def output_layer_style(stream, loss_parallel: bool) -> ColwiseParallel:
+    """The output layer's TP style: column-parallel over the vocabulary from the residual
+    stream's layout ``stream``. With ``loss_parallel`` its logits stay a DTensor sharded over
+    the vocabulary (the loss runs on the shards under torch's ``loss_parallel``, see
+    ``train/trainer.py``); without, they are all-gathered whole on every TP rank."""
+    if loss_parallel:
+        return ColwiseParallel(
+            input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+        )
+    return ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
 
 
 # Modules torch inserts into parameter names when it wraps a block: activation checkpointing

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
@@ -38,6 +37,7 @@ from hsdp_runner.models.common import (
     TPStyles,
     causal_attention,
     initial_value,
+    output_layer_style,
 )
 from hsdp_runner.models.gpt2_hf import GPT2HF
 from hsdp_runner.models.params import copy_full_into
@@ -221,9 +221,15 @@ class GPT2(nn.Module):
         for block in self.h.values():
             block.attn.attend = shard.attention
 
-    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None) -> None:
+    def tp_plan(
+        self,
+        tp_mesh,
+        sequence_parallel: bool,
+        styles: Optional[TPStyles] = None,
+        loss_parallel: bool = False,
+    ) -> None:
         """Apply ``tp_plan`` (below) to this model."""
-        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles())
+        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles(), loss_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = (
@@ -297,14 +303,19 @@ TP_SPLIT_DIM = {
 
 
 def tp_plan(
-    model: GPT2, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None
+    model: GPT2,
+    tp_mesh,
+    sequence_parallel: bool,
+    styles: Optional[TPStyles] = None,
+    loss_parallel: bool = False,
 ) -> None:
     """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
 
     As Llama's plan: q/k/v and ``c_fc`` column-parallel, the ``c_proj`` layers row-parallel;
     with sequence parallel the LayerNorms and the residual stream are sharded on the sequence
     dim between blocks, and the position table by position. The blocks' linears and their
-    inputs take ``styles`` (float8 ones under float8 training).
+    inputs take ``styles`` (float8 ones under float8 training); with ``loss_parallel`` the
+    logits stay sharded over the vocabulary (``common.output_layer_style``).
     """
     styles = styles or TPStyles()
     stream = Shard(1) if sequence_parallel else Replicate()
@@ -313,7 +324,7 @@ def tp_plan(
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "wpe": PositionParallel(sequence_parallel),
         "ln_f": norm_style(),
-        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        "lm_head": output_layer_style(stream, loss_parallel),
     }
     # A pipeline stage holds some of these modules only (the others are None).
     top = {name: style for name, style in top.items() if getattr(model, name) is not None}

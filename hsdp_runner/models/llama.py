@@ -20,7 +20,6 @@ from omegaconf import MISSING
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -33,6 +32,7 @@ from hsdp_runner.models.common import (
     TPStyles,
     causal_attention,
     initial_value,
+    output_layer_style,
 )
 from hsdp_runner.models.llama_hf import LlamaHF
 from hsdp_runner.models.params import copy_full_into
@@ -218,9 +218,15 @@ class Llama(nn.Module):
         for block in self.layers.values():
             block.attention.attend = shard.attention
 
-    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None) -> None:
+    def tp_plan(
+        self,
+        tp_mesh,
+        sequence_parallel: bool,
+        styles: Optional[TPStyles] = None,
+        loss_parallel: bool = False,
+    ) -> None:
         """Apply ``tp_plan`` (below) to this model."""
-        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles())
+        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles(), loss_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A later pipeline stage (no embedding) takes the previous stage's hidden state.
@@ -312,14 +318,19 @@ TP_SPLIT_DIM = {
 
 
 def tp_plan(
-    model: Llama, tp_mesh, sequence_parallel: bool, styles: Optional[TPStyles] = None
+    model: Llama,
+    tp_mesh,
+    sequence_parallel: bool,
+    styles: Optional[TPStyles] = None,
+    loss_parallel: bool = False,
 ) -> None:
     """Apply Megatron-style TP (and optional sequence parallel) to ``model`` on ``tp_mesh``.
 
     Attention and FFN inputs are column-parallel, their outputs row-parallel; with sequence
     parallel the norms and residual stream are sharded on the sequence dim between blocks.
     The blocks' linears and their inputs take ``styles`` (float8 ones under float8 training);
-    the embedding and output layer stay in torch's.
+    the embedding and output layer stay in torch's; with ``loss_parallel`` the logits stay
+    sharded over the vocabulary (``common.output_layer_style``).
     """
 
     styles = styles or TPStyles()
@@ -327,7 +338,7 @@ def tp_plan(
     norm_style = SequenceParallel if sequence_parallel else ReplicatedParams
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        "output": output_layer_style(stream, loss_parallel),
     }
     top["norm"] = norm_style()
     # A pipeline stage holds some of these modules only (the others are None).

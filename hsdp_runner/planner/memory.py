@@ -40,9 +40,10 @@ data loader does, so every activation of the blocks shrinks by cp; the model is 
 the runner's own applier, so what cp adds on top (the keys and values of the whole sequence
 gathered for attention) is measured as a job would hold it.
 
-The step's loss is the trainer's (``_loss``): the logits die with the loss call, so backward
-holds the saved fp32 log-probabilities, and its first step adds two fp32 vocab-sized
-temporaries: for long sequences that moment is the peak. Selective AC is measured as the
+The step's loss is the trainer's (``train/loss.py``; on vocabulary-sharded logits under TP with
+``parallel.loss_parallel``): the logits die with the loss call, so backward holds the saved
+fp32 log-probabilities, and its first step adds two fp32 vocab-sized temporaries (each TP
+rank's part of the vocabulary with loss parallel): for long sequences that moment is the peak. Selective AC is measured as the
 runner applies it (``sharding._selective_contexts``: every other matmul output saved).
 
 What is predicted is tensor memory, the figure CUDA's allocated peak measures; a job measures
@@ -233,6 +234,7 @@ def _measure_one(req: dict) -> dict:
     from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
     from hsdp_runner.models.base import model_spec
     from hsdp_runner.models.params import torch_dtype
+    from hsdp_runner.train.loss import loss_context, loss_parallel_on, next_token_loss
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
@@ -265,7 +267,8 @@ def _measure_one(req: dict) -> dict:
             tracker = MemTracker()
             tracker.track_external(model, tokens)
         recorder = PhaseRecorder(tracker, model, model_cfg.n_layers)
-        with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        sharded_loss = loss_context(loss_parallel_on(parallel.loss_parallel, dims.tp))
+        with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]), sharded_loss:
             for micro in range(accum):
                 if micro:
                     # The trackers refuse a second root forward as "another iteration" unless
@@ -276,8 +279,10 @@ def _measure_one(req: dict) -> dict:
                 recorder.start_micro(micro)
                 logits = model(tokens)
                 recorder.mark("end_fw")
-                loss = _loss(logits, tokens)
-                del logits  # the trainer's logits die with its loss call
+                # The trainer's loss; its logits die with the loss call, so backward holds
+                # only what autograd saved (the fp32 log-probabilities), not the logits.
+                loss = next_token_loss(logits, tokens)
+                del logits
                 loss.backward()
                 del loss
                 recorder.mark("end_bw")
@@ -304,15 +309,6 @@ def _set_sync(model, mode, accum_reduce: str, last: bool) -> None:
             model.set_requires_all_reduce(last)
     else:
         model.set_requires_gradient_sync(last)
-
-
-def _loss(logits, tokens):
-    """The trainer's loss (``Trainer.loss_on``): cross-entropy of the logits in fp32. The caller
-    drops the logits before backward, as the trainer does, so backward holds only what autograd
-    saved (the fp32 log-probabilities), not the logits themselves."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
 
 
 def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:

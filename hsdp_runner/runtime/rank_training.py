@@ -36,8 +36,9 @@ from hsdp_runner.train import metrics, profiling
 from hsdp_runner.train import sinks as tracking
 from hsdp_runner.train.data import TokenBatches
 from hsdp_runner.train.figures import RunFigures, compute_run_figures
+from hsdp_runner.train.loss import loss_parallel_on, next_token_loss
 from hsdp_runner.train.tensor_memory import TensorMemoryMeter
-from hsdp_runner.train.trainer import Trainer, next_token_loss
+from hsdp_runner.train.trainer import Trainer
 
 log = logging.getLogger("hsdp_runner")
 
@@ -225,6 +226,7 @@ def make_trainer(
         after_update=float8.after_update(
             pipeline.chunks if pipeline is not None else [model], cfg.precision, dims.dp_mode
         ),
+        loss_parallel=loss_parallel_on(cfg.parallel.loss_parallel, dims.tp),
     )
 
 

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from hsdp_runner.config.schema import FaultConfig, MetricsConfig, OptimConfig, TrainerConfig
@@ -34,6 +33,7 @@ from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
 from hsdp_runner.train.grad_clip import clip_grad_norm
+from hsdp_runner.train.loss import loss_context, next_token_loss
 from hsdp_runner.train.sinks import Tracker
 
 log = logging.getLogger(__name__)
@@ -83,11 +83,6 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of (batch, seq, vocab) logits (in fp32) over targets."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class NonFiniteError(RuntimeError):
@@ -143,8 +138,10 @@ class Trainer:
         sinks: list[Tracker] = (),
         pipeline: Pipeline | None = None,
         after_update: Callable[[], None] | None = None,
+        loss_parallel: bool = False,
     ):
         self.model, self.dims, self.world, self.device = model, dims, world, device
+        self.loss_parallel = loss_parallel  # the logits are sharded over the vocabulary
         self.pipeline = pipeline
         self.parts = pipeline.chunks if pipeline is not None else [model]
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
@@ -239,13 +236,15 @@ class Trainer:
         for part in self.parts:
             part.eval()
         total = torch.zeros((), device=self.device)
-        for i in range(n_batches):
-            inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
-            if self.pipeline is None:
-                total += self.loss_on(inputs, targets)
-            else:
-                loss = self.pipeline.eval_loss(inputs.to(self.device), targets.to(self.device))
-                total += loss if self.counts_loss else 0.0
+        with loss_context(self.loss_parallel):
+            for i in range(n_batches):
+                inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
+                if self.pipeline is None:
+                    total += self.loss_on(inputs, targets)
+                else:
+                    inputs, targets = inputs.to(self.device), targets.to(self.device)
+                    loss = self.pipeline.eval_loss(inputs, targets)
+                    total += loss if self.counts_loss else 0.0
         if self.pipeline is None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
         else:  # the losses are on the last stage's ranks: each dp x cp rank's counted once
@@ -280,7 +279,7 @@ class Trainer:
             for step in range(start_step, steps):
                 counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
-                with comm.counting(counter):
+                with comm.counting(counter), loss_context(self.loss_parallel):
                     stats, grad_norm = self._forward_backward(
                         step, data, stop.signum if stop is not None else None
                     )
