@@ -170,3 +170,55 @@ def test_accumulation_saves_memory_when_every_micro_batch_is_reduced(cache):
     whole = 4 * sum(u[1] for u in unit_sizes(cfg.model, dims).values())
     for got in plan_memory.measure(requests, use_disk_cache=False):
         assert got["marks"]["1/start"]["unsharded_grad"] == whole
+
+
+def _fake_and_real_steps(req: dict) -> tuple[dict, dict]:
+    """In a measuring child: one request's phases measured as the planner does (fake tensors)
+    and from the same step on real tensors."""
+    plan_memory._untracked_dtensor_meta()
+    plan_memory._join(req["world_size"])
+    return plan_memory._measure_one(req)["phases"], plan_memory._measure_one(req, fake=False)[
+        "phases"
+    ]
+
+
+def test_tp_layouts_are_measured_as_the_same_step_holds_on_real_tensors():
+    """DTensor's shape inference runs ops on whole-size fake tensors; they are not the rank's.
+    TP 2 with a vocabulary large enough that the logits decide the peak, the loss on
+    vocabulary-sharded logits (``parallel.loss_parallel``) and on gathered ones: every phase
+    equals the real step's (the fake one counted the whole vocabulary's logits in the output
+    layer's forward, and the whole embedding table in its forward)."""
+    from hsdp_runner.config.compose import plain_config, to_run_config
+
+    requests = []
+    for loss_parallel in ("true", "false"):
+        cfg = to_run_config(
+            plan.compose(
+                ["model=llama3_tiny", "model.vocab_size=8192", "cluster.gpus_per_node=2"]
+                + ["parallel.tp=2", f"parallel.loss_parallel={loss_parallel}"]
+            )
+        )
+        plain = plain_config(cfg)
+        shape = (1, 1, 1, 2)  # dp_replicate, dp_shard, cp, tp
+        requests.append(
+            plan_memory.request(
+                plain["model"],
+                plain["parallel"],
+                plain["precision"],
+                [],
+                shape,
+                2,
+                1,
+                2,
+                2,
+                cfg.model.n_layers,
+                accum_reduce="every",
+            )
+        )
+    pool = plan_memory._children()
+    results = [f.result() for f in [pool.submit(_fake_and_real_steps, r) for r in requests]]
+    for fake, real in results:
+        assert {k: v["total"] for k, v in fake.items()} == {k: v["total"] for k, v in real.items()}
+    # The loss on vocabulary-sharded logits holds less than on gathered ones.
+    (sharded, _), (gathered, _) = results
+    assert _largest_phase(sharded) < _largest_phase(gathered)

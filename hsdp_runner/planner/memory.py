@@ -64,7 +64,8 @@ from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories, phase_name
 
 GIB = 2**30
-CACHE_VERSION = 5  # bump when what a measurement holds changes (5: phases and marks)
+CACHE_VERSION = 6  # bump when what a measurement holds changes (5: phases and marks; 6:
+# DTensor's shape inference untracked, ``_untracked_dtensor_meta``)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -178,11 +179,27 @@ def _measure_all(requests: list[dict]) -> list[dict]:
     import warnings
 
     warnings.filterwarnings("ignore")
+    _untracked_dtensor_meta()
     out = []
     for req in requests:
         _join(req["world_size"])
         out.append(_measure_one(req))
     return out
+
+
+def _untracked_dtensor_meta() -> None:
+    """Keep DTensor's shape inference out of the measurement (torch 2.13's private names).
+
+    DTensor derives an op's output shape by running the op on fake tensors of the global
+    shapes (``ShardingPropagator._propagate_tensor_meta_non_cached``), under the fake mode it
+    finds active, else a fresh one. In a job that is a fresh mode no tracker sees; in this
+    child it would be the child's own, under the tracker, which then counted those whole-size
+    tensors as the rank's (a TP layout's output layer held the whole vocabulary's logits, its
+    embedding the whole table: +128 MiB and +31 MiB at a 32k vocabulary, where the same step
+    on real tensors holds neither). So here, too, it finds none and makes a fresh one."""
+    from torch.distributed.tensor import _sharding_prop
+
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
 
 
 _WORLD: int | None = None  # the child's fake process group's size, kept between calls
@@ -220,7 +237,12 @@ def _forget_dtensor_caches() -> None:
     _redistribute._planner_cache.clear()
 
 
-def _measure_one(req: dict) -> dict:
+def _measure_one(req: dict, fake: bool = True) -> dict:
+    """The tracked step of one request (module docstring), on fake tensors; ``fake=False``
+    runs the same step on real ones (uninitialised memory, collectives of the fake process
+    group doing nothing), which the tests compare it with."""
+    import contextlib
+
     import torch
     from omegaconf import OmegaConf
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -257,7 +279,7 @@ def _measure_one(req: dict) -> dict:
     # Under context parallel a rank holds seq_len / cp tokens of each sequence (data.py).
     b, seq, accum = req["micro_batch"], model_cfg.seq_len // dims.cp, req["accum"]
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         model.to_empty(device="cpu")
         tokens = torch.randint(0, model_cfg.vocab_size, (b, seq))
         if isinstance(model, FSDPModule):
