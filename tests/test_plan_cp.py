@@ -12,7 +12,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.planner import layouts as layouts_mod
-from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.degrees import auto_cp_degrees, cp_degrees, degree_shapes
 from hsdp_runner.planner.step_time import comm_times, step_time
 
@@ -104,18 +104,27 @@ def test_cp_exchange_is_exposed_while_fsdp_over_the_same_group_hides_behind_comp
     )
 
 
+LONG_8B = [
+    "model=llama3_8b",
+    "model.seq_len=65536",
+    "precision=bf16",
+    "trainer.global_batch_size=1",
+    "parallel.ac=full",
+]
+
+
 def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, monkeypatch, capsys):
     """Llama 3 8B, one 64k-token sequence per step on 8 H100s: with one sequence no rank can
-    take a batch row of its own, so either TP or cp splits the sequence. TP leaves every rank
-    the whole sequence's fp32 loss temporaries and does not fit; cp = 8 does."""
+    take a batch row of its own, so either TP or cp splits the sequence. With the logits
+    all-gathered for the loss (``parallel.loss_parallel=false``) TP leaves every rank the whole
+    vocabulary's fp32 loss temporaries for the whole sequence and does not fit; cp = 8 does.
+    With the loss on vocabulary-sharded logits (the default) TP 8 fits too, at a few GiB more
+    than cp 8 (its vocabulary shard's temporaries), and is still ranked below it."""
     monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     code = plan.main(
-        [
-            "model=llama3_8b",
-            "model.seq_len=65536",
-            "precision=bf16",
-            "trainer.global_batch_size=1",
-            "parallel.ac=full",
+        LONG_8B
+        + [
+            "parallel.loss_parallel=false",
             "plan.cp_degrees=[1,8]",
             f"plan.out_dir={tmp_path / 'plan'}",
         ]
@@ -128,6 +137,15 @@ def test_long_sequence_8b_plan_ranks_cp_first_when_memory_forces_it(tmp_path, mo
     assert not by_cp[1]["fits"] and by_cp[1]["overrides"]["parallel.tp"] == 8
     assert by_cp[8]["exposed_comm_s"]["cp"] > 0
     assert "| 1 | 1×1×8×1 |" in capsys.readouterr().out
+    cfg = plan.compose(LONG_8B)
+    run = to_run_config(cfg)
+    cluster = resolve(run.cluster, run.precision.param_dtype)
+    tp8 = layouts_mod.plan_layouts(
+        cfg, cluster, {}, {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 8}
+    )
+    assert tp8[0]["fits"]
+    assert by_cp[8]["mem_gib"] < tp8[0]["mem_gib"] < by_cp[8]["mem_gib"] + 10
+    assert tp8[0]["step_time_s"] > by_cp[8]["step_time_s"]
 
 
 def test_activation_collectives_move_the_same_bytes_whatever_the_micro_batches():
