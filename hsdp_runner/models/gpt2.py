@@ -221,15 +221,9 @@ class GPT2(nn.Module):
         for block in self.h.values():
             block.attn.attend = shard.attention
 
-    def tp_plan(
-        self,
-        tp_mesh,
-        sequence_parallel: bool,
-        styles: Optional[TPStyles] = None,
-        loss_parallel: bool = False,
-    ) -> None:
+    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles=None, loss_parallel=False) -> None:
         """Apply ``tp_plan`` (below) to this model."""
-        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles(), loss_parallel)
+        tp_plan(self, tp_mesh, sequence_parallel, styles, loss_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = (

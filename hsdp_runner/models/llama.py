@@ -218,15 +218,9 @@ class Llama(nn.Module):
         for block in self.layers.values():
             block.attention.attend = shard.attention
 
-    def tp_plan(
-        self,
-        tp_mesh,
-        sequence_parallel: bool,
-        styles: Optional[TPStyles] = None,
-        loss_parallel: bool = False,
-    ) -> None:
+    def tp_plan(self, tp_mesh, sequence_parallel: bool, styles=None, loss_parallel=False) -> None:
         """Apply ``tp_plan`` (below) to this model."""
-        tp_plan(self, tp_mesh, sequence_parallel, styles or TPStyles(), loss_parallel)
+        tp_plan(self, tp_mesh, sequence_parallel, styles, loss_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A later pipeline stage (no embedding) takes the previous stage's hidden state.
