@@ -341,15 +341,19 @@ def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
         one["stage_step_time_s"] + one["bubble_s"] + one["exposed_comm_s"]["pp"]
     )
     assert one["layout"] == "pp_fsdp" and one["dims_across_nodes"][0] == "pp"
-    # GPipe holds all 4 micro-batches' saved activations on every stage, the last one (with
-    # the output layer and loss) included; 1F1B holds 2 (= pp) on the first stage alone, which
-    # runs no output layer or loss.
+    # GPipe holds all 4 micro-batches on every stage, the last one what each one's forward and
+    # loss leave (its output layer's and loss's included: more than the blocks'); 1F1B holds 2
+    # (= pp) micro-batches' blocks on the first stage alone, which runs no output layer or loss.
     stage = by_schedule["gpipe"]["memory"]
-    saved, peak = stage["saved_activations_gib"], stage["peak_gib"]
-    assert saved > 0
-    assert stage["pipeline_held_activations_gib"] == pytest.approx(3 * saved)
+    saved, held, peak = (
+        stage["saved_activations_gib"],
+        stage["forward_held_gib"],
+        stage["peak_gib"],
+    )
+    assert 0 < saved < held
+    assert stage["pipeline_held_activations_gib"] == pytest.approx(3 * held)
     first = stage["peak_without_head_gib"] + saved
-    assert one["mem_gib"] == pytest.approx(max(first, peak - 3 * saved))
+    assert one["mem_gib"] == pytest.approx(max(first, peak - 3 * held))
     assert by_schedule["interleaved_1f1b"]["bubble_s"] < one["bubble_s"]
     # On one node of 4 GPUs a stage is 2 of them (asked for: plan.pp_degrees), the same stage
     # layout, its sends over the node's own link.

@@ -222,3 +222,44 @@ def test_tp_layouts_are_measured_as_the_same_step_holds_on_real_tensors():
     # The loss on vocabulary-sharded logits holds less than on gathered ones.
     (sharded, _), (gathered, _) = results
     assert _largest_phase(sharded) < _largest_phase(gathered)
+
+
+def _moments(req: dict) -> dict:
+    """In a measuring child: the moments (``mem_phases.MOMENTS``) of one request, act bytes."""
+    plan_memory._untracked_dtensor_meta()
+    plan_memory._join(req["world_size"])
+    phases = plan_memory._measure_one(req)["phases"]
+    return {k: v.get("act", 0) for k, v in phases.items() if "/at:" in k}
+
+
+def test_what_a_micro_batch_leaves_held_is_the_blocks_inputs_and_the_last_output():
+    """What a pipeline stage holds per micro-batch in flight (``saved_activations_gib``):
+    under full AC every block keeps its input and the last block's output is kept, exactly
+    (blocks + 1) hidden states; the loss's end adds the logits and what the loss saved. The
+    largest moment of the last block's forward, used before, also held that block's working
+    tensors: 1F1B's first stage on two CPU ranks came out 11% high with it (docs/planner.md)."""
+    from hsdp_runner.config.compose import plain_config, to_run_config
+
+    cfg = to_run_config(plan.compose(["model=llama3_tiny", "parallel.ac=full"]))
+    plain = plain_config(cfg)
+    rows = 2
+    hidden = rows * cfg.model.seq_len * cfg.model.dim * 4  # fp32
+    pool = plan_memory._children()
+    for blocks in (2, 3):
+        req = plan_memory.request(
+            plain["model"],
+            plain["parallel"],
+            plain["precision"],
+            [],
+            (1, 1, 1, 1),
+            rows,
+            1,
+            1,
+            1,
+            blocks,
+            accum_reduce="every",
+        )
+        held = pool.submit(_moments, req).result()
+        assert held["0/at:blocks_end"] == (blocks + 1) * hidden
+        logits = rows * cfg.model.seq_len * cfg.model.vocab_size * 4
+        assert held["0/at:loss_end"] - held["0/at:blocks_end"] > logits

@@ -45,6 +45,13 @@ PHASES = {
     "bw:end": "end_bw",
 }
 INTERIOR = ("fw:mid", "bw:mid")  # measured, used only when the model is measured whole
+# Moments, not phases (never a peak of their own): what a micro-batch leaves held when the
+# blocks' forward is done (before the final norm), and when its loss is (the logits still
+# referenced, as a pipeline stage keeps its output until its backward). A pipeline stage
+# holds the first per micro-batch in flight, the last stage under GPipe the second
+# (``planner.pipeline.stage_peak_gib``). Extrapolated as phases are.
+MOMENTS = {"at:blocks_end": "end_fw", "at:loss_end": "end_fw"}
+PHASES.update(MOMENTS)
 
 
 class PhaseRecorder:
@@ -61,6 +68,9 @@ class PhaseRecorder:
         self.phases: dict[str, dict] = {}
         self.marks: dict[str, dict] = {}
         container = next(n for n, m in model.named_children() if m is model.blocks())
+        # The blocks are done when the first module after them (the final norm) starts.
+        after_blocks = getattr(model, model.pipeline_ends()[1][0])
+        after_blocks.register_forward_pre_hook(lambda *_: self.moment("at:blocks_end"))
         self._block = re.compile(rf"^[^.]+\.{re.escape(container)}\.(\d+)$")
         self._seen_blocks = {False: False, True: False}  # per direction, this micro-batch
         self._root_in_bw = False
@@ -85,6 +95,11 @@ class PhaseRecorder:
         if name == "end_fw":
             self._after_forward = True
         self.marks[f"{self.micro}/{name}"] = self._snapshot()
+
+    def moment(self, name: str) -> None:
+        """Keep the current categories as the moment ``<micro>/<name>`` (``MOMENTS``), the
+        first time it comes in the micro-batch (not again in a recompute)."""
+        self.phases.setdefault(f"{self.micro}/{name}", self._snapshot())
 
     def _snapshot(self) -> dict:
         snap = self.tracker.get_tracker_snapshot()
@@ -228,6 +243,8 @@ def phase_name(key: str, n_layers: int, accum: int) -> str:
         "bw:first": f"backward of block 1 of {n_layers}",
         "bw:embed": "backward of the embedding",
         "bw:end": "gradient reduction after backward",
+        "at:blocks_end": "end of the blocks' forward",
+        "at:loss_end": "end of the loss",
     }
     name = names[phase]
     if accum > 1:

@@ -61,11 +61,11 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
 from hsdp_runner.distributed.hardware import cache_dir
-from hsdp_runner.planner.mem_phases import PhaseRecorder, categories, phase_name
+from hsdp_runner.planner.mem_phases import MOMENTS, PhaseRecorder, categories, phase_name
 
 GIB = 2**30
-CACHE_VERSION = 6  # bump when what a measurement holds changes (5: phases and marks; 6:
-# DTensor's shape inference untracked, ``_untracked_dtensor_meta``)
+CACHE_VERSION = 7  # bump when what a measurement holds changes (5: phases and marks; 6:
+# DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -304,6 +304,7 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
                 # The trainer's loss; its logits die with the loss call, so backward holds
                 # only what autograd saved (the fp32 log-probabilities), not the logits.
                 loss = next_token_loss(logits, tokens)
+                recorder.moment("at:loss_end")
                 del logits
                 loss.backward()
                 del loss
@@ -369,9 +370,11 @@ def layout_memory(
     temporary. ``phase_gib`` lists every phase by name.
 
     For pipeline stages (``planner.pipeline``) it also gives ``saved_activations_gib``, what
-    one micro-batch's forward leaves saved through the blocks (the activations at the last
-    block's forward), and ``peak_without_head_gib``, the peak over every phase but the output
-    layer's and the loss's (a stage without the output layer peaks there).
+    one micro-batch's forward leaves held through the blocks (measured when the final norm
+    starts), ``forward_held_gib``, what its forward and loss leave (the logits included: a
+    pipeline stage keeps its output until its backward), and ``peak_without_head_gib``, the peak over
+    every phase but the output layer's and the loss's (a stage without the output layer peaks
+    there).
     """
     scale_p = state["params"] / measured_state["params"] if measured_state["params"] else 1.0
     scale_g = state["grads"] / measured_state["grads"] if measured_state["grads"] else 1.0
@@ -387,6 +390,8 @@ def layout_memory(
             + state["optimizer"]
         )
 
+    moments = {k.split("/")[1]: c for k, c in phases.items() if k in {f"0/{m}" for m in MOMENTS}}
+    phases = {k: c for k, c in phases.items() if k.split("/")[1] not in MOMENTS}
     named = {phase_name(k, n_layers, accum): (total(c), c) for k, c in phases.items()}
     buffers = max((c.get("buffer", 0) for c in phases.values()), default=0)
     optimizer = state["params"] + 2 * state["grads"] + state["optimizer"] + buffers
@@ -396,7 +401,10 @@ def layout_memory(
     without_head = max(
         [total(c) for k, c in phases.items() if k.split("/")[1] not in HEAD_PHASES] + [optimizer]
     )
-    saved = max((c.get("act", 0) for k, c in phases.items() if k.endswith("/fw:last")), default=0)
+    # What one micro-batch leaves held (``mem_phases.MOMENTS``): through the blocks' forward,
+    # and through its loss with the logits still referenced.
+    saved = moments.get("at:blocks_end", {}).get("act", 0)
+    forward_held = moments.get("at:loss_end", {}).get("act", 0)
     return {
         "peak_gib": (peak + reserve_gib * GIB) / GIB,
         "peak_phase": peak_name,
@@ -413,5 +421,6 @@ def layout_memory(
         "reserve_gib": reserve_gib,
         "phase_gib": {n: round((v + reserve_gib * GIB) / GIB, 3) for n, (v, _) in named.items()},
         "saved_activations_gib": saved / GIB,
+        "forward_held_gib": forward_held / GIB,
         "peak_without_head_gib": (without_head + reserve_gib * GIB) / GIB,
     }

@@ -103,14 +103,17 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
 
 def stage_peak_gib(memory: dict, schedule: str, pp: int, m: int, v: int = 1) -> float:
     """The peak of the busiest rank of a pipeline from its stage's planned ``memory`` (one
-    micro-batch in flight; ``saved_activations_gib`` and ``peak_without_head_gib`` as
-    ``planner.memory.layout_memory`` gives them): the first stage holds the activations
-    ``held_microbatches`` says but runs no output layer or loss; the last runs them and, but
-    under GPipe (every stage holds all m), holds one micro-batch. The stage planned carries
-    both ends, so each is priced from it and the larger taken."""
+    micro-batch in flight; ``saved_activations_gib``, ``forward_held_gib`` and
+    ``peak_without_head_gib`` as ``planner.memory.layout_memory`` gives them): the first stage
+    holds what the blocks' forward leaves for as many micro-batches as ``held_microbatches``
+    says but runs no output layer or loss; the last runs them and, but under GPipe (every
+    stage holds all m, the last what its whole forward leaves, output layer and loss
+    included), holds one micro-batch. The stage planned carries both ends, so each is priced
+    from it and the larger taken."""
     saved = memory["saved_activations_gib"]
+    held = memory.get("forward_held_gib", saved)
     first = memory["peak_without_head_gib"] + (held_microbatches(schedule, pp, m, v) - 1) * saved
-    last = memory["peak_gib"] + ((m if schedule == "gpipe" else 1) - 1) * saved
+    last = memory["peak_gib"] + ((m if schedule == "gpipe" else 1) - 1) * held
     return max(first, last)
 
 
