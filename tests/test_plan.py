@@ -173,27 +173,16 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
 def _one_rank(*cases: tuple[str, int, int]) -> list[dict]:
     """The tracker's peak categories of llama3_tiny (fp32) on one fake rank with no wrapper,
     per (ac, blocks, micro-batch) case, measured in one child process."""
-    requests = []
-    for ac, n_layers, micro in cases:
-        cfg = plan.compose(
-            ["model=llama3_tiny", "model.seq_len=256", "parallel=single", f"parallel.ac={ac}"]
+    from test_plan_memory import one_request
+
+    requests = [
+        one_request(
+            ["model=llama3_tiny", "model.seq_len=256", "parallel=single", f"parallel.ac={ac}"],
+            rows=micro,
+            n_layers=n_layers,
         )
-        plain = OmegaConf.to_container(cfg, resolve=True)
-        requests.append(
-            plan_memory.request(
-                plain["model"],
-                plain["parallel"],
-                plain["precision"],
-                [],
-                (1, 1, 1, 1),
-                micro,
-                1,
-                1,
-                1,
-                n_layers,
-                accum_reduce="every",
-            )
-        )
+        for ac, n_layers, micro in cases
+    ]
     return [m["peak"] for m in plan_memory.measure(requests, use_disk_cache=False)]
 
 

@@ -172,6 +172,27 @@ def test_accumulation_saves_memory_when_every_micro_batch_is_reduced(cache):
         assert got["marks"]["1/start"]["unsharded_grad"] == whole
 
 
+def one_request(overrides: list[str], shape=(1, 1, 1, 1), rows=2, world=1, n_layers=None) -> dict:
+    """The measuring child's request for ``plan.compose(overrides)`` on ``shape``
+    (dp_replicate, dp_shard, cp, tp) of ``world`` ranks: one micro-batch of ``rows`` rows,
+    ``n_layers`` blocks (default the model's)."""
+    cfg = plan.compose(overrides)
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return plan_memory.request(
+        plain["model"],
+        plain["parallel"],
+        plain["precision"],
+        [],
+        shape,
+        rows,
+        1,
+        world,
+        world,
+        n_layers or cfg.model.n_layers,
+        accum_reduce="every",
+    )
+
+
 def _fake_and_real_steps(req: dict) -> tuple[dict, dict]:
     """In a measuring child: one request's phases measured as the planner does (fake tensors)
     and from the same step on real tensors."""
@@ -188,33 +209,15 @@ def test_tp_layouts_are_measured_as_the_same_step_holds_on_real_tensors():
     vocabulary-sharded logits (``parallel.loss_parallel``) and on gathered ones: every phase
     equals the real step's (the fake one counted the whole vocabulary's logits in the output
     layer's forward, and the whole embedding table in its forward)."""
-    from hsdp_runner.config.compose import plain_config, to_run_config
-
-    requests = []
-    for loss_parallel in ("true", "false"):
-        cfg = to_run_config(
-            plan.compose(
-                ["model=llama3_tiny", "model.vocab_size=8192", "cluster.gpus_per_node=2"]
-                + ["parallel.tp=2", f"parallel.loss_parallel={loss_parallel}"]
-            )
+    requests = [
+        one_request(
+            ["model=llama3_tiny", "model.vocab_size=8192", "cluster.gpus_per_node=2"]
+            + ["parallel.tp=2", f"parallel.loss_parallel={loss_parallel}"],
+            shape=(1, 1, 1, 2),
+            world=2,
         )
-        plain = plain_config(cfg)
-        shape = (1, 1, 1, 2)  # dp_replicate, dp_shard, cp, tp
-        requests.append(
-            plan_memory.request(
-                plain["model"],
-                plain["parallel"],
-                plain["precision"],
-                [],
-                shape,
-                2,
-                1,
-                2,
-                2,
-                cfg.model.n_layers,
-                accum_reduce="every",
-            )
-        )
+        for loss_parallel in ("true", "false")
+    ]
     pool = plan_memory._children()
     results = [f.result() for f in [pool.submit(_fake_and_real_steps, r) for r in requests]]
     for fake, real in results:
@@ -238,27 +241,12 @@ def test_what_a_micro_batch_leaves_held_is_the_blocks_inputs_and_the_last_output
     (blocks + 1) hidden states; the loss's end adds the logits and what the loss saved. The
     largest moment of the last block's forward, used before, also held that block's working
     tensors: 1F1B's first stage on two CPU ranks came out 11% high with it (docs/planner.md)."""
-    from hsdp_runner.config.compose import plain_config, to_run_config
-
-    cfg = to_run_config(plan.compose(["model=llama3_tiny", "parallel.ac=full"]))
-    plain = plain_config(cfg)
+    cfg = plan.compose(["model=llama3_tiny", "parallel.ac=full"])
     rows = 2
     hidden = rows * cfg.model.seq_len * cfg.model.dim * 4  # fp32
     pool = plan_memory._children()
     for blocks in (2, 3):
-        req = plan_memory.request(
-            plain["model"],
-            plain["parallel"],
-            plain["precision"],
-            [],
-            (1, 1, 1, 1),
-            rows,
-            1,
-            1,
-            1,
-            blocks,
-            accum_reduce="every",
-        )
+        req = one_request(["model=llama3_tiny", "parallel.ac=full"], rows=rows, n_layers=blocks)
         held = pool.submit(_moments, req).result()
         assert held["0/at:blocks_end"] == (blocks + 1) * hidden
         logits = rows * cfg.model.seq_len * cfg.model.vocab_size * 4
