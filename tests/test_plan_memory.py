@@ -82,22 +82,21 @@ def test_peak_is_the_same_from_any_two_depths_and_equals_the_whole_model(cache):
         phases = mem_phases.extrapolate({d: got[d] for d in pair}, 8)
         predicted = _largest_phase(phases)
         assert abs(predicted / whole - 1) <= 0.05, pair
-        # What a pipeline stage is priced from (``layout_memory``): the activations a
-        # micro-batch leaves saved and the peak without the output layer's and loss's phases.
+        # What a pipeline stage is priced from (``layout_memory``): what a micro-batch leaves
+        # held and the peak without the output layer's and loss's phases, whatever the depths.
         for got_part, want_part in zip(_pipeline_parts(phases), _pipeline_parts(got[8]["phases"])):
             assert abs(got_part / want_part - 1) <= 0.05, pair
     before = _peak_moment_extrapolated(got[1]["peak"], got[2]["peak"], 1, 2, 8)
     assert before / whole - 1 > 0.3
 
 
-def _pipeline_parts(phases: dict) -> tuple[float, float]:
-    """(activations saved at the last block's forward, the largest phase but the output
-    layer's and the loss's) of a measurement's phases, as ``layout_memory`` reads them."""
-    saved = max(c.get("act", 0) for k, c in phases.items() if k.endswith("/fw:last"))
-    rest = max(
-        c["total"] for k, c in phases.items() if k.split("/")[1] not in plan_memory.HEAD_PHASES
-    )
-    return saved, rest
+def _pipeline_parts(phases: dict) -> tuple[float, float, float]:
+    """(what a micro-batch leaves held through the blocks, and through its loss; the largest
+    phase but the output layer's and the loss's) of a measurement's phases, as
+    ``layout_memory`` reads them."""
+    skip = set(plan_memory.HEAD_PHASES) | set(mem_phases.MOMENTS)
+    rest = max(c["total"] for k, c in phases.items() if k.split("/")[1] not in skip)
+    return phases["0/at:blocks_end"]["act"], phases["0/at:loss_end"]["act"], rest
 
 
 def test_extrapolation_grows_each_phase_by_what_it_holds_of_the_other_blocks():
