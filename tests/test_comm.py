@@ -5,7 +5,6 @@ One 4-rank and one 8-rank gloo run train one step of the tiny model in each layo
 """
 
 import pytest
-import torch
 from distributed import run_workers
 from test_config import compose
 
@@ -112,21 +111,11 @@ def _layout_configs(names):
 
 
 def _measure_layouts(configs):
-    import torch.distributed as dist
-
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.rank_training import make_trainer
-    from hsdp_runner.train.figures import compute_run_figures
+    from rank_job import rank_trainer
 
     out = {}
     for name, cfg in configs.items():
-        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-        world = dims.build_mesh("cpu")
-        device = torch.device("cpu")
-        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
-        figures = compute_run_figures(cfg, dims, model, device)
-        trainer = make_trainer(cfg, dims, world, model, device, figures, sinks=[])
+        trainer, _ = rank_trainer(cfg)
         trainer.fit()
         out[name] = trainer.comm_facts
     return out

@@ -104,29 +104,16 @@ def _train_eval_frozen(cases):
     """Train, evaluate and check the frozen embedding for each of ``_eval_configs``."""
     import torch.distributed as dist
     import torch.nn.functional as F
+    from rank_job import rank_trainer
 
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.parallelize import build_model
     from hsdp_runner.models.llama import Llama
-    from hsdp_runner.runtime.rank_training import make_trainer
     from hsdp_runner.train.data import TokenBatches
-    from hsdp_runner.train.figures import compute_run_figures
     from hsdp_runner.train.trainer import EVAL_STEP_OFFSET
 
     results = {}
     for (layout, reshard), cfg in cases:
-        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-        world = dims.build_mesh("cpu")
-        model = build_model(
-            cfg.model,
-            dims,
-            world,
-            cfg.parallel,
-            cfg.precision,
-            torch.device("cpu"),
-            cfg.trainer.seed,
-            cfg.trainer.freeze,
-        )
+        trainer, dims = rank_trainer(cfg)
+        (model,) = trainer.parts
 
         def full_weights(model=model):
             return {
@@ -135,16 +122,6 @@ def _train_eval_frozen(cases):
             }
 
         before = full_weights()
-        cpu = torch.device("cpu")
-        trainer = make_trainer(
-            cfg,
-            dims,
-            world,
-            model,
-            cpu,
-            compute_run_figures(cfg, dims, model, cpu),
-            sinks=[],
-        )
         trainer.fit()
         eval_loss = trainer.evaluate(2)
         after = full_weights()

@@ -105,21 +105,15 @@ def _leg_configs(root):
 def _checkpoint_legs(configs, root):
     """Run the legs of ``_leg_configs`` in turn through the job's own checkpointer; returns
     ({leg: records}, root)."""
-    import torch.distributed as dist
+
+    from rank_job import rank_trainer
 
     from hsdp_runner.checkpoint import start as checkpoint_start
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.rank_training import make_checkpointer, make_trainer
-    from hsdp_runner.train.figures import compute_run_figures
+    from hsdp_runner.runtime.rank_training import make_checkpointer
 
-    cpu, out = torch.device("cpu"), {}
+    out = {}
     for name, run in configs.items():
-        dims = ParallelDims.from_config(run.parallel, run.model, dist.get_world_size())
-        world = dims.build_mesh("cpu")
-        model = build_model(run.model, dims, world, run.parallel, run.precision, cpu, 0)
-        figures = compute_run_figures(run, dims, model, cpu)
-        trainer = make_trainer(run, dims, world, model, cpu, figures, sinks=[])
+        trainer, _ = rank_trainer(run)
         ckpt = make_checkpointer(run, root / name, trainer)
         start = checkpoint_start.agree_on_start(run.checkpoint, run.model, root / name)
         out[name] = trainer.fit(ckpt.restore(start), ckpt.after_step)

@@ -160,7 +160,7 @@ def test_the_model_spec_keeps_embeddings_norms_and_biases_out_of_weight_decay(mo
     with torch.device("cpu"):
         built = spec.build()
     names = {id(p): n for n, p in built.named_parameters()}
-    decay, zero = build_optimizer(built, cfg.optim, spec.no_weight_decay).param_groups
+    decay, zero = build_optimizer([built], cfg.optim, spec.no_weight_decay).param_groups
     assert decay["weight_decay"] == cfg.optim.weight_decay > 0 and zero["weight_decay"] == 0
     decayed = {names[id(p)] for p in decay["params"]}
     assert no_decay <= {names[id(p)] for p in zero["params"]} and not no_decay & decayed

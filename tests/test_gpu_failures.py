@@ -414,15 +414,12 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     from datetime import timedelta
     from pathlib import Path
 
-    import torch
     import torch.distributed as dist
+    from rank_job import rank_trainer
     from test_config import compose
 
     from hsdp_runner.config.compose import to_run_config
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.rank_training import make_checkpointer, make_trainer
-    from hsdp_runner.train.figures import compute_run_figures
+    from hsdp_runner.runtime.rank_training import make_checkpointer
 
     cfg = compose(
         [
@@ -438,12 +435,7 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     )
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 2)
-        world = dims.build_mesh("cpu", COLLECTIVE_TIMEOUT_S)
-        device = torch.device("cpu")
-        model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
-        figures = compute_run_figures(cfg, dims, model, device)
-        trainer = make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
+        trainer, _ = rank_trainer(to_run_config(cfg), timeout_s=COLLECTIVE_TIMEOUT_S)
         ckpt = make_checkpointer(to_run_config(cfg), Path(out), trainer)
         prune = ckpt._prune
         ckpt._prune = lambda newest: (time.sleep(SLOW_PRUNE_S), prune(newest))  # a slow NFS

@@ -166,38 +166,15 @@ def _train_cases(configs):
     steps, as a job measures it) is measured only where the overrides set
     ``metrics.memory_steps``; it is None elsewhere."""
     import torch.distributed as dist
+    from rank_job import rank_trainer
 
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.rank_training import make_trainer
-    from hsdp_runner.train.figures import compute_run_figures
     from hsdp_runner.train.tensor_memory import TensorMemoryMeter
 
     out = {}
     for name, cfg in configs.items():
-        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-        world = dims.build_mesh("cpu")
         meter = TensorMemoryMeter(torch.device("cpu"), cfg.metrics.memory_steps)
         meter.start()
-        model = build_model(
-            cfg.model,
-            dims,
-            world,
-            cfg.parallel,
-            cfg.precision,
-            torch.device("cpu"),
-            cfg.trainer.seed,
-        )
-        cpu = torch.device("cpu")
-        trainer = make_trainer(
-            cfg,
-            dims,
-            world,
-            model,
-            cpu,
-            compute_run_figures(cfg, dims, model, cpu),
-            sinks=[],
-        )
+        trainer, dims = rank_trainer(cfg)
         records = trainer.fit(0, meter.wrap(None, 0))
         peak = meter.stop()
         if peak is not None:

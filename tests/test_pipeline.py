@@ -87,20 +87,11 @@ def compose_cases(cases: dict) -> dict:
 def _train_cases(configs: dict) -> dict:
     """Train each ``{name: typed config}`` case (``compose_cases``) on these ranks; return
     {name: (step records, measured vs analytic communication or {})}."""
-    import torch.distributed as dist
-
-    from hsdp_runner.runtime.rank_training import build_rank_model, make_trainer
-    from hsdp_runner.train.figures import compute_run_figures
+    from rank_job import rank_trainer
 
     out = {}
-    cpu = torch.device("cpu")
     for name, cfg in configs.items():
-        dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-        world = dims.build_mesh("cpu")
-        model, pipeline = build_rank_model(cfg, dims, world, cpu)
-        parts = pipeline.chunks if pipeline is not None else model
-        figures = compute_run_figures(cfg, dims, parts, cpu)
-        trainer = make_trainer(cfg, dims, world, model, cpu, figures, [], pipeline)
+        trainer, _ = rank_trainer(cfg)
         out[name] = (trainer.fit(), trainer.comm_facts)
     return out
 

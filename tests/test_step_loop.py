@@ -85,26 +85,16 @@ class Tally:
 
 
 def _trainer(overrides, device=None):
-    import torch.distributed as dist
+    from rank_job import rank_trainer
 
     from hsdp_runner.config.compose import to_run_config
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.parallelize import build_model
-    from hsdp_runner.runtime.rank_training import make_trainer
-    from hsdp_runner.train.figures import compute_run_figures
 
-    device = device or torch.device("cpu")
-    cfg = compose(BASE + overrides)
-    dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
-    world = dims.build_mesh(device.type)
-    model = build_model(cfg.model, dims, world, cfg.parallel, cfg.precision, device, 0)
-    figures = compute_run_figures(cfg, dims, model, device)
-    return make_trainer(to_run_config(cfg), dims, world, model, device, figures, sinks=[])
+    return rank_trainer(to_run_config(compose(BASE + overrides)), device)[0]
 
 
 def _weights(trainer):
     """Full parameters and AdamW step counts (a collective: call on every rank)."""
-    params = [p.detach().full_tensor().clone() for p in trainer.model.parameters()]
+    params = [p.detach().full_tensor().clone() for p in trainer.parts[0].parameters()]
     steps = [float(s["step"]) for s in trainer.optimizer.state.values()]
     return params, steps
 

@@ -294,24 +294,20 @@ def parallelize(
     )
 
 
-def build_model(
+def parallelized_meta_model(
     model_cfg: ModelConfig,
     dims: ParallelDims,
     world: WorldMesh,
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     device: torch.device,
-    seed: int,
     freeze=(),
     stage: int | None = None,
 ) -> ParallelModule:
-    """Create the model on the meta device, parallelize it, then materialise and initialise.
-
-    With ``stage`` (a pipeline stage index), only that stage of ``dims.pp_stages`` is built
-    (``models/base.keep_stage``), parameters named as in the whole model. Returns the
-    sharded model on ``device`` with identical weights in every layout and non-DTensor
-    buffers equal on every rank.
-    """
+    """The model on the meta device, cut to pipeline ``stage`` (of ``dims.pp_stages``;
+    None: whole), float8-converted for ``device`` and parallelized: everything a job does
+    before the weights exist (``build_model`` materialises it; the planner's memory child
+    measures it under a fake tensor mode). Parameters are named as in the whole model."""
     default_dtype = torch.get_default_dtype()
     # Parameters are created in the storage (master) dtype so FSDP shards and the optimizer
     # keep that dtype; bf16_pure stores bf16, the others fp32.
@@ -334,13 +330,38 @@ def build_model(
     float8.convert(
         model,
         precision,
-        device,
+        torch.device(device),
         dims.dp_mode,
         model_cfg.vocab_size,
         dims.tp,
         lambda fqn: spec.tp_split_dim(f"{fqn}.weight", parallel.sequence_parallel),
     )
     parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
+    return model
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    world: WorldMesh,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    device: torch.device,
+    seed: int,
+    freeze=(),
+    stage: int | None = None,
+) -> ParallelModule:
+    """Create the model on the meta device, parallelize it, then materialise and initialise
+    (``parallelized_meta_model``, then on ``device``).
+
+    With ``stage`` (a pipeline stage index), only that stage of ``dims.pp_stages`` is built
+    (``models/base.keep_stage``), parameters named as in the whole model. Returns the
+    sharded model on ``device`` with identical weights in every layout and non-DTensor
+    buffers equal on every rank.
+    """
+    model = parallelized_meta_model(
+        model_cfg, dims, world, parallel, precision, device, freeze, stage
+    )
     model.to_empty(device=device)
     model.init_weights(seed)
     sync_buffers(model)

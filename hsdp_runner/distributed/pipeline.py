@@ -1,14 +1,23 @@
-"""Pipeline parallel: this rank's stage chunks, their ``PipelineStage``s and the schedule.
+"""A rank's model as a list of stages and the schedule that runs them: one path for every layout.
 
-``build_pipeline`` cuts the model into ``pp x pp_stages_per_rank`` stages (the family's split,
-``models/base.stage_blocks``) and builds this rank's: stage ``pp_rank + i x pp`` for i < stages per
-rank (torch's loop placement, which the interleaved schedules expect). Each chunk is
-parallelized on its own (TP, AC, compile, FSDP/HSDP: ``parallelize.build_model``), so FSDP
-units never span stages and every parameter keeps the unsplit model's name. The schedule
-(``torch.distributed.pipelining``) cuts the rank's batch into ``pp_microbatches`` micro-batches,
-sends activations forward and their gradients back over the ``pp`` mesh dim, computes the loss
-on the last stage and scales gradients by 1/micro-batches (each micro-batch's loss is a mean,
-so the step's gradient is that of the batch mean, as without a pipeline).
+A rank holds ``parts``, its stage chunks in stage order, each parallelized on its own (TP, AC,
+compile, FSDP/HSDP/DDP: ``parallelize.build_model``), so FSDP units never span stages and every
+parameter keeps the whole model's name. ``build_stages`` builds them and the schedule that runs
+a step through them; the trainer, the checkpointer, the float8 hooks and the run's figures read
+``schedule.parts`` and nothing else.
+
+- **No pipeline** (``parallel.pp=1``): one part, the whole model (stage 0 of 1, both ends),
+  run by ``OneStage``, the trivial schedule: forward and backward of each of
+  ``trainer.grad_accum_steps`` micro-batches in turn, the gradient sync of each micro-batch
+  switched as ``trainer.accum_reduce`` asks (``parallelize.set_gradient_sync``).
+- **Pipeline parallel**: ``pp x pp_stages_per_rank`` stages (the family's split,
+  ``models/base.stage_blocks``); this rank builds stage ``pp_rank + i x pp`` for i < stages per
+  rank (torch's loop placement, which the interleaved schedules expect). ``PipelineSchedule``
+  runs torch's schedule (``torch.distributed.pipelining``): it cuts the rank's batch into
+  ``pp_microbatches`` micro-batches, sends activations forward and their gradients back over
+  the ``pp`` mesh dim, computes the loss on the last stage and scales gradients by
+  1/micro-batches (each micro-batch's loss is a mean, so the step's gradient is that of the
+  batch mean, as without a pipeline).
 """
 
 from __future__ import annotations
@@ -16,17 +25,91 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
-from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
+from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.parallelize import build_model, set_gradient_sync
 from hsdp_runner.models.base import ModelConfig
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def local_stages(pp_rank: int, dims: ParallelDims) -> list[int]:
     """The stage indices rank ``pp_rank`` of the ``pp`` dim holds: r, r + pp, ... (loop)."""
     return [pp_rank + i * dims.pp for i in range(dims.pp_stages_per_rank)]
+
+
+class Schedule:
+    """What a step runs through: the rank's ``parts`` (stage chunks named as the whole model,
+    in stage order) with their ``stage_ids`` of ``n_stages``, and a loss function
+    ``loss_fn(logits, targets) -> mean loss`` of one micro-batch.
+
+    ``step`` runs one batch's forward and backward, ``eval_loss`` one batch's forward.
+    ``is_last``: the rank computes the loss (holds the last stage). ``pp_group``: the process
+    group the stages' gradient norms sum over (None with one stage). ``repeated_from``: the
+    first step that every later step repeats (communication is counted there by default).
+    """
+
+    pp_group: dist.ProcessGroup | None = None
+    repeated_from = 1
+
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], n_stages: int, loss_fn):
+        self.parts, self.stage_ids, self.n_stages = parts, stage_ids, n_stages
+        self.is_first = 0 in stage_ids
+        self.is_last = n_stages - 1 in stage_ids
+        self.poisoned = False  # fault injection: this step's losses are NaN
+        self._loss_fn = loss_fn
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss (NaN while ``poisoned``)."""
+        loss = self._loss_fn(logits, targets)
+        return loss * float("nan") if self.poisoned else loss
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool = False):
+        """Forward and backward of the rank's batch (on the device); gradients land in the
+        parts' parameters. Returns the batch's mean loss (0-dim, on the device) where
+        ``is_last``, zero elsewhere; queues device work only. ``poison``: NaN losses."""
+        raise NotImplementedError
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one batch, forward only (zero where not ``is_last``)."""
+        raise NotImplementedError
+
+
+class OneStage(Schedule):
+    """The trivial schedule of a rank holding the whole model (one stage, both ends): each of
+    ``microbatches`` micro-batches' forward and backward in turn, with the gradient sync that
+    ``accum_reduce`` asks for (``parallelize.set_gradient_sync``) switched before each."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dims: ParallelDims,
+        loss_fn: LossFn,
+        microbatches: int,
+        accum_reduce: AccumReduce,
+    ):
+        super().__init__([model], [0], 1, loss_fn)
+        self.dims, self.microbatches, self.accum_reduce = dims, microbatches, accum_reduce
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool = False):
+        self.poisoned = poison
+        model, accum = self.parts[0], self.microbatches
+        total = torch.zeros((), device=inputs.device)
+        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            set_gradient_sync(model, self.dims, self.accum_reduce, micro == accum - 1)
+            loss = self.loss(model(x), y) / accum
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.poisoned = False
+        return self.loss(self.parts[0](inputs), targets)
 
 
 def _schedule_class(name: str):
@@ -41,53 +124,42 @@ def _schedule_class(name: str):
     }[name]
 
 
-class Pipeline:
-    """This rank's stage chunks (``chunks``: modules named as the unsplit model, in stage
-    order), their PipelineStages and the schedule; ``step`` runs one batch.
+class PipelineSchedule(Schedule):
+    """torch's pipeline schedule (``parallel.pp_schedule``) over this rank's stage chunks
+    ``parts`` (stage indices ``stage_ids``), on ``device``, sending over the world mesh's
+    ``pp`` dim. A pipeline's first step also runs torch's runtime shape inference (a forward
+    that all-gathers FSDP's units once more, and metadata sends), so the second step is the
+    one every later step repeats."""
 
-    Takes the chunks, their stage indices, the job's ParallelDims and world mesh, the device
-    and ``loss_fn(logits, targets) -> mean loss`` of one micro-batch.
-    """
+    repeated_from = 2
 
     def __init__(
         self,
-        chunks: list[nn.Module],
+        parts: list[nn.Module],
         stage_ids: list[int],
         dims: ParallelDims,
         world: WorldMesh,
         device: torch.device,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: LossFn,
     ):
         from torch.distributed.pipelining import PipelineStage
 
-        self.chunks, self.stage_ids, self.device = chunks, stage_ids, device
-        self.n_stages, self.microbatches = dims.pp_stages, dims.pp_microbatches
-        self.is_first = 0 in stage_ids
-        self.is_last = self.n_stages - 1 in stage_ids
+        super().__init__(parts, stage_ids, dims.pp_stages, loss_fn)
+        self.device = device
         self.pp_group = world["pp"].get_group()
-        self.poisoned = False  # fault injection: the next step's losses are NaN
-        self._loss_fn = loss_fn
         stages = [
-            PipelineStage(chunk, sid, self.n_stages, device, group=self.pp_group)
-            for chunk, sid in zip(chunks, stage_ids)
+            PipelineStage(part, sid, self.n_stages, device, group=self.pp_group)
+            for part, sid in zip(parts, stage_ids)
         ]
-        schedule = _schedule_class(dims.pp_schedule.value)
         multi = dims.pp_schedule in INTERLEAVED_SCHEDULES
-        self.schedule = schedule(
+        self.schedule = _schedule_class(dims.pp_schedule.value)(
             stages if multi else stages[0],
-            n_microbatches=self.microbatches,
-            loss_fn=self._loss,
+            n_microbatches=dims.pp_microbatches,
+            loss_fn=self.loss,
             scale_grads=True,
         )
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(logits, targets)
-        return loss * float("nan") if self.poisoned else loss
-
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool = False):
-        """Forward and backward of the rank's batch through the schedule; gradients land in
-        the chunks' parameters. Returns the mean micro-batch loss (0-dim, on the device) on
-        the rank holding the last stage, zero elsewhere; queues device work only."""
         self.poisoned = poison
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
@@ -98,7 +170,6 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of one batch, forward only (zero on ranks without the last stage)."""
         self.poisoned = False
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
@@ -136,25 +207,29 @@ def merged_view(chunks: list[nn.Module]) -> nn.Module:
     return view
 
 
-def build_pipeline(
+def build_stages(
     model_cfg: ModelConfig,
     dims: ParallelDims,
     world: WorldMesh,
     parallel: ParallelConfig,
     precision: PrecisionConfig,
+    trainer: TrainerConfig,
     device: torch.device,
-    seed: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    freeze=(),
-) -> Pipeline:
-    """Build this rank's stage chunks, each parallelized and initialised as
-    ``parallelize.build_model`` does a whole model (same arguments: the ``model``,
-    ``parallel`` and ``precision`` configs), and the Pipeline over them."""
-    from hsdp_runner.distributed.parallelize import build_model
-
+    loss_fn: LossFn,
+) -> Schedule:
+    """Build this rank's stage chunks on ``device``, each parallelized and initialised as
+    ``parallelize.build_model`` does (the ``model``, ``parallel`` and ``precision`` configs;
+    the ``trainer`` config's seed, frozen names, micro-batches and their gradient reduction),
+    and return the schedule that runs them (``schedule.parts``): ``OneStage`` over the whole
+    model without pipeline parallel, else ``PipelineSchedule``. ``loss_fn(logits, targets)``:
+    the mean loss of one micro-batch."""
     stage_ids = local_stages(world.local_rank_in("pp"), dims)
-    chunks = [
-        build_model(model_cfg, dims, world, parallel, precision, device, seed, freeze, stage=s)
+    parts = [
+        build_model(
+            model_cfg, dims, world, parallel, precision, device, trainer.seed, trainer.freeze, s
+        )
         for s in stage_ids
     ]
-    return Pipeline(chunks, stage_ids, dims, world, device, loss_fn)
+    if dims.pp_stages == 1:
+        return OneStage(parts[0], dims, loss_fn, trainer.grad_accum_steps, trainer.accum_reduce)
+    return PipelineSchedule(parts, stage_ids, dims, world, device, loss_fn)

@@ -26,8 +26,7 @@ from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunInfo, RunSummary, precision_label
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
-from hsdp_runner.distributed.parallelize import build_model
-from hsdp_runner.distributed.pipeline import Pipeline, build_pipeline
+from hsdp_runner.distributed.pipeline import Schedule, build_stages
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.report import prediction
@@ -71,13 +70,11 @@ def train_rank(
     mem_baseline = metrics.current_memory_gib(device)
     meter = TensorMemoryMeter(device, cfg.metrics.memory_steps, enabled=not cfg.profile.enable)
     meter.start()
-    model, pipeline = build_rank_model(cfg, dims, world, device)
+    schedule = build_rank_model(cfg, dims, world, device)
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
     # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
-    figures = compute_run_figures(
-        cfg, dims, pipeline.chunks if pipeline is not None else model, device
-    )
+    figures = compute_run_figures(cfg, dims, schedule.parts, device)
     sinks: list[tracking.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)
@@ -89,7 +86,7 @@ def train_rank(
         config = {**plain_config(cfg), "derived": {**facts, "precision": label}}
         sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
-    trainer = make_trainer(cfg, dims, world, model, device, figures, sinks, pipeline)
+    trainer = make_trainer(cfg, dims, world, schedule, device, figures, sinks)
     ckpt = make_checkpointer(cfg, output_dir, trainer)
     try:
         first = ckpt.restore(start)
@@ -156,48 +153,27 @@ def train_rank(
 
 def build_rank_model(
     cfg: RunConfig, dims: ParallelDims, world: WorldMesh, device: torch.device
-) -> tuple[torch.nn.Module, Pipeline | None]:
-    """This rank's sharded model on ``device``: (the model, None), or under pipeline
-    parallel (its first stage chunk, the Pipeline of all its chunks and the schedule)."""
-    if dims.pp == 1:
-        model = build_model(
-            cfg.model,
-            dims,
-            world,
-            cfg.parallel,
-            cfg.precision,
-            device,
-            cfg.trainer.seed,
-            cfg.trainer.freeze,
-        )
-        return model, None
-    pipeline = build_pipeline(
-        cfg.model,
-        dims,
-        world,
-        cfg.parallel,
-        cfg.precision,
-        device,
-        cfg.trainer.seed,
-        next_token_loss,
-        cfg.trainer.freeze,
+) -> Schedule:
+    """This rank's sharded stage chunks on ``device`` and the schedule that runs them
+    (``pipeline.build_stages``: the whole model as one stage without pipeline parallel),
+    with the trainer's loss."""
+    return build_stages(
+        cfg.model, dims, world, cfg.parallel, cfg.precision, cfg.trainer, device, next_token_loss
     )
-    return pipeline.chunks[0], pipeline
 
 
 def make_trainer(
     cfg: RunConfig,
     dims: ParallelDims,
     world: WorldMesh,
-    model: torch.nn.Module,
+    schedule: Schedule,
     device: torch.device,
     figures: RunFigures,
     sinks: list[tracking.Tracker],
-    pipeline: Pipeline | None = None,
 ) -> Trainer:
-    """Build the Trainer from the typed config: the sections it uses, this rank's batches and
-    the run's fixed figures; ``sinks`` on rank 0 (an empty list elsewhere); under pipeline
-    parallel the rank's ``pipeline`` (``model`` its first chunk)."""
+    """Build the Trainer from the typed config: the rank's ``schedule`` (``build_rank_model``),
+    the sections it uses, this rank's batches and the run's fixed figures; ``sinks`` on rank
+    0 (an empty list elsewhere)."""
     batches = TokenBatches(
         cfg.data,
         cfg.model.vocab_size,
@@ -210,7 +186,7 @@ def make_trainer(
         cp_size=dims.cp,
     )
     return Trainer(
-        model,
+        schedule,
         dims,
         world,
         device,
@@ -222,10 +198,7 @@ def make_trainer(
         metrics=cfg.metrics,
         fault=cfg.fault,
         sinks=sinks,
-        pipeline=pipeline,
-        after_update=float8.after_update(
-            pipeline.chunks if pipeline is not None else [model], cfg.precision, dims.dp_mode
-        ),
+        after_update=float8.after_update(schedule.parts, cfg.precision, dims.dp_mode),
         loss_parallel=loss_parallel_on(cfg.parallel.loss_parallel, dims.tp),
     )
 

@@ -21,19 +21,17 @@ from tqdm import tqdm
 from hsdp_runner.config.schema import FaultConfig, MetricsConfig, OptimConfig, TrainerConfig
 from hsdp_runner.core.choices import OnNan
 from hsdp_runner.core.faults import inject_fault
-from hsdp_runner.distributed import comm_counting as comm
-from hsdp_runner.distributed import step_stats
+from hsdp_runner.distributed import comm_counting, step_stats
 from hsdp_runner.distributed.comm_model import comm_report
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
-from hsdp_runner.distributed.parallelize import set_gradient_sync
-from hsdp_runner.distributed.pipeline import Pipeline
+from hsdp_runner.distributed.pipeline import Schedule
 from hsdp_runner.models.base import ModelSpec
 from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
 from hsdp_runner.train.grad_clip import clip_grad_norm
-from hsdp_runner.train.loss import loss_context, next_token_loss
+from hsdp_runner.train.loss import loss_context
 from hsdp_runner.train.sinks import Tracker
 
 log = logging.getLogger(__name__)
@@ -49,15 +47,15 @@ STEP_END_ACCESSES = 10
 
 
 def build_optimizer(
-    model: torch.nn.Module | list[torch.nn.Module],
+    parts: list[torch.nn.Module],
     optim_cfg: OptimConfig,
     no_weight_decay: Callable[[str], bool],
 ) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of ``model`` (or of each of a list of pipeline
-    stage chunks) with ``optim_cfg``'s settings; the parameters ``no_weight_decay`` names (the
-    model spec's rule, called with clean names) get no weight decay."""
+    """AdamW over the trainable parameters of a rank's ``parts`` (its stage chunks) with
+    ``optim_cfg``'s settings; the parameters ``no_weight_decay`` names (the model spec's rule,
+    called with clean names) get no weight decay."""
     decay, no_decay = [], []
-    for part in model if isinstance(model, list) else [model]:
+    for part in parts:
         for name, param in part.named_parameters():
             if not param.requires_grad:
                 continue
@@ -109,21 +107,22 @@ def progress_bar(steps: int, start_step: int, rank: int, console=None) -> tqdm:
 
 
 class Trainer:
-    """Trains ``model`` for ``train.steps`` steps; ``fit()`` returns the step records.
+    """Trains a rank's stages for ``train.steps`` steps; ``fit()`` returns the step records.
 
-    Takes the sharded model, the job's ParallelDims and world mesh, the rank's device, its
-    batches and the run's fixed figures (computed once, ``figures``); then the config it
-    reads: the model's spec (which parameters get no weight decay) and the ``optim``,
-    ``trainer``, ``metrics`` (``comm_step``: the step whose collectives are counted) and
-    ``fault`` sections; rank 0's sinks (an empty list elsewhere); and ``after_update``, run
-    after every optimizer step (float8 all-gather's scale precompute, ``distributed.float8``).
-    Under pipeline parallel, ``pipeline`` holds the rank's stage chunks and schedule
-    (``model`` is its first chunk, what the checkpointer saves with one stage per rank).
+    Takes the rank's ``schedule`` (``distributed.pipeline``: its stage chunks, ``parts``, and
+    how a step runs through them: the whole model's micro-batches in turn, or a pipeline's),
+    the job's ParallelDims and world mesh, the rank's device, its batches and the run's fixed
+    figures (computed once, ``figures``); then the config it reads: the model's spec (which
+    parameters get no weight decay) and the ``optim``, ``trainer``, ``metrics``
+    (``comm_step``: the step whose collectives are counted) and ``fault`` sections; rank 0's
+    sinks (an empty list elsewhere); ``after_update``, run after every optimizer step (float8
+    all-gather's scale precompute, ``distributed.float8``); and ``loss_parallel``, whether
+    the logits are sharded over the vocabulary (the loss's context, ``train.loss``).
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        schedule: Schedule,
         dims: ParallelDims,
         world: WorldMesh,
         device: torch.device,
@@ -136,21 +135,16 @@ class Trainer:
         metrics: MetricsConfig,
         fault: FaultConfig,
         sinks: list[Tracker] = (),
-        pipeline: Pipeline | None = None,
         after_update: Callable[[], None] | None = None,
         loss_parallel: bool = False,
     ):
-        self.model, self.dims, self.world, self.device = model, dims, world, device
+        self.schedule, self.parts = schedule, schedule.parts
+        self.dims, self.world, self.device = dims, world, device
         self.loss_parallel = loss_parallel  # the logits are sharded over the vocabulary
-        self.pipeline = pipeline
-        self.parts = pipeline.chunks if pipeline is not None else [model]
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
-        if pipeline is not None and self.comm_step == 1:
-            # A pipeline's first step also runs torch's runtime shape inference (a forward
-            # that all-gathers FSDP's units once more, and metadata sends): its second step is
-            # the one every later step repeats, so that is the one counted by default.
-            self.comm_step = 2
+        if self.comm_step == 1:
+            self.comm_step = schedule.repeated_from  # the first step that later ones repeat
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
         self.after_update = after_update
@@ -158,12 +152,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim.warmup_steps, train.steps, optim.min_lr_ratio)
         )
-        # Ranks holding distinct tokens: dp ranks read different rows, cp ranks different
-        # parts of each sequence (equal token counts), so the loss is their mean.
-        self.dp_cp_group = world["dp_cp"].get_group()
-        # The per-step stats all-reduce counts each dp x cp rank's loss once: on its tp rank 0
-        # of the rank holding the last pipeline stage (the only one that computes the loss).
-        self.counts_loss = world.local_rank_in("tp") == 0 and (pipeline is None or pipeline.is_last)
+        # The per-step stats all-reduce (and eval's) counts each dp x cp rank's loss once: on
+        # its tp rank 0 of the rank holding the last stage (the only one that computes the
+        # loss). dp ranks read different rows, cp ranks different parts of each sequence
+        # (equal token counts), so the loss is their mean.
+        self.counts_loss = world.local_rank_in("tp") == 0 and schedule.is_last
         self.records: list[dict] = []
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
@@ -171,46 +164,21 @@ class Trainer:
         # Communication accounting: filled after the step ``comm_step``. The counter is built
         # here: it looks up the mesh's groups, host work no step should do.
         self.comm_facts: dict = {}
-        self.comm_counter = None if self.comm_step is None else comm.CommCounter(world)
-
-    def loss_on(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of the model on one micro-batch (fp32 logits)."""
-        return next_token_loss(self.model(inputs.to(self.device)), targets.to(self.device))
+        self.comm_counter = None if self.comm_step is None else comm_counting.CommCounter(world)
 
     def _forward_backward(
         self, step: int, data: Prefetcher, signum: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue step ``step``'s micro-batches, the clipping and the stats all-reduce.
+        """Queue step ``step``'s forward and backward (the schedule's micro-batches), the
+        clipping over every stage's gradients and the stats all-reduce.
 
         Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
         """
         poison = inject_fault(self.fault, self.rank, step + 1)
         inputs, targets = data.get(step)
-        if self.pipeline is not None:
-            return self._pipeline_step(inputs, targets, poison, signum)
-        accum = self.train.grad_accum_steps
-        total = torch.zeros((), device=self.device)
-        for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
-            set_gradient_sync(self.model, self.dims, self.train.accum_reduce, micro == accum - 1)
-            loss = self.loss_on(x, y) / accum
-            if poison:
-                loss = loss * float("nan")
-            loss.backward()
-            total += loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = clip_grad_norm(params, self.grad_clip)
-        stats = step_stats.pack(total, grad_norm, self.counts_loss, signum)
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        return stats, grad_norm
-
-    def _pipeline_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool, signum: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_forward_backward`` under pipeline parallel: the schedule runs the micro-batches
-        (the loss on the last stage), the grad norm is clipped over every stage's gradients."""
-        loss = self.pipeline.step(inputs, targets, poison)
+        loss = self.schedule.step(inputs, targets, poison)
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
-        grad_norm = clip_grad_norm(params, self.grad_clip, self.pipeline.pp_group)
+        grad_norm = clip_grad_norm(params, self.grad_clip, self.schedule.pp_group)
         stats = step_stats.pack(loss, grad_norm, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
@@ -230,7 +198,7 @@ class Trainer:
     def evaluate(self, n_batches: int) -> float:
         """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged.
 
-        Runs the model in eval mode through the same sharded forward as training, so it
+        Runs the stages in eval mode through the same sharded forward as training, so it
         exercises FSDP's unshard/reshard outside of backward.
         """
         for part in self.parts:
@@ -239,16 +207,9 @@ class Trainer:
         with loss_context(self.loss_parallel):
             for i in range(n_batches):
                 inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
-                if self.pipeline is None:
-                    total += self.loss_on(inputs, targets)
-                else:
-                    inputs, targets = inputs.to(self.device), targets.to(self.device)
-                    loss = self.pipeline.eval_loss(inputs, targets)
-                    total += loss if self.counts_loss else 0.0
-        if self.pipeline is None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_cp_group)
-        else:  # the losses are on the last stage's ranks: each dp x cp rank's counted once
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                loss = self.schedule.eval_loss(inputs.to(self.device), targets.to(self.device))
+                total += loss if self.counts_loss else 0.0
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)  # each dp x cp rank's loss once
         for part in self.parts:
             part.train()
         loss = total.item() / (self.dims.dp_cp * n_batches)
@@ -263,7 +224,7 @@ class Trainer:
         queued, before step s+1's optimizer step; then step s is reported and
         ``after_step(s + 1)`` is called on every rank with its 1-based number (the
         checkpointer saves there: the weights are those after step s). ``stop`` (an
-        ``interrupt.StopRequest``) is sampled into each step's stats all-reduce; when any rank
+        ``runtime.signals.StopRequest``) is sampled into each step's stats all-reduce; when any rank
         was signalled, all stop after that step (step s+1's gradients are dropped) and
         ``stopped_by`` is set. A non-finite step is never applied; with
         ``trainer.on_nan=stop`` NonFiniteError is raised when it is read, with ``skip`` it
@@ -279,7 +240,7 @@ class Trainer:
             for step in range(start_step, steps):
                 counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
-                with comm.counting(counter), loss_context(self.loss_parallel):
+                with comm_counting.counting(counter), loss_context(self.loss_parallel):
                     stats, grad_norm = self._forward_backward(
                         step, data, stop.signum if stop is not None else None
                     )
@@ -290,7 +251,7 @@ class Trainer:
                     break
                 marks.append(step_stats.mark(self.device))
                 lr = self.scheduler.get_last_lr()[0]
-                with comm.counting(counter):
+                with comm_counting.counting(counter):
                     self._update(stats)
                 marks.append(step_stats.mark(self.device))
                 pending = step_stats.PendingStep(
@@ -353,7 +314,7 @@ class Trainer:
             return True
         return False
 
-    def _comm_record(self, counter: comm.CommCounter, step: int) -> dict:
+    def _comm_record(self, counter: comm_counting.CommCounter, step: int) -> dict:
         """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
         self.comm_facts = comm_report(counter.result(), self.figures.analytic_comm, step)
         if self.rank == 0:
