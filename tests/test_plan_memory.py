@@ -250,3 +250,129 @@ def test_what_a_micro_batch_leaves_held_is_the_blocks_inputs_and_the_last_output
         assert held["0/at:blocks_end"] == (blocks + 1) * hidden
         logits = rows * cfg.model.seq_len * cfg.model.vocab_size * 4
         assert held["0/at:loss_end"] - held["0/at:blocks_end"] > logits
+
+
+def _described(model) -> dict:
+    """What a built model is, by name: each module's class, and each parameter's dtype,
+    placements, mesh dims, local shape and the class of its local tensor (torchao's float8
+    weight wrapper under float8 all-gather)."""
+    modules = {name: type(m).__name__ for name, m in model.named_modules()}
+    params = {}
+    for name, p in model.named_parameters():
+        local = p._local_tensor if hasattr(p, "_local_tensor") else p
+        params[name] = (
+            str(p.dtype),
+            tuple(str(x) for x in getattr(p, "placements", ())),
+            tuple(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else (),
+            tuple(local.shape),
+            type(local).__name__,
+        )
+    return {"modules": modules, "params": params}
+
+
+def _job_and_measured_builds(cases: dict) -> dict:
+    """In a measuring child, per ``{name: (typed config, its measuring request)}``: (the job's
+    build of global rank 0's stage chunk, the measuring child's build), each ``_described``,
+    each on a fake process group of its own world size (the builds grouped by world size:
+    a new fake group clears DTensor's caches)."""
+    import torch
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.runtime.rank_training import build_rank_model
+
+    def job(cfg, world):
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, world)
+        schedule = build_rank_model(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"))
+        return _described(schedule.parts[0])
+
+    builds = {
+        name: (cfg.parallel.pp * req["world_size"], req["world_size"])
+        for name, (cfg, req) in cases.items()
+    }
+    plan_memory._untracked_dtensor_meta()
+    jobs, measured = {}, {}
+    for world in sorted({w for pair in builds.values() for w in pair}):
+        plan_memory._join(world)
+        for name, (job_world, measured_world) in builds.items():
+            cfg, req = cases[name]
+            if job_world == world:
+                jobs[name] = job(cfg, world)
+            if measured_world == world:
+                measured[name] = _described(plan_memory.build_measured(req)[0])
+    return {name: (jobs[name], measured[name]) for name in cases}
+
+
+# Every layout preset (but ``auto``, which plans one) that runs here, with every precision.
+PRESETS = [
+    "single", "ddp", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp", "cp", "fsdp_cp",
+    "hsdp_cp_tp", "pp", "pp_fsdp", "pp_fsdp_tp", "pp_hsdp",
+]  # fmt: skip
+PRECISIONS = ["fp32", "bf16", "bf16_pure", "float8", "float8_rowwise"]
+
+
+def test_the_measuring_child_builds_what_the_job_builds():
+    """For every parallel preset x precision preset, the model the planner measures is built by
+    the job's code: the same modules (torchao's float8 linears included), parameter dtypes,
+    placements, meshes and local shapes as the job's rank 0 holds. Under pipeline parallel the
+    planner measures a stage as a whole model of its degrees without pp: rank 0's stage chunk
+    (embedding and first blocks) is a part of it, equal wherever the names meet."""
+    import dataclasses
+
+    from test_config import compose
+
+    from hsdp_runner.config.compose import plain_config, to_run_config
+    from hsdp_runner.distributed.world_mesh import STAGE_DIMS
+
+    def typed(group: str, option: str):
+        return getattr(to_run_config(compose(["model=llama3_tiny", f"{group}={option}"])), group)
+
+    base = to_run_config(compose(["model=llama3_tiny"]))
+    precisions = {option: typed("precision", option) for option in PRECISIONS}
+    cases = {}
+    for layout in PRESETS:
+        parallel = typed("parallel", layout)
+        for option, precision in precisions.items():
+            cfg = dataclasses.replace(base, parallel=parallel, precision=precision)
+            plain = plain_config(cfg)
+            shape = tuple(getattr(parallel, d) for d in STAGE_DIMS)
+            world = 1
+            for degree in shape:
+                world *= degree
+            req = plan_memory.request(
+                plain["model"], plain["parallel"], plain["precision"], [], shape, 2, 1,
+                world, world, cfg.model.n_layers, accum_reduce="every",
+            )  # fmt: skip
+            cases[f"{layout}/{option}"] = (cfg, req)
+    builds = plan_memory._children().submit(_job_and_measured_builds, cases).result()
+    float8_linears = 0
+    for name, (job, measured) in builds.items():
+        pp = cases[name][0].parallel.pp
+        if pp == 1:
+            assert job == measured, name
+        else:
+            for kind in ("modules", "params"):
+                assert job[kind].items() <= measured[kind].items(), (name, kind)
+        float8_linears += sum(kind == "Float8Linear" for kind in measured["modules"].values())
+    assert float8_linears  # the float8 presets were converted in both
+
+
+def test_float8_weights_are_measured_gathered_at_one_byte():
+    """FSDP 2 on tiny Llama, bf16 compute: a block's gathered weights hold 49,280 parameters, of
+    which its seven linears' 49,152 are float8 (dims multiples of 16) and its two norms' 128
+    stay bf16. In the first block's forward the gathered block is 98,560 bytes in bf16 and
+    49,152 + 256 + 7 x 4 (each float8 weight's fp32 scale) = 49,436 under float8 all-gather;
+    the all-gather buffer 98,560 and 49,408. The root (embeddings, output, final norm: 32,832
+    bf16 parameters) stays gathered in both."""
+    requests = [
+        one_request(
+            ["model=llama3_tiny", f"precision={precision}", "cluster.gpus_per_node=2"],
+            shape=(1, 2, 1, 1),
+            world=2,
+        )
+        for precision in ("bf16", "float8")
+    ]
+    bf16, float8 = (r["phases"]["0/fw:first"] for r in plan_memory.measure(requests, False))
+    root = 32_832 * 2
+    assert bf16["unsharded_param"] - root == 49_280 * 2
+    assert float8["unsharded_param"] - root == 49_152 + 128 * 2 + 7 * 4
+    assert (bf16["all_gather"], float8["all_gather"]) == (98_560, 49_152 + 128 * 2)

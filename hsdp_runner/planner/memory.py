@@ -1,10 +1,12 @@
 """Memory per rank of a layout, measured on the runner's own model and sharding applier.
 
 No device and no memory is used: a child process joins a *fake* process group of the target
-world size (``FakeStore``), builds the world mesh with ``ParallelDims.build_mesh``, applies
-``sharding.parallelize`` to the configured model exactly as a job does, materialises it under
-``FakeTensorMode`` and runs one training step's forward and backward (the trainer's loss, its
-micro-batches and gradient reduction) inside torch's ``FSDPMemTracker``, which counts live
+world size (``FakeStore``), builds the world mesh with ``ParallelDims.build_mesh``, builds the
+configured model with the job's own build (``parallelize.parallelized_meta_model``: float8
+conversion, TP, cp, AC, compile and data parallel, all as a job applies them), materialises it
+under ``FakeTensorMode`` and runs one training step's forward and backward (the trainer's loss,
+its micro-batches and the job's gradient-sync switch, ``parallelize.set_gradient_sync``)
+inside torch's ``FSDPMemTracker``, which counts live
 bytes per category: sharded and unsharded parameters, gradients, activations, temporaries,
 all-gather and reduce-scatter buffers. ``mem_phases.PhaseRecorder`` keeps, per phase of the
 step, the categories at that phase's largest moment. The child keeps the fake group and fake
@@ -44,7 +46,9 @@ The step's loss is the trainer's (``train/loss.py``; on vocabulary-sharded logit
 ``parallel.loss_parallel``): the logits die with the loss call, so backward holds the saved
 fp32 log-probabilities, and its first step adds two fp32 vocab-sized temporaries (each TP
 rank's part of the vocabulary with loss parallel): for long sequences that moment is the peak. Selective AC is measured as the
-runner applies it (``sharding._selective_contexts``: every other matmul output saved).
+runner applies it (``parallelize.selective_policy``: every other matmul output saved). Float8
+layouts are measured as they run: the converted linears' weights gathered at one byte per
+element (``precision.float8_all_gather``).
 
 What is predicted is tensor memory, the figure CUDA's allocated peak measures; a job measures
 the same on CPU with ``tensor_memory.TensorMemoryMeter``. What a CPU process holds beyond its
@@ -64,8 +68,9 @@ from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import MOMENTS, PhaseRecorder, categories, phase_name
 
 GIB = 2**30
-CACHE_VERSION = 7  # bump when what a measurement holds changes (5: phases and marks; 6:
-# DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``)
+CACHE_VERSION = 8  # bump when what a measurement holds changes (5: phases and marks; 6:
+# DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
+# 8: the job's build, float8 conversion included)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -237,6 +242,35 @@ def _forget_dtensor_caches() -> None:
     _redistribute._planner_cache.clear()
 
 
+def build_measured(req: dict):
+    """The model one request measures, on the meta device, built by the job's own build
+    (``parallelize.parallelized_meta_model``) on the world mesh of the request's degrees (pp = 1:
+    the planner measures one stage's worth of blocks as a whole model); returns (model,
+    ParallelDims, the model's config). Call in a process whose fake process group has the
+    request's world size (``_join``)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import parallelized_meta_model
+    from hsdp_runner.distributed.world_mesh import STAGE_DIMS
+
+    model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
+    precision = OmegaConf.create(req["precision"])
+    degrees = dict(zip(STAGE_DIMS, req["shape"]))
+    for name, degree in degrees.items():
+        parallel[name] = degree
+    parallel.pp = 1
+    dims = ParallelDims(
+        **degrees, world_size=req["world_size"], ranks_per_node=req["ranks_per_node"]
+    )
+    world = dims.build_mesh("cpu")
+    model = parallelized_meta_model(
+        model_cfg, dims, world, parallel, precision, torch.device("cpu"), req["freeze"]
+    )
+    return model, dims, model_cfg
+
+
 def _measure_one(req: dict, fake: bool = True) -> dict:
     """The tracked step of one request (module docstring), on fake tensors; ``fake=False``
     runs the same step on real ones (uninitialised memory, collectives of the fake process
@@ -244,40 +278,20 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
     import contextlib
 
     import torch
-    from omegaconf import OmegaConf
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from hsdp_runner.distributed import parallelize as sharding
-    from hsdp_runner.distributed.parallel_dims import ParallelDims
-    from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
-    from hsdp_runner.models.base import model_spec
-    from hsdp_runner.models.params import torch_dtype
+    from hsdp_runner.core.choices import AccumReduce
+    from hsdp_runner.distributed.parallelize import set_gradient_sync
     from hsdp_runner.train.loss import loss_context, loss_parallel_on, next_token_loss
 
-    model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
-    precision = OmegaConf.create(req["precision"])
-    degrees = dict(zip(DIM_NAMES, req["shape"]))
-    for name, degree in degrees.items():
-        parallel[name] = degree
-    dims = ParallelDims(
-        **degrees, world_size=req["world_size"], ranks_per_node=req["ranks_per_node"]
-    )
-    world = dims.build_mesh("cpu")
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype(precision.master_dtype))
-    try:
-        with torch.device("meta"):
-            model = model_spec(model_cfg).build()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    sharding.freeze_parameters(model, req["freeze"])
-    sharding.parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
+    model, dims, model_cfg = build_measured(req)
     # Under context parallel a rank holds seq_len / cp tokens of each sequence (data.py).
     b, seq, accum = req["micro_batch"], model_cfg.seq_len // dims.cp, req["accum"]
+    accum_reduce = AccumReduce(req["accum_reduce"])
     # The mesh's coordinate tensors are real; they meet fake tensors inside DTensor ops.
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         model.to_empty(device="cpu")
@@ -289,7 +303,7 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
             tracker = MemTracker()
             tracker.track_external(model, tokens)
         recorder = PhaseRecorder(tracker, model, model_cfg.n_layers)
-        sharded_loss = loss_context(loss_parallel_on(parallel.loss_parallel, dims.tp))
+        sharded_loss = loss_context(loss_parallel_on(req["parallel"]["loss_parallel"], dims.tp))
         with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]), sharded_loss:
             for micro in range(accum):
                 if micro:
@@ -297,7 +311,7 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
                     # their per-module stats are cleared; the device-wide peak and the live
                     # tensors (gradients held across micro-batches) are kept.
                     tracker.reset_mod_stats()
-                _set_sync(model, dims.dp_mode, req["accum_reduce"], micro == accum - 1)
+                set_gradient_sync(model, dims, accum_reduce, micro == accum - 1)
                 recorder.start_micro(micro)
                 logits = model(tokens)
                 recorder.mark("end_fw")
@@ -315,23 +329,6 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
         "phases": recorder.phases,
         "marks": recorder.marks,
     }
-
-
-def _set_sync(model, mode, accum_reduce: str, last: bool) -> None:
-    """Gradient reduction of one micro-batch, as the trainer does it: with ``every``, FSDP and
-    HSDP reduce-scatter every micro-batch (HSDP's replicate all-reduce only on the last); with
-    ``last``, and always for whole replicas (DDP), nothing is reduced before the last."""
-    from hsdp_runner.core.choices import AccumReduce, DPMode
-
-    if not hasattr(model, "set_requires_gradient_sync"):
-        return
-    sharded = mode in (DPMode.fsdp, DPMode.hsdp)
-    if sharded and AccumReduce(accum_reduce) is AccumReduce.every:
-        model.set_requires_gradient_sync(True)
-        if mode is DPMode.hsdp:
-            model.set_requires_all_reduce(last)
-    else:
-        model.set_requires_gradient_sync(last)
 
 
 def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:
