@@ -147,3 +147,27 @@ def test_the_runner_reaches_models_only_through_the_seam():
     for module, deps in sorted(graph.items()):
         if not module.startswith("hsdp_runner.models."):
             assert not deps & families, f"{module} imports {sorted(deps & families)}"
+
+
+# What runs a job: the training loop and the runtime's job side. The planner predicts without
+# running one: it may use the pieces a job is made of (the model, the sharding applier, the
+# loss, the figures' tables) but not the loop, a launcher or a worker. The forkserver (and the
+# reaper it stops the server with) runs no job: the planner's measuring children are forked
+# from it, a server a caller above the planner hands it (``planner.memory.start_children_in``:
+# ``plan.py``, or a ``parallel=auto`` job's launcher).
+NOT_A_JOB = {"hsdp_runner.runtime.forkserver", "hsdp_runner.runtime.reaper"}
+
+
+def test_the_planner_reaches_nothing_that_runs_a_job():
+    graph = import_graph()
+    runs_a_job = {"hsdp_runner.train.trainer"} | {
+        m for m in graph if m.startswith("hsdp_runner.runtime.") and m not in NOT_A_JOB
+    }
+    planners = [m for m in graph if m.startswith("hsdp_runner.planner.")] + ["hsdp_runner.plan"]
+    assert len(planners) > 5
+    found = [
+        f"{module} reaches {dep}"
+        for module in sorted(planners)
+        for dep in sorted(_reachable(graph, module) & runs_a_job)
+    ]
+    assert not found, "the planner reaches what runs a job:\n" + "\n".join(found)
