@@ -20,7 +20,7 @@ from pathlib import Path
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.report import prediction
-from hsdp_runner.report.dashboard import page as dashboard
+from hsdp_runner.report.dashboard import page as dashboard_page
 from hsdp_runner.report.runs import Job, degrees, load_jobs, table
 
 TABLE_FILE, BARS_FILE, LOSS_FILE = "compare.md", "throughput_memory.png", "loss.png"
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     text, paths = write_comparison(args.sweep_dir, jobs)
 
-    paths.append(dashboard.write_dashboard(args.sweep_dir, jobs, plan_file=args.plan))
+    paths.append(dashboard_page.write_dashboard(args.sweep_dir, jobs, plan_file=args.plan))
     print(text)
     predicted = prediction.comparison_section(jobs, args.plan)
     if predicted:

@@ -32,7 +32,7 @@ from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.models.base import model_spec, stage_blocks
 from hsdp_runner.runtime.launch import run_job
 from hsdp_runner.runtime.prelaunch import validate
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import sinks
 
 BASELINE = "single"
 # A layout is a parallel preset, optionally with overrides after colons ("cp:parallel.cp=4").
@@ -312,7 +312,7 @@ def run_parity(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return codes[layout]
-    base_records = tracking.read_metrics(jobs[BASELINE][1])
+    base_records = sinks.read_metrics(jobs[BASELINE][1])
     base_summary = RunSummary.read(jobs[BASELINE][1]) or RunSummary()
     rows = []
     for layout, (_, out_dir, dims) in jobs.items():
@@ -329,7 +329,7 @@ def run_parity(args: argparse.Namespace) -> int:
             row.update(
                 compare(
                     base_records,
-                    tracking.read_metrics(out_dir),
+                    sinks.read_metrics(out_dir),
                     args.rtol,
                     base_summary.eval_loss,
                     summary.eval_loss,

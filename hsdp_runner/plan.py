@@ -75,7 +75,7 @@ def check_axes(
     """Check every ``plan.axes.<key>`` value as the same override on the command line would be
     checked, and return the values typed as composition types them.
 
-    A choice field's value goes through ``config_checks.bad_choice_override`` (one line with
+    A choice field's value goes through ``config.checks.bad_choice_override`` (one line with
     the allowed values), then each value is composed as ``<key>=<value>`` on top of
     ``overrides`` (Hydra's own parsing and the typed schema) and validated
     (``validate_config``); ConfigError names ``plan.axes.<key>``, the value and the fix.

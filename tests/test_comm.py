@@ -1,7 +1,7 @@
 """Communication accounting: what one step measurably sends equals the analytic model (+-1%).
 
 One 4-rank and one 8-rank gloo run train one step of the tiny model in each layout, counting collectives with
-``comm.CommCounter``, and returns measured and analytic figures per (kind, mesh dim).
+``comm_counting.CommCounter``, and returns measured and analytic figures per (kind, mesh dim).
 """
 
 import pytest

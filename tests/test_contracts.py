@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.report.runs import load_jobs, table
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import sinks
 
 
 def test_a_summary_round_trips_through_its_file(tmp_path):
@@ -95,14 +95,14 @@ def test_every_sink_is_a_tracker_and_logger_none_keeps_only_the_files(tmp_path):
     info = RunInfo(
         output_dir=str(tmp_path), group="g", run_name="r", tags=[], multirun=False, overrides=[]
     )
-    sinks = tracking.open_trackers(
+    trackers = sinks.open_trackers(
         OmegaConf.create({"name": "none", "mode": "offline"}), info, {}, tmp_path
     )
-    assert [type(s) for s in sinks] == [tracking.MetricsFile]
-    for sink in sinks:
+    assert [type(s) for s in trackers] == [sinks.MetricsFile]
+    for sink in trackers:
         sink.log_step({"step": 1, "loss": 2.0})
         sink.log_summary(RunSummary(status=RunStatus.completed, steps=1, final_loss=2.0))
         sink.finish()
-    assert tracking.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+    assert sinks.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
     assert RunSummary.read(tmp_path).final_loss == 2.0
-    assert {"log_step", "log_summary", "finish"} <= set(dir(tracking.WandbRun))
+    assert {"log_step", "log_summary", "finish"} <= set(dir(sinks.WandbRun))

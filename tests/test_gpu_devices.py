@@ -299,18 +299,18 @@ def driver_too_old(monkeypatch):
     newer driver (``device_count()`` > 0, ``is_available()`` False, torch's warning once)."""
     import warnings
 
-    from hsdp_runner.distributed import hardware as devices
+    from hsdp_runner.distributed import hardware
 
     def is_available():
         warnings.warn(OLD_DRIVER, stacklevel=1)  # as torch warns: from is_available itself
         return False
 
-    monkeypatch.setattr(devices, "_cuda_init_warning", None)
+    monkeypatch.setattr(hardware, "_cuda_init_warning", None)
     monkeypatch.setattr("torch.cuda.is_available", is_available)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
     monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("torch.version.cuda", "12.8")
-    monkeypatch.setattr(devices, "gpus_present", lambda root=None: (8, "NVIDIA"))
+    monkeypatch.setattr(hardware, "gpus_present", lambda root=None: (8, "NVIDIA"))
 
 
 def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(

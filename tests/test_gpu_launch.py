@@ -50,13 +50,13 @@ def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
 
     from test_gpu_devices import OLD_DRIVER
 
-    from hsdp_runner.distributed import hardware as devices
+    from hsdp_runner.distributed import hardware
 
     def is_available():
         warnings.warn(OLD_DRIVER, stacklevel=1)  # as torch warns: from is_available itself
         return False
 
-    monkeypatch.setattr(devices, "_cuda_init_warning", None)
+    monkeypatch.setattr(hardware, "_cuda_init_warning", None)
     monkeypatch.setattr("torch.cuda.is_available", is_available)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)  # NVML's count
     monkeypatch.setattr("torch.version.cuda", "12.8")

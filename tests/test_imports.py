@@ -147,3 +147,82 @@ def test_the_runner_reaches_models_only_through_the_seam():
     for module, deps in sorted(graph.items()):
         if not module.startswith("hsdp_runner.models."):
             assert not deps & families, f"{module} imports {sorted(deps & families)}"
+
+
+def _keeps_its_name(alias: str, own: str) -> bool:
+    """An alias may qualify a name (``plan_memory`` for planner.memory, ``compose_config``),
+    never replace it: the name stays whole at its start or end."""
+    return alias == own or alias.endswith("_" + own) or alias.startswith(own + "_")
+
+
+def renaming_aliases(path: Path, known: set[str]) -> list[str]:
+    """``import`` aliases in ``path`` that give a module of ours, or a name imported from one,
+    another name (an older module's, or another constant's): 'line: import ... as ...'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, a.name.rsplit(".", 1)[-1], a.asname) for a in node.names]
+            pairs = [p for p in pairs if p[0] in known]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != PACKAGE.name:
+                continue
+            pairs = [(f"{node.module}.{a.name}", a.name, a.asname) for a in node.names]
+        else:
+            continue
+        found += [
+            f"{node.lineno}: {name} as {alias}"
+            for name, own, alias in pairs
+            if alias and not _keeps_its_name(alias, own)
+        ]
+    return found
+
+
+def test_no_import_alias_renames_a_module_or_constant_of_ours():
+    known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{where}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for where in renaming_aliases(path, known)
+    ]
+    assert not found, "aliases that rename (import it under its own name):\n" + "\n".join(found)
+
+
+def test_renaming_aliases_sees_an_older_name(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from hsdp_runner.distributed import parallelize as sharding\n"
+        "from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES\n"
+        "import hsdp_runner.models as package\n"
+        "from hsdp_runner.planner import memory as plan_memory\n"
+        "import torch.distributed as dist\n"
+    )
+    known = {"hsdp_runner.models"}
+    assert renaming_aliases(source, known) == [
+        "1: hsdp_runner.distributed.parallelize as sharding",
+        "2: hsdp_runner.distributed.world_mesh.STAGE_DIMS as DIM_NAMES",
+        "3: hsdp_runner.models as package",
+    ]
+
+
+# What runs a job: the training loop and the runtime's job side. The planner predicts without
+# running one: it may use the pieces a job is made of (the model, the sharding applier, the
+# loss, the figures' tables) but not the loop, a launcher or a worker. The forkserver (and the
+# reaper it stops the server with) runs no job: the planner's measuring children are forked
+# from it, a server a caller above the planner hands it (``planner.memory.start_children_in``:
+# ``plan.py``, or a ``parallel=auto`` job's launcher).
+NOT_A_JOB = {"hsdp_runner.runtime.forkserver", "hsdp_runner.runtime.reaper"}
+
+
+def test_the_planner_reaches_nothing_that_runs_a_job():
+    graph = import_graph()
+    runs_a_job = {"hsdp_runner.train.trainer"} | {
+        m for m in graph if m.startswith("hsdp_runner.runtime.") and m not in NOT_A_JOB
+    }
+    planners = [m for m in graph if m.startswith("hsdp_runner.planner.")] + ["hsdp_runner.plan"]
+    assert len(planners) > 5
+    found = [
+        f"{module} reaches {dep}"
+        for module in sorted(planners)
+        for dep in sorted(_reachable(graph, module) & runs_a_job)
+    ]
+    assert not found, "the planner reaches what runs a job:\n" + "\n".join(found)

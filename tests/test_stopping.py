@@ -22,14 +22,13 @@ from hsdp_runner.config.schema import CheckpointConfig, ParallelConfig
 from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.runtime import failures, sweep
-from hsdp_runner.runtime import signals as interrupt
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.runtime import failures, signals, sweep
+from hsdp_runner.train import sinks
 
 
 @pytest.fixture
 def stop():
-    request = interrupt.StopRequest()
+    request = signals.StopRequest()
     request.install((signal.SIGUSR2, signal.SIGINT))
     yield request
     request.uninstall()
@@ -43,19 +42,19 @@ def test_a_signal_repeated_within_the_window_is_one_request(stop):
 
 def test_a_signal_after_the_window_stops_at_once(stop, monkeypatch):
     os.kill(os.getpid(), signal.SIGINT)
-    monkeypatch.setattr(interrupt, "DUPLICATE_WINDOW_S", 0.05)
+    monkeypatch.setattr(signals, "DUPLICATE_WINDOW_S", 0.05)
     time.sleep(0.1)
-    with pytest.raises(interrupt.StopNow) as stopped:
+    with pytest.raises(signals.StopNow) as stopped:
         os.kill(os.getpid(), signal.SIGINT)
     assert stopped.value.code == 128 + signal.SIGINT and stop.signum == signal.SIGINT
 
 
 def test_stop_signals_add_the_configured_time_limit_signal():
-    assert interrupt.stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
-    assert interrupt.stop_signals("USR1")[-1] == signal.SIGUSR1
-    assert interrupt.stop_signals("SIGUSR2") == interrupt.stop_signals()
+    assert signals.stop_signals() == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+    assert signals.stop_signals("USR1")[-1] == signal.SIGUSR1
+    assert signals.stop_signals("SIGUSR2") == signals.stop_signals()
     with pytest.raises(ValueError):
-        interrupt.parse_signal("KILL")
+        signals.parse_signal("KILL")
 
 
 def write_metrics(folder, steps):
@@ -71,18 +70,18 @@ def write_metrics(folder, steps):
 def test_a_fresh_start_sets_the_earlier_run_aside(tmp_path):
     write_metrics(tmp_path, [1, 2, 3])
     RunSummary(status=RunStatus.interrupted).write(tmp_path)
-    assert tracking.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "1"
+    assert sinks.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "1"
     write_metrics(tmp_path, [1])
-    assert tracking.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "2"
+    assert sinks.set_aside_earlier_run(tmp_path) == tmp_path / "earlier_runs" / "2"
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
-    assert [r["step"] for r in tracking.read_metrics(tmp_path / "earlier_runs" / "1")] == [1, 2, 3]
+    assert [r["step"] for r in sinks.read_metrics(tmp_path / "earlier_runs" / "1")] == [1, 2, 3]
     assert RunSummary.read(tmp_path / "earlier_runs" / "1").status is RunStatus.interrupted
 
 
 def test_a_resume_keeps_each_step_up_to_its_checkpoint_once(tmp_path):
     write_metrics(tmp_path, [1, 2, 3, 4, 5, 1, 2, 3])  # a file two runs were appended to
-    assert tracking.truncate_metrics(tmp_path, 4) == 4
-    records = tracking.read_metrics(tmp_path)
+    assert sinks.truncate_metrics(tmp_path, 4) == 4
+    records = sinks.read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[0]["loss"] == 5.0  # the later record of a step stays
 
@@ -249,12 +248,12 @@ def test_a_rerun_keeps_steps_only_when_it_continues_its_own_checkpoint(tmp_path)
     )
     write_metrics(tmp_path, [1, 2, 3, 4, 5, 6])
     _prepare_metrics(cfg, tmp_path, own)
-    assert [r["step"] for r in tracking.read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in sinks.read_metrics(tmp_path)] == [1, 2, 3, 4]
     # Another run's checkpoint, or a fresh start: the earlier run is set aside whole.
     elsewhere = checkpoint_start.Start(StartSource.checkpoint, "/other/job/checkpoints/step-2", 2)
     _prepare_metrics(cfg, tmp_path, elsewhere)
     assert not (tmp_path / "metrics.jsonl").exists()
-    assert len(tracking.read_metrics(tmp_path / "earlier_runs" / "1")) == 4
+    assert len(sinks.read_metrics(tmp_path / "earlier_runs" / "1")) == 4
     write_metrics(tmp_path, [1])
     _prepare_metrics(cfg, tmp_path, checkpoint_start.Start(StartSource.fresh))
     assert (tmp_path / "earlier_runs" / "2" / "metrics.jsonl").exists()

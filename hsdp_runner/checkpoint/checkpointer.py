@@ -1,6 +1,6 @@
 """Distributed checkpoints: save, resume (under any layout), HF import and export.
 
-Finding and checking checkpoints and planning where a job starts is ``checkpoint_start``'s.
+Finding and checking checkpoints and planning where a job starts is ``start.py``'s.
 
 A checkpoint folder (``checkpoint.dir``, default ``checkpoints/`` in the job's output dir):
 ```

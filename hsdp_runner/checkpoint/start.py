@@ -5,7 +5,7 @@ A job starts from the newest complete checkpoint in its own ``checkpoint.dir`` (
 folder ``checkpoint.init_from_hf``, else fresh. ``validate`` checks that plan in the launching
 process before any worker starts; in the job, rank 0 plans again (a requeued job may find a
 newer checkpoint) and every rank receives its ``Start`` (``agree_on_start``). Saving and
-loading are ``checkpoint.Checkpointer``'s.
+loading are ``checkpointer.Checkpointer``'s.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The root schema ``RunConfig`` is the first entry of ``conf/config.yaml``'s defau
 every YAML choice is merged into a typed node: a wrong type or an unknown key fails at
 composition with the key's name, and a choice field (an Enum of ``choices.py``) fails with
 the allowed values listed. Cross-field checks that need no world size live in
-``config_checks.validate_config``; checks on degrees live in ``mesh.ParallelDims``.
+``checks.validate_config``; checks on degrees live in ``parallel_dims.ParallelDims``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The string choices of the config, as Enum types the typed schema (``config.py``) uses.
+"""The string choices of the config, as Enum types the typed schema (``config/schema.py``) uses.
 
 A field typed with one of these fails at composition with the allowed values listed
 (OmegaConf's EnumNode), and code dispatches on the members instead of comparing strings.

@@ -26,7 +26,7 @@ from omegaconf import MISSING
 
 from hsdp_runner.core.errors import ConfigError
 
-if TYPE_CHECKING:  # torch is imported where a model is built: config.py imports this module
+if TYPE_CHECKING:  # torch is imported where a model is built: config/schema.py imports this module
     import torch
     from torch import nn
 
@@ -60,7 +60,7 @@ class ParallelModule(Protocol):
     """
 
     # Set by the sharding applier when compiled blocks follow a TP embedding: forward must
-    # then clone the embedding output before the first block (see sharding.apply_compile).
+    # then clone the embedding output before the first block (see parallelize.apply_compile).
     clone_embedding_output: bool
 
     def blocks(self) -> nn.ModuleDict:
@@ -128,7 +128,7 @@ class ModelSpec(Protocol):
 
     def selective_recompute_flops_per_token(self) -> float:
         """Forward FLOPs per token of the matmuls selective activation checkpointing recomputes
-        (``sharding._selective_contexts``: a block's 2nd, 4th, ... matmul in call order)."""
+        (``parallelize._selective_contexts``: a block's 2nd, 4th, ... matmul in call order)."""
 
     def kv_dim(self) -> int:
         """Width of one token's keys (and of its values) in a block: what context parallel
@@ -293,16 +293,16 @@ def keep_stage(
 def family_schemas() -> dict[str, type]:
     """{'<module>_schema': config dataclass} for every family module in this package.
 
-    ``config.register_schemas`` stores them in Hydra's ConfigStore (group ``model``), where a
+    ``config.schema.register_schemas`` stores them in Hydra's ConfigStore (group ``model``), where a
     ``conf/model/*.yaml`` names its family's schema first in its defaults list.
     """
-    import hsdp_runner.models as package
+    import hsdp_runner.models
 
     found = {}
-    for info in pkgutil.iter_modules(package.__path__):
+    for info in pkgutil.iter_modules(hsdp_runner.models.__path__):
         if info.name == "base":
             continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        module = importlib.import_module(f"hsdp_runner.models.{info.name}")
         for value in vars(module).values():
             if (
                 isinstance(value, type)

@@ -203,7 +203,7 @@ class GPT2(nn.Module):
         self.h = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # Set by the sharding applier when compiled blocks follow a TP embedding (see sharding).
+        # Set by the sharding applier when compiled blocks follow a TP embedding (see parallelize).
         self.clone_embedding_output = False
         self.sequence_shard = None  # set under context parallel (``shard_sequence``)
 

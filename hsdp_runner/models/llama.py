@@ -200,7 +200,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Set by the sharding applier when compiled blocks follow a TP embedding (see sharding).
+        # Set by the sharding applier when compiled blocks follow a TP embedding (see parallelize).
         self.clone_embedding_output = False
         self.sequence_shard = None  # set under context parallel (``shard_sequence``)
 

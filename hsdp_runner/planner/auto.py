@@ -38,7 +38,7 @@ from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
@@ -71,7 +71,7 @@ class AutoChoice:
 
 def fixed_degrees(parallel: ParallelConfig) -> dict[str, int]:
     """The degrees an auto job set itself (dim name -> degree); -1 means 'the planner picks'."""
-    degrees = {name: getattr(parallel, name) for name in DIM_NAMES}
+    degrees = {name: getattr(parallel, name) for name in STAGE_DIMS}
     return {name: degree for name, degree in degrees.items() if degree != -1}
 
 
@@ -315,12 +315,12 @@ def _degrees(entry: dict) -> str:
     degrees = [
         f"{k.removeprefix('parallel.')}={v}"
         for k, v in entry["overrides"].items()
-        if k.removeprefix("parallel.") in DIM_NAMES
+        if k.removeprefix("parallel.") in STAGE_DIMS
     ]
     others = [
         f"{k}={v}"
         for k, v in entry["overrides"].items()
-        if k.removeprefix("parallel.") not in DIM_NAMES
+        if k.removeprefix("parallel.") not in STAGE_DIMS
     ]
     return " ".join(degrees + others)
 

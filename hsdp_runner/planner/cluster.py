@@ -46,7 +46,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.distributed.topology import Placement
 from hsdp_runner.train.metrics import lookup_peak_tflops
-from hsdp_runner.train.trainer import STEP_END_ACCESSES
+from hsdp_runner.train.step_end import STEP_END_ACCESSES
 
 CALIBRATED_KEYS = (
     "compute_efficiency",

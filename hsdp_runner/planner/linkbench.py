@@ -12,11 +12,11 @@ large all-gather over all ranks alone, and both at once (the all-gather issued, 
 then the wait); ``overlap`` = the time saved / the compute time, the fraction of compute that
 communication can hide behind (``cluster.overlap``). And the memory bandwidth the end of a step
 reaches (``cluster.memory_gbps``): every rank at once runs the trainer's two calls,
-``clip_grad_norm_`` (foreach) and a fused AdamW step, over one fp32 parameter, bytes counted as
-the planner counts them (``trainer.STEP_END_ACCESSES``). On CPU gloo's threads share the cores with
-the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for peers hides. The
-result is cached per host and rank count in ``hardware.cache_dir()``, so only the first plan
-on a machine pays the ~20 s.
+``clip_grad_norm_`` (foreach) and a fused AdamW step, over one fp32 parameter, bytes counted
+as the planner counts them (``train.step_end.STEP_END_ACCESSES``). On CPU gloo's threads share
+the cores with the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for
+peers hides. The result is cached per host and rank count in ``hardware.cache_dir()``, so only
+the first plan on a machine pays the ~20 s.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _step_end_bandwidth(elements: int = 1 << 22) -> float:
     import torch
     import torch.distributed as dist
 
-    from hsdp_runner.train.trainer import STEP_END_ACCESSES
+    from hsdp_runner.train.step_end import STEP_END_ACCESSES
 
     param = torch.nn.Parameter(torch.randn(elements))
     param.grad = torch.randn(elements)

@@ -17,7 +17,7 @@ from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary, precision_label
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.distributed.world_mesh import LATER_DIMS, full_shape
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import sinks
 
 
 @dataclass
@@ -67,9 +67,9 @@ def load_jobs(sweep_dir: Path) -> list[Job]:
                 path=path,
                 num=int(prefix) if prefix.isdigit() else len(jobs),
                 overrides=_read_yaml(path / ".hydra" / "overrides.yaml") or [],
-                config=_read_yaml(path / tracking.RESOLVED_CONFIG_FILE) or {},
+                config=_read_yaml(path / sinks.RESOLVED_CONFIG_FILE) or {},
                 summary=RunSummary.read(path) or RunSummary(),
-                records=tracking.read_metrics(path),
+                records=sinks.read_metrics(path),
             )
         )
     _label(jobs)

@@ -13,7 +13,7 @@ import os
 
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import sinks
 
 EXTRA = "pip install 'hsdp_runner[report]'  (or: pip install wandb-workspaces)"
 
@@ -30,7 +30,7 @@ def missing_requirements() -> list[str]:
             f"W&B online: WANDB_MODE is {os.environ['WANDB_MODE']!r}; unset it or "
             "set WANDB_MODE=online"
         )
-    if not tracking.wandb_credentials_present():
+    if not sinks.wandb_credentials_present():
         missing.append("W&B credentials: set WANDB_API_KEY or run `wandb login`")
     return missing
 

@@ -1,7 +1,7 @@
 """The Hydra application: composition, the job's output dir, and W&B naming facts.
 
 Hydra's runtime config exists only in this process, so everything workers need from it
-(output dir, group, run name, tags) is read here into a ``contracts.RunInfo``.
+(output dir, group, run name, tags) is read here into a ``core.records.RunInfo``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def preset_degrees(choice: str | None) -> dict | None:
 
     A sweep overrides degrees per job, but its world size must stay fixed: on CPU without
     ``launcher.nproc_per_node`` it is the product of the preset's degrees, not the job's
-    (``mesh.infer_world_size``). Missing keys take the schema's defaults; None without a choice.
+    (``parallel_dims.infer_world_size``). Missing keys take the schema's defaults; None without a choice.
     """
     if choice is None:
         return None

@@ -19,7 +19,7 @@ The settings (``nccl_failure_env``), chosen rather than inherited:
 
 A rank killed that way leaves its launcher only "Signal 6 (SIGABRT)". The watchdog wrote the
 cause to the rank's stderr first, which is its ``logs/rank<N>.log`` (rank 0's stderr goes
-through its sidecar, ``rank0_sidecar.py``, to the console and ``logs/rank0.log``);
+through its sidecar, ``sidecar.py``, to the console and ``logs/rank0.log``);
 ``cause_from_log`` finds it there for the failure record. Each rank opens its part of the log
 with ``mark_attempt``, so a cause left by an earlier attempt in the same dir is never read.
 

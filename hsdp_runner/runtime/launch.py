@@ -45,11 +45,11 @@ from hsdp_runner.runtime.failures import (
 from hsdp_runner.runtime.prelaunch import under_torchrun, validate
 from hsdp_runner.runtime.signals import BASE_SIGNALS, LauncherSignals, signal_name, stop_signals
 from hsdp_runner.runtime.slurm import join_submitit_job
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import sinks
 
 log = logging.getLogger("hsdp_runner")
 
-RESOLVED_CONFIG_FILE = tracking.RESOLVED_CONFIG_FILE
+RESOLVED_CONFIG_FILE = sinks.RESOLVED_CONFIG_FILE
 
 
 def run_job(cfg: DictConfig, run_info: RunInfo) -> int:
@@ -253,7 +253,7 @@ def _stopped_at_once(
 ) -> int:
     """A repeated stop signal ended the workers mid-step: record and report it; exit code."""
     last_ckpt = checkpoint_start.newest_checkpoint(ckpt, Path(output_dir))
-    step = tracking.last_step(output_dir)
+    step = sinks.last_step(output_dir)
     record_stopped_at_once(
         output_dir, dims.describe(), signal_name(signum), step, last_ckpt, first_only=False
     )

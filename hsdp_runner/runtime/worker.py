@@ -38,7 +38,7 @@ from hsdp_runner.runtime.failures import (
 from hsdp_runner.runtime.rank_training import train_rank
 from hsdp_runner.runtime.signals import StopNow, StopRequest, signal_name, stop_signals
 from hsdp_runner.runtime.slurm import requeue_if_asked
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import sinks
 
 log = logging.getLogger("hsdp_runner")
 
@@ -86,7 +86,7 @@ def run_worker(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     """
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # A stop signal (interrupt.py) only sets a flag: the ranks agree to stop at the next step
+    # A stop signal (signals.py) only sets a flag: the ranks agree to stop at the next step
     # boundary, save a checkpoint and write an 'interrupted' summary; a collective with a dead
     # peer fails first. A later signal stops at once (StopNow).
     stop = StopRequest()
@@ -181,7 +181,7 @@ def _record_failure(
             output_dir,
             dims.describe(),
             signal_name(err.signum),
-            tracking.last_step(output_dir),
+            sinks.last_step(output_dir),
             last_ckpt,
         )
         return

@@ -38,12 +38,6 @@ log = logging.getLogger(__name__)
 
 # Eval batches come from step indices no training run reaches.
 EVAL_STEP_OFFSET = 1 << 40
-# Reads and writes of each trainable shard element at the end of a step (``_forward_backward``'s
-# clipping, ``_update``'s optimizer step), for the planner's price of it: ``clip_grad_norm`` reads
-# every gradient for the norm, then reads and writes it to scale it (3); fused AdamW reads the
-# parameter, its gradient and both moments and writes the parameter and the moments (7).
-# Gradients and moments have the parameter's (master) dtype.
-STEP_END_ACCESSES = 10
 
 
 def build_optimizer(

@@ -56,32 +56,33 @@ class DashboardCallback(Callback):
             return
         if os.getpid() != self._owner_pid and not _submitit_rank_zero():
             return
-        from hsdp_runner.report.dashboard import page as dashboard
+        from hsdp_runner.report.dashboard import page as dashboard_page
 
         self._guard(
-            "update", lambda: dashboard.refresh(self._sweep_dir, live=True, reload_s=self.reload_s)
+            "update",
+            lambda: dashboard_page.refresh(self._sweep_dir, live=True, reload_s=self.reload_s),
         )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self._finish()
 
     def _start(self) -> None:
-        from hsdp_runner.report.dashboard import page as dashboard
+        from hsdp_runner.report.dashboard import page as dashboard_page
 
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
-        dashboard.mark_sweep(self._sweep_dir, running=True)
-        dashboard.refresh(self._sweep_dir, live=True, reload_s=self.reload_s)
+        dashboard_page.mark_sweep(self._sweep_dir, running=True)
+        dashboard_page.refresh(self._sweep_dir, live=True, reload_s=self.reload_s)
 
     def _finish(self) -> None:
         """Mark the sweep finished and write the final page, once, in the launching process."""
         if not self.enable or self._finished or os.getpid() != self._owner_pid:
             return
         self._finished = True
-        from hsdp_runner.report.dashboard import page as dashboard
+        from hsdp_runner.report.dashboard import page as dashboard_page
 
         def finish() -> None:
-            dashboard.mark_sweep(self._sweep_dir, running=False)
-            path = dashboard.refresh(self._sweep_dir, live=False, reload_s=self.reload_s)
+            dashboard_page.mark_sweep(self._sweep_dir, running=False)
+            path = dashboard_page.refresh(self._sweep_dir, live=False, reload_s=self.reload_s)
             print(f"hsdp_runner: dashboard: {path}", flush=True)
 
         self._guard("final", finish)
