@@ -22,4 +22,4 @@ def rank_trainer(cfg, device: torch.device | None = None, timeout_s: float | Non
     world = dims.build_mesh(device.type, timeout_s)
     schedule = build_rank_model(cfg, dims, world, device)
     figures = compute_run_figures(cfg, dims, schedule.parts, device)
-    return make_trainer(cfg, dims, world, schedule, device, figures, sinks=[]), dims
+    return make_trainer(cfg, dims, world, schedule, device, figures, trackers=[]), dims

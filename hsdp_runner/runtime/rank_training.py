@@ -31,8 +31,7 @@ from hsdp_runner.distributed.topology import FLATTENED, observed_placements
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.report import prediction
 from hsdp_runner.runtime.signals import StopRequest, signal_name
-from hsdp_runner.train import metrics, profiling
-from hsdp_runner.train import sinks as tracking
+from hsdp_runner.train import metrics, profiling, sinks
 from hsdp_runner.train.data import TokenBatches
 from hsdp_runner.train.figures import RunFigures, compute_run_figures
 from hsdp_runner.train.loss import loss_parallel_on, next_token_loss
@@ -75,7 +74,7 @@ def train_rank(
     # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
     figures = compute_run_figures(cfg, dims, schedule.parts, device)
-    sinks: list[tracking.Tracker] = []
+    trackers: list[sinks.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)
         facts = {**run_facts(dims, device), "mesh_placement": placements}
@@ -84,9 +83,9 @@ def train_rank(
             dataclasses.asdict(cfg.precision), cfg.parallel.compile, cfg.parallel.compile_backend
         )
         config = {**plain_config(cfg), "derived": {**facts, "precision": label}}
-        sinks = tracking.open_trackers(cfg.logger, run_info, config, output_dir)
+        trackers = sinks.open_trackers(cfg.logger, run_info, config, output_dir)
         _log_figures(figures)
-    trainer = make_trainer(cfg, dims, world, schedule, device, figures, sinks)
+    trainer = make_trainer(cfg, dims, world, schedule, device, figures, trackers)
     ckpt = make_checkpointer(cfg, output_dir, trainer)
     try:
         first = ckpt.restore(start)
@@ -105,7 +104,7 @@ def train_rank(
     except BaseException:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the flush must not be cut short
-        for sink in sinks:
+        for sink in trackers:
             sink.finish(exit_code=1)
         raise
     if not stopped:  # an unfinished run is not exported; its rerun exports at its end
@@ -145,7 +144,7 @@ def train_rank(
         }
     )
     summary.prediction = prediction.job_prediction(config, summary)
-    for sink in sinks:
+    for sink in trackers:
         sink.log_summary(summary)
         sink.finish()
     return summary
@@ -169,10 +168,10 @@ def make_trainer(
     schedule: Schedule,
     device: torch.device,
     figures: RunFigures,
-    sinks: list[tracking.Tracker],
+    trackers: list[sinks.Tracker],
 ) -> Trainer:
     """Build the Trainer from the typed config: the rank's ``schedule`` (``build_rank_model``),
-    the sections it uses, this rank's batches and the run's fixed figures; ``sinks`` on rank
+    the sections it uses, this rank's batches and the run's fixed figures; ``trackers`` on rank
     0 (an empty list elsewhere)."""
     batches = TokenBatches(
         cfg.data,
@@ -197,7 +196,7 @@ def make_trainer(
         train=cfg.trainer,
         metrics=cfg.metrics,
         fault=cfg.fault,
-        sinks=sinks,
+        sinks=trackers,
         after_update=float8.after_update(schedule.parts, cfg.precision, dims.dp_mode),
         loss_parallel=loss_parallel_on(cfg.parallel.loss_parallel, dims.tp),
     )
@@ -232,8 +231,8 @@ def _prepare_metrics(
         start.path
     ).parent == checkpoint_start.checkpoint_dir(ckpt_cfg, output_dir)
     if own:
-        tracking.truncate_metrics(output_dir, start.step)
-    elif (aside := tracking.set_aside_earlier_run(output_dir)) is not None:
+        sinks.truncate_metrics(output_dir, start.step)
+    elif (aside := sinks.set_aside_earlier_run(output_dir)) is not None:
         log.warning(
             "this run starts afresh; the earlier run's metrics.jsonl and summary.json "
             "in this dir were moved to %s",
