@@ -4,7 +4,8 @@ are checked, and every schedule trains the model one process trains.
 Parity: one single-process worker trains the baselines, one set of two and one of four
 workers train every pp case of that size (each schedule, pp = 2 and 4, pp with FSDP, TP, cp),
 and the shared eight-rank run (conftest ``eight_ranks``) adds pp x FSDP x TP and pp x HSDP; each
-case's losses and grad norms must equal its baseline's within the parity tolerance (1e-5).
+case's losses and grad norms must equal its baseline's within the parity tolerance (1e-5). A
+float8 case among the four-worker ones has no baseline: it checks what it communicates.
 """
 
 import pytest
@@ -175,6 +176,14 @@ CASES = {
     "gpt2_pp2_tp2": (4, "gpt2_2", _case("gpt2_tiny", 2, *PP, "parallel.tp=2", COMM)),
     # The default comm step (1), which a pipeline job moves to step 2.
     "llama_pp2_cp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.cp=2", DEFAULT_COMM)),
+    # Float8 all-gather inside the stages (communication checked, no baseline: one process
+    # rounds float8 differently). Each stage chunk gathers its float8 weights at one byte per
+    # element and all-reduces their scales' amax once.
+    "llama_pp2_fsdp2_float8": (
+        4,
+        None,
+        _case("llama3_tiny", 2, "parallel=pp_fsdp", "precision=float8", COMM),
+    ),
 }
 # The composed cases ride in conftest's shared eight-rank run (``eight_ranks``).
 EIGHT_RANK_CASES = {
@@ -213,7 +222,7 @@ def _assert_equal(records, base):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [name for name, c in CASES.items() if c[1]])
 def test_pipeline_trains_what_one_process_trains(runs, case):
     _assert_equal(runs[case], runs[CASES[case][1]])
     assert runs[case][-1]["loss"] < runs[case][0]["loss"]
@@ -263,6 +272,25 @@ def test_stage_to_stage_sends_equal_the_analytic_model_on_every_rank(runs, case)
     # 1F1B on 2 stages: 4 micro-batches of 2 rows x 32 tokens x 64 fp32 each way.
     if case == "llama_1f1b":
         assert comm[0]["comm_measured"]["send/pp"] == {"calls": 4, "bytes": 4 * 2 * 32 * 64 * 4}
+
+
+@pytest.mark.multiprocess
+def test_float8_stages_gather_one_byte_per_float8_weight(runs):
+    """pp 2 x FSDP 2 under float8 all-gather: every (kind, dim) the model counts measures
+    exactly its calls and bytes, on every rank. The one excess is what the model leaves out
+    (``comm_model``): clip_grad_norm_'s all-reduce of the rank's per-parameter norms over the
+    shard group, one fp32 per gradient: stage 0 holds the embedding and block 0's 9 (7
+    linears, 2 norms), stage 1 block 1's 9, the final norm and the output layer."""
+    comm = runs["llama_pp2_fsdp2_float8/comm"]
+    for rank, facts in enumerate(comm):
+        measured, analytic = dict(facts["comm_measured"]), facts["comm_analytic"]
+        assert facts["comm_step"] == 2 and facts["comm_ratio"] == pytest.approx(1.0, abs=1e-4)
+        clip = {"calls": 1, "bytes": 4 * (10 if rank < 2 else 11)}  # ranks 0, 1: stage 0
+        shard = analytic["all_reduce/dp_shard"]
+        assert measured.pop("all_reduce/dp_shard") == {k: shard[k] + clip[k] for k in clip}
+        assert measured == {k: v for k, v in analytic.items() if k != "all_reduce/dp_shard"}
+        # The scales' amax: one fp32 per float8 weight of the stage (a block's 7 linears).
+        assert shard == {"calls": 1, "bytes": 7 * 4}, rank
 
 
 def test_compare_table_shows_the_stages_before_the_stage_layout():

@@ -3,16 +3,25 @@
 What one rank sends through collectives in one optimizer step, counted like ``comm.py`` counts
 what it measures (the full tensor of each collective: gathered output, reduce-scatter input,
 all-reduce tensor), keyed ``'<kind>/<mesh dim>'``. Collectives over groups of one rank move
-nothing and are in neither. The model follows what the runner builds (``sharding.py``):
+nothing and are in neither.
+
+One counter, ``_stage``, counts what a rank of one pipeline stage sends in a step: its
+stage-to-stage sends, the FSDP/HSDP/DDP collectives of the stage's parameters, and the context
+and tensor parallel collectives of its blocks and ends. ``analytic_comm`` sums it over the
+rank's stages and adds the step's reductions over all ranks. A job without pipeline parallel is
+one stage holding both ends (embedding and output layer), with no sends; its micro-batches are
+``trainer.grad_accum_steps``. How the stage's step passes (micro-batches, FSDP's gathers and
+gradient reductions) is ``stage_passes``: the accumulation loop's, or a pipeline schedule's
+(pp > 1, or a pp = 1 job the planner prices as one stage of a pipeline, ``pipeline_stage``).
+The model follows what the runner builds (``sharding.py``):
 
 - FSDP (``dp_shard x cp`` > 1: it shards over ``dp_shard_cp``, reported under the name of the
   group's first dim, ``ParallelDims.same_group``): one all-gather per FSDP unit (each block,
-  then the root: embedding,
-  final norm, output) in every micro-batch's forward, in ``precision.param_dtype``; with
-  ``reshard_after_forward`` the blocks are gathered again in backward (the root is never
-  resharded after forward, see ``sharding.apply_data_parallel``); one reduce-scatter per unit
-  of the trainable gradients in ``precision.reduce_dtype`` in every micro-batch with
-  ``trainer.accum_reduce=every``, in the last one alone with ``last``
+  then the root: embedding, final norm, output) in every micro-batch's forward, in
+  ``precision.param_dtype``; with ``reshard_after_forward`` the blocks are gathered again in
+  backward (the root is never resharded after forward, see ``sharding.apply_data_parallel``);
+  one reduce-scatter per unit of the trainable gradients in ``precision.reduce_dtype`` in
+  every micro-batch with ``trainer.accum_reduce=every``, in the last one alone with ``last``
   (``grad_reductions``, ``sharding.set_gradient_sync``). FSDP pads each parameter's dim 0 to a
   multiple of the shard degree; the model pads the same way.
 - Float8 all-gather (``precision.float8_all_gather`` under FSDP/HSDP, ``float8.gathers_float8``):
@@ -46,20 +55,24 @@ nothing and are in neither. The model follows what the runner builds (``sharding
   parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
   output, which backward never needs. ``selective`` saves their outputs (``sharding.apply_ac``)
   and repeats none.
-- Pipeline parallel: everything above is counted per stage the rank holds (its blocks, the
-  embedding on the first stage, the output layer and logits on the last; ``unit_sizes`` with
-  ``stage``), over ``pp_microbatches`` micro-batches of ``global_batch / dp / m`` rows. Per
-  micro-batch, each of the rank's stages but the last sends its output hidden state (rows x
+- Pipeline parallel: each of the rank's stages (``_rank_stages``) is counted as above with
+  its own parameters (its blocks, the embedding on the first stage, the output
+  layer and logits on the last; ``unit_sizes`` and ``float8_weight_sizes`` with ``stage``),
+  over ``pp_microbatches`` micro-batches of ``global_batch / dp / m`` rows. Per micro-batch,
+  each stage but the last sends its output hidden state (``stage_send_bytes``: rows x
   seq_len / cp x dim in the compute dtype, / tp when sequence parallel leaves it
   sequence-sharded) to the next stage, and each but the first sends the gradient of its input
   (the same size) back. torch's schedules reduce FSDP's gradients once a step, after the last
   micro-batch (``PipelineStage.perform_reduce_grad``, whatever ``trainer.accum_reduce``; the
   norms' TP partial gradients with them), and keep the parameters gathered after each
   micro-batch's backward: a block resharded after forward is gathered 1 + m times a step, the
-  root once (``fsdp_gathers``). TP and CP collectives run per micro-batch. The grad
-  norm's squares are summed over ``pp`` (one fp32). The first step also runs torch's runtime
-  shape inference (metadata sends and a forward that gathers FSDP's units once more), so a
-  pipeline job counts a later one (``metrics.comm_step=1``, the default, counts step 2 there). The zero-bubble schedule's split backward (input, then weights)
+  root once (``fsdp_gathers``). TP and CP collectives run per micro-batch. Under float8
+  all-gather each stage chunk gathers its float8 weights at one byte per element and
+  precomputes their scales with one all-reduce of its own (``float8.after_update`` runs per
+  chunk). The grad norm's squares are summed over ``pp`` (one fp32). The first step also runs
+  torch's runtime shape inference (metadata sends and a forward that gathers FSDP's units
+  once more), so a pipeline job counts a later one (``metrics.comm_step=1``, the default,
+  counts step 2 there). The zero-bubble schedule's split backward (input, then weights)
   gathers and reduces as the others do: measured so with FSDP inside the stages.
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).
@@ -76,6 +89,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -101,13 +115,22 @@ def _dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
-def _local_params(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool):
+def _local_params(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    sequence_parallel: bool,
+    stage: int | None = None,
+):
     """(FSDP unit, parameter name, elements on one rank before FSDP sharding) of every
     parameter: its TP part (``ModelSpec.tp_split_dim``), dim 0 padded to a multiple of
-    ``dp_shard x cp`` as FSDP pads it. Units: '<blocks>.<i>' (e.g. 'layers.0') or 'root'."""
+    ``dp_shard x cp`` as FSDP pads it. Units: '<blocks>.<i>' (e.g. 'layers.0') or 'root'.
+    With ``stage`` (a pipeline stage index of ``dims.pp_stages``), only that stage's
+    parameters (``_on_stage``)."""
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     blocks = block_prefix(model) + "."
     for name, param in model.named_parameters():
+        if stage is not None and not _on_stage(model, name, blocks, stage, dims):
+            continue
         shape = list(param.shape)
         split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
         if split is not None:
@@ -115,6 +138,21 @@ def _local_params(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel:
         shape[0] = math.ceil(shape[0] / dims.dp_shard_cp) * dims.dp_shard_cp
         unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
         yield unit, name, math.prod(shape)
+
+
+def _on_stage(model, name: str, blocks: str, stage: int, dims: ParallelDims) -> bool:
+    """Whether parameter ``name`` of the unsplit ``model`` lives on pipeline ``stage``, as
+    ``models/base.keep_stage`` cuts it: a block on its stage, the first modules on stage 0,
+    the last on the last stage, anything else on every stage (so the one stage of a job
+    without pipeline parallel holds every parameter)."""
+    if name.startswith(blocks):
+        block = int(name[len(blocks) :].split(".")[0])
+        return block in dims.stage_blocks(len(model.blocks()))[stage]
+    first, last = model.pipeline_ends()
+    top = name.split(".")[0]
+    if top in first:
+        return stage == 0
+    return stage == dims.pp_stages - 1 if top in last else True
 
 
 def unit_sizes(
@@ -132,28 +170,28 @@ def unit_sizes(
     ``stage`` (a pipeline stage index of ``dims.pp_stages``), only that stage's parameters
     (``models/base.keep_stage``); a stage without embeddings or output layer has no root unit.
     """
-    model = build_meta_model(model_cfg)
-    params = dict(model.named_parameters())
-    blocks = block_prefix(model) + "."
+    params = dict(build_meta_model(model_cfg).named_parameters())
     frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel):
-        if stage is not None and not _on_stage(model, name, blocks, stage, dims):
-            continue
+    for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel, stage):
         units[unit][0] += numel
         units[unit][1] += 0 if name in frozen else numel
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
 
 
 def float8_weight_sizes(
-    model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool = True
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    sequence_parallel: bool = True,
+    stage: int | None = None,
 ) -> dict[str, list[int]]:
-    """Per FSDP unit (as ``unit_sizes``), the elements of each weight ``float8.convert`` turns
-    into a float8 linear: what a float8 all-gather sends at one byte per element."""
+    """Per FSDP unit (as ``unit_sizes``, ``stage`` too), the elements of each weight
+    ``float8.convert`` turns into a float8 linear: what a float8 all-gather sends at one byte
+    per element."""
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     modules = dict(model.named_modules())
     sizes: dict[str, list[int]] = defaultdict(list)
-    for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel):
+    for unit, name, numel in _local_params(model_cfg, dims, sequence_parallel, stage):
         fqn, _, leaf = name.rpartition(".")
         module = modules.get(fqn)
         if leaf != "weight" or not isinstance(module, nn.Linear):
@@ -169,16 +207,6 @@ def float8_weight_sizes(
     return dict(sizes)
 
 
-def _on_stage(model, name: str, blocks: str, stage: int, dims: ParallelDims) -> bool:
-    """Whether parameter ``name`` of the unsplit ``model`` lives on pipeline ``stage``."""
-    if name.startswith(blocks):
-        block = int(name[len(blocks) :].split(".")[0])
-        return block in dims.stage_blocks(len(model.blocks()))[stage]
-    first, last = model.pipeline_ends()
-    top = name.split(".")[0]
-    return (stage == 0 and top in first) or (stage == dims.pp_stages - 1 and top in last)
-
-
 class _Tally:
     def __init__(self):
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
@@ -187,6 +215,10 @@ class _Tally:
         if calls and nbytes:
             self.counts[key]["calls"] += calls
             self.counts[key]["bytes"] += nbytes
+
+    def result(self) -> dict[str, dict[str, int]]:
+        """{'<kind>/<dim>': {'calls', 'bytes'}}, sorted by key."""
+        return {key: dict(self.counts[key]) for key in sorted(self.counts)}
 
 
 def analytic_comm(
@@ -201,54 +233,102 @@ def analytic_comm(
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
     Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes, the job's
-    ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate (its stages differ
-    in what they send). ``pipeline_stage``: the job (pp = 1) is one stage of a pipeline, as the
-    planner prices a stage, with ``trainer.grad_accum_steps`` its micro-batches: FSDP gathers
-    and reduces as a stage does (``fsdp_gathers``), without the stage-to-stage sends. See the
+    ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate. Sums the stage
+    counter (``_stage``) over the rank's stages (``_rank_stages``; without pipeline
+    parallel the one stage, holding both ends), then adds the step's all-ranks reductions.
+    ``pipeline_stage``: the job (pp = 1) is one stage of a pipeline, as the planner prices a
+    stage, with ``trainer.grad_accum_steps`` its micro-batches (``stage_passes``). See the
     module docstring for what is counted.
     """
     tally = _Tally()
+    passes = stage_passes(dims, parallel, trainer, pipeline_stage)
+    for stage in _rank_stages(pp_rank, dims):
+        _stage(tally, model_cfg, dims, parallel, precision, trainer, stage, passes)
     if dims.pp > 1:
-        _pipeline(tally, model_cfg, dims, parallel, precision, trainer, pp_rank)
+        tally.add("all_reduce/pp", 1, 4)  # the grad norm's squares, summed over the stages
+    if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
-        return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
-    accum = trainer.grad_accum_steps
-    units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel)
+    return tally.result()
+
+
+def _rank_stages(pp_rank: int, dims: ParallelDims) -> range:
+    """The stages rank ``pp_rank`` of the ``pp`` dim holds: r, r + pp, ... (the loop
+    placement ``pipeline.local_stages`` builds; that module is not imported here, it reaches
+    the sharding applier). Without pipeline parallel: stage 0 alone."""
+    return range(pp_rank, dims.pp_stages, dims.pp)
+
+
+@dataclass(frozen=True)
+class StagePasses:
+    """How a stage runs its step: ``micro_batches`` forward and backward passes, FSDP's
+    all-gathers ``gathers`` (``fsdp_gathers``: of each unit in forward, of each block in
+    backward) and its gradient reductions ``reductions`` a step (``grad_reductions``)."""
+
+    micro_batches: int
+    gathers: tuple[int, int]
+    reductions: int
+
+
+def stage_passes(
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    trainer: TrainerConfig,
+    pipeline_stage: bool = False,
+) -> StagePasses:
+    """The passes of every stage of layout ``dims`` (``parallel``, ``trainer`` config nodes).
+    Under a pipeline schedule (pp > 1: ``pp_microbatches`` micro-batches; or
+    ``pipeline_stage``: a pp = 1 job priced as one stage of a pipeline, its micro-batches
+    ``trainer.grad_accum_steps``) FSDP gathers as a stage does and reduces once; without
+    one, as the accumulation loop over ``trainer.grad_accum_steps`` micro-batches does."""
+    scheduled = dims.pp > 1 or pipeline_stage
+    m = dims.pp_microbatches if dims.pp > 1 else trainer.grad_accum_steps
+    gathers = fsdp_gathers(m, parallel.reshard_after_forward, scheduled)
+    return StagePasses(m, gathers, 1 if scheduled else grad_reductions(dims, trainer))
+
+
+def _stage(
+    tally: _Tally,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+    stage: int,
+    passes: StagePasses,
+) -> None:
+    """The stage counter: what a rank of pipeline ``stage`` (of ``dims.pp_stages``; stage 0 of
+    1 without pipeline parallel) sends in a step run as ``passes``: the stage-to-stage sends,
+    the data parallel collectives of the stage's parameters (float8 weights at one byte per
+    element under float8 all-gather), and the context and tensor parallel collectives of its
+    blocks and ends (module docstring)."""
+    m, compute = passes.micro_batches, _dtype_bytes(precision.param_dtype)
+    ends = (stage == 0, stage == dims.pp_stages - 1)  # holds the embedding; the output layer
+    rows = trainer.global_batch_size // dims.dp  # the rank's rows a step, over micro-batches
+    sp = parallel.sequence_parallel
+    sends = (not ends[1]) + (not ends[0])  # activations forward, gradients back
+    hidden = stage_send_bytes(model_cfg, precision, sp, rows // m, dims.cp, dims.tp)
+    tally.add("send/pp", sends * m, sends * m * hidden)
+    units = unit_sizes(model_cfg, dims, trainer.freeze, sp, stage)
     f8 = (
-        float8_weight_sizes(model_cfg, dims, parallel.sequence_parallel)
+        float8_weight_sizes(model_cfg, dims, sp, stage)
         if float8.gathers_float8(precision, dims.dp_mode)
         else {}
     )
-    reductions = 1 if pipeline_stage else grad_reductions(dims, trainer)
-    gathers = fsdp_gathers(accum, parallel.reshard_after_forward, pipeline_stage)
-    _data_parallel(tally, units, f8, dims, precision, gathers, reductions)
-    compute = _dtype_bytes(precision.param_dtype)
+    _data_parallel(tally, units, f8, dims, precision, passes.gathers, passes.reductions)
     if dims.cp > 1:
-        _context_parallel(
-            tally,
-            model_cfg,
-            dims,
-            trainer.global_batch_size // dims.dp,
-            compute,
-            accum,
-            parallel.ac == AC.full,
-        )
+        _context_parallel(tally, model_cfg, dims, parallel, precision, trainer, stage, m)
     if dims.tp > 1:
-        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp
         _tensor_parallel(
             tally,
             model_cfg,
-            tokens,
-            parallel.sequence_parallel,
+            parallel,
+            rows * model_cfg.seq_len // dims.cp,
             compute,
-            accum,
-            parallel.ac == AC.full,
-            reductions,
-            loss_parallel=parallel.loss_parallel,
+            m,
+            passes.reductions,
+            len(dims.stage_blocks(model_cfg.n_layers)[stage]),
+            ends,
         )
-    if dims.world_size > 1:
-        tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
-    return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
 
 
 def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
@@ -259,55 +339,6 @@ def grad_reductions(dims: ParallelDims, trainer: TrainerConfig) -> int:
     if dims.dp_shard_cp > 1 and AccumReduce(trainer.accum_reduce) is AccumReduce.every:
         return trainer.grad_accum_steps
     return 1
-
-
-def _pipeline(
-    tally: _Tally,
-    model_cfg: ModelConfig,
-    dims: ParallelDims,
-    parallel: ParallelConfig,
-    precision: PrecisionConfig,
-    trainer: TrainerConfig,
-    pp_rank: int,
-) -> None:
-    """What the rank at ``pp`` coordinate ``pp_rank`` sends in a step: for each of its stages
-    the stage-to-stage sends and the collectives of the data, context and tensor parallel
-    dims inside the stage, then the grad norm's all-reduce over ``pp`` (module docstring)."""
-    m, compute = dims.pp_microbatches, _dtype_bytes(precision.param_dtype)
-    rows = trainer.global_batch_size // dims.dp  # the rank's rows a step, over micro-batches
-    tokens = rows * model_cfg.seq_len // dims.cp
-    sharded = dims.tp > 1 and parallel.sequence_parallel  # stage outputs are sequence-sharded
-    hidden = rows // m * model_cfg.seq_len // dims.cp * model_cfg.dim * compute
-    hidden //= dims.tp if sharded else 1
-    last = dims.pp_stages - 1
-    blocks = dims.stage_blocks(model_cfg.n_layers)
-    for stage in (pp_rank + i * dims.pp for i in range(dims.pp_stages_per_rank)):
-        ends = (stage == 0, stage == last)
-        sends = (not ends[1]) + (not ends[0])  # activations forward, gradients back
-        tally.add("send/pp", sends * m, sends * m * hidden)
-        units = unit_sizes(model_cfg, dims, trainer.freeze, parallel.sequence_parallel, stage)
-        gathers = fsdp_gathers(m, parallel.reshard_after_forward, pipeline_stage=True)
-        _data_parallel(tally, units, {}, dims, precision, gathers, reductions=1)
-        layers = len(blocks[stage])
-        if dims.cp > 1:
-            _context_parallel(
-                tally, model_cfg, dims, rows, compute, m, parallel.ac == AC.full, layers
-            )
-        if dims.tp > 1:
-            _tensor_parallel(
-                tally,
-                model_cfg,
-                tokens,
-                parallel.sequence_parallel,
-                compute,
-                m,
-                parallel.ac == AC.full,
-                1,
-                layers,
-                ends,
-                parallel.loss_parallel,
-            )
-    tally.add("all_reduce/pp", 1, 4)
 
 
 def fsdp_gathers(micro_batches: int, reshard: bool, pipeline_stage: bool) -> tuple[int, int]:
@@ -328,6 +359,21 @@ def fsdp_gathers(micro_batches: int, reshard: bool, pipeline_stage: bool) -> tup
     return (1 if pipeline_stage else micro_batches), backward
 
 
+def stage_send_bytes(
+    model_cfg: ModelConfig,
+    precision: PrecisionConfig,
+    sequence_parallel: bool,
+    rows: int,
+    cp: int,
+    tp: int,
+) -> int:
+    """Bytes of one stage-to-stage send (``send/pp``) of a micro-batch of ``rows`` sequences:
+    its hidden state, rows x seq_len / ``cp`` x dim in the compute dtype, / ``tp`` when
+    sequence parallel leaves it sequence-sharded."""
+    hidden = rows * model_cfg.seq_len // cp * model_cfg.dim * _dtype_bytes(precision.param_dtype)
+    return hidden // (tp if tp > 1 and sequence_parallel else 1)
+
+
 def world_dim(dims: ParallelDims) -> str:
     """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
     flattened ``dp``) spanning every rank, else ``world``."""
@@ -340,23 +386,19 @@ def context_parallel_comm(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     trainer: TrainerConfig,
+    pp_rank: int = 0,
 ) -> dict[str, dict[str, int]]:
     """Return the part of ``analytic_comm`` that is context parallel's key/value exchange
-    ({'all_gather/cp', 'reduce_scatter/cp': {'calls', 'bytes'}}; empty when cp = 1). Same
-    arguments as ``analytic_comm``. The planner prices it apart from FSDP's collectives, which
-    share the 'cp' keys when dp_shard = 1."""
+    ({'all_gather/cp', 'reduce_scatter/cp': {'calls', 'bytes'}}; empty when cp = 1): the
+    stage counter's context parallel term over the rank's stages. Same arguments as
+    ``analytic_comm`` (``pipeline_stage`` leaves the exchange as it is). The planner prices
+    it apart from FSDP's collectives, which share the 'cp' keys when dp_shard = 1."""
     tally = _Tally()
     if dims.cp > 1:
-        _context_parallel(
-            tally,
-            model_cfg,
-            dims,
-            trainer.global_batch_size // dims.dp,
-            _dtype_bytes(precision.param_dtype),
-            trainer.grad_accum_steps,
-            parallel.ac == AC.full,
-        )
-    return {key: dict(tally.counts[key]) for key in sorted(tally.counts)}
+        m = stage_passes(dims, parallel, trainer).micro_batches
+        for stage in _rank_stages(pp_rank, dims):
+            _context_parallel(tally, model_cfg, dims, parallel, precision, trainer, stage, m)
+    return tally.result()
 
 
 def _data_parallel(
@@ -402,44 +444,42 @@ def _context_parallel(
     tally: _Tally,
     model_cfg: ModelConfig,
     dims: ParallelDims,
-    rows: int,
-    compute: int,
-    accum: int,
-    recompute: bool,
-    layers: int | None = None,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+    stage: int,
+    micro_batches: int,
 ) -> None:
-    """The K/V all-gather of every block (again under full AC) and its gradients'
-    reduce-scatter, for ``rows`` sequences a step (over the micro-batches); ``layers``: the
-    blocks counted (all by default, a pipeline stage's)."""
-    layers = model_cfg.n_layers if layers is None else layers
+    """The K/V all-gather of every block of pipeline ``stage`` (again under full AC) and its
+    gradients' reduce-scatter, in each of ``micro_batches``, for the rank's rows a step."""
+    layers = len(dims.stage_blocks(model_cfg.n_layers)[stage])
+    rows = trainer.global_batch_size // dims.dp  # over the micro-batches
     kv_width = model_spec(model_cfg).kv_dim() // dims.tp  # the rank's K/V heads under TP
-    gathered = 2 * rows * model_cfg.seq_len * kv_width * compute  # keys and values, all S
-    passes = 2 if recompute else 1
-    tally.add(
-        f"all_gather/{dims.same_group('cp')}", passes * layers * accum, passes * layers * gathered
-    )
-    tally.add(f"reduce_scatter/{dims.same_group('cp')}", layers * accum, layers * gathered)
+    gathered = 2 * rows * model_cfg.seq_len * kv_width * _dtype_bytes(precision.param_dtype)
+    passes = 2 if parallel.ac == AC.full else 1
+    cp = dims.same_group("cp")
+    tally.add(f"all_gather/{cp}", passes * layers * micro_batches, passes * layers * gathered)
+    tally.add(f"reduce_scatter/{cp}", layers * micro_batches, layers * gathered)
 
 
 def _tensor_parallel(
     tally: _Tally,
     model_cfg: ModelConfig,
+    parallel: ParallelConfig,
     tokens: int,
-    sequence_parallel: bool,
     compute: int,
     accum: int,
-    recompute: bool = False,
-    reductions: int = 1,
-    layers: int | None = None,
-    ends: tuple[bool, bool] = (True, True),
-    loss_parallel: bool = False,
+    reductions: int,
+    layers: int,
+    ends: tuple[bool, bool],
 ) -> None:
-    """TP's activation collectives for ``tokens`` a step over ``accum`` passes, and the norms'
-    partial gradients ``reductions`` times. ``layers`` (default all) and ``ends`` (whether the
-    embedding and the output layer are held) restrict it to a pipeline stage;
-    ``loss_parallel``: the loss runs on vocabulary-sharded logits (``train/loss.py``)."""
+    """TP's activation collectives of a stage's ``layers`` blocks and ``ends`` (whether it
+    holds the embedding, the output layer) for ``tokens`` a step over ``accum`` passes, and
+    the norms' partial gradients ``reductions`` times; ``parallel`` says whether sequence
+    parallel, full AC and the loss on vocabulary-sharded logits (``train/loss.py``) apply."""
+    sequence_parallel, loss_parallel = parallel.sequence_parallel, parallel.loss_parallel
+    recompute = parallel.ac == AC.full
     all_layers, dim = model_cfg.n_layers, model_cfg.dim
-    layers = all_layers if layers is None else layers
     first, last = ends
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)

@@ -20,10 +20,10 @@ stage:
   backward) a third of the interleaved bubble is left (Qi et al. 2024, ZB-H1).
   The compute and communication of the stage's step are stretched by 1 / (1 - bubble).
 - **Stage-to-stage sends**: per micro-batch each stage boundary sends the hidden state
-  (micro-batch rows x tokens of the rank x dim, compute dtype) forward and its gradient back;
-  the m + pp - 1 slots of the critical path each wait for one send each way, priced as a
-  2-rank exchange over the link between neighbouring stages (across nodes when a stage fills
-  whole nodes); interleaving sends v times as often.
+  (micro-batch rows x tokens of the rank x dim, compute dtype: ``comm_model.stage_send_bytes``)
+  forward and its gradient back; the m + pp - 1 slots of the critical path each wait for one
+  send each way, priced as a 2-rank exchange over the link between neighbouring stages
+  (across nodes when a stage fills whole nodes); interleaving sends v times as often.
 - **Memory**: the stage's measured peak holds one micro-batch's activations, plus its blocks
   gathered between micro-batches (``gathered_blocks_gib``); the first stage holds the saved
   activations of more micro-batches before its first backward: GPipe all m, 1F1B min(m, pp),
@@ -48,7 +48,7 @@ from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.comm_model import unit_sizes
+from hsdp_runner.distributed.comm_model import stage_send_bytes, unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.pipeline_settings import zero_bubble_refusal
 from hsdp_runner.distributed.topology import Placement, placement
@@ -164,14 +164,14 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     )
     stage_rows = plan_stage(stage_cfg, stage_cluster, pipeline_stage=True)
     stage_rows = [row for row in stage_rows if row["valid"]]
-    compute_bytes = torch_dtype(run.precision.param_dtype).itemsize
     out = []
     for row in stage_rows:
         o = row["overrides"]
         tp, cp = o.get("parallel.tp", 1), o.get("parallel.cp", 1)
         dp = o.get("parallel.dp_replicate", 1) * o.get("parallel.dp_shard", 1)
-        tokens = run.model.seq_len // cp // (tp if run.parallel.sequence_parallel else 1)
-        hidden = run.trainer.global_batch_size // dp // m * tokens * run.model.dim * compute_bytes
+        rows = run.trainer.global_batch_size // dp // m  # a micro-batch's
+        sp = run.parallel.sequence_parallel
+        hidden = stage_send_bytes(run.model, run.precision, sp, rows, cp, tp)
         shape = (pp, *(o.get(f"parallel.{d}", 1) for d in DIM_NAMES[1:]))
         pair = dataclasses.replace(placement(shape, DIM_NAMES, "pp", cluster.gpus_per_node), size=2)
         shard_cp = o.get("parallel.dp_shard", 1) * cp

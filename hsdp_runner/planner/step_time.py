@@ -56,8 +56,7 @@ from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import (
     analytic_comm,
     context_parallel_comm,
-    fsdp_gathers,
-    grad_reductions,
+    stage_passes,
     unit_sizes,
 )
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
@@ -165,7 +164,7 @@ def step_time(
     """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``;
     ``pipeline_stage``: the job is one stage of a pipeline whose micro-batches are
     ``trainer.grad_accum_steps`` (``planner.pipeline``), so FSDP gathers and reduces as a
-    stage does (``comm_model.fsdp_gathers``).
+    stage does (``comm_model.stage_passes``).
 
     Returns compute, exposed communication per mesh dim, the step time, tokens/s/device, MFU
     and the dominant term.
@@ -185,13 +184,13 @@ def step_time(
     units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     total = sum(u[0] for u in units.values()) or 1
     root = units.get("root", (0, 0))[0] / total
-    reshard = cfg.parallel.reshard_after_forward
     blocks = max(1, cfg.model.n_layers)
     ag = times.get(f"all_gather/{fsdp}", 0.0)
-    accum = cfg.trainer.grad_accum_steps
     # all-gathers: forward gathers every unit, backward (with reshard) the blocks again; a
-    # pipeline stage gathers in its first forward alone.
-    forward_gathers, backward_gathers = fsdp_gathers(accum, reshard, pipeline_stage)
+    # pipeline stage gathers in its first forward alone. The passes the comm model counted.
+    passes = stage_passes(dims, cfg.parallel, cfg.trainer, pipeline_stage)
+    accum = passes.micro_batches
+    forward_gathers, backward_gathers = passes.gathers
     ag_fwd_share = forward_gathers / (forward_gathers + backward_gathers * (1 - root))
     ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
     exposed: dict[str, float] = {}
@@ -207,7 +206,7 @@ def step_time(
     # its own backward compute. The gradients are reduce-scattered in every micro-batch
     # (``trainer.accum_reduce=every`` under FSDP/HSDP, ``comm_model.grad_reductions``) or in
     # the last alone; HSDP's and DDP's all-reduce over dp_replicate runs in the last alone.
-    reductions = 1 if pipeline_stage else grad_reductions(dims, cfg.trainer)
+    reductions = passes.reductions
     bwd_pass = bwd / accum
     expose(fsdp, ag_bwd / blocks)
     ag_share = (1 - ag_fwd_share) * (1 - 1 / blocks) / accum  # of the step's all-gather price
