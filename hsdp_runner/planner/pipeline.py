@@ -8,7 +8,7 @@ pp) on an even split; embedding and output layer counted in full) and ``trainer.
 that is what a stage does in a step: m forward and backward passes of one micro-batch each,
 priced as a stage runs them (``pipeline_stage``: the schedule keeps the parameters gathered
 after each backward, so a block resharded after forward is gathered 1 + m times a step and the
-root once, ``comm_model.fsdp_gathers``), gradients reduced once after the last. On top of the
+root once, ``step_passes.fsdp_gathers``), gradients reduced once after the last. On top of the
 stage:
 
 - **Bubble**: with pp stages and m micro-batches, GPipe and 1F1B idle a fraction
@@ -48,8 +48,9 @@ from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.comm_model import stage_send_bytes, unit_sizes
+from hsdp_runner.distributed.comm_model import stage_send_bytes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.param_sizes import unit_sizes
 from hsdp_runner.distributed.pipeline_settings import zero_bubble_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
@@ -246,7 +247,7 @@ def _entry(
 
 def gathered_blocks_gib(run: RunConfig, dims: ParallelDims) -> float:
     """GiB a stage's rank holds beyond its shards because the schedule keeps the stage's
-    blocks gathered between micro-batches (``comm_model.fsdp_gathers``): after a micro-batch's
+    blocks gathered between micro-batches (``step_passes.fsdp_gathers``): after a micro-batch's
     backward every block stays unsharded until the next forward passes it, so the forward
     after a backward starts with all of them gathered (in ``precision.param_dtype``), next to
     the activations the stage holds. Nothing when FSDP does not shard (``dp_shard x cp`` = 1)

@@ -53,13 +53,10 @@ from __future__ import annotations
 
 from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
-from hsdp_runner.distributed.comm_model import (
-    analytic_comm,
-    context_parallel_comm,
-    stage_passes,
-    unit_sizes,
-)
+from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
+from hsdp_runner.distributed.param_sizes import unit_sizes
+from hsdp_runner.distributed.step_passes import stage_passes
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.models.params import torch_dtype
@@ -164,7 +161,7 @@ def step_time(
     """Predict one optimizer step of layout ``dims`` for config ``cfg`` on ``cluster``;
     ``pipeline_stage``: the job is one stage of a pipeline whose micro-batches are
     ``trainer.grad_accum_steps`` (``planner.pipeline``), so FSDP gathers and reduces as a
-    stage does (``comm_model.stage_passes``).
+    stage does (``step_passes.stage_passes``).
 
     Returns compute, exposed communication per mesh dim, the step time, tokens/s/device, MFU
     and the dominant term.
@@ -204,7 +201,7 @@ def step_time(
     expose(fsdp, spill)
     # Backward, per micro-batch: each gathers its blocks again and hides what it runs behind
     # its own backward compute. The gradients are reduce-scattered in every micro-batch
-    # (``trainer.accum_reduce=every`` under FSDP/HSDP, ``comm_model.grad_reductions``) or in
+    # (``trainer.accum_reduce=every`` under FSDP/HSDP, ``step_passes.grad_reductions``) or in
     # the last alone; HSDP's and DDP's all-reduce over dp_replicate runs in the last alone.
     reductions = passes.reductions
     bwd_pass = bwd / accum
