@@ -235,30 +235,18 @@ def test_pipeline_composed_with_fsdp_tp_and_hsdp_trains_what_one_process_trains(
 ):
     records = eight_ranks[0]["pipeline"][case][0]
     _assert_equal(records, runs[EIGHT_RANK_BASELINE[case]])
-    _assert_comm_modelled([eight_ranks[r]["pipeline"][case][1] for r in range(8)], alone=False)
+    _assert_comm_modelled([eight_ranks[r]["pipeline"][case][1] for r in range(8)])
 
 
-def _assert_comm_modelled(comm: list[dict], alone: bool) -> None:
-    """Measured communication equals the analytic model on every rank: exactly for pp alone;
-    inside composed stages every collective the model counts carries its bytes and calls, and
-    what it leaves out (``comm_model``: clip_grad_norm_'s per-parameter norm all-reduce, TP's
-    repeated norm-gradient all-reduces) stays small and is an all-reduce."""
+def _assert_comm_modelled(comm: list[dict]) -> None:
+    """Measured communication equals the analytic model on every rank, per (kind, mesh dim),
+    calls and bytes: the stage-to-stage sends, the collectives inside the stages, and the
+    step's reductions over them (the clip's norms, the grad norm over pp, the stats)."""
     for rank, facts in enumerate(comm):
         measured, analytic = facts["comm_measured"], facts["comm_analytic"]
-        if alone:
-            assert measured == analytic, rank
-            assert facts["comm_ratio"] == 1.0
-            continue
-        assert facts["comm_ratio"] == pytest.approx(1.0, abs=0.01), (rank, facts)
-        assert "send/pp" in analytic and len(analytic) > 3, (rank, analytic)
-        for key, want in analytic.items():
-            got = measured[key]
-            if key.startswith("all_reduce/") and key != "all_reduce/pp":
-                assert got["bytes"] >= want["bytes"] and got["calls"] >= want["calls"], (rank, key)
-            else:
-                assert got == want, (rank, key, facts)
-        for key in set(measured) - set(analytic):
-            assert measured[key]["bytes"] < 0.001 * facts["comm_bytes_analytic"], (key, facts)
+        assert "send/pp" in analytic, (rank, analytic)
+        assert round(facts["comm_ratio"], 4) == 1.0, (rank, facts)
+        assert measured == analytic, (rank, facts)
 
 
 @pytest.mark.multiprocess
@@ -268,7 +256,7 @@ def _assert_comm_modelled(comm: list[dict], alone: bool) -> None:
 def test_stage_to_stage_sends_equal_the_analytic_model_on_every_rank(runs, case):
     comm = runs[f"{case}/comm"]
     assert all(facts["comm_step"] == 2 for facts in comm), case
-    _assert_comm_modelled(comm, alone=CASES[case][0] == 2 or "parallel.pp=4" in CASES[case][2])
+    _assert_comm_modelled(comm)
     # 1F1B on 2 stages: 4 micro-batches of 2 rows x 32 tokens x 64 fp32 each way.
     if case == "llama_1f1b":
         assert comm[0]["comm_measured"]["send/pp"] == {"calls": 4, "bytes": 4 * 2 * 32 * 64 * 4}
@@ -276,21 +264,18 @@ def test_stage_to_stage_sends_equal_the_analytic_model_on_every_rank(runs, case)
 
 @pytest.mark.multiprocess
 def test_float8_stages_gather_one_byte_per_float8_weight(runs):
-    """pp 2 x FSDP 2 under float8 all-gather: every (kind, dim) the model counts measures
-    exactly its calls and bytes, on every rank. The one excess is what the model leaves out
-    (``comm_model``): clip_grad_norm_'s all-reduce of the rank's per-parameter norms over the
-    shard group, one fp32 per gradient: stage 0 holds the embedding and block 0's 9 (7
+    """pp 2 x FSDP 2 under float8 all-gather: every (kind, dim) measures exactly the calls
+    and bytes the model counts, on every rank. Over the shard group two small all-reduces:
+    the scales' amax, one fp32 per float8 weight of the stage (a block's 7 linears), and the
+    clip's norms, one fp32 per gradient: stage 0 holds the embedding and block 0's 9 (7
     linears, 2 norms), stage 1 block 1's 9, the final norm and the output layer."""
     comm = runs["llama_pp2_fsdp2_float8/comm"]
     for rank, facts in enumerate(comm):
-        measured, analytic = dict(facts["comm_measured"]), facts["comm_analytic"]
-        assert facts["comm_step"] == 2 and facts["comm_ratio"] == pytest.approx(1.0, abs=1e-4)
-        clip = {"calls": 1, "bytes": 4 * (10 if rank < 2 else 11)}  # ranks 0, 1: stage 0
-        shard = analytic["all_reduce/dp_shard"]
-        assert measured.pop("all_reduce/dp_shard") == {k: shard[k] + clip[k] for k in clip}
-        assert measured == {k: v for k, v in analytic.items() if k != "all_reduce/dp_shard"}
-        # The scales' amax: one fp32 per float8 weight of the stage (a block's 7 linears).
-        assert shard == {"calls": 1, "bytes": 7 * 4}, rank
+        measured, analytic = facts["comm_measured"], facts["comm_analytic"]
+        assert facts["comm_step"] == 2 and round(facts["comm_ratio"], 4) == 1.0, (rank, facts)
+        assert measured == analytic, (rank, facts)
+        clip = 10 if rank < 2 else 11  # ranks 0, 1: stage 0
+        assert analytic["all_reduce/dp_shard"] == {"calls": 2, "bytes": 7 * 4 + clip * 4}, rank
 
 
 def test_compare_table_shows_the_stages_before_the_stage_layout():
@@ -401,7 +386,7 @@ def test_a_pipeline_stage_gathers_in_its_first_forward_and_in_each_backward():
     from clusters import fake_cluster
 
     from hsdp_runner.config.compose import to_run_config
-    from hsdp_runner.distributed.comm_model import fsdp_gathers
+    from hsdp_runner.distributed.step_passes import fsdp_gathers
     from hsdp_runner.planner.step_time import step_time
 
     assert fsdp_gathers(4, reshard=True, pipeline_stage=True) == (1, 4)

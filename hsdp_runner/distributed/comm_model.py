@@ -51,8 +51,9 @@ follows what the runner builds (``parallelize.py``):
   ``parallel.loss_parallel`` (the default), instead of it the loss's three all-reduces of n
   fp32 each on the vocabulary-sharded logits (row max, sum of exponentials, target logit;
   ``train/loss.py``; its backward is local), and
-  the all-reduce of the sequence-parallel norm parameters' ``Partial`` gradients
-  (``ModelSpec.tp_partial_grad_numels``, one call each; ``partial_grad_reductions``): under a
+  the all-reduce of the sequence-parallel norm parameters' ``Partial`` gradients (the
+  trainable ones, ``param_sizes.tp_partial_grads``, one call each;
+  ``partial_grad_reductions``): under a
   data-parallel wrapper FSDP reduces them at each of its gradient reductions
   (``grad_reductions``), in the compute dtype when every micro-batch reduces its own, else in
   the reduce dtype FSDP accumulated them in; without one (no dp, ``param_dtype`` =
@@ -116,6 +117,7 @@ from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import (
     clipped_gradients,
     float8_weight_sizes,
+    tp_partial_grads,
     unit_sizes,
 )
 from hsdp_runner.distributed.step_passes import (
@@ -228,10 +230,13 @@ def _stage(
             rows * model_cfg.seq_len // dims.cp,
             compute,
             m,
-            partial_grad_reductions(dims, precision, passes),
             len(dims.stage_blocks(model_cfg.n_layers)[stage]),
             ends,
         )
+        # The norms' partial gradients (sequence parallel): each all-reduced on its own.
+        times, width = partial_grad_reductions(dims, precision, passes)
+        partial = tp_partial_grads(model_cfg, dims, trainer.freeze, sp, stage)
+        tally.add("all_reduce/tp", len(partial) * times, sum(partial) * width * times)
 
 
 def stage_send_bytes(
@@ -368,19 +373,16 @@ def _tensor_parallel(
     tokens: int,
     compute: int,
     accum: int,
-    partial: tuple[int, int],
     layers: int,
     ends: tuple[bool, bool],
 ) -> None:
     """TP's activation collectives of a stage's ``layers`` blocks and ``ends`` (whether it
-    holds the embedding, the output layer) for ``tokens`` a step over ``accum`` passes, and
-    the norms' partial gradients as ``partial`` says (``partial_grad_reductions``: times,
-    bytes per element); ``parallel`` says whether sequence parallel, full AC and the loss on
-    vocabulary-sharded logits (``train/loss.py``) apply."""
+    holds the embedding, the output layer) for ``tokens`` a step over ``accum`` passes;
+    ``parallel`` says whether sequence parallel, full AC and the loss on vocabulary-sharded
+    logits (``train/loss.py``) apply."""
     sequence_parallel, loss_parallel = parallel.sequence_parallel, parallel.loss_parallel
     recompute = parallel.ac == AC.full
-    all_layers, dim = model_cfg.n_layers, model_cfg.dim
-    first, last = ends
+    dim, (first, last) = model_cfg.dim, ends
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
         again = (
@@ -400,13 +402,6 @@ def _tensor_parallel(
         calls = 4 * layers + first + last
         tally.add("all_gather/tp", calls * accum, calls * act)
         tally.add("reduce_scatter/tp", calls * accum, calls * act)
-        # The norms' partial gradients, each all-reduced as ``partial`` says. Each norm's
-        # entries (weight, bias) come per norm: 2 a block and the final one.
-        norms = model_spec(model_cfg).tp_partial_grad_numels()
-        per_norm = len(norms) // (2 * all_layers + 1)
-        held = per_norm * (2 * layers + last)
-        times, width = partial
-        tally.add("all_reduce/tp", held * times, sum(norms[:held]) * width * times)
     else:
         calls = 4 * layers + first + last  # per block 2 in forward, 2 in backward; the ends
         tally.add("all_reduce/tp", calls * accum, calls * act)

@@ -3,8 +3,8 @@
 The sizes the communication model (``comm_model``) and the planner count with, read off a meta
 model without building a mesh: per FSDP unit, the elements of one rank's TP part of each
 parameter (dim 0 padded as FSDP pads it), trainable or frozen (``unit_sizes``); the weights a
-float8 all-gather sends at one byte per element (``float8_weight_sizes``); and the gradients
-the rank clips (``clipped_gradients``). Each takes an optional pipeline stage (or the rank's
+float8 all-gather sends at one byte per element (``float8_weight_sizes``); the gradients
+the rank clips (``clipped_gradients``) and those TP leaves partial (``tp_partial_grads``). Each takes an optional pipeline stage (or the rank's
 stages) and then counts only the parameters ``models/base.keep_stage`` leaves there.
 """
 
@@ -132,3 +132,32 @@ def clipped_gradients(
                 count += 1
                 tp_split = tp_split or split is not None
     return count, tp_split
+
+
+def tp_partial_grads(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    freeze=(),
+    sequence_parallel: bool = True,
+    stage: int | None = None,
+) -> list[int]:
+    """Elements of each trainable parameter (``freeze``: ``trainer.freeze``'s patterns) of
+    pipeline ``stage`` (None: the whole model) whose gradient is ``Partial`` over ``tp``: with
+    sequence parallel, those of the modules TP keeps whole on every rank (none of their
+    parameters split, ``ModelSpec.tp_split_dim``: the norms), whose input is sequence-sharded.
+    Empty without TP or sequence parallel. ``ModelSpec.tp_partial_grad_numels`` lists the
+    whole model's (``tests/test_comm.py`` checks that they agree)."""
+    if dims.tp == 1 or not sequence_parallel:
+        return []
+    spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
+    params = dict(model.named_parameters())
+    split = {n.rpartition(".")[0] for n in params if spec.tp_split_dim(n, True) is not None}
+    frozen = set(frozen_names(params, freeze))
+    blocks = block_prefix(model) + "."
+    return [
+        param.numel()
+        for name, param in params.items()
+        if name.rpartition(".")[0] not in split
+        and name not in frozen
+        and (stage is None or _on_stage(model, name, blocks, stage, dims))
+    ]

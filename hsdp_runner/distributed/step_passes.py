@@ -75,7 +75,7 @@ def partial_grad_reductions(
     dims: ParallelDims, precision: PrecisionConfig, passes: StagePasses
 ) -> tuple[int, int]:
     """How a step all-reduces each TP partial gradient (the norms' under sequence parallel,
-    ``ModelSpec.tp_partial_grad_numels``) over ``tp``: (times, bytes per element).
+    ``param_sizes.tp_partial_grads``) over ``tp``: (times, bytes per element).
 
     With a data-parallel wrapper (``has_dp_wrapper``) FSDP2 all-reduces it over ``tp`` at
     each of its gradient reductions (``passes.reductions``; ``FSDPParam._get_grad_inner_tensor``),
