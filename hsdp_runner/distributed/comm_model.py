@@ -102,7 +102,14 @@ follows what the runner builds (``parallelize.py``):
 
 What a step measures equals this count, per (kind, mesh dim), calls and bytes, in every layout
 ``tests/test_comm.py`` and ``tests/test_pipeline.py`` run (FSDP, HSDP, DDP, TP with and without
-FSDP, cp, pp, frozen parameters, float8 all-gather from its second step).
+FSDP, cp, pp, frozen parameters, float8 all-gather from its second step). Where they part:
+float8's first step and float8 TP (above); a frozen start of the model, where autograd runs
+no backward before the first trainable parameter: a frozen token embedding under sequence
+parallel skips its backward all-gather, frozen leading blocks of the first stage their
+backward TP and cp collectives, all of which the model counts (FSDP still gathers those
+blocks, by its backward prefetch); and frozen norms under sequence parallel, which the model
+counts without gradients while torch 2.13's ``SequenceParallel`` re-creates their parameters
+with ``requires_grad`` on, so the runner trains them.
 """
 
 from __future__ import annotations
