@@ -45,14 +45,14 @@ LAYOUTS = {
         "trainer.accum_reduce=last",
     ],
     # Float8 all-gather: the float8 linears' weights gathered at one byte per element, the
-    # scales' amax all-reduce after the optimizer step (distributed/float8.py). Counted in
-    # step 2: step 1 has no precomputed scales, so torchao all-reduces each weight's amax at
-    # each gather instead (comm_model).
+    # scales' amax all-reduce after the optimizer step (distributed/float8.py). The default
+    # metrics.comm_step=1 counts step 2 here: step 1 has no precomputed scales, so torchao
+    # all-reduces each weight's amax at each gather instead (comm_model).
     "hsdp_float8": [
         "parallel=hsdp",
         "precision=float8",
         "trainer.steps=2",
-        "metrics.comm_step=2",
+        "metrics.comm_step=1",
     ],
     # TP without a data-parallel wrapper (fp32, no dp): the norms' partial gradients stay
     # partial and are all-reduced by the clip's norm and again by AdamW; the frozen output

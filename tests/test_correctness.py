@@ -71,12 +71,14 @@ def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
         assert torch.equal(grad, torch.full((8, 4), 2.5)), (name, grad.flatten()[:4])
 
 
-FROZEN = "tok_embeddings.weight"
+# Frozen: the embedding, and a norm, which TP's sequence-parallel style replaces with a new
+# parameter (it must stay frozen through TP).
+FROZEN = ("tok_embeddings.weight", "layers.0.attention_norm.weight")
 
 
 def _eval_configs(cases):
     """[((layout, reshard_after_forward), typed config)] of the eval/frozen cases: 3 steps of
-    tiny Llama with the embedding frozen; composed and converted here, not on every rank."""
+    tiny Llama with the embedding and a norm frozen; composed and converted here, not on every rank."""
     from hsdp_runner.config.compose import to_run_config
 
     return [
@@ -91,7 +93,7 @@ def _eval_configs(cases):
                         "logger=none",
                         "metrics.comm_step=null",  # no communication count: nothing reads it
                         f"parallel.reshard_after_forward={str(reshard).lower()}",
-                        "trainer.freeze=['tok_embeddings.*']",
+                        "trainer.freeze=['tok_embeddings.*','layers.0.attention_norm.*']",
                     ]
                 )
             ),
@@ -145,8 +147,10 @@ def _train_eval_frozen(cases):
                 ]
             single_eval = torch.stack(losses).mean().item()
         results[f"{layout}/reshard={reshard}"] = {
-            "frozen_identical": torch.equal(before[FROZEN], after[FROZEN]),
-            "frozen_requires_grad": dict(model.named_parameters())[FROZEN].requires_grad,
+            "frozen_identical": all(torch.equal(before[n], after[n]) for n in FROZEN),
+            "frozen_requires_grad": any(
+                dict(model.named_parameters())[n].requires_grad for n in FROZEN
+            ),
             "trained_changed": not torch.equal(before["output.weight"], after["output.weight"]),
             "eval_loss": eval_loss,
             "single_eval": single_eval,

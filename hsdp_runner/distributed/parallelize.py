@@ -279,11 +279,19 @@ def parallelize(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     seq_len: int,
+    frozen: list[str] = (),
 ) -> None:
     """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
-    checkpointing, compile and data parallel, in that order."""
+    checkpointing, compile and data parallel, in that order. ``frozen``: the names of the
+    parameters ``trainer.freeze`` froze, kept frozen through TP."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel, parallel.loss_parallel)
+        # torch 2.13's sequence-parallel style (and GPT-2's position table's) makes the
+        # modules it replicates new parameters with requires_grad=True: freeze them again.
+        params = dict(model.named_parameters())
+        for name in frozen:
+            if name in params:
+                params[name].requires_grad_(False)
     if dims.cp > 1:
         apply_cp(model, world, seq_len)
     apply_ac(model, parallel.ac)
@@ -317,7 +325,8 @@ def parallelized_meta_model(
             model = model_spec(model_cfg).build()
     finally:
         torch.set_default_dtype(default_dtype)
-    freeze_parameters(model, freeze)  # on the whole model: a pattern may name another stage's
+    # On the whole model: a pattern may name another stage's parameters.
+    frozen = freeze_parameters(model, freeze)
     if stage is not None:
         keep_stage(
             model,
@@ -336,7 +345,7 @@ def parallelized_meta_model(
         dims.tp,
         lambda fqn: spec.tp_split_dim(f"{fqn}.weight", parallel.sequence_parallel),
     )
-    parallelize(model, dims, world, parallel, precision, model_cfg.seq_len)
+    parallelize(model, dims, world, parallel, precision, model_cfg.seq_len, frozen)
     return model
 
 

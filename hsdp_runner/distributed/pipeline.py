@@ -30,6 +30,7 @@ from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model, set_gradient_sync
 from hsdp_runner.models.base import ModelConfig
@@ -82,7 +83,10 @@ class Schedule:
 class OneStage(Schedule):
     """The trivial schedule of a rank holding the whole model (one stage, both ends): each of
     ``microbatches`` micro-batches' forward and backward in turn, with the gradient sync that
-    ``accum_reduce`` asks for (``parallelize.set_gradient_sync``) switched before each."""
+    ``accum_reduce`` asks for (``parallelize.set_gradient_sync``) switched before each.
+    ``repeated_from``: the first step every later one repeats (2 under float8 all-gather: the
+    first step has no precomputed scales, so torchao all-reduces each weight's amax at every
+    gather)."""
 
     def __init__(
         self,
@@ -91,9 +95,11 @@ class OneStage(Schedule):
         loss_fn: LossFn,
         microbatches: int,
         accum_reduce: AccumReduce,
+        repeated_from: int = 1,
     ):
         super().__init__([model], [0], 1, loss_fn)
         self.dims, self.microbatches, self.accum_reduce = dims, microbatches, accum_reduce
+        self.repeated_from = repeated_from
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool = False):
         self.poisoned = poison
@@ -231,5 +237,8 @@ def build_stages(
         for s in stage_ids
     ]
     if dims.pp_stages == 1:
-        return OneStage(parts[0], dims, loss_fn, trainer.grad_accum_steps, trainer.accum_reduce)
+        first_repeated = 2 if float8.gathers_float8(precision, dims.dp_mode) else 1
+        return OneStage(
+            parts[0], dims, loss_fn, trainer.grad_accum_steps, trainer.accum_reduce, first_repeated
+        )
     return PipelineSchedule(parts, stage_ids, dims, world, device, loss_fn)

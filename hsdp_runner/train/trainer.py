@@ -137,8 +137,8 @@ class Trainer:
         self.loss_parallel = loss_parallel  # the logits are sharded over the vocabulary
         self.batches, self.train, self.figures, self.fault = batches, train, figures, fault
         self.grad_clip, self.comm_step = optim.grad_clip, metrics.comm_step
-        if self.comm_step == 1:
-            self.comm_step = schedule.repeated_from  # the first step that later ones repeat
+        if self.comm_step == 1:  # the first step that later ones repeat, if the run has it
+            self.comm_step = min(schedule.repeated_from, train.steps)
         self.rank = dist.get_rank()
         self.sinks = list(sinks)
         self.after_update = after_update
