@@ -70,19 +70,18 @@ class MachineLoad:
         """True when other processes kept more than ``BUSY_LOAD_FRACTION`` of the CPUs busy."""
         return self.others_load > BUSY_LOAD_FRACTION * self.cpus
 
-    def describe(self, now: float | None = None) -> str:
-        """How old the figure is and how loaded the machine was, e.g. 'measured 2.5 h ago,
-        load 0.31 of 2 CPUs (others 0.12)', and ', busy' when it was."""
+    def age(self, now: float | None = None) -> str:
+        """How long ago the figure was measured, e.g. '40 s ago', '2.5 h ago'."""
         age = max(0.0, (time.time() if now is None else now) - self.measured_at)
         if age < 3600:
-            when = f"{age:.0f} s" if age < 60 else f"{age / 60:.0f} min"
-        else:
-            when = f"{age / 3600:.1f} h" if age < 86400 else f"{age / 86400:.1f} d"
+            return f"{age:.0f} s ago" if age < 60 else f"{age / 60:.0f} min ago"
+        return f"{age / 3600:.1f} h ago" if age < 86400 else f"{age / 86400:.1f} d ago"
+
+    def describe(self) -> str:
+        """How loaded the machine was, e.g. 'load 0.31 of 2 CPUs (others 0.12)', and ', busy'
+        when it was."""
         busy = ", busy" if self.busy else ""
-        return (
-            f"measured {when} ago, load {self.loadavg:.2f} of {self.cpus} CPUs (others "
-            f"{self.others_load:.2f}){busy}"
-        )
+        return f"load {self.loadavg:.2f} of {self.cpus} CPUs (others {self.others_load:.2f}){busy}"
 
 
 @dataclass(frozen=True)
@@ -133,14 +132,16 @@ def matmul_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> 
 
 
 def measure_cpu_peak(
-    dtype: torch.dtype, ranks: int = 1, windows: int = 8, seconds: float = 0.1, rate=None
+    dtype: torch.dtype, ranks: int = 1, windows: int = 5, seconds: float = 0.06, rate=None
 ) -> CpuPeak:
     """This rank's matmul peak in ``dtype`` while ``ranks`` ranks of its job measure too:
     the best of ``windows`` back-to-back windows of ``seconds`` (``rate(dtype, seconds)``,
     default ``matmul_tflops``) after one left out, with the load read just before.
 
     Back to back, not spread with pauses: a rank that paused would hand its share of the CPUs
-    to the others. A burst of load from elsewhere lowers some windows; the best is kept."""
+    to the others. A burst of load from elsewhere lowers some windows; the best is kept. About
+    0.36 s, what one 0.3 s window cost before; load lasting longer than that is what
+    ``MachineLoad.busy`` is for."""
     rate = rate or (lambda d, s: matmul_tflops(d, seconds=s))
     load = machine_load(ranks)
     rate(dtype, seconds)  # left out: the ranks do not start at the same instant

@@ -133,7 +133,7 @@ def _peak_load_line(cluster: dict) -> list[str]:
         if load.busy
         else ""
     )
-    return [f"- The peak was {load.describe()} ({stamp}){busy}."]
+    return [f"- The peak was measured {load.age()} ({stamp}), {load.describe()}{busy}."]
 
 
 def _cp_line(cfg: RunConfig, entries: list[dict]) -> str:

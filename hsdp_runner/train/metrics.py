@@ -175,11 +175,12 @@ def measured_cpu_peak(shares: dict, remeasure: bool = False) -> Peak:
     for dtype in (d for d, share in shares.items() if share):
         peak, from_cache = cpu_peak.cached_cpu_peak(dtype, remeasure)
         found[dtype] = peak.tflops
-        where = f"cached in {cpu_peak.cpu_peak_cache_file()}" if from_cache else "measured now"
-        parts.append(f"{dtype} {peak.tflops:.4g} TFLOP/s, {where}, {peak.load.describe()}")
+        when = f"cached, measured {peak.load.age()}" if from_cache else "measured now"
+        kept = "" if from_cache or not peak.load.busy else ": not cached"
+        parts.append(f"{dtype} {peak.tflops:.4g} ({when}; {peak.load.describe()}{kept})")
     source = (
-        f"measured: matmuls on this rank's CPU share ({_shares_text(shares)} of the model "
-        f"FLOPs): {'; '.join(parts)}"
+        f"measured on this rank's CPU share, for {_shares_text(shares)} of the model FLOPs: "
+        f"{', '.join(parts)} TFLOP/s"
     )
     return Peak(
         combined_peak(shares, found), source, lambda: _figures(measured_cpu_peak(shares, True))
