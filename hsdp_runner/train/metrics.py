@@ -158,9 +158,12 @@ def combined_peak(shares: dict, peaks: dict) -> float | None:
     """The peak of a step whose model FLOPs run ``shares[dtype]`` in each dtype at
     ``peaks[dtype]`` TFLOP/s: the rate at which those FLOPs would run were each share at its
     own peak (1 / sum of share / peak); None when a dtype with a share has no peak."""
-    if any(share and not peaks.get(dtype) for dtype, share in shares.items()):
+    used = [dtype for dtype, share in shares.items() if share]
+    if any(not peaks.get(dtype) for dtype in used):
         return None
-    return 1.0 / sum(share / peaks[dtype] for dtype, share in shares.items() if share)
+    if len(used) == 1:  # the figure itself, not 1 / (1 / figure)
+        return peaks[used[0]]
+    return 1.0 / sum(shares[dtype] / peaks[dtype] for dtype in used)
 
 
 def _shares_text(shares: dict) -> str:
