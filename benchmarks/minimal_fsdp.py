@@ -5,14 +5,17 @@ compares the runner with. Run under torchrun:
         --model llama3_debug --steps 12 --batch 8 --out times.json
 
 Same model class, TP plan, FSDP2 wrapping (blocks, then the root without resharding after
-forward), AdamW (fused, as the runner's) and gradient clipping as the runner; none of its config, checks, metrics,
-logging or checkpointing. Rank 0 writes the per-step times (train step through loss.item())
-as JSON.
+forward), AdamW (fused, as the runner's), gradient clipping and loss as the runner: under TP the
+output layer leaves the logits sharded over the vocabulary and the loss runs on the shards under
+torch's ``loss_parallel`` (the runner's default ``parallel.loss_parallel=true``); none of its
+config, checks, metrics, logging or checkpointing. Rank 0 writes the per-step times (train step
+through loss.item()) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import time
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from hsdp_runner.models.llama import Llama, tp_plan
 
@@ -46,7 +50,7 @@ def main() -> None:
     with torch.device("meta"):
         model = Llama(cfg)
     if args.tp > 1:
-        tp_plan(model, mesh["tp"], sequence_parallel=True)
+        tp_plan(model, mesh["tp"], sequence_parallel=True, loss_parallel=True)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
@@ -62,9 +66,11 @@ def main() -> None:
         gen = torch.Generator().manual_seed(step)
         data = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
         data = data[dp_rank * local : (dp_rank + 1) * local]
-        logits = model(data[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
-        loss.backward()
+        # torch requires the sharded loss's backward inside the same context as the loss.
+        with loss_parallel() if args.tp > 1 else contextlib.nullcontext():
+            logits = model(data[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), data[:, 1:].flatten())
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)

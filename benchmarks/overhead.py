@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/overhead.py [--model llama3_debug] [--steps 12] [--warmup 4]
 
 For each layout (fsdp: dp_shard=2; fsdp_tp: dp_shard=2 x tp=2), side by side with the same
-model, mesh, global batch and steps:
+model, mesh, global batch, steps and loss (under TP both compute it on the vocabulary-sharded
+logits with torch's ``loss_parallel``, the runner's default ``parallel.loss_parallel=true``):
 - ``python -m hsdp_runner`` (defaults, ``logger=none``), and
 - ``torchrun --standalone`` + ``benchmarks/minimal_fsdp.py``.
 Prints the steady-state (median after ``--warmup`` steps) step time of each and their ratio,
@@ -13,7 +14,9 @@ start-up checks, W&B when on) shows in the wall time. The last line is
 ``step_time_ratio=<x> wall_ratio=<y>``: the worst layout of each. Targets: <= 1.03, <= 1.15.
 Each pair runs ``--repeats`` times (default 3, at least 3 for a figure to report), alternating
 which command goes first; each figure is the median over the repeats (each repeat's step time
-being the median of its steps after warm-up).
+being the median of its steps after warm-up). Every pair also prints its own step-time ratio
+and the 1-minute load average before and after it: on a machine shared with other work a
+pair whose load moved is noise, not overhead.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: b
         f"trainer.global_batch_size={args.batch}",
         "logger=none",
     ]
+    load_before = os.getloadavg()[0]
     if runner_first:
         wall_run, wall_min = _timed(runner, env), _timed(minimal, env)
     else:
@@ -91,9 +95,17 @@ def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: b
     run_times = [
         json.loads(line)["step_time_s"] for line in (job / "metrics.jsonl").read_text().splitlines()
     ]
+    runner_step = statistics.median(run_times[args.warmup :])
+    minimal_step = statistics.median(min_times[args.warmup :])
+    print(
+        f"  {name} pair ({'runner' if runner_first else 'minimal'} first): step time runner "
+        f"{runner_step:.3f} s, minimal {minimal_step:.3f} s, ratio "
+        f"{runner_step / minimal_step:.3f}; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     return {
-        "runner_step": statistics.median(run_times[args.warmup :]),
-        "minimal_step": statistics.median(min_times[args.warmup :]),
+        "runner_step": runner_step,
+        "minimal_step": minimal_step,
         "runner_wall": wall_run,
         "minimal_wall": wall_min,
         # what the wall time spends outside the timed steps: start-up, teardown, reporting

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 from hsdp_runner.planner.cluster import Cluster
+
+
+def quiet_load() -> dict:
+    """A linkbench cache's ``peak_load`` record: measured now, nothing else running."""
+    return {"measured_at": time.time(), "loadavg": 0.0, "own_load": 0.0, "cpus": 2}
 
 
 def fake_cluster(**overrides) -> Cluster:
@@ -60,6 +66,8 @@ def this_machine_cache(cache: Path, threads_per_rank: int | None = None) -> dict
                 "threads_per_rank": threads_per_rank or linkbench._threads_per_rank(2),
                 "host": socket.gethostname(),
                 "ranks": 2,
+                # measured now on a quiet machine: a busy one would be measured again
+                "peak_load": quiet_load(),
             }
         )
     )

@@ -62,6 +62,42 @@ def test_bf16_and_fp32_presets_train_no_float8():
         assert not float8.gathers_float8(precision, DPMode.fsdp)
 
 
+NOISE = ("Failed to load", "Could not load this library", "register_constant", "Detected no triton")
+
+
+def _stderr_of(code: str) -> str:
+    """stderr of a fresh Python that configures logging (as a worker does) and runs ``code``."""
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    setup = "import logging; logging.basicConfig(level=logging.INFO)\n"
+    done = subprocess.run(
+        [sys.executable, "-c", setup + code], env=cli_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_importing_torchao_through_our_float8_module_prints_one_line_and_none_of_its_noise():
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("the kernel libraries this checks for load on a CUDA build")
+    # torchao imported directly fills the console with its import-time lines ...
+    bare = _stderr_of("import torchao.float8")
+    assert all(noise in bare for noise in NOISE), bare
+    # ... imported through hsdp_runner none of them, and one line, once, that says why.
+    ours = _stderr_of(
+        "from hsdp_runner.distributed import float8\n"
+        "float8.torchao_float8(); float8.torchao_float8()"
+    )
+    assert not [noise for noise in NOISE if noise in ours], ours
+    assert ours.count("are not available in this CPU-only torch build") == 1, ours
+    assert "it is emulated on the CPU" in ours
+
+
 def _train(configs):
     """Train each ``{name: typed config}`` case on these ranks; return {name: step
     records}, and under ``compiled_frames`` the (function, file name) of every frame Dynamo

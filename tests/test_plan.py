@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from clusters import fake_cluster
+from clusters import fake_cluster, quiet_load
 from omegaconf import OmegaConf
 
 from hsdp_runner import plan
@@ -515,6 +515,7 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
             "overlap": 0.3,
             "memory_gbps": 5.0,
             "threads_per_rank": linkbench._threads_per_rank(ranks),
+            "peak_load": quiet_load(),
         }
 
     monkeypatch.setattr(linkbench, "measure", fake_measure)

@@ -320,23 +320,28 @@ def test_one_cache_dir_and_the_old_variable_still_works_with_a_warning(tmp_path)
 
 
 def test_cpu_peak_is_measured_once_per_machine_and_thread_count(tmp_path, monkeypatch):
+    from hsdp_runner.distributed import cpu_peak
     from hsdp_runner.train import metrics
 
     monkeypatch.setenv("HSDP_RUNNER_CACHE_DIR", str(tmp_path))
     measured = []
-    monkeypatch.setattr(
-        metrics, "measure_cpu_tflops", lambda dtype: measured.append(dtype) or 0.5 + len(measured)
-    )
-    first = metrics.resolve_peak_tflops(torch.device("cpu"), "float32", None)
-    again = metrics.resolve_peak_tflops(torch.device("cpu"), "float32", None)
-    assert first[0] == again[0] == 1.5 and len(measured) == 1
-    assert "measured now" in first[1] and "cached" in again[1]
-    assert metrics.cpu_peak_cache_file() == tmp_path / "cpu_peak.json"
+    quiet = cpu_peak.MachineLoad(0.0, 0.0, 0.0, 2)
+
+    def measure(dtype, ranks):
+        measured.append(dtype)
+        return cpu_peak.CpuPeak(0.5 + len(measured), quiet)
+
+    monkeypatch.setattr(cpu_peak, "measure_cpu_peak", measure)
+    first = metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, None)
+    again = metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, None)
+    assert first.tflops == again.tflops == 1.5 and len(measured) == 1
+    assert "measured now" in first.source and "cached" in again.source
+    assert cpu_peak.cpu_peak_cache_file() == tmp_path / "cpu_peak.json"
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert metrics.resolve_peak_tflops(torch.device("cpu"), "float32", None)[0] == 2.5
+        assert metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, None).tflops == 2.5
     finally:
         torch.set_num_threads(threads)
     (tmp_path / "cpu_peak.json").write_text("not json")  # a damaged cache is measured around
-    assert metrics.resolve_peak_tflops(torch.device("cpu"), "float32", None)[0] == 3.5
+    assert metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, None).tflops == 3.5

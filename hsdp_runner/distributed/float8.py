@@ -19,12 +19,21 @@ float8 checkpoint resumes under bf16 and back, and HF export is the same.
   ``precompute_float8_dynamic_scale_for_fsdp`` after every optimizer step (``after_update``).
 - TP: on GPUs torchao's float8 styles (``tp_styles``) all-gather activations in float8
   (tensorwise); on CPU, where gloo cannot carry float8, torch's styles in the compute dtype.
+- The console: torchao is imported here only (``torchao_float8``). On a CPU-only torch build
+  its import logs "Failed to load ..._C_mxfp8...so / _C_cutlass_90a..." (its CUDA kernels)
+  and "Detected no triton", and torch logs a ``register_constant`` deprecation for each Enum
+  torchao registers; those exact lines are filtered during the import, and one line says
+  which kernels are missing and why emulation does not need them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +52,7 @@ FLOAT8_ALIGN = 16
 # Float8 tensor cores: Ada (8.9) and Hopper (9.0) onward.
 MIN_CAPABILITY = (8, 9)
 TORCHAO_FIX = "pip install torchao==0.18.0 (the release pyproject.toml pins)"
+log = logging.getLogger(__name__)
 
 
 def enabled(precision: PrecisionConfig) -> bool:
@@ -50,15 +60,71 @@ def enabled(precision: PrecisionConfig) -> bool:
     return Float8Recipe(precision.float8) is not Float8Recipe.none
 
 
-def torchao_float8():
-    """The ``torchao.float8`` module; ConfigError naming the fix when torchao is absent."""
+class _ImportNoise(logging.Filter):
+    """Drops what torchao logs while it is imported that concerns no job: on a CPU-only torch
+    build its CUDA kernel libraries failing to load and Triton missing (``kernels`` keeps
+    their names), and torch's deprecation of ``register_constant`` on the Enum subclasses
+    torchao registers."""
+
+    def __init__(self, cpu_build: bool):
+        super().__init__()
+        self.cpu_build, self.kernels = cpu_build, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name == "torch.utils._pytree":
+            return _PYTREE_ENUM not in message
+        failed = _KERNEL_LOAD.match(message) if record.name == "torchao" else None
+        if self.cpu_build and failed:
+            self.kernels.append(Path(failed.group(1)).name.split(".")[0])
+            return False
+        if self.cpu_build and record.name == _INTMM and _NO_TRITON in message:
+            self.kernels.append("Triton (int8 matmuls)")
+            return False
+        return True
+
+
+# torchao/__init__.py: logger.warning(f"Failed to load {file}: {e}") for each _C*.so;
+# torchao/kernel/intmm.py: "Warning: Detected no triton, ..."; torch/utils/_pytree.py: "...
+# Calling register_constant() on Enum subclasses is deprecated ...".
+_KERNEL_LOAD = re.compile(r"Failed to load (\S+?): ")
+_INTMM, _NO_TRITON = "torchao.kernel.intmm", "Detected no triton"
+_PYTREE_ENUM = "Calling register_constant() on Enum subclasses is deprecated"
+
+
+def _import_torchao_float8():
+    """Import ``torchao.float8`` with ``_ImportNoise`` on the two loggers it fills; say once,
+    in one line, which kernel libraries did not load and why that does not matter here."""
+    noise = _ImportNoise(cpu_build=not (torch.version.cuda or torch.version.hip))
+    loggers = [logging.getLogger(name) for name in ("torchao", _INTMM, "torch.utils._pytree")]
+    for logger in loggers:
+        logger.addFilter(noise)
     try:
         import torchao.float8 as ao_float8
+    finally:
+        for logger in loggers:
+            logger.removeFilter(noise)
+    if noise.kernels:
+        log.info(
+            "torchao: its GPU kernels (%s) are not available in this CPU-only torch build; "
+            "precision.float8 does not use them here: it is emulated on the CPU (float8 casts "
+            "and scales, matmuls in float32)",
+            ", ".join(noise.kernels),
+        )
+    return ao_float8
+
+
+def torchao_float8():
+    """The ``torchao.float8`` module (imported once, without torchao's import-time noise:
+    ``_import_torchao_float8``); ConfigError naming the fix when torchao is absent."""
+    if "torchao.float8" in sys.modules:
+        return sys.modules["torchao.float8"]
+    try:
+        return _import_torchao_float8()
     except ImportError as err:
         raise ConfigError(
             f"precision.float8 needs torchao, which does not import here ({err}); {TORCHAO_FIX}"
         ) from None
-    return ao_float8
 
 
 def check_device(precision: PrecisionConfig, gpus: int, capability=None, name=None) -> None:

@@ -120,6 +120,9 @@ class Cluster:
     memory_gbps: float  # device memory bandwidth (GB/s): datasheet, or measured (this_machine)
     # this_machine: {kind: {group size: [latency s, bytes/s]}} from the micro-benchmark.
     measured_links: dict = field(default_factory=dict)
+    # this_machine's measured peak: when and under what load (cpu_peak.MachineLoad's fields,
+    # recorded by linkbench); None for a peak from a table or the config.
+    peak_load: dict | None = None
     # Dense FP8 TFLOP/s (precision=float8's matmuls): cluster.float8_peak_tflops or the peak
     # table; None where the device has none (planning float8 there is an error).
     float8_peak_tflops: float | None = None
@@ -224,14 +227,18 @@ def resolve(cluster_cfg: ClusterConfig, compute_dtype: str) -> Cluster:
             raise ConfigError(f"cluster.{key}={c[key]} must be >= 1")
     if c["overlap"] is not None and not 0.0 <= c["overlap"] <= 1.0:
         raise ConfigError(f"cluster.overlap={c['overlap']} must lie in [0, 1]")
-    measured = {}
+    measured, peak_load = {}, None
     if c["measure"]:
         from hsdp_runner.planner import linkbench
 
         bench = linkbench.cached_or_measure(c["gpus_per_node"])
         measured = bench["links"]
-        c["peak_tflops"] = c["peak_tflops"] or bench["peak_tflops"][compute_dtype]
-        source = f"measured: {compute_dtype} matmul, {c['gpus_per_node']} ranks at once"
+        if c["peak_tflops"] is None:
+            c["peak_tflops"] = bench["peak_tflops"][compute_dtype]
+            source = f"measured: {compute_dtype} matmul, {c['gpus_per_node']} ranks at once"
+            peak_load = bench.get("peak_load")
+        else:
+            source = "config cluster.peak_tflops"
         if c["device_memory_gib"] is None:
             c["device_memory_gib"] = bench["memory_gib"] / c["gpus_per_node"]
         if c["overlap"] is None:
@@ -283,6 +290,7 @@ def resolve(cluster_cfg: ClusterConfig, compute_dtype: str) -> Cluster:
         memory_reserve_gib=c["memory_reserve_gib"],
         memory_gbps=c["memory_gbps"],
         measured_links=measured,
+        peak_load=peak_load,
         float8_peak_tflops=c["float8_peak_tflops"] or lookup_peak_tflops(c["device"], "float8"),
     )
     if c.get("calibration"):

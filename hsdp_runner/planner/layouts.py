@@ -33,7 +33,7 @@ from hsdp_runner.config.schema import PlanConfig, RunConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import mem_phases, pipeline
@@ -81,7 +81,7 @@ def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
                 f"plan.axes.{key}: {key} is not a key of the job config; "
                 "axes take dotted keys such as plan.axes.parallel.ac=none,selective"
             )
-        if key.split(".")[-1] in DIM_NAMES:
+        if key.split(".")[-1] in STAGE_DIMS:
             raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
 
 
@@ -121,7 +121,7 @@ def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[d
     )
     out = []
     for shape in degree_shapes(world, cps):
-        parallel = dataclasses.replace(cfg.parallel, **dict(zip(DIM_NAMES, shape)))
+        parallel = dataclasses.replace(cfg.parallel, **dict(zip(STAGE_DIMS, shape)))
         entry = {"shape": shape, "dims": None, "reason": None}
         try:
             dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
@@ -141,7 +141,7 @@ def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     kept = [
         e
         for e in layouts
-        if all(dict(zip(DIM_NAMES, e["shape"]))[name] == degree for name, degree in fixed.items())
+        if all(dict(zip(STAGE_DIMS, e["shape"]))[name] == degree for name, degree in fixed.items())
     ]
     if not kept:
         asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
@@ -325,7 +325,7 @@ def _entry(
     step_time: Callable[..., dict],
 ) -> dict:
     cluster = scenario.cluster
-    overrides = {f"parallel.{name}": degree for name, degree in zip(DIM_NAMES, layout["shape"])}
+    overrides = {f"parallel.{name}": degree for name, degree in zip(STAGE_DIMS, layout["shape"])}
     overrides.update({k: _plain(_at(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
@@ -346,7 +346,7 @@ def _entry(
         {d: measured[i] for d, i in group["index"].items()}, cfg.model.n_layers
     )
     ref = ParallelDims(
-        **dict(zip(DIM_NAMES, group["shape"])),
+        **dict(zip(STAGE_DIMS, group["shape"])),
         world_size=dims.world_size,
         ranks_per_node=dims.ranks_per_node,
     )

@@ -15,8 +15,10 @@ reaches (``cluster.memory_gbps``): every rank at once runs the trainer's two cal
 ``clip_grad_norm_`` (foreach) and a fused AdamW step, over one fp32 parameter, bytes counted
 as the planner counts them (``train.step_end.STEP_END_ACCESSES``). On CPU gloo's threads share
 the cores with the matmuls, so it lies well below a GPU's 1.0, but it is not 0: waiting for
-peers hides. The result is cached per host and rank count in ``hardware.cache_dir()``, so only
-the first plan on a machine pays the ~20 s.
+peers hides. The result is cached per host and rank count in ``hardware.cache_dir()`` with the
+machine's load when it was measured (``cpu_peak.machine_load``), so only the first plan on a
+machine pays the ~20 s; one measured while other processes kept the CPUs busy is measured
+again by the next plan.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -42,13 +45,20 @@ def cache_path(ranks: int) -> Path:
 
 def cached_or_measure(ranks: int) -> dict:
     """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent
-    or taken with another thread count per rank than a job's ranks get now (or before the
-    overlap and the memory bandwidth were measured)."""
+    or taken with another thread count per rank than a job's ranks get now, on a busy machine
+    (``cpu_peak.MachineLoad.busy``: its matmul peak is too low), or before the load, the
+    overlap and the memory bandwidth were recorded."""
+    from hsdp_runner.distributed.cpu_peak import MachineLoad
+
     path = cache_path(ranks)
     if path.exists():
         cached = json.loads(path.read_text())
         current = cached.get("threads_per_rank") == _threads_per_rank(ranks)
-        if current and "overlap" in cached and "memory_gbps" in cached:
+        # A peak measured while the machine was busy (or before loads were recorded) is
+        # measured again: it is too low, and so is every step the plan prices with it.
+        load = MachineLoad.from_record(cached.get("peak_load"))
+        quiet = load is not None and not load.busy
+        if current and quiet and "overlap" in cached and "memory_gbps" in cached:
             return cached
     print(
         f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
@@ -65,10 +75,14 @@ def measure(ranks: int) -> dict:
     """Run the micro-benchmark on ``ranks`` local processes; return peaks, links and memory."""
     import torch.multiprocessing as mp
 
+    from hsdp_runner.distributed.cpu_peak import machine_load
+
+    load = machine_load(1)  # before the ranks start: the planner's process is the job's own
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         mp.spawn(_worker, args=(ranks, str(Path(tmp) / "store"), str(out)), nprocs=ranks)
         result = json.loads(out.read_text())
+    result["peak_load"] = asdict(load)
     result["memory_gib"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     result["host"], result["ranks"] = socket.gethostname(), ranks
     result["threads_per_rank"] = _threads_per_rank(ranks)
@@ -88,9 +102,9 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
 
     import torch.distributed as dist
 
+    from hsdp_runner.distributed.cpu_peak import measure_cpu_peak
     from hsdp_runner.distributed.hardware import set_cpu_threads
     from hsdp_runner.models.params import torch_dtype
-    from hsdp_runner.train.metrics import measure_cpu_tflops
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     # The thread count a job's ranks get: with torch's default (every CPU per process) the
@@ -103,8 +117,8 @@ def _worker(rank: int, ranks: int, store_path: str, out: str) -> None:
         peaks = {}
         for name in ("float32", "bfloat16"):
             dist.barrier()
-            # The best of three windows: a busy moment on a shared machine only lowers it.
-            peaks[name] = max(measure_cpu_tflops(torch_dtype(name)) for _ in range(3))
+            # The best of several windows: a busy moment on a shared machine only lowers it.
+            peaks[name] = measure_cpu_peak(torch_dtype(name), ranks).tflops
         links: dict = {kind: {} for kind in KINDS}
         for n in [d for d in range(2, ranks + 1) if ranks % d == 0]:
             groups = [dist.new_group(list(range(g, g + n))) for g in range(0, ranks, n)]

@@ -7,13 +7,15 @@ plan.json (version 1) holds ``model``, ``world_size``, ``cluster`` and one entry
 the step it falls in, ``peak_phase``, and every phase's GiB, ``phase_gib``; ``compute_s``,
 ``exposed_comm_s``) and ``comm_links``: per communication term the group's placement on the
 nodes, the link, the algorithm and the bus bandwidth assumed (plan.md shows them for the best
-layout). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
+layout); plan.md's assumptions also say how old this machine's measured peak is and how loaded
+the machine was then (``cluster=this_machine``: ``Cluster.peak_load``). The sweep YAML runs the ``plan.top_k`` best layouts that fit, each job
 carrying ``plan.source`` = the absolute path of plan.json, so ``compare`` finds its prediction.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import yaml
@@ -21,10 +23,11 @@ from omegaconf import OmegaConf
 
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.world_mesh import STAGE_DIMS as DIM_NAMES  # planned: pp = 1
+from hsdp_runner.distributed.cpu_peak import MachineLoad
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
-DEGREE_KEYS = tuple(f"parallel.{name}" for name in DIM_NAMES)
+DEGREE_KEYS = tuple(f"parallel.{name}" for name in STAGE_DIMS)
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 
@@ -97,6 +100,7 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
         f"{cluster['compute_efficiency']:.3g}, overlap {cluster['overlap']:.2g}"
         + (f", calibrated from {cluster['calibrated_from']}" if cluster["calibrated_from"] else "")
         + ".",
+        *_peak_load_line(cluster),
         f"- Memory: the runner's model and sharding under a fake process group, tracked by "
         f"FSDPMemTracker with {', '.join(map(str, layers))} block(s), phase by phase (forward "
         "and backward of the embedding, the first, interior and last blocks and the output, "
@@ -114,6 +118,22 @@ def _assumptions(cfg: RunConfig, cluster: dict) -> str:
         "nodes or for small messages, is not modelled (the ring is an upper bound there).",
     ]
     return "\n".join(lines)
+
+
+def _peak_load_line(cluster: dict) -> list[str]:
+    """The line saying how old this machine's measured peak is and how loaded the machine was
+    then (``cpu_peak.MachineLoad``); none for a peak from a table or the config."""
+    load = MachineLoad.from_record(cluster.get("peak_load"))
+    if load is None:
+        return []
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(load.measured_at))
+    busy = (
+        ": other processes kept the CPUs busy, so the peak and every step time are "
+        "pessimistic; the next plan measures again"
+        if load.busy
+        else ""
+    )
+    return [f"- The peak was measured {load.age()} ({stamp}), {load.describe()}{busy}."]
 
 
 def _cp_line(cfg: RunConfig, entries: list[dict]) -> str:

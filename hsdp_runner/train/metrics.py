@@ -1,27 +1,31 @@
 """Throughput, MFU and memory figures, and the steady-state summary of a run.
 
-Peak FLOP/s come from a table of known accelerators (dense, no sparsity), from
-``metrics.peak_tflops`` when the user states one, or on CPU from a short matmul measured once
-per machine and cached (``cached_cpu_tflops``). An unknown GPU reports MFU as null with a
-warning; nothing is guessed.
+Peak FLOP/s (``resolve_peak``) are those of the dtypes a step's matmuls really run in, each
+for its share of the model FLOPs (``figures.matmul_flop_shares``: float8 linears in float8 on
+a GPU, in float32 where torchao emulates them on the CPU, the rest in the compute dtype),
+combined by ``combined_peak``. They come from a table of known accelerators (dense, no
+sparsity), from ``metrics.peak_tflops`` when the user states one, or on CPU from matmuls
+measured on this machine and cached (``distributed/cpu_peak.py``). An unknown GPU reports MFU
+as null with a warning; nothing is guessed. MFU is never above 1: a step that beats a measured
+CPU peak has it measured again (``Peak.beaten``), and a step that beats the figure still gets
+MFU null, its reason in the peak's source.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
 import re
 import resource
 import statistics
 import sys
-import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from hsdp_runner.distributed.hardware import cache_dir
+from hsdp_runner.distributed import cpu_peak
 from hsdp_runner.models.params import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -97,96 +101,121 @@ def lookup_peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def measure_cpu_tflops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:
-    """Time square matmuls on this process's CPU threads; return achieved TFLOP/s.
-
-    Run while the other ranks run it too, so it measures this rank's share of the machine.
-    """
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    a @ b
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return 2.0 * size**3 * count / (time.perf_counter() - start) / 1e12
+# This process's peaks by the figure handed out: ``step_record`` gets a peak as a number (the
+# trainer reads ``RunFigures.peak_tflops`` each step) and finds here the Peak that a step beat
+# (to measure it again, or to say in its source why MFU is null).
+_LIVE_PEAKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def cpu_peak_cache_file() -> Path:
-    """Where measured CPU peaks are kept: ``cpu_peak.json`` in ``hardware.cache_dir()``."""
-    return cache_dir() / "cpu_peak.json"
+class Peak:
+    """What one rank's MFU divides by: ``tflops`` (None: no honest figure, MFU null), where it
+    came from (``source``), and for a figure measured on this CPU ``remeasure``, which measures
+    it again and returns the new (tflops, source)."""
 
+    def __init__(self, tflops: float | None, source: str, remeasure: Callable | None = None):
+        self.tflops, self.source, self.remeasure = tflops, source, remeasure
+        self.remeasured = False
+        self._register()
 
-def _cpu_key(dtype: str) -> str:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-                model,
+    def _register(self) -> None:
+        if self.tflops is not None:
+            _LIVE_PEAKS[self.tflops] = self
+
+    def beaten(self, achieved: float, step: int) -> float | None:
+        """The peak after step ``step`` reached ``achieved`` TFLOP/s per device, above
+        ``tflops``: a CPU figure is measured again, once per run (and the cache rewritten,
+        ``cpu_peak.cached_cpu_peak``); None when the step still beats it (MFU null), which
+        ``source`` then says."""
+        if self.remeasure is not None and not self.remeasured:
+            log.info(
+                "step %d reached %.4g TFLOP/s per device, above the peak %.4g (%s): measuring "
+                "the peak again",
+                step,
+                achieved,
+                self.tflops,
+                self.source,
             )
-    except OSError:
-        pass
-    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return (
-        f"{platform.node()}|{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"
-        f"|{ranks} ranks|{dtype}|torch {torch.__version__}"
+            self.remeasured = True
+            self.tflops, self.source = self.remeasure()
+            self._register()
+            if self.tflops is not None and achieved <= self.tflops:
+                return self.tflops
+        if "MFU null" not in self.source:
+            log.warning(
+                "step %d reached %.4g TFLOP/s per device, above the peak %.4g (%s); MFU is "
+                "reported as null on such steps. Set metrics.peak_tflops=<TFLOP/s> to the "
+                "device's real peak",
+                step,
+                achieved,
+                self.tflops,
+                self.source,
+            )
+            self.source += f"; step {step} reached {achieved:.4g} TFLOP/s above it: MFU null"
+        return None
+
+
+def combined_peak(shares: dict, peaks: dict) -> float | None:
+    """The peak of a step whose model FLOPs run ``shares[dtype]`` in each dtype at
+    ``peaks[dtype]`` TFLOP/s: the rate at which those FLOPs would run were each share at its
+    own peak (1 / sum of share / peak); None when a dtype with a share has no peak."""
+    used = [dtype for dtype, share in shares.items() if share]
+    if any(not peaks.get(dtype) for dtype in used):
+        return None
+    if len(used) == 1:  # the figure itself, not 1 / (1 / figure)
+        return peaks[used[0]]
+    return 1.0 / sum(shares[dtype] / peaks[dtype] for dtype in used)
+
+
+def _shares_text(shares: dict) -> str:
+    return " + ".join(f"{dtype} {share:.0%}" for dtype, share in shares.items() if share)
+
+
+def measured_cpu_peak(shares: dict, remeasure: bool = False) -> Peak:
+    """The CPU peak for a step whose model FLOPs run ``shares[dtype]`` in each dtype: each
+    dtype's matmul measured on this rank's share of the CPUs (``cpu_peak.cached_cpu_peak``),
+    combined (``combined_peak``); measured again on ``remeasure``."""
+    parts, found = [], {}
+    for dtype in (d for d, share in shares.items() if share):
+        peak, from_cache = cpu_peak.cached_cpu_peak(dtype, remeasure)
+        found[dtype] = peak.tflops
+        when = f"cached, measured {peak.load.age()}" if from_cache else "measured now"
+        kept = "" if from_cache or not peak.load.busy else ": not cached"
+        parts.append(f"{dtype} {peak.tflops:.4g} ({when}; {peak.load.describe()}{kept})")
+    source = (
+        f"measured on this rank's CPU share, for {_shares_text(shares)} of the model FLOPs: "
+        f"{', '.join(parts)} TFLOP/s"
+    )
+    return Peak(
+        combined_peak(shares, found), source, lambda: _figures(measured_cpu_peak(shares, True))
     )
 
 
-def cached_cpu_tflops(dtype: str) -> tuple[float, str]:
-    """This rank's CPU peak TFLOP/s in ``dtype``, measured once per machine and cached.
-
-    The key is the host, CPU model, core count, this process's thread count, the ranks
-    sharing the node (``LOCAL_WORLD_SIZE``), the dtype and the torch version: what the
-    measured share depends on. Returns (TFLOP/s, 'cached' or 'measured now'). A cache that
-    cannot be read or written is measured around, never an error. Delete the file to measure
-    again (e.g. after moving to another machine class under the same host name).
-    """
-    path, key = cpu_peak_cache_file(), _cpu_key(dtype)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)):
-        return float(cached[key]), f"cached in {path}"
-    peak = measure_cpu_tflops(torch_dtype(dtype))
-    try:  # ranks of one job write at once: each writes a whole file and renames it into place
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(
-            json.dumps(
-                {**(cached if isinstance(cached, dict) else {}), key: peak},
-                indent=1,
-                sort_keys=True,
-            )
-        )
-        os.replace(tmp, path)
-    except OSError as err:
-        log.warning("could not cache the CPU peak in %s: %s", path, err)
-    return peak, "measured now"
+def _figures(peak: Peak) -> tuple[float | None, str]:
+    return peak.tflops, peak.source
 
 
-def resolve_peak_tflops(
-    device: torch.device, compute_dtype: str, override: float | None
-) -> tuple[float | None, str]:
-    """Return (peak TFLOP/s per device or None, where the figure came from)."""
+def resolve_peak(device: torch.device, shares: dict, override: float | None) -> Peak:
+    """The peak for a step whose model FLOPs run ``shares[dtype]`` in each dtype (the dtypes
+    its matmuls really run in: ``figures.matmul_flop_shares``): ``override`` (the config's
+    ``metrics.peak_tflops``) if set, the device table on a GPU (None with a warning when a
+    dtype has no figure there), else measured on this CPU."""
     if override is not None:
-        return override, "config metrics.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = lookup_peak_tflops(name, compute_dtype)
-        if peak is None:
-            log.warning(
-                "no peak FLOP/s known for %s in %s; MFU is reported as null. Set "
-                "metrics.peak_tflops=<TFLOP/s> to enable it",
-                name,
-                compute_dtype,
-            )
-            return None, f"unknown device {name}"
-        return peak, f"table: {name} {compute_dtype}"
-    peak, when = cached_cpu_tflops(compute_dtype)
-    return peak, f"measured: {compute_dtype} matmul on this rank's CPU share, {when}"
+        return Peak(override, "config metrics.peak_tflops")
+    if device.type != "cuda":
+        return measured_cpu_peak(shares)
+    name = torch.cuda.get_device_name(device)
+    peaks = {dtype: lookup_peak_tflops(name, dtype) for dtype in shares}
+    tflops = combined_peak(shares, peaks)
+    if tflops is None:
+        missing = [dtype for dtype, share in shares.items() if share and not peaks[dtype]]
+        log.warning(
+            "no peak FLOP/s known for %s in %s; MFU is reported as null. Set "
+            "metrics.peak_tflops=<TFLOP/s> to enable it",
+            name,
+            ", ".join(missing),
+        )
+        return Peak(None, f"unknown device {name} in {', '.join(missing)}: MFU null")
+    return Peak(tflops, f"table: {name} {_shares_text(shares)}")
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -251,10 +280,15 @@ def step_record(
     peak_tflops: float | None,
     mem_peak_gib: float,
 ) -> dict:
-    """Build one metrics.jsonl record from a step's measurements."""
+    """Build one metrics.jsonl record from a step's measurements. MFU is never above 1: a
+    step that beats ``peak_tflops`` has it measured again when it was measured on this CPU
+    (``Peak.beaten``), else gets MFU null."""
     tps_global = tokens_global / step_time_s
     tps_per_device = tps_global / world_size
     tflops = flops_per_token * tps_per_device / 1e12
+    if peak_tflops is not None and tflops > peak_tflops:
+        live = _LIVE_PEAKS.get(peak_tflops) or Peak(peak_tflops, "the peak given")
+        peak_tflops = live.beaten(tflops, step)
     return {
         "step": step,
         "loss": loss,
