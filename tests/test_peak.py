@@ -106,7 +106,7 @@ def test_a_cached_cpu_peak_a_step_beats_is_measured_again_and_the_cache_rewritte
     peak = metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, None)
     assert peak.tflops == 0.001 and not measured["calls"] and "cached" in peak.source
     # One step of 1e9 FLOPs per token x 10 tokens per second: 0.01 TFLOP/s, above 0.001.
-    record = metrics.step_record(3, 1.0, 1.0, 1e-3, 1.0, 10, 1, 1e9, peak.tflops, 0.1)
+    record = metrics.step_record(3, 1.0, 1.0, 1e-3, 1.0, 10, 1, 1e9, peak, 0.1)
     assert record["tflops"] == pytest.approx(0.01)
     assert measured["calls"] == ["float32"]
     assert record["mfu"] == pytest.approx(0.01 / 0.05)
@@ -119,16 +119,14 @@ def test_mfu_is_never_reported_above_one(measured):
     # peak's source (summary.json's peak_tflops_source) says why.
     measured["float32"] = (0.002, QUIET)
     peak = metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, None)
-    records = [
-        metrics.step_record(s, 1.0, 1.0, 1e-3, 1.0, 10, 1, 1e9, peak.tflops, 0.1) for s in (1, 2)
-    ]
+    records = [metrics.step_record(s, 1.0, 1.0, 1e-3, 1.0, 10, 1, 1e9, peak, 0.1) for s in (1, 2)]
     assert [r["mfu"] for r in records] == [None, None]
     assert measured["calls"] == ["float32", "float32"]  # measured once more, not every step
     assert "MFU null" in peak.source
     # A peak stated in the config that a step beats: nothing to measure, MFU null too.
     given = metrics.resolve_peak(torch.device("cpu"), {"float32": 1.0}, 0.005)
-    beaten = metrics.step_record(1, 1.0, 1.0, 1e-3, 1.0, 10, 1, 1e9, given.tflops, 0.1)
-    below = metrics.step_record(2, 1.0, 1.0, 1e-3, 1.0, 1, 1, 1e9, given.tflops, 0.1)
+    beaten = metrics.step_record(1, 1.0, 1.0, 1e-3, 1.0, 10, 1, 1e9, given, 0.1)
+    below = metrics.step_record(2, 1.0, 1.0, 1e-3, 1.0, 1, 1, 1e9, given, 0.1)
     assert beaten["mfu"] is None and below["mfu"] == pytest.approx(0.2)
     assert "MFU null" in given.source
     summary = metrics.steady_state([*records, beaten, below], warmup_steps=0)

@@ -19,7 +19,6 @@ import re
 import resource
 import statistics
 import sys
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,12 +100,6 @@ def lookup_peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-# This process's peaks by the figure handed out: ``step_record`` gets a peak as a number (the
-# trainer reads ``RunFigures.peak_tflops`` each step) and finds here the Peak that a step beat
-# (to measure it again, or to say in its source why MFU is null).
-_LIVE_PEAKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 class Peak:
     """What one rank's MFU divides by: ``tflops`` (None: no honest figure, MFU null), where it
     came from (``source``), and for a figure measured on this CPU ``remeasure``, which measures
@@ -115,11 +108,6 @@ class Peak:
     def __init__(self, tflops: float | None, source: str, remeasure: Callable | None = None):
         self.tflops, self.source, self.remeasure = tflops, source, remeasure
         self.remeasured = False
-        self._register()
-
-    def _register(self) -> None:
-        if self.tflops is not None:
-            _LIVE_PEAKS[self.tflops] = self
 
     def beaten(self, achieved: float, step: int) -> float | None:
         """The peak after step ``step`` reached ``achieved`` TFLOP/s per device, above
@@ -137,7 +125,6 @@ class Peak:
             )
             self.remeasured = True
             self.tflops, self.source = self.remeasure()
-            self._register()
             if self.tflops is not None and achieved <= self.tflops:
                 return self.tflops
         if "MFU null" not in self.source:
@@ -277,18 +264,18 @@ def step_record(
     tokens_global: int,
     world_size: int,
     flops_per_token: float,
-    peak_tflops: float | None,
+    peak: Peak,
     mem_peak_gib: float,
 ) -> dict:
-    """Build one metrics.jsonl record from a step's measurements. MFU is never above 1: a
-    step that beats ``peak_tflops`` has it measured again when it was measured on this CPU
-    (``Peak.beaten``), else gets MFU null."""
+    """Build one metrics.jsonl record from a step's measurements and the rank's ``peak``.
+    MFU is never above 1: a step that beats the peak has it measured again when it was
+    measured on this CPU (``Peak.beaten``, which updates ``peak``), else gets MFU null."""
     tps_global = tokens_global / step_time_s
     tps_per_device = tps_global / world_size
     tflops = flops_per_token * tps_per_device / 1e12
+    peak_tflops = peak.tflops
     if peak_tflops is not None and tflops > peak_tflops:
-        live = _LIVE_PEAKS.get(peak_tflops) or Peak(peak_tflops, "the peak given")
-        peak_tflops = live.beaten(tflops, step)
+        peak_tflops = peak.beaten(tflops, step)
     return {
         "step": step,
         "loss": loss,

@@ -291,7 +291,7 @@ class Trainer:
             tokens,
             self.dims.world_size,
             self.figures.flops_per_token,
-            self.figures.peak_tflops,
+            self.figures.peak,
             metrics.peak_memory_gib(self.device),
         )
         record["skipped"] = values.nonfinite
