@@ -82,7 +82,9 @@ class Pipeline:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self._loss_fn(logits, targets)
-        return loss * float("nan") if self.poisoned else loss
+        # The zero-bubble schedule detaches the loss in place after the input gradients, which
+        # a view cannot be, and the vocabulary-sharded loss (DTensor.to_local) is one: a copy.
+        return loss * float("nan") if self.poisoned else loss.clone()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool = False):
         """Forward and backward of the rank's batch through the schedule; gradients land in
