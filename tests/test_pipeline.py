@@ -2,10 +2,11 @@
 are checked, and every schedule trains the model one process trains.
 
 Parity: one single-process worker trains the baselines, one set of two and one of four
-workers train every pp case of that size (each schedule, pp = 2 and 4, pp with FSDP, TP, cp),
-and the shared eight-rank run (conftest ``eight_ranks``) adds pp x FSDP x TP and pp x HSDP; each
-case's losses and grad norms must equal its baseline's within the parity tolerance (1e-5). A
-float8 case among the four-worker ones has no baseline: it checks what it communicates.
+workers train every pp case of that size (each schedule, pp = 2 and 4, pp with FSDP, DDP, TP,
+cp), and the shared eight-rank run (conftest ``eight_ranks``) adds pp x FSDP x TP, pp x HSDP and
+pp x cp x TP; each case's losses and grad norms must equal its baseline's within the parity
+tolerance (1e-5). A float8 case among the four-worker ones has no baseline: it checks what it
+communicates. The planner writes exactly the pipeline rows the runner accepts.
 """
 
 import pytest
@@ -106,6 +107,9 @@ COMM = "metrics.comm_step=2"
 DEFAULT_COMM = "metrics.comm_step=1"
 PP = ["parallel.pp=2", "parallel.dp_replicate=1", "parallel.dp_shard=1", "parallel.tp=1"]
 INTERLEAVED = ["parallel.pp_stages_per_rank=2"]
+INTERLEAVED_1F1B = ["parallel.pp_schedule=interleaved_1f1b", *INTERLEAVED]
+ZB = ["parallel.pp_schedule=interleaved_zb", *INTERLEAVED]
+NO_RESHARD = "parallel.reshard_after_forward=false"
 # name -> (world size, baseline name, overrides)
 CASES = {
     "llama_gpipe": (2, "llama2", _case("llama3_tiny", 2, *PP, "parallel.pp_schedule=gpipe")),
@@ -174,6 +178,17 @@ CASES = {
         ),
     ),
     "gpt2_pp2_tp2": (4, "gpt2_2", _case("gpt2_tiny", 2, *PP, "parallel.tp=2", COMM)),
+    # More of what trains inside the stages (the whole matrix, measured once, is in
+    # docs/pipeline_parallel.md; what is refused instead, in test_bad_input). Zero-bubble with
+    # TP: the stage's loss is a copy, as the schedule detaches it in place.
+    "gpt2_zb_tp2": (4, "gpt2_4", _case("gpt2_tiny", 4, *PP, "parallel.tp=2", *ZB)),
+    "llama_zb_ddp2": (4, "llama4", _case("llama3_tiny", 4, *PP, "parallel.dp_replicate=2", *ZB)),
+    "gpt2_zb_cp2": (4, "gpt2_4", _case("gpt2_tiny", 4, *PP, "parallel.cp=2", *ZB, NO_RESHARD)),
+    "gpt2_interleaved_fsdp2": (
+        4,
+        "gpt2_4",
+        _case("gpt2_tiny", 4, *PP, "parallel.dp_shard=2", *INTERLEAVED_1F1B),
+    ),
     # The default comm step (1), which a pipeline job moves to step 2.
     "llama_pp2_cp2": (4, "llama2", _case("llama3_tiny", 2, *PP, "parallel.cp=2", DEFAULT_COMM)),
     # Float8 all-gather inside the stages (communication checked, no baseline: one process
@@ -189,8 +204,17 @@ CASES = {
 EIGHT_RANK_CASES = {
     "llama_pp2_fsdp2_tp2": _case("llama3_tiny", 2, "parallel=pp_fsdp_tp", COMM),
     "gpt2_pp2_hsdp": _case("gpt2_tiny", 2, "parallel=pp_hsdp", "parallel.pp_schedule=gpipe", COMM),
+    # A later Llama stage takes its RoPE positions for the cp rank's whole part of the sequence
+    # (its input hidden state is split over tp as well under sequence parallel).
+    "llama_zb_cp2_tp2": _case(
+        "llama3_tiny", 4, *PP, "parallel.cp=2", "parallel.tp=2", *ZB, NO_RESHARD
+    ),
 }
-EIGHT_RANK_BASELINE = {"llama_pp2_fsdp2_tp2": "llama2", "gpt2_pp2_hsdp": "gpt2_2"}
+EIGHT_RANK_BASELINE = {
+    "llama_pp2_fsdp2_tp2": "llama2",
+    "gpt2_pp2_hsdp": "gpt2_2",
+    "llama_zb_cp2_tp2": "llama4",
+}
 BASELINES = {
     "llama2": _case("llama3_tiny", 2, "parallel=single"),
     "llama4": _case("llama3_tiny", 4, "parallel=single"),
@@ -235,7 +259,8 @@ def test_pipeline_composed_with_fsdp_tp_and_hsdp_trains_what_one_process_trains(
 ):
     records = eight_ranks[0]["pipeline"][case][0]
     _assert_equal(records, runs[EIGHT_RANK_BASELINE[case]])
-    _assert_comm_modelled([eight_ranks[r]["pipeline"][case][1] for r in range(8)])
+    if COMM in EIGHT_RANK_CASES[case]:
+        _assert_comm_modelled([eight_ranks[r]["pipeline"][case][1] for r in range(8)])
 
 
 def _assert_comm_modelled(comm: list[dict]) -> None:
@@ -489,3 +514,79 @@ def test_auto_plans_pipeline_degrees_and_applies_a_pp_choice(tmp_path, monkeypat
     assert auto.planned_pp(to_run_config(compose(exporting)), cluster) == [1]
     saving = to_run_config(compose(exporting + ["checkpoint.enable=true"]))
     assert auto.planned_pp(saving, cluster) == [1, 2]
+
+
+def test_the_planner_writes_exactly_the_pipeline_rows_the_runner_accepts(tmp_path, monkeypatch):
+    """A plan of GPT-2 (8 blocks, bf16) on one node of 4 GPUs over pp 2 and 4, every schedule,
+    with settings that decide what the zero-bubble schedule can run as axes (resharding after
+    forward, selective AC): each stage layout x schedule is written as a row exactly when its
+    job passes the runner's pre-launch checks (``prelaunch.validate``). Measurements are faked
+    (no process)."""
+    import dataclasses
+
+    from clusters import fake_cluster
+    from omegaconf import OmegaConf
+
+    from hsdp_runner import plan
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.planner import mem_phases
+    from hsdp_runner.planner import memory as plan_memory
+    from hsdp_runner.planner.layouts import plan_layouts
+    from hsdp_runner.planner.pipeline import PRICED, pipeline_entries
+    from hsdp_runner.runtime import prelaunch
+
+    monkeypatch.setattr(plan_memory, "measure", lambda requests: [{} for _ in requests])
+    monkeypatch.setattr(mem_phases, "extrapolate", lambda measured, n_layers: {"0/loss": {}})
+    axes = {"parallel.reshard_after_forward": [True, False], "parallel.ac": ["none", "selective"]}
+    cfg = plan.compose(["model=gpt2_tiny", "model.n_layers=8", "precision=bf16"])
+    cluster = fake_cluster(nodes=1, gpus_per_node=4)
+    jobs = {}  # axis values -> the typed job config they make
+
+    def job_of(row: dict):
+        """The typed job of a row's overrides: its axis values composed, degrees and pipeline
+        settings set on the typed ``parallel``."""
+        chosen = tuple((key, row[key]) for key in axes)
+        if chosen not in jobs:
+            variant = cfg.copy()
+            for key, value in chosen:
+                OmegaConf.update(variant, key, value, merge=False)
+            jobs[chosen] = to_run_config(variant)
+        job = jobs[chosen]
+        parallel = job.parallel
+        for key, value in row.items():
+            if key.startswith("parallel.") and key not in axes:
+                name = key.split(".")[1]
+                kind = type(getattr(parallel, name))
+                value = kind(value) if name == "pp_schedule" else value
+                parallel = dataclasses.replace(parallel, **{name: value})
+        return dataclasses.replace(job, parallel=parallel)
+
+    stages = []  # each pipeline degree's stage rows
+
+    def plan_stage(stage_cfg, stage_cluster, **kw):
+        stages.append(plan_layouts(stage_cfg, stage_cluster, axes, **kw))
+        return stages[-1]
+
+    written, candidates = set(), set()
+    for pp in (2, 4):
+        rows = pipeline_entries(cfg, cluster, pp, plan_stage)
+        written |= {tuple(sorted(r["overrides"].items())) for r in rows}
+        for stage in (s for s in stages[-1] if s["valid"]):
+            for schedule, v in PRICED.items():
+                piped = {"parallel.pp": pp, "parallel.pp_schedule": schedule}
+                piped |= {"parallel.pp_stages_per_rank": v, "parallel.pp_microbatches": 2 * pp}
+                candidates.add(tuple(sorted({**stage["overrides"], **piped}.items())))
+    accepted, refused = set(), []
+    for row in candidates:
+        try:
+            prelaunch.validate(job_of(dict(row)), tmp_path / "job")
+            accepted.add(row)
+        except ConfigError as err:
+            refused.append(str(err))
+    assert written == accepted
+    # Not vacuous: the zero-bubble schedule is planned where it trains and left out where not.
+    zb = [dict(k) for k in written if dict(k)["parallel.pp_schedule"] == "interleaved_zb"]
+    assert zb and all(r["parallel.ac"] == "none" for r in zb)
+    assert any("parallel.ac=selective fails" in r for r in refused)
+    assert any("precision.param_dtype=bfloat16 != precision.master_dtype" in r for r in refused)
+    assert any("parallel.reshard_after_forward=true computes wrong" in r for r in refused)

@@ -120,7 +120,7 @@ class ParallelDims:
             ),
         )
         dims._check_product()
-        dims._check_pipeline(model, _get(parallel, "reshard_after_forward", True))
+        dims._check_pipeline(model, parallel)
         dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
@@ -168,12 +168,12 @@ class ParallelDims:
                 "or set parallel.sequence_parallel=false"
             )
 
-    def _check_pipeline(self, model: Optional[ModelConfig], reshard_after_forward: bool) -> None:
+    def _check_pipeline(self, model: Optional[ModelConfig], parallel: ParallelConfig) -> None:
         """Raise ConfigError for a pipeline layout these degrees cannot run: a ``model`` with fewer
         blocks than stages or end-stage weights that leave a stage without one, fewer
-        micro-batches than stages under 1F1B, zero-bubble with FSDP resharding after forward
-        (``zero_bubble_refusal``), micro-batches an interleaved schedule cannot run in rounds of
-        pp. Nothing without pp."""
+        micro-batches than stages under 1F1B, a schedule the ``parallel`` settings inside the
+        stages cannot follow (``zero_bubble_refusal``), micro-batches an interleaved schedule
+        cannot run in rounds of pp. Nothing without pp."""
         if self.pp == 1:
             return
         stages, m = self.pp_stages, self.pp_microbatches
@@ -192,7 +192,7 @@ class ParallelDims:
                 f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
                 f"parallel.pp_microbatches>={self.pp} or parallel.pp_schedule=gpipe"
             )
-        refusal = zero_bubble_refusal(self.pp_schedule, self.dp_shard_cp, reshard_after_forward)
+        refusal = zero_bubble_refusal(self, parallel)
         if refusal:
             raise ConfigError(refusal)
         rounds = max(1, m // self.pp)

@@ -165,6 +165,12 @@ class PipelineSchedule(Schedule):
             scale_grads=True,
         )
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss as a tensor of its own: the zero-bubble schedule
+        detaches the loss in place after the input gradients, which a view cannot be, and the
+        vocabulary-sharded loss (``DTensor.to_local``) is one."""
+        return super().loss(logits, targets).clone()
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, poison: bool = False):
         self.poisoned = poison
         losses: list[torch.Tensor] = []

@@ -229,7 +229,11 @@ class Llama(nn.Module):
             h = h.clone()
         cos, sin = self.rope_cos, self.rope_sin
         if self.sequence_shard is not None:  # the rank's tokens are not positions 0, 1, ...
-            positions = self.sequence_shard.positions(tokens.shape[1], cos.device)
+            # A later stage's input, a hidden state, is split over tp too under sequence
+            # parallel; its blocks' attention sees (and checks) the cp rank's whole part.
+            first = self.tok_embeddings is not None
+            local_len = tokens.shape[1] if first else self.sequence_shard.local_len
+            positions = self.sequence_shard.positions(local_len, cos.device)
             cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -41,9 +41,11 @@ checks against measurements.
 from __future__ import annotations
 
 import dataclasses
+from enum import Enum
 
 from omegaconf import DictConfig
 
+from hsdp_runner.config.checks import pipeline_refusal, validate_batch
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
@@ -51,7 +53,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import stage_send_bytes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import unit_sizes
-from hsdp_runner.distributed.pipeline_settings import zero_bubble_refusal
+from hsdp_runner.distributed.pipeline_settings import zero_bubble_precision_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
 from hsdp_runner.models.base import stage_blocks
@@ -175,14 +177,59 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
         hidden = stage_send_bytes(run.model, run.precision, sp, rows, cp, tp)
         shape = (pp, *(o.get(f"parallel.{d}", 1) for d in DIM_NAMES[1:]))
         pair = dataclasses.replace(placement(shape, DIM_NAMES, "pp", cluster.gpus_per_node), size=2)
-        shard_cp = o.get("parallel.dp_shard", 1) * cp
         for schedule, v in PRICED.items():
-            if v > 1 and run.model.n_layers < pp * v:
-                continue
-            if zero_bubble_refusal(schedule, shard_cp, run.parallel.reshard_after_forward):
-                continue  # a combination the runner refuses
+            if runner_refusal(run, _overrides(row, pp, schedule, v, m), cluster):
+                continue  # a job the runner would refuse before its workers start
             out.append(_entry(row, run, cluster, pp, m, v, schedule, hidden, pair))
     return out
+
+
+def runner_refusal(run: RunConfig, overrides: dict, cluster: Cluster) -> str | None:
+    """Why the job ``run`` with a pipeline row's ``overrides`` (dotted key -> value, as the
+    row carries them) would be refused on ``cluster`` before its workers start, or None. Asks
+    the runner's own checks of a layout, so the planner skips exactly what they refuse: the
+    degrees and the pipeline's settings (``ParallelDims.from_config``, ``zero_bubble_refusal``
+    included), ``zero_bubble_precision_refusal``, the batch split into micro-batches
+    (``validate_batch``) and the checkpoint settings (``checks.pipeline_refusal``)."""
+    job = with_overrides(run, overrides)
+    try:
+        dims = ParallelDims.from_config(
+            job.parallel, job.model, cluster.world_size, cluster.gpus_per_node
+        )
+        validate_batch(job.trainer, dims.dp, dims.pp_microbatches)
+    except ConfigError as err:
+        return str(err)
+    return zero_bubble_precision_refusal(dims, job.precision) or pipeline_refusal(job, dims.pp)
+
+
+def with_overrides(run: RunConfig, overrides: dict) -> RunConfig:
+    """``run`` with each dotted key of ``overrides`` set to its value (a choice given by its
+    name, as a row's overrides hold it, becomes the field's Enum); ``run`` is not changed."""
+    for key, value in overrides.items():
+        run = _replaced(run, key.split("."), value)
+    return run
+
+
+def _replaced(node, path: list[str], value):
+    head, *rest = path
+    old = getattr(node, head)
+    if rest:
+        value = _replaced(old, rest, value)
+    elif isinstance(old, Enum):
+        value = type(old)(value)
+    return dataclasses.replace(node, **{head: value})
+
+
+def _overrides(row: dict, pp: int, schedule: str, v: int, m: int) -> dict:
+    """The overrides of stage row ``row`` run as ``pp`` stages under ``schedule`` (``v`` stages
+    per rank, ``m`` micro-batches)."""
+    return {
+        "parallel.pp": pp,
+        **row["overrides"],
+        "parallel.pp_schedule": PPSchedule[schedule].value,
+        "parallel.pp_stages_per_rank": v,
+        "parallel.pp_microbatches": m,
+    }
 
 
 def _entry(
@@ -217,16 +264,9 @@ def _entry(
         **{f"comm:{d}": s for d, s in exposed.items()},
     }
     stage_flops = row["mfu"] * row["step_time_s"]  # model FLOPs / peak of the stage's step
-    overrides = {
-        "parallel.pp": pp,
-        **row["overrides"],
-        "parallel.pp_schedule": PPSchedule[schedule].value,
-        "parallel.pp_stages_per_rank": v,
-        "parallel.pp_microbatches": m,
-    }
     return {
         **row,
-        "overrides": overrides,
+        "overrides": _overrides(row, pp, schedule, v, m),
         "fits": memory["peak_gib"] <= cluster.device_memory_gib,
         "mem_gib": memory["peak_gib"],
         "memory": memory,

@@ -65,7 +65,9 @@ def float8_gemms(precision: PrecisionConfig) -> int:
     return sum(cast.scaling_type is not ao.ScalingType.DISABLED for cast in operands)
 
 
-def float8_flops_per_token(model_cfg: ModelConfig, precision, tp: int, sp: bool) -> float:
+def float8_flops_per_token(
+    model_cfg: ModelConfig, precision: PrecisionConfig, tp: int, sp: bool
+) -> float:
     """Training FLOPs per token of the matmuls that run in float8: 2 FLOPs per weight of each
     linear ``float8.convert`` converts at TP degree ``tp`` (the output layer and unaligned
     layers stay), per float8 matmul (``float8_gemms``)."""
