@@ -62,7 +62,7 @@ def _dims(**parallel):
 def test_pp_across_nodes_is_fine_but_tp_across_nodes_stays_refused():
     dims = _dims(pp=2, dp_shard=4)
     assert dims.dims_across_nodes() == ["pp"] and dims.layout == "pp_fsdp"
-    assert dims.pp_microbatches == 4  # the default: 2 x pp
+    assert dims.pipeline.microbatches == 4  # the default: 2 x pp
     with pytest.raises(ConfigError, match="parallel.tp=8 spans nodes"):
         _dims(pp=1, dp_shard=1, tp=8)
 

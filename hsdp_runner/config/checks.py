@@ -180,31 +180,6 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
     if c.optim.lr <= 0:
         raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
-    _validate_pipeline_checkpoint(c)
-
-
-def _validate_pipeline_checkpoint(c: RunConfig) -> None:
-    """Refuse what the checkpointer cannot do under pipeline parallel yet (``pipeline_refusal``);
-    ``parallel.pp=-1`` (``parallel=auto``: the planner chooses) is checked per planned degree."""
-    problem = pipeline_refusal(c, c.parallel.pp)
-    if problem:
-        raise ConfigError(problem)
-
-
-def pipeline_refusal(c: RunConfig, pp: int) -> str | None:
-    """Why config ``c`` cannot run ``pp`` pipeline stages with its checkpoint settings (a
-    message naming key, value and fix), or None. The HF export at the end reads the last
-    step's checkpoint back whole (rank 0 holds one stage), so it needs checkpointing on."""
-    if pp in (1, -1):
-        return None
-    if c.checkpoint.export_at_end and not c.checkpoint.enable:
-        return (
-            f"checkpoint.export_at_end=true with parallel.pp={pp} needs checkpoint.enable=true: "
-            "rank 0 holds one stage, so the export reads the last step's checkpoint back "
-            "whole; set checkpoint.enable=true, or export a checkpoint later with python -m "
-            "hsdp_runner.export <checkpoint> <out_dir>"
-        )
-    return None
 
 
 def validate_float8(precision: PrecisionConfig, tp: int = 1) -> None:
@@ -296,33 +271,15 @@ def _reject_unknown_keys(cfg: dict) -> None:
         )
 
 
-def validate_batch(
-    trainer: TrainerConfig, dp_size: int, pp_microbatches: typing.Optional[int] = None
-) -> int:
-    """Check that the global batch splits evenly over dp ranks and micro-batches.
+def validate_batch(trainer: TrainerConfig, dp_size: int) -> int:
+    """Check that the global batch splits evenly over dp ranks and gradient-accumulation
+    micro-batches (under pipeline parallel, the pipeline's micro-batches are checked by
+    ``distributed.pipeline_settings.job_refusal``; accumulation is 1 there).
 
-    Takes the ``trainer`` config, the data-parallel size and, under pipeline parallel, the
-    pipeline's micro-batches per step (both from ParallelDims; None without a pipeline: the
-    pipeline's micro-batches replace gradient accumulation);
-    returns the micro-batch size (sequences per rank per forward pass).
+    Takes the ``trainer`` config and the data-parallel size (from ParallelDims); returns the
+    micro-batch size (sequences per rank per forward pass).
     """
     gbs, accum = trainer.global_batch_size, trainer.grad_accum_steps
-    if pp_microbatches is not None:
-        if accum > 1:
-            raise ConfigError(
-                f"trainer.grad_accum_steps={accum} with pipeline parallel: the pipeline's "
-                "micro-batches are the accumulation; set trainer.grad_accum_steps=1 and "
-                f"parallel.pp_microbatches={pp_microbatches * accum}"
-            )
-        if gbs % (dp_size * pp_microbatches):
-            local = gbs / dp_size
-            raise ConfigError(
-                f"trainer.global_batch_size={gbs} does not split into parallel.pp_microbatches="
-                f"{pp_microbatches} micro-batches on each of the {dp_size} data-parallel ranks "
-                f"({local:g} sequences per rank); use a global batch that is a multiple of "
-                f"{dp_size * pp_microbatches}, or a parallel.pp_microbatches dividing it"
-            )
-        return gbs // (dp_size * pp_microbatches)
     if gbs % (dp_size * accum):
         raise ConfigError(
             f"trainer.global_batch_size={gbs} is not divisible by the data-parallel size "

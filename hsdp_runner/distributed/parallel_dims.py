@@ -2,8 +2,9 @@
 
 DDP, FSDP and HSDP are all special cases of two degrees, ``dp_replicate x dp_shard``; context
 parallel (``cp``: each sequence split over ranks) is a third and TP a fourth, innermost dim.
-Pipeline parallel (``pp``: the blocks split into stages) is the outermost dim; its schedule,
-micro-batches and stages per rank are resolved here too.
+Pipeline parallel (``pp``: the blocks split into stages) is the outermost dim; what its
+``parallel.pp_*`` settings resolve to is held beside the degrees (``pipeline``, a
+``pipeline_settings.PipelineSettings``, whose module holds every pipeline check).
 ``ParallelDims`` infers a -1 degree, checks the degrees against the world size, the model and
 the nodes, and builds the world mesh once, up front (``build_mesh``): every dim named and the
 flattened views ``dp``, ``dp_shard_cp`` and ``dp_cp`` (``world_mesh.py`` owns the names, the
@@ -26,12 +27,12 @@ from math import prod
 from typing import Optional
 
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
-from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, DPMode, PPSchedule
+from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.pipeline_settings import (
     PIPELINE_KEYS,
-    pipeline_settings,
-    zero_bubble_refusal,
+    PipelineSettings,
+    layout_refusal,
 )
 
 # The mesh's dim names and views are world_mesh.py's; the runner imports them (and WorldMesh)
@@ -45,7 +46,7 @@ from hsdp_runner.distributed.world_mesh import (
     WorldMesh,
     build_world_mesh,
 )
-from hsdp_runner.models.base import ModelConfig, stage_blocks
+from hsdp_runner.models.base import ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,14 +61,9 @@ class ParallelDims:
     tp: int
     world_size: int
     ranks_per_node: Optional[int] = None  # None: the whole job is on one node
-    # The pipeline's schedule, micro-batches per step and rank batch, and stages per rank
-    # (all 1 / 1f1b without pp).
-    pp_schedule: PPSchedule = PPSchedule["1f1b"]
-    pp_microbatches: int = 1
-    pp_stages_per_rank: int = 1
-    # Blocks the first and the last stage get fewer than an even split (``stage_blocks``).
-    pp_first_stage_less_blocks: int = 0
-    pp_last_stage_less_blocks: int = 0
+    # What ``parallel.pp_*`` resolve to (the defaults without pp): schedule, micro-batches,
+    # stages per rank, the end stages' weights.
+    pipeline: PipelineSettings = PipelineSettings()
 
     @classmethod
     def from_config(
@@ -115,12 +111,14 @@ class ParallelDims:
             world_size=world_size,
             ranks_per_node=ranks_per_node,
             **degrees,
-            **pipeline_settings(
+            pipeline=PipelineSettings.from_config(
                 {key: _get(parallel, key, None) for key in PIPELINE_KEYS}, degrees["pp"]
             ),
         )
         dims._check_product()
-        dims._check_pipeline(model, parallel)
+        refusal = layout_refusal(dims, model, parallel)
+        if refusal:
+            raise ConfigError(refusal)
         dims._check_model(parallel, model)
         dims._check_nodes(parallel)
         return dims
@@ -168,55 +166,15 @@ class ParallelDims:
                 "or set parallel.sequence_parallel=false"
             )
 
-    def _check_pipeline(self, model: Optional[ModelConfig], parallel: ParallelConfig) -> None:
-        """Raise ConfigError for a pipeline layout these degrees cannot run: a ``model`` with fewer
-        blocks than stages or end-stage weights that leave a stage without one, fewer
-        micro-batches than stages under 1F1B, a schedule the ``parallel`` settings inside the
-        stages cannot follow (``zero_bubble_refusal``), micro-batches an interleaved schedule
-        cannot run in rounds of pp. Nothing without pp."""
-        if self.pp == 1:
-            return
-        stages, m = self.pp_stages, self.pp_microbatches
-        if model is not None and model.n_layers < stages:
-            raise ConfigError(
-                f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
-                f"(parallel.pp={self.pp} x parallel.pp_stages_per_rank="
-                f"{self.pp_stages_per_rank}): every stage needs a block; lower parallel.pp or "
-                "parallel.pp_stages_per_rank"
-            )
-        if model is not None:
-            self.stage_blocks(model.n_layers)  # raises for end stages left without a block
-        if self.pp_schedule is PPSchedule["1f1b"] and m < self.pp:
-            raise ConfigError(
-                f"parallel.pp_microbatches={m} is fewer than the parallel.pp={self.pp} stages: "
-                f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
-                f"parallel.pp_microbatches>={self.pp} or parallel.pp_schedule=gpipe"
-            )
-        refusal = zero_bubble_refusal(self, parallel)
-        if refusal:
-            raise ConfigError(refusal)
-        rounds = max(1, m // self.pp)
-        if self.pp_schedule in INTERLEAVED_SCHEDULES and m % rounds:
-            raise ConfigError(
-                f"parallel.pp_microbatches={m} does not suit parallel.pp_schedule="
-                f"{self.pp_schedule} with parallel.pp={self.pp}: interleaved schedules run "
-                f"micro-batches in rounds of pp; use a multiple of {self.pp}"
-            )
-
     def stage_blocks(self, n_layers: int) -> list[range]:
         """The block indices of each pipeline stage of a model of ``n_layers`` blocks
-        (``models.base.stage_blocks`` with this layout's stages and end-stage weights)."""
-        return stage_blocks(
-            n_layers,
-            self.pp_stages,
-            self.pp_first_stage_less_blocks,
-            self.pp_last_stage_less_blocks,
-        )
+        (``PipelineSettings.stage_blocks`` on this layout's pp ranks)."""
+        return self.pipeline.stage_blocks(n_layers, self.pp)
 
     @property
     def pp_stages(self) -> int:
         """Pipeline stages in all: ``pp x pp_stages_per_rank``."""
-        return self.pp * self.pp_stages_per_rank
+        return self.pp * self.pipeline.stages_per_rank
 
     def _check_nodes(self, parallel: ParallelConfig) -> None:
         node = self.node_size
@@ -369,17 +327,7 @@ class ParallelDims:
             "nodes": self.nodes,
             "ranks_per_node": self.node_size,
             "dims_across_nodes": self.dims_across_nodes(),
-            **(
-                {
-                    "pp_schedule": self.pp_schedule.value,
-                    "pp_microbatches": self.pp_microbatches,
-                    "pp_stages_per_rank": self.pp_stages_per_rank,
-                    "pp_first_stage_less_blocks": self.pp_first_stage_less_blocks,
-                    "pp_last_stage_less_blocks": self.pp_last_stage_less_blocks,
-                }
-                if self.pp > 1
-                else {}
-            ),
+            **(self.pipeline.describe() if self.pp > 1 else {}),
         }
 
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:

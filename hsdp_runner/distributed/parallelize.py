@@ -332,8 +332,8 @@ def parallelized_meta_model(
             model,
             stage,
             dims.pp_stages,
-            dims.pp_first_stage_less_blocks,
-            dims.pp_last_stage_less_blocks,
+            dims.pipeline.first_stage_less_blocks,
+            dims.pipeline.last_stage_less_blocks,
         )
     spec = model_spec(model_cfg)
     float8.convert(

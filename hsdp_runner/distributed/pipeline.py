@@ -40,7 +40,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def local_stages(pp_rank: int, dims: ParallelDims) -> list[int]:
     """The stage indices rank ``pp_rank`` of the ``pp`` dim holds: r, r + pp, ... (loop)."""
-    return [pp_rank + i * dims.pp for i in range(dims.pp_stages_per_rank)]
+    return [pp_rank + i * dims.pp for i in range(dims.pipeline.stages_per_rank)]
 
 
 class Schedule:
@@ -157,10 +157,10 @@ class PipelineSchedule(Schedule):
             PipelineStage(part, sid, self.n_stages, device, group=self.pp_group)
             for part, sid in zip(parts, stage_ids)
         ]
-        multi = dims.pp_schedule in INTERLEAVED_SCHEDULES
-        self.schedule = _schedule_class(dims.pp_schedule.value)(
+        multi = dims.pipeline.schedule in INTERLEAVED_SCHEDULES
+        self.schedule = _schedule_class(dims.pipeline.schedule.value)(
             stages if multi else stages[0],
-            n_microbatches=dims.pp_microbatches,
+            n_microbatches=dims.pipeline.microbatches,
             loss_fn=self.loss,
             scale_grads=True,
         )

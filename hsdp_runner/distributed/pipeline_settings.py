@@ -1,20 +1,37 @@
-"""The pipeline's settings and their checks: what ``parallel.pp_*`` resolve to for a layout, and
-which combinations a pipeline cannot run (each a ConfigError naming the key and the fix,
-raised before any worker starts).
+"""The pipeline's settings and every check of a pipeline job, in one place: what
+``parallel.pp_*`` resolve to (``PipelineSettings``, a frozen object ``ParallelDims`` holds beside
+the degrees) and which jobs a pipeline cannot run, each a message naming the keys and the fix,
+raised as a ConfigError before any worker starts.
 
-``ParallelDims.from_config`` resolves them (``pipeline_settings``) and checks the layout they
-make (``ParallelDims._check_pipeline``, which asks ``zero_bubble_refusal``); the pre-launch
-checks add ``zero_bubble_precision_refusal``, which needs the precision. The planner prices no
-pipeline row these refuse: it passes each row through the same checks
+- ``PipelineSettings.from_config``: the settings' own values (a schedule and a stage count that
+  go together, counts >= 0), when ``ParallelDims.from_config`` resolves them;
+- ``layout_refusal``: what the degrees, the model and ``parallel.*`` decide (stages vs blocks,
+  micro-batches vs stages, the zero-bubble schedule's limits), raised by
+  ``ParallelDims.from_config``;
+- ``job_refusal``: what the rest of the job's config decides (the precision under zero-bubble,
+  gradient accumulation, the batch split into micro-batches, the checkpoint settings), raised
+  by the pre-launch checks (``runtime/prelaunch.py``).
+
+The planner prices no pipeline row these refuse: it passes each row through the same two
 (``planner.pipeline.runner_refusal``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
+from hsdp_runner.config.schema import (
+    CheckpointConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+)
 from hsdp_runner.core.choices import AC, INTERLEAVED_SCHEDULES, DDPImpl, DPMode, Dtype, PPSchedule
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.models.base import ModelConfig, stage_blocks
 
-# The ``parallel.*`` keys ``pipeline_settings`` reads.
+# The ``parallel.*`` keys the settings are read from.
 PIPELINE_KEYS = (
     "pp_schedule",
     "pp_microbatches",
@@ -24,70 +41,203 @@ PIPELINE_KEYS = (
 )
 
 
-def pipeline_settings(values: dict, pp: int) -> dict:
-    """The pipeline fields of ParallelDims for ``pp`` stages' ranks from ``values`` (the
-    ``parallel.*`` value of each of ``PIPELINE_KEYS``; None where unset): the schedule, the
-    micro-batches (``parallel.pp_microbatches``; None: 2 x pp), the stages per rank and the
-    end stages' weights (``models.base.stage_blocks``). Raises ConfigError for a schedule and
-    stage count that do not go together, or a negative count.
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What ``parallel.pp_*`` resolve to for one layout (the defaults without pp): the schedule,
+    the micro-batches each data-parallel rank's batch is cut into per step, the stages each
+    rank holds, and the blocks the first and the last stage get fewer than an even split
+    (``models.base.stage_blocks``)."""
 
-    The default, 2 x pp micro-batches: 1F1B needs at least pp to fill the pipeline, and at
-    2 x pp its bubble (pp - 1) / (m + pp - 1) stays under a third while the micro-batches stay
-    as large as that allows (more of them shrink the bubble but also each matmul). Users who
-    can afford a larger batch set more.
-    """
-    schedule = PPSchedule(values.get("pp_schedule") or "1f1b")
-    per_rank = 1 if values.get("pp_stages_per_rank") is None else values["pp_stages_per_rank"]
-    micro = values.get("pp_microbatches")
-    less = {
-        key: 0 if values.get(key) is None else values[key]
-        for key in ("pp_first_stage_less_blocks", "pp_last_stage_less_blocks")
-    }
-    if pp == 1:
-        return {"pp_schedule": schedule, "pp_microbatches": 1, "pp_stages_per_rank": 1}
-    for key, value in less.items():
-        if value < 0:
+    schedule: PPSchedule = PPSchedule["1f1b"]
+    microbatches: int = 1
+    stages_per_rank: int = 1
+    first_stage_less_blocks: int = 0
+    last_stage_less_blocks: int = 0
+
+    @classmethod
+    def from_config(cls, values: dict, pp: int) -> PipelineSettings:
+        """The settings of ``pp`` stages' ranks from ``values`` (the ``parallel.*`` value of
+        each of ``PIPELINE_KEYS``; None where unset): micro-batches default to 2 x pp, stages
+        per rank to 1. Raises ConfigError for a schedule and stage count that do not go
+        together, or a negative count.
+
+        The default, 2 x pp micro-batches: 1F1B needs at least pp to fill the pipeline, and at
+        2 x pp its bubble (pp - 1) / (m + pp - 1) stays under a third while the micro-batches
+        stay as large as that allows (more of them shrink the bubble but also each matmul).
+        Users who can afford a larger batch set more.
+        """
+        schedule = PPSchedule(values.get("pp_schedule") or "1f1b")
+        if pp == 1:
+            return cls(schedule=schedule)
+        per_rank = 1 if values.get("pp_stages_per_rank") is None else values["pp_stages_per_rank"]
+        micro = values.get("pp_microbatches")
+        less = {
+            key: 0 if values.get(key) is None else values[key]
+            for key in ("pp_first_stage_less_blocks", "pp_last_stage_less_blocks")
+        }
+        for key, value in less.items():
+            if value < 0:
+                raise ConfigError(
+                    f"parallel.{key}={value} must be >= 0: blocks the end stage gets fewer than "
+                    "an even split (0 = an even split)"
+                )
+        if per_rank < 1:
             raise ConfigError(
-                f"parallel.{key}={value} must be >= 0: blocks the end stage gets fewer than an "
-                "even split (0 = an even split)"
+                f"parallel.pp_stages_per_rank={per_rank} must be >= 1; use 1, or 2 or more with "
+                "an interleaved parallel.pp_schedule"
             )
-    if per_rank < 1:
-        raise ConfigError(
-            f"parallel.pp_stages_per_rank={per_rank} must be >= 1; use 1, or 2 or more with an "
-            "interleaved parallel.pp_schedule"
+        if schedule in INTERLEAVED_SCHEDULES and per_rank == 1:
+            raise ConfigError(
+                f"parallel.pp_schedule={schedule} needs several stages per rank, but "
+                "parallel.pp_stages_per_rank=1; set parallel.pp_stages_per_rank=2 (or more), or "
+                "parallel.pp_schedule=1f1b"
+            )
+        if schedule not in INTERLEAVED_SCHEDULES and per_rank > 1:
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={per_rank} needs an interleaved schedule, but "
+                f"parallel.pp_schedule={schedule} runs one stage per rank; set "
+                "parallel.pp_schedule=interleaved_1f1b or parallel.pp_stages_per_rank=1"
+            )
+        if micro is None:
+            micro = 2 * pp
+        elif micro < 1:
+            raise ConfigError(
+                f"parallel.pp_microbatches={micro} must be >= 1; use null (2 x parallel.pp) or a "
+                "positive count"
+            )
+        return cls(
+            schedule=schedule,
+            microbatches=micro,
+            stages_per_rank=per_rank,
+            first_stage_less_blocks=less["pp_first_stage_less_blocks"],
+            last_stage_less_blocks=less["pp_last_stage_less_blocks"],
         )
-    if schedule in INTERLEAVED_SCHEDULES and per_rank == 1:
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule} needs several stages per rank, but "
-            "parallel.pp_stages_per_rank=1; set parallel.pp_stages_per_rank=2 (or more), or "
-            "parallel.pp_schedule=1f1b"
+
+    def stage_blocks(self, n_layers: int, pp: int) -> list[range]:
+        """The block indices of each stage of a model of ``n_layers`` blocks on ``pp`` ranks
+        (``models.base.stage_blocks`` with these stages per rank and end-stage weights)."""
+        return stage_blocks(
+            n_layers,
+            pp * self.stages_per_rank,
+            self.first_stage_less_blocks,
+            self.last_stage_less_blocks,
         )
-    if schedule not in INTERLEAVED_SCHEDULES and per_rank > 1:
-        raise ConfigError(
-            f"parallel.pp_stages_per_rank={per_rank} needs an interleaved schedule, but "
-            f"parallel.pp_schedule={schedule} runs one stage per rank; set "
-            "parallel.pp_schedule=interleaved_1f1b or parallel.pp_stages_per_rank=1"
-        )
-    if micro is None:
-        micro = 2 * pp
-    elif micro < 1:
-        raise ConfigError(
-            f"parallel.pp_microbatches={micro} must be >= 1; use null (2 x parallel.pp) or a "
-            "positive count"
-        )
-    return {
-        "pp_schedule": schedule,
-        "pp_microbatches": micro,
-        "pp_stages_per_rank": per_rank,
-        **less,
-    }
+
+    def describe(self) -> dict:
+        """The settings under their ``parallel.*`` key names, choices as strings (records)."""
+        return {
+            "pp_schedule": self.schedule.value,
+            "pp_microbatches": self.microbatches,
+            "pp_stages_per_rank": self.stages_per_rank,
+            "pp_first_stage_less_blocks": self.first_stage_less_blocks,
+            "pp_last_stage_less_blocks": self.last_stage_less_blocks,
+        }
 
 
-def zero_bubble_refusal(dims, parallel) -> str | None:
+class Layout(Protocol):
+    """What the checks read of a layout's degrees (``ParallelDims``, which imports this
+    module and holds the settings as ``pipeline``)."""
+
+    pp: int
+    dp: int
+    dp_shard_cp: int
+    dp_mode: DPMode
+    pp_stages: int
+    pipeline: PipelineSettings
+
+
+def layout_refusal(dims: Layout, model: ModelConfig | None, parallel: ParallelConfig) -> str | None:
+    """Why the pipeline of ``dims`` cannot run (a message naming the keys and the fix), or None
+    (always without pp): a ``model`` (None: not checked) with fewer blocks than stages or
+    end-stage weights that leave a stage without one, fewer micro-batches than stages under
+    1F1B, a schedule the ``parallel`` settings inside the stages cannot follow
+    (``zero_bubble_refusal``), micro-batches an interleaved schedule cannot run in rounds of
+    pp."""
+    if dims.pp == 1:
+        return None
+    pipeline, stages = dims.pipeline, dims.pp_stages
+    m = pipeline.microbatches
+    if model is not None and model.n_layers < stages:
+        return (
+            f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
+            f"(parallel.pp={dims.pp} x parallel.pp_stages_per_rank={pipeline.stages_per_rank}): "
+            "every stage needs a block; lower parallel.pp or parallel.pp_stages_per_rank"
+        )
+    if model is not None:
+        try:
+            pipeline.stage_blocks(model.n_layers, dims.pp)
+        except ConfigError as err:  # end stages left without a block
+            return str(err)
+    if pipeline.schedule is PPSchedule["1f1b"] and m < dims.pp:
+        return (
+            f"parallel.pp_microbatches={m} is fewer than the parallel.pp={dims.pp} stages: "
+            f"1F1B keeps every stage busy only with at least one micro-batch per stage; set "
+            f"parallel.pp_microbatches>={dims.pp} or parallel.pp_schedule=gpipe"
+        )
+    refusal = zero_bubble_refusal(dims, parallel)
+    if refusal:
+        return refusal
+    rounds = max(1, m // dims.pp)
+    if pipeline.schedule in INTERLEAVED_SCHEDULES and m % rounds:
+        return (
+            f"parallel.pp_microbatches={m} does not suit parallel.pp_schedule="
+            f"{pipeline.schedule} with parallel.pp={dims.pp}: interleaved schedules run "
+            f"micro-batches in rounds of pp; use a multiple of {dims.pp}"
+        )
+    return None
+
+
+def job_refusal(dims: Layout, job: RunConfig) -> str | None:
+    """Why the pipeline of ``dims`` cannot run the job ``job`` (its whole typed config) for
+    what the degrees alone do not decide (a message naming the keys and the fix), or None
+    (always without pp): the precision under the zero-bubble schedule
+    (``zero_bubble_precision_refusal``), gradient accumulation (the pipeline's micro-batches
+    are the accumulation), a global batch that does not split into ``dp x micro-batches``,
+    and the checkpoint settings (``checkpoint_refusal``)."""
+    if dims.pp == 1:
+        return None
+    m, accum = dims.pipeline.microbatches, job.trainer.grad_accum_steps
+    if accum > 1:
+        return (
+            f"trainer.grad_accum_steps={accum} with pipeline parallel: the pipeline's "
+            "micro-batches are the accumulation; set trainer.grad_accum_steps=1 and "
+            f"parallel.pp_microbatches={m * accum}"
+        )
+    gbs = job.trainer.global_batch_size
+    if gbs % (dims.dp * m):
+        return (
+            f"trainer.global_batch_size={gbs} does not split into parallel.pp_microbatches="
+            f"{m} micro-batches on each of the {dims.dp} data-parallel ranks "
+            f"({gbs / dims.dp:g} sequences per rank); use a global batch that is a multiple of "
+            f"{dims.dp * m}, or a parallel.pp_microbatches dividing it"
+        )
+    return zero_bubble_precision_refusal(dims, job.precision) or checkpoint_refusal(
+        job.checkpoint, dims.pp
+    )
+
+
+def checkpoint_refusal(checkpoint: CheckpointConfig, pp: int) -> str | None:
+    """Why the ``checkpoint`` settings cannot run with ``pp`` pipeline stages (a message
+    naming key, value and fix), or None (-1: not chosen yet). The HF export at the end reads
+    the last step's checkpoint back whole (rank 0 holds one stage), so it needs checkpointing
+    on."""
+    if pp in (1, -1):
+        return None
+    if checkpoint.export_at_end and not checkpoint.enable:
+        return (
+            f"checkpoint.export_at_end=true with parallel.pp={pp} needs checkpoint.enable=true: "
+            "rank 0 holds one stage, so the export reads the last step's checkpoint back "
+            "whole; set checkpoint.enable=true, or export a checkpoint later with python -m "
+            "hsdp_runner.export <checkpoint> <out_dir>"
+        )
+    return None
+
+
+def zero_bubble_refusal(dims: Layout, parallel: ParallelConfig) -> str | None:
     """Why the layout ``dims`` (a ParallelDims: its schedule and data-parallel degrees) cannot
     run its pipeline schedule with the ``parallel.*`` settings ``parallel`` (a message naming
     the keys and the fix), or None. ``zero_bubble_precision_refusal`` adds what the precision
-    decides. ``ParallelDims._check_pipeline`` raises it; the planner never plans it.
+    decides. ``layout_refusal`` includes it; the planner never plans it.
 
     torch 2.13's zero-bubble schedule splits each backward into the input gradients, then the
     weights' (``pipelining/_backward.py``), which these cannot follow (each measured on tiny
@@ -102,7 +252,7 @@ def zero_bubble_refusal(dims, parallel) -> str | None:
     - ``parallel.compile=true``: a compiled block's backward frees its saved buffers (donated
       buffers) and cannot run twice.
     """
-    if PPSchedule(dims.pp_schedule) is not PPSchedule["interleaved_zb"]:
+    if dims.pipeline.schedule is not PPSchedule["interleaved_zb"]:
         return None
     zb = "parallel.pp_schedule=interleaved_zb"
     if dims.dp_shard_cp > 1 and parallel.reshard_after_forward:
@@ -135,16 +285,15 @@ def zero_bubble_refusal(dims, parallel) -> str | None:
     return None
 
 
-def zero_bubble_precision_refusal(dims, precision) -> str | None:
+def zero_bubble_precision_refusal(dims: Layout, precision: PrecisionConfig) -> str | None:
     """Why the layout ``dims`` cannot run its pipeline schedule with ``precision`` (a
     PrecisionConfig), or None: the zero-bubble schedule without data parallelism inside the
     stages and a compute dtype other than the stored one. The runner then wraps each block in a
     one-rank ``fully_shard`` for the cast alone (``parallelize.apply_data_parallel``), which
     reshards after forward: the weight gradients come out wrong as under FSDP
     (``zero_bubble_refusal``; bf16 and float8 on tiny Llama, 2026-11-26; float8 computing in
-    fp32 and bf16_pure match). Checked before the workers start (``runtime/prelaunch.py``: the
-    precision is not ParallelDims'); the planner never plans it."""
-    if PPSchedule(dims.pp_schedule) is not PPSchedule["interleaved_zb"]:
+    fp32 and bf16_pure match). Part of ``job_refusal`` (the precision is not ParallelDims')."""
+    if dims.pipeline.schedule is not PPSchedule["interleaved_zb"]:
         return None
     if dims.dp_mode is DPMode.none and precision.param_dtype != precision.master_dtype:
         return (

@@ -46,7 +46,7 @@ def stage_passes(
     ``trainer.grad_accum_steps``) FSDP gathers as a stage does and reduces once; without
     one, as the accumulation loop over ``trainer.grad_accum_steps`` micro-batches does."""
     scheduled = dims.pp > 1 or pipeline_stage
-    m = dims.pp_microbatches if dims.pp > 1 else trainer.grad_accum_steps
+    m = dims.pipeline.microbatches if dims.pp > 1 else trainer.grad_accum_steps
     gathers = fsdp_gathers(m, parallel.reshard_after_forward, scheduled)
     reductions = 1 if scheduled else grad_reductions(dims, trainer)
     return StagePasses(m, gathers, reductions, scheduled)

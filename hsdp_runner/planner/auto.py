@@ -33,11 +33,11 @@ from typing import Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from hsdp_runner.config.checks import pipeline_refusal
 from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
 from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
@@ -168,7 +168,7 @@ def planned_pp(run: RunConfig, cluster: Cluster) -> list[int]:
     """The pipeline degrees an auto job plans: ``parallel.pp`` when the job sets it (a
     constraint; it must divide the nodes, as the planner prices stages of whole nodes), else
     ``plan.pp_degrees`` (null: ``pipeline.default_pp_degrees``) less those the job's checkpoint
-    settings refuse (``checks.pipeline_refusal``: such a job plans pp = 1 only)."""
+    settings refuse (``pipeline_settings.checkpoint_refusal``: such a job plans pp = 1 only)."""
     pp = run.parallel.pp
     if pp != -1:
         if cluster.nodes % pp:
@@ -179,7 +179,7 @@ def planned_pp(run: RunConfig, cluster: Cluster) -> list[int]:
             )
         return [pp]
     degrees = pp_degrees(run.plan.pp_degrees, cluster.nodes, run.model.n_layers)
-    return [d for d in degrees if d == 1 or pipeline_refusal(run, d) is None]
+    return [d for d in degrees if d == 1 or checkpoint_refusal(run.checkpoint, d) is None]
 
 
 def plan_with_pipelines(cfg: DictConfig, cluster: Cluster, axes: dict, fixed: dict) -> list[dict]:

@@ -45,7 +45,6 @@ from enum import Enum
 
 from omegaconf import DictConfig
 
-from hsdp_runner.config.checks import pipeline_refusal, validate_batch
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AccumReduce, PPSchedule
@@ -53,7 +52,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import stage_send_bytes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import unit_sizes
-from hsdp_runner.distributed.pipeline_settings import zero_bubble_precision_refusal
+from hsdp_runner.distributed.pipeline_settings import job_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
 from hsdp_runner.models.base import stage_blocks
@@ -188,18 +187,17 @@ def runner_refusal(run: RunConfig, overrides: dict, cluster: Cluster) -> str | N
     """Why the job ``run`` with a pipeline row's ``overrides`` (dotted key -> value, as the
     row carries them) would be refused on ``cluster`` before its workers start, or None. Asks
     the runner's own checks of a layout, so the planner skips exactly what they refuse: the
-    degrees and the pipeline's settings (``ParallelDims.from_config``, ``zero_bubble_refusal``
-    included), ``zero_bubble_precision_refusal``, the batch split into micro-batches
-    (``validate_batch``) and the checkpoint settings (``checks.pipeline_refusal``)."""
+    degrees and the pipeline's settings (``ParallelDims.from_config``, which raises
+    ``pipeline_settings.layout_refusal``) and the rest of the job's pipeline checks
+    (``pipeline_settings.job_refusal``: precision, batch split, checkpoint settings)."""
     job = with_overrides(run, overrides)
     try:
         dims = ParallelDims.from_config(
             job.parallel, job.model, cluster.world_size, cluster.gpus_per_node
         )
-        validate_batch(job.trainer, dims.dp, dims.pp_microbatches)
     except ConfigError as err:
         return str(err)
-    return zero_bubble_precision_refusal(dims, job.precision) or pipeline_refusal(job, dims.pp)
+    return job_refusal(dims, job)
 
 
 def with_overrides(run: RunConfig, overrides: dict) -> RunConfig:

@@ -22,7 +22,7 @@ import yaml
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.records import RunSummary
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
-from hsdp_runner.distributed.pipeline_settings import PIPELINE_KEYS, pipeline_settings
+from hsdp_runner.distributed.pipeline_settings import PIPELINE_KEYS, PipelineSettings
 from hsdp_runner.distributed.world_mesh import LATER_DIMS, full_shape
 
 RESOLVED_CONFIG_FILE = "config_resolved.yaml"
@@ -125,7 +125,7 @@ def job_prediction(config: dict, summary: RunSummary) -> dict | None:
 def _job_values(config: dict, shape: list | None):
     """Dotted key -> the job's value; a degree left at -1 (inferred) reads the degree the run
     used from summary.json's ``mesh_shape``, and the pipeline settings left unset
-    (``parallel.pp_microbatches: null``) what they resolved to (``pipeline_settings``), as a
+    (``parallel.pp_microbatches: null``) what they resolved to (``PipelineSettings``), as a
     plan row states them."""
     if shape:  # written before the pp or cp dims existed: 1 there
         shape = full_shape(shape)
@@ -139,7 +139,7 @@ def _job_values(config: dict, shape: list | None):
             return 1
         if found is None and name in PIPELINE_KEYS and value("parallel.pp") > 1:
             unset = {k: _select(config, f"parallel.{k}") for k in PIPELINE_KEYS}
-            return _plain(pipeline_settings(unset, value("parallel.pp"))[name])
+            return PipelineSettings.from_config(unset, value("parallel.pp")).describe()[name]
         return found
 
     return value

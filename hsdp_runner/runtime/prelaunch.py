@@ -32,7 +32,7 @@ from hsdp_runner.distributed.hardware import (
     usable_gpus,
 )
 from hsdp_runner.distributed.parallel_dims import ParallelDims, infer_world_size
-from hsdp_runner.distributed.pipeline_settings import zero_bubble_precision_refusal
+from hsdp_runner.distributed.pipeline_settings import job_refusal
 from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import auto_job
@@ -86,11 +86,11 @@ def validate(
     if fallback and (not under_torchrun() or int(os.environ["RANK"]) == 0):
         print(f"hsdp_runner: warning: {fallback}", file=sys.stderr)
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, world_size, ranks_per_node)
-    refusal = zero_bubble_precision_refusal(dims, cfg.precision)
+    refusal = job_refusal(dims, cfg)  # every pipeline check the degrees alone do not decide
     if refusal:
         raise ConfigError(refusal)
     model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
-    validate_batch(cfg.trainer, dims.dp, dims.pp_microbatches if dims.pp > 1 else None)
+    validate_batch(cfg.trainer, dims.dp)
     if (
         gpus
         and "bfloat16" in (cfg.precision.param_dtype, cfg.precision.reduce_dtype)
