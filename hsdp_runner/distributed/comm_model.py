@@ -66,8 +66,8 @@ follows what the runner builds (``parallelize.py``):
   parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
   output, which backward never needs. ``selective`` saves their outputs
   (``parallelize.apply_ac``) and repeats none.
-- Pipeline parallel: each of the rank's stages (``_rank_stages``) is counted as above with
-  its own parameters (its blocks, the embedding on the first stage, the output
+- Pipeline parallel: each of the rank's stages (``ParallelDims.local_stages``) is counted as
+  above with its own parameters (its blocks, the embedding on the first stage, the output
   layer and logits on the last; ``unit_sizes`` and ``float8_weight_sizes`` with ``stage``),
   over ``pp_microbatches`` micro-batches of ``global_batch / dp / m`` rows. Per micro-batch,
   each stage but the last sends its output hidden state (``stage_send_bytes``: rows x
@@ -171,7 +171,7 @@ def analytic_comm(
 
     Takes the ``model``, ``parallel``, ``precision`` and ``trainer`` config nodes, the job's
     ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate. Sums the stage
-    counter (``_stage``) over the rank's stages (``_rank_stages``; without pipeline
+    counter (``_stage``) over the rank's stages (``ParallelDims.local_stages``; without pipeline
     parallel the one stage, holding both ends), then adds the step's reductions over them
     all: the grad norm's (``_clip_norm``, and over ``pp``) and the step's stats.
     ``pipeline_stage``: the job (pp = 1) is one stage of a pipeline, as the planner prices a
@@ -180,7 +180,7 @@ def analytic_comm(
     """
     tally = _Tally()
     passes = stage_passes(dims, parallel, trainer, pipeline_stage)
-    stages = _rank_stages(pp_rank, dims)
+    stages = dims.local_stages(pp_rank)
     for stage in stages:
         _stage(tally, model_cfg, dims, parallel, precision, trainer, stage, passes)
     _clip_norm(tally, model_cfg, dims, parallel, precision, trainer, stages)
@@ -189,13 +189,6 @@ def analytic_comm(
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return tally.result()
-
-
-def _rank_stages(pp_rank: int, dims: ParallelDims) -> range:
-    """The stages rank ``pp_rank`` of the ``pp`` dim holds: r, r + pp, ... (the loop
-    placement ``pipeline.local_stages`` builds; that module is not imported here, it reaches
-    the sharding applier). Without pipeline parallel: stage 0 alone."""
-    return range(pp_rank, dims.pp_stages, dims.pp)
 
 
 def _stage(
@@ -283,7 +276,7 @@ def context_parallel_comm(
     tally = _Tally()
     if dims.cp > 1:
         m = stage_passes(dims, parallel, trainer).micro_batches
-        for stage in _rank_stages(pp_rank, dims):
+        for stage in dims.local_stages(pp_rank):
             _context_parallel(tally, model_cfg, dims, parallel, precision, trainer, stage, m)
     return tally.result()
 

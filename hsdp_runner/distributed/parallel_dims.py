@@ -171,6 +171,12 @@ class ParallelDims:
         (``PipelineSettings.stage_blocks`` on this layout's pp ranks)."""
         return self.pipeline.stage_blocks(n_layers, self.pp)
 
+    def local_stages(self, pp_rank: int) -> list[int]:
+        """The stage indices the ranks at coordinate ``pp_rank`` of the ``pp`` dim hold: r,
+        r + pp, ... (torch's loop placement, which the interleaved schedules expect); stage 0
+        alone without pipeline parallel."""
+        return list(range(pp_rank, self.pp_stages, self.pp))
+
     @property
     def pp_stages(self) -> int:
         """Pipeline stages in all: ``pp x pp_stages_per_rank``."""

@@ -38,11 +38,6 @@ from hsdp_runner.models.base import ModelConfig
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def local_stages(pp_rank: int, dims: ParallelDims) -> list[int]:
-    """The stage indices rank ``pp_rank`` of the ``pp`` dim holds: r, r + pp, ... (loop)."""
-    return [pp_rank + i * dims.pp for i in range(dims.pipeline.stages_per_rank)]
-
-
 class Schedule:
     """What a step runs through: the rank's ``parts`` (stage chunks named as the whole model,
     in stage order) with their ``stage_ids`` of ``n_stages``, and a loss function
@@ -235,7 +230,7 @@ def build_stages(
     and return the schedule that runs them (``schedule.parts``): ``OneStage`` over the whole
     model without pipeline parallel, else ``PipelineSchedule``. ``loss_fn(logits, targets)``:
     the mean loss of one micro-batch."""
-    stage_ids = local_stages(world.local_rank_in("pp"), dims)
+    stage_ids = dims.local_stages(world.local_rank_in("pp"))
     parts = [
         build_model(
             model_cfg, dims, world, parallel, precision, device, trainer.seed, trainer.freeze, s
