@@ -10,10 +10,12 @@ step. Here:
   more than ``BUSY_LOAD_FRACTION`` of the CPUs busy. The planner's ``linkbench`` records the
   same ``MachineLoad`` with its measurement of this machine.
 - ``cached_cpu_peak``: ``cpu_peak.json`` in ``hardware.cache_dir()``, keyed by host, CPU
-  model, CPUs, threads per rank, ranks per node, dtype and torch version. A busy measurement is
-  used but never cached (the next run measures again); a quiet one is cached when it beats
-  what is there; a caller whose step beat the cached figure asks for ``remeasure``. Entries
-  without a recorded load (written before loads were recorded) are measured again.
+  model, CPUs, threads per rank, ranks per node, dtype and torch version. Every entry carries
+  its load. A busy one is reused only while the machine is busy now too (measuring again
+  then could do no better, and every job on a loaded machine would pay for it); the first run
+  on a quiet machine measures again and caches the higher figure. A new figure is cached when
+  it beats what is there; a caller whose step beat the cached figure asks for ``remeasure``.
+  Entries without a recorded load (written before loads were recorded) are measured again.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from hsdp_runner.models.params import torch_dtype
 log = logging.getLogger(__name__)
 
 # A peak measured while processes other than the job's own kept more than this share of the
-# CPUs busy (1-minute load average) is not cached: another process taking L of c cores
-# lowers a rank's measured share by up to L / (c + L), 20% at this threshold.
+# CPUs busy (1-minute load average) is busy: another process taking L of c cores lowers a
+# rank's measured share by up to L / (c + L), 20% at this threshold.
 BUSY_LOAD_FRACTION = 0.25
 
 
@@ -195,22 +197,20 @@ def cached_cpu_peak(dtype: str, remeasure: bool = False, measure=None) -> tuple[
 
     Measured (``measure(torch dtype, ranks)``, default ``measure_cpu_peak``; ranks from
     ``LOCAL_WORLD_SIZE``) when the cache holds no recorded entry for ``cpu_key(dtype)`` or
-    ``remeasure`` is set. The higher of the new and the cached figure is returned (the peak is
-    the best the machine reaches); a new one is cached when it is higher and quiet, a busy one
-    is returned but not cached. Each rank writes a
-    whole file and renames it into place; a cache that cannot be read or written is measured
-    around, never an error."""
+    ``remeasure`` is set, or when the entry was measured busy and the machine is quiet now.
+    The higher of the new and the cached figure is returned (the peak is the best the machine
+    reaches) and cached, with its load. Each rank writes a whole file and renames it into
+    place; a cache that cannot be read or written is measured around, never an error."""
     path, key = cpu_peak_cache_file(), cpu_key(dtype)
     cached = _read_cache(path)
     known = _cached_peak(cached.get(key))
-    if known is not None and not remeasure:
-        return known, True
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if known is not None and not remeasure:
+        if not known.load.busy or machine_load(ranks).busy:
+            return known, True
     peak = (measure or measure_cpu_peak)(torch_dtype(dtype), ranks)
     if known is not None and known.tflops >= peak.tflops:
         return known, True
-    if peak.load.busy:
-        return peak, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

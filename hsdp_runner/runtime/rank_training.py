@@ -33,7 +33,7 @@ from hsdp_runner.report import prediction
 from hsdp_runner.runtime.signals import StopRequest, signal_name
 from hsdp_runner.train import metrics, profiling, sinks
 from hsdp_runner.train.data import TokenBatches
-from hsdp_runner.train.figures import RunFigures, compute_run_figures
+from hsdp_runner.train.figures import RunFigures, compute_run_figures, run_peak
 from hsdp_runner.train.loss import loss_parallel_on, next_token_loss
 from hsdp_runner.train.tensor_memory import TensorMemoryMeter
 from hsdp_runner.train.trainer import Trainer
@@ -64,6 +64,9 @@ def train_rank(
     # How the real process groups of every dim sit on the nodes: recorded so that it can be
     # checked against the planner's arithmetic. A collective: every rank calls it.
     placements = observed_placements(world, (*DIM_NAMES, *FLATTENED))
+    # The MFU's peak, before the meter starts: measuring it on a CPU allocates matrices that
+    # are not the job's tensor memory.
+    peak = run_peak(cfg, dims, device)
     # What the process holds before the model exists (interpreter, torch, process groups),
     # and from here the tensor memory the model and the first steps add: the planner's figure.
     mem_baseline = metrics.current_memory_gib(device)
@@ -73,7 +76,7 @@ def train_rank(
     # Where the state comes from (checkpoint, HF folder or fresh); a resumed job's
     # metrics.jsonl keeps only the steps up to its checkpoint, the later ones are trained again.
     start = checkpoint_start.agree_on_start(cfg.checkpoint, cfg.model, output_dir)
-    figures = compute_run_figures(cfg, dims, schedule.parts, device)
+    figures = compute_run_figures(cfg, dims, schedule.parts, device, peak)
     trackers: list[sinks.Tracker] = []
     if rank == 0:
         _prepare_metrics(cfg.checkpoint, output_dir, start)

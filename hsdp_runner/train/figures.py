@@ -97,19 +97,27 @@ def matmul_flop_shares(cfg: RunConfig, tp: int, device: torch.device) -> dict:
     return {dtype: share for dtype, share in shares.items() if share > 0}
 
 
+def run_peak(cfg: RunConfig, dims: ParallelDims, device: torch.device) -> metrics.Peak:
+    """The peak this rank's MFU divides by (``metrics.resolve_peak`` for the dtypes the job's
+    matmuls run in). On a CPU it may measure matmuls: a job resolves it before its tensor-memory
+    meter starts, so those matrices are not counted as the job's."""
+    return metrics.resolve_peak(
+        device, matmul_flop_shares(cfg, dims.tp, device), cfg.metrics.peak_tflops
+    )
+
+
 def compute_run_figures(
     cfg: RunConfig,
     dims: ParallelDims,
     model: torch.nn.Module | list[torch.nn.Module],
     device: torch.device,
+    peak: metrics.Peak | None = None,
 ) -> RunFigures:
     """Compute the fixed figures of a run from its resolved config, ParallelDims, the sharded
     model or this rank's pipeline stage chunks (for the memory estimate) and the rank's
-    device; every rank calls it."""
+    device, with ``peak`` when resolved already (``run_peak``); every rank calls it."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    peak = metrics.resolve_peak(
-        device, matmul_flop_shares(cfg, dims.tp, device), cfg.metrics.peak_tflops
-    )
+    peak = peak or run_peak(cfg, dims, device)
     comm = (
         None
         if cfg.metrics.comm_step is None

