@@ -10,8 +10,9 @@ load-balance statistics, read top to bottom in the order a token meets them.
   ``exchange.dispatch`` and takes the experts' outputs back from ``exchange.combine``. The
   default keeps every expert on this process; the runtime installs one that all-to-alls.
 - ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
-  sorted by expert either in three ``torch._grouped_mm`` calls or, as the reference, in a
-  loop over experts (``model.grouped_mm``).
+  sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
+  of ``torch._grouped_mm``) or, as the reference, in a loop over experts
+  (``model.grouped_mm``).
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
   reads and sets: ``Router.tokens_per_expert`` (counts of the step's forwards),
   ``MoE.aux_loss_sum`` (the sequence-wise auxiliary loss' value), ``MoE.sequence_sum`` (sums
@@ -40,6 +41,15 @@ def recomputing() -> bool:
     """True inside a backward pass: activation checkpointing is recomputing a forward, whose
     statistics the first forward already counted."""
     return torch._C._current_graph_task_id() != -1
+
+
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(n_experts,) int64 copies routed to each expert by ``chosen`` (any shape of expert
+    ids). A scatter into a fixed-size tensor rather than ``bincount``, whose output shape
+    depends on the values (the planner runs the model on fake tensors)."""
+    flat = chosen.flatten()
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=chosen.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class Router(nn.Module):
@@ -82,9 +92,7 @@ class Router(nn.Module):
         weights = weights * self.route_scale
         if self.training and not recomputing():
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(
-                    chosen.flatten(), minlength=self.tokens_per_expert.numel()
-                )
+                self.tokens_per_expert += expert_counts(chosen, self.tokens_per_expert.numel())
         if self.score_func != "softmax":
             scores = scores / scores.sum(dim=-1, keepdim=True)
         return weights, chosen, scores
@@ -143,9 +151,9 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
+            hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
         outputs = []
         for expert, part in enumerate(torch.split(x, counts.tolist())):
             hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)
@@ -216,7 +224,7 @@ class MoE(nn.Module):
         weights, chosen, scores = self.router(tokens)
         # Each token's k copies, sorted (stably) by expert: the order the experts read.
         order = chosen.flatten().argsort(stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        counts = expert_counts(chosen, self.n_experts)
         local, local_counts, state = self.exchange.dispatch(tokens[order // self.top_k], counts)
         routed = self.exchange.combine(self.experts(local, local_counts), state)
         # Weighted after the experts and summed per token in fp32.
