@@ -27,7 +27,7 @@ load-balance statistics, read top to bottom in the order a token meets them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -184,7 +184,8 @@ def sum_over_nothing(counts: torch.Tensor) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    """Routed experts plus optional shared experts on the tokens of (batch, seq, dim) input.
+    """Routed experts plus optional shared experts on the tokens of (batch, seq, dim) input
+    (the arguments: ``moe.MoEConfig``'s keys of the same names).
 
     Plain attributes the runtime sets: ``exchange`` (``TokenExchange``, default
     ``LocalExchange()``), ``sequence_sum`` (sums (batch, n_experts) per-sequence counts over
@@ -200,7 +201,10 @@ class MoE(nn.Module):
         top_k: int,
         expert_ffn_dim: int,
         n_shared_experts: int,
-        router: Router,
+        *,
+        score_func: str,
+        norm_topk_prob: bool,
+        route_scale: float,
         grouped_mm: bool,
         aux_loss_coef: float,
         seq_len: int,
@@ -208,11 +212,10 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.aux_loss_coef, self.seq_len = aux_loss_coef, seq_len
-        self.router = router
+        self.router = Router(dim, n_experts, top_k, score_func, norm_topk_prob, route_scale)
         self.experts = GroupedExperts(dim, expert_ffn_dim, n_experts, grouped_mm)
-        self.shared_experts: Optional[FeedForward] = (
-            FeedForward(dim, n_shared_experts * expert_ffn_dim) if n_shared_experts else None
-        )
+        shared_width = n_shared_experts * expert_ffn_dim
+        self.shared_experts = FeedForward(dim, shared_width) if shared_width else None
         self.exchange: TokenExchange = LocalExchange()
         self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] = sum_over_nothing
         self.aux_grad_scale = 1.0
