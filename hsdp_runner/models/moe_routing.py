@@ -147,7 +147,9 @@ class GroupedExperts(nn.Module):
         """Run tokens ``x`` (M, dim), sorted by local expert with ``counts`` (n_local,) int64
         per expert, through the experts this rank holds (as many as the local w1's dim 0).
         Returns (M, dim). The gradient reaching the output must be contiguous (torch 2.13's
-        grouped matmul backward fails on an expanded one); the MoE layer's is."""
+        grouped matmul backward fails on an expanded one); the MoE layer's is. torch 2.13's
+        kernels take fp32 and bf16, but its meta function (fake tensors: torch.compile, the
+        planner's memory run) takes bf16 only: those run the grouped path in bf16 alone."""
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -232,7 +234,8 @@ class MoE(nn.Module):
         routed = self.exchange.combine(self.experts(local, local_counts), state)
         # Weighted after the experts and summed per token in fp32.
         routed = routed.float() * weights.flatten()[order, None]
-        out = torch.zeros(tokens.shape, device=x.device).index_add(0, order // self.top_k, routed)
+        out = torch.zeros(tokens.shape, dtype=routed.dtype, device=x.device)
+        out = out.index_add(0, order // self.top_k, routed)
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -251,7 +254,8 @@ class MoE(nn.Module):
         in the whole sequence (``sequence_sum``), P_i = (1/T) * this rank's scores of expert i
         (partial: the ranks' pieces add up), T = the model's seq_len."""
         with torch.no_grad():
-            counts = torch.zeros(chosen.shape[0], self.n_experts, device=chosen.device)
+            shape, fp32 = (chosen.shape[0], self.n_experts), torch.float32
+            counts = torch.zeros(shape, dtype=fp32, device=chosen.device)
             counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=counts.dtype))
             f = self.sequence_sum(counts) * (self.n_experts / (self.top_k * self.seq_len))
         p = scores.sum(dim=1) / self.seq_len
