@@ -31,6 +31,7 @@ from torch import nn
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce
 from hsdp_runner.distributed import float8
+from hsdp_runner.distributed.expert_parallel import set_aux_grad_scale
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model, set_gradient_sync
 from hsdp_runner.models.base import ModelConfig
@@ -237,6 +238,10 @@ def build_stages(
         )
         for s in stage_ids
     ]
+    # A mixture of experts' auxiliary-loss gradient: cp / micro-batches, as OneStage divides
+    # each micro-batch's loss; torch's pipeline schedules divide the gradients themselves.
+    for part in parts:
+        set_aux_grad_scale(part, dims.cp / (trainer.grad_accum_steps if dims.pp_stages == 1 else 1))
     if dims.pp_stages == 1:
         first_repeated = 2 if float8.gathers_float8(precision, dims.dp_mode) else 1
         return OneStage(
