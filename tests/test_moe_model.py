@@ -1,0 +1,289 @@
+"""The mixture-of-experts family (models/moe.py, models/moe_routing.py), single process: the
+grouped-matmul experts against the per-expert loop, the routing rules, the balance statistics
+and the auxiliary loss, parameter counts of the presets, and short training runs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from hsdp_runner.config.compose import compose
+from hsdp_runner.models.base import build_meta_model, model_spec, moe_layers
+from hsdp_runner.models.common import clean_name
+from hsdp_runner.models.moe_routing import GroupedExperts, Router
+
+
+def tiny_spec(*overrides: str):
+    """The moe_tiny preset's spec with ``model.*`` overrides."""
+    return model_spec(compose(["model=moe_tiny", *(f"model.{o}" for o in overrides)]).model)
+
+
+def built(spec, seed: int = 0):
+    """The model of ``spec`` with its initial weights."""
+    model = spec.build()
+    model.init_weights(seed)
+    return model
+
+
+def test_grouped_experts_match_the_per_expert_loop_with_an_empty_expert():
+    """Outputs and every gradient of the grouped-matmul path equal the loop's (fp32), the
+    expert that receives no token included (its weight gradients are zero)."""
+    torch.manual_seed(0)
+    grouped = GroupedExperts(dim=16, hidden_dim=8, n_experts=4, grouped_mm=True)
+    for w in grouped.parameters():
+        torch.nn.init.normal_(w, std=0.3)
+    loop = copy.deepcopy(grouped)
+    loop.grouped_mm = False
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(10, 16)
+    g = torch.randn(10, 16)
+    results = []
+    for experts in (grouped, loop):
+        xi = x.clone().requires_grad_()
+        out = experts(xi, counts)
+        (out * g).sum().backward()
+        results.append((out, xi.grad, *(w.grad for w in experts.parameters())))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(w.grad[1].abs().max() == 0 for w in grouped.parameters())
+    assert all(w.grad[0].abs().max() > 0 for w in grouped.parameters())
+
+
+def test_model_grouped_and_loop_paths_agree_on_loss_and_every_gradient():
+    """The whole model (aux loss on, in training mode) computes the same loss and gradients
+    through ``model.grouped_mm=true`` and ``false``."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for grouped in (True, False):
+        model = built(tiny_spec(f"grouped_mm={str(grouped).lower()}"))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        grads.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = grads
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert grads_a["layers.1.moe.experts.w1"].abs().max() > 0
+
+
+def router(score_func="softmax", norm_topk_prob=True, route_scale=1.0, n_experts=6, top_k=2):
+    """A Router over 8-wide tokens with a random gate."""
+    torch.manual_seed(2)
+    r = Router(8, n_experts, top_k, score_func, norm_topk_prob, route_scale)
+    torch.nn.init.normal_(r.gate.weight)
+    return r
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_router_weighs_the_top_k_scores(score_func, norm_topk_prob):
+    """Scores are the softmax or sigmoid of the gate; the chosen experts are the top-k scores;
+    their weights are those scores (renormalised to sum 1 with norm_topk_prob) x route_scale;
+    the returned probabilities are the scores normalised per token."""
+    r = router(score_func, norm_topk_prob, route_scale=2.5)
+    x = torch.randn(5, 8)
+    weights, chosen, probs = r(x)
+    logits = x @ r.gate.weight.T
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    top, expected_chosen = scores.topk(2, dim=-1)
+    assert torch.equal(chosen.sort(-1).values, expected_chosen.sort(-1).values)
+    expected = top / top.sum(-1, keepdim=True) if norm_topk_prob else top
+    torch.testing.assert_close(weights, 2.5 * expected)
+    torch.testing.assert_close(probs, scores / scores.sum(-1, keepdim=True))
+
+
+def test_expert_bias_changes_the_choice_but_not_the_weights():
+    """A large bias on one expert makes every token choose it; its weight is still its score
+    (no bias), and without renormalisation every weight is the unbiased score."""
+    r = router(norm_topk_prob=False, n_experts=16)
+    x = torch.randn(3, 8)
+    _, unbiased, _ = r(x)
+    never = next(e for e in range(16) if not (unbiased == e).any())
+    r.expert_bias[never] = 10.0
+    weights, chosen, probs = r(x)
+    assert (chosen == never).any(dim=-1).all()
+    torch.testing.assert_close(weights, probs.gather(-1, chosen))
+    assert (weights < 1).all()
+
+
+def test_every_token_reaches_its_k_experts_and_the_shared_ones():
+    """Dropless: the layer's output is, per token, the weighted sum of its k chosen experts
+    applied to it alone, plus the shared experts; the counts add up to tokens x k."""
+    spec = tiny_spec("n_experts=4")
+    model = built(spec)
+    moe = model.layers["1"].moe
+    x = torch.randn(2, 32, 64)
+    out = moe(x)
+    counted = moe.router.tokens_per_expert.clone()
+    tokens = x.reshape(-1, 64)
+    weights, chosen, _ = moe.router(tokens)
+    experts = moe.experts
+    expected = moe.shared_experts(tokens)
+    for t in range(tokens.shape[0]):
+        for k in range(spec.top_k):
+            e = chosen[t, k]
+            h = torch.nn.functional.silu(tokens[t] @ experts.w1[e].T) * (
+                tokens[t] @ experts.w3[e].T
+            )
+            expected[t] += weights[t, k] * (h @ experts.w2[e].T)
+    torch.testing.assert_close(out.reshape(-1, 64), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counted, torch.bincount(chosen.flatten(), minlength=4).float())
+    assert counted.sum() == 2 * 32 * spec.top_k
+
+
+def explicit_aux_loss(moe, x: torch.Tensor, coef: float) -> torch.Tensor:
+    """coef * mean over sequences of sum_i f_i P_i, written out from the router's gate."""
+    bsz, seq, _ = x.shape
+    n, k = moe.n_experts, moe.top_k
+    logits = moe.router.gate(x).float()
+    scores = logits.softmax(-1) if moe.router.score_func == "softmax" else logits.sigmoid()
+    chosen = scores.topk(k, dim=-1).indices
+    counts = torch.nn.functional.one_hot(chosen, n).sum(dim=(1, 2)).float()  # (bsz, n)
+    f = n / (k * seq) * counts
+    p = (scores / scores.sum(-1, keepdim=True)).mean(dim=1)
+    return coef * (f * p).sum(-1).mean()
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss_function_adds_the_balance_gradient_and_leaves_the_output(score_func):
+    """Through ``AuxLossScaler`` the layer's output is unchanged while every gradient equals
+    autograd's of output . g + scale * coef * sum f P (the explicit loss); ``aux_loss_sum``
+    holds scale x the loss."""
+    coef, scale = 0.5, 0.25
+    model = built(tiny_spec(f"score_func={score_func}", f"aux_loss_coef={coef}"))
+    moe = model.layers["1"].moe
+    moe.aux_grad_scale = scale
+    reference = copy.deepcopy(moe)
+    reference.aux_loss_coef = 0.0
+    x, g = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
+    out = moe(x)
+    (out * g).sum().backward()
+    ref_out = reference(x)
+    aux = explicit_aux_loss(reference, x, coef)
+    ((ref_out * g).sum() + scale * aux).backward()
+    assert torch.equal(out, ref_out)
+    torch.testing.assert_close(moe.aux_loss_sum, scale * aux.detach())
+    for (name, p), ref in zip(moe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-8, msg=name)
+    # The loss' gradient is not negligible next to the output's.
+    without = copy.deepcopy(reference)
+    without.zero_grad()
+    (without(x) * g).sum().backward()
+    change = (moe.router.gate.weight.grad - without.router.gate.weight.grad).norm()
+    assert change > 1e-3 * without.router.gate.weight.grad.norm()
+
+
+def balance_statistics(ac: str, tokens: torch.Tensor):
+    """(tokens_per_expert, aux_loss_sum, gradients) of one training forward and backward of
+    moe_tiny under activation checkpointing ``ac``."""
+    from hsdp_runner.distributed.parallelize import apply_ac
+
+    model = built(tiny_spec())
+    apply_ac(model, ac)
+    model(tokens).float().square().mean().backward()
+    layers = moe_layers(model)
+    counts = torch.stack([m.router.tokens_per_expert for m in layers])
+    aux = torch.stack([m.aux_loss_sum for m in layers])
+    return counts, aux, {clean_name(n): p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_balance_statistics_are_counted_once_under_recomputation(ac):
+    """Recomputing a block in backward counts neither the routed copies nor the auxiliary
+    loss again: both equal those without checkpointing (tokens x k copies per layer), and so
+    do the gradients. An evaluation forward counts nothing."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    counts, aux, grads = balance_statistics("none", tokens)
+    counts_ac, aux_ac, grads_ac = balance_statistics(ac, tokens)
+    assert (counts.sum(-1) == 2 * 32 * 2).all()
+    assert torch.equal(counts_ac, counts)
+    torch.testing.assert_close(aux_ac, aux, rtol=1e-6, atol=0)
+    assert (aux > 0).all()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_ac[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    model = built(tiny_spec()).eval()
+    with torch.no_grad():
+        model(tokens)
+    assert all(m.router.tokens_per_expert.sum() == 0 for m in moe_layers(model))
+    assert all(m.aux_loss_sum == 0 for m in moe_layers(model))
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``torch._grouped_mm`` (torch's FlopCounterMode has no formula for it): 2 x the
+    output's elements x the contracted width."""
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def counted_flops(spec, tokens: torch.Tensor, ac: str, backward: bool = True) -> int:
+    """FLOPs FlopCounterMode counts in one training forward (and backward) under ``ac``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hsdp_runner.distributed.parallelize import apply_ac
+
+    model = built(spec)
+    apply_ac(model, ac)
+    mapping = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        logits = model(tokens)
+        if backward:
+            logits.float().square().mean().backward()
+    return counter.get_total_flops()
+
+
+def test_forward_and_selective_recompute_flops_are_the_counted_ones():
+    """One forward of moe_tiny costs the blocks' ``block_forward_flops_per_token`` (less
+    attention, which FlopCounterMode does not count in torch's CPU kernel) plus the output
+    layer per token; selective AC adds exactly ``selective_recompute_flops_per_token`` (the
+    experts' grouped matmuls taking turns with the other matmuls)."""
+    spec = tiny_spec()
+    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
+    forward = counted_flops(spec, tokens, "none", backward=False)
+    attention = 4 * spec.n_layers * spec.n_heads * spec.attention_head_dim() * spec.seq_len
+    per_token = spec.block_forward_flops_per_token() - attention + 2 * spec.vocab_size * spec.dim
+    assert forward == per_token * tokens.numel()
+    extra = counted_flops(spec, tokens, "selective") - counted_flops(spec, tokens, "none")
+    assert extra == spec.selective_recompute_flops_per_token() * tokens.numel()
+
+
+PRESETS = ["moe_tiny", "moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_counts_are_those_of_the_built_model(preset):
+    """total, embedding and matmul (every weight of two or more dims but the embedding) of the
+    meta model; active_matmul is matmul less each MoE block's unchosen experts."""
+    spec = model_spec(compose([f"model={preset}"]).model)
+    spec.validate()
+    counts = spec.count_params()
+    params = dict(build_meta_model(spec).named_parameters())
+    assert counts["total"] == sum(p.numel() for p in params.values())
+    assert counts["embedding"] == params["tok_embeddings.weight"].numel()
+    assert counts["matmul"] == sum(
+        p.numel() for n, p in params.items() if p.dim() >= 2 and n != "tok_embeddings.weight"
+    )
+    unchosen = (spec.n_experts - spec.top_k) * 3 * spec.dim * spec.expert_ffn_dim
+    moe_blocks = spec.n_layers - spec.n_dense_layers
+    assert counts["active_matmul"] == counts["matmul"] - moe_blocks * unchosen
+    attention = 12 * spec.n_layers * spec.n_heads * spec.attention_head_dim() * spec.seq_len
+    assert spec.flops_per_token() == 6 * counts["active_matmul"] + attention
+
+
+@pytest.mark.parametrize(
+    "preset, total, non_embedding, active",
+    [("qwen3_30b_a3b", 30.5, 29.9, 3.3), ("qwen3_235b_a22b", 235, 234, 22)],
+)
+def test_qwen3_presets_have_the_published_parameter_counts(preset, total, non_embedding, active):
+    """The model cards' figures (billions, to the digits they give): total, non-embedding
+    (total less the embedding and the untied output layer) and activated per token (the
+    active matmul weights and the embedding). Active figures are truncated on the cards
+    (3.35 -> 3.3)."""
+    counts = model_spec(compose([f"model={preset}"]).model).count_params()
+    digits = 1 if isinstance(total, float) else 0
+    assert round(counts["total"] / 1e9, digits) == total
+    assert round((counts["total"] - 2 * counts["embedding"]) / 1e9, digits) == non_embedding
+    activated = (counts["active_matmul"] + counts["embedding"]) / 1e9
+    assert active <= activated < active + 10**-digits
