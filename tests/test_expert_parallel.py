@@ -68,10 +68,6 @@ def test_a_dense_model_builds_no_expert_meshes_and_keeps_its_layout_name():
             {"s": 2, "t": 2, "ep": 4, "model": NS(**{**vars(MOE), "n_experts": 6})},
             "parallel.ep=4 does not divide model.n_experts=6",
         ),
-        (
-            {"t": 4, "c": 2, "sp": False, "model": NS(**{**vars(MOE), "seq_len": 36})},
-            "model.seq_len=36 is not divisible by parallel.cp x parallel.tp = 2 x 4",
-        ),
     ],
 )
 def test_bad_expert_degrees_name_the_keys_and_fix(degrees, words):

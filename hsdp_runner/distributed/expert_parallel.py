@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.models.base import moe_layers
 
 
 class TokenExchange:
@@ -102,14 +103,15 @@ class SequenceSum:
 
 
 def moe_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """{block index: its MoE module} of ``model``'s (a stage's) blocks with one (the block's
-    ``moe``, under an activation-checkpointing wrapper or not); empty for a dense model."""
+    """{block index: its MoE layer} of ``model``'s (a stage's) blocks that have one (the
+    family's ``moe_layers``, through the seam ``models.base.moe_layers``); empty for a dense
+    model. The indices are the whole model's (a stage keeps its blocks' keys)."""
+    layers = {id(moe) for moe in moe_layers(model)}
     found = {}
-    for key, block in model.blocks().items():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        moe = getattr(inner, "moe", None)
-        if moe is not None:
-            found[int(key)] = moe
+    for key, block in model.blocks().items() if layers else ():
+        for module in block.modules():
+            if id(module) in layers:
+                found[int(key)] = module
     return found
 
 
@@ -159,14 +161,18 @@ def _distribute_experts(experts: nn.Module, ep_mesh) -> None:
 def _shard(module, world, dims, over: str, mp_policy, reshard_after_forward: bool) -> None:
     """``fully_shard`` ``module`` over the view ``over`` (with ``dp_replicate``: HSDP), its
     gradients divided by ``dp_replicate x dp_shard x cp`` (the ranks whose losses the job
-    objective averages). gloo has no pre-multiplied sum: there the reduction sums, then
-    divides."""
+    objective averages).
+
+    gloo has no pre-multiplied sum, which FSDP2 reduce-scatters with when the factor is not
+    the shard group's size: there the reduction sums, then divides. Not on a one-rank shard
+    group: torch 2.13 then divides twice (its copy instead of a reduce-scatter divides, and so
+    does the sum's division after it), and needs no pre-multiplied sum anyway."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = world.fsdp_mesh(replicate=dims.dp_replicate > 1, shard=over)
     fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     module.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
-    if mesh.device_type == "cpu":
+    if mesh.device_type == "cpu" and dims.group_size(over) > 1:
         module.set_force_sum_reduction_for_comms(True)
 
 

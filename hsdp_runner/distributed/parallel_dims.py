@@ -208,13 +208,6 @@ class ParallelDims:
                 f"parallel.ep={self.ep} does not divide model.n_experts={experts}: each ep rank "
                 f"holds n_experts / ep of them; use a parallel.ep dividing {experts}"
             )
-        if experts and self.tp > 1 and model.seq_len % (self.cp * self.tp):
-            # The MoE runs on each tp rank's part of the sequence, sequence parallel or not.
-            raise ConfigError(
-                f"model.seq_len={model.seq_len} is not divisible by parallel.cp x parallel.tp = "
-                f"{self.cp} x {self.tp}: under TP each rank routes its own part of every "
-                "sequence to the experts; change the sequence length or the degrees"
-            )
 
     def stage_blocks(self, n_layers: int) -> list[range]:
         """The block indices of each pipeline stage of a model of ``n_layers`` blocks
