@@ -182,3 +182,13 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
     pipeline schedule (which divides the gradients itself). See the module docstring."""
     for moe in moe_modules(model).values():
         moe.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def reset_statistics(model: nn.Module) -> None:
+    """Zero the balance statistics of every MoE block of ``model`` (a stage): the routers'
+    ``tokens_per_expert`` and the blocks' ``aux_loss_sum``. For a forward that must not count
+    (torch's pipeline shape inference); the balance step resets them after each step."""
+    for moe in moe_modules(model).values():
+        moe.router.tokens_per_expert.zero_()
+        moe.aux_loss_sum.zero_()
