@@ -372,8 +372,8 @@ def test_fsdp_tensor_peak_falls_with_micro_batches_when_every_one_reduces(four_r
 # Expert parallel on the mixture of experts (``parallel.ep``), each case against the parity
 # run's single process of moe_tiny (the same overrides: its steps, learning rate and batch): ep
 # over all of dp_shard and over part of it, borrowing tp, with HSDP (dp_replicate), borrowing
-# cp, under a pipeline, with activation checkpointing and with gradient accumulation; on four
-# in-process workers. moe_tiny's auxiliary loss and balancing bias are on.
+# cp, under a pipeline, with activation checkpointing, with gradient accumulation and compiled;
+# on four in-process workers. moe_tiny's auxiliary loss and balancing bias are on.
 EP_BASE = ["model=moe_tiny", "logger=none", *METERS_OFF, f"trainer.steps={STEPS}", *LR]
 EP_CASES = {
     "fsdp:parallel.ep=4": ["parallel=fsdp", "parallel.ep=4"],
@@ -385,6 +385,16 @@ EP_CASES = {
     "ac=full": ["parallel=fsdp", "parallel.ep=2", "parallel.ac=full"],
     "ac=selective": ["parallel=fsdp", "parallel.ep=2", "parallel.ac=selective"],
     "grad_accum_steps=2": ["parallel=fsdp", "parallel.ep=2", "trainer.grad_accum_steps=2"],
+    # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
+    # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only
+    # (expert_parallel.compile_refusal).
+    "compile": [
+        "parallel=fsdp",
+        "parallel.ep=2",
+        "parallel.compile=true",
+        "parallel.compile_backend=aot_eager",
+        "model.grouped_mm=false",
+    ],
 }
 
 
