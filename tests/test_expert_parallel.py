@@ -15,8 +15,8 @@ from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 
-MOE = NS(name="moe_tiny", n_heads=4, n_kv_heads=2, seq_len=32, n_experts=8)
-DENSE = NS(name="llama3_tiny", n_heads=4, n_kv_heads=2, seq_len=32)
+MOE = NS(name="moe_tiny", n_heads=4, n_kv_heads=2, seq_len=32, n_layers=3, n_experts=8)
+DENSE = NS(name="llama3_tiny", n_heads=4, n_kv_heads=2, seq_len=32, n_layers=2)
 
 
 def dims(r=1, s=1, c=1, t=1, ep=1, model=MOE, pp=1, sp=True):
@@ -154,8 +154,28 @@ def _exchange(ep: int, dtype) -> dict:
     }
 
 
+def _stage_buffers() -> list[float]:
+    """pp 2 x dp_shard 2: each stage's chunk has its own number of buffers (as a mixture of
+    experts' stages hold different numbers of routers), each rank's values its own; returns
+    them after ``sync_buffers``."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from hsdp_runner.distributed.parallelize import sync_buffers
+
+    d = dims(pp=2, s=2, model=DENSE)
+    world = d.build_mesh("cpu")
+    stage, rank = world.local_rank_in("pp"), dist.get_rank()
+    chunk = nn.Module()
+    for i in range(1 + 2 * stage):  # 1 buffer on stage 0, 3 on stage 1
+        chunk.register_buffer(f"b{i}", torch.full((2,), float(rank)))
+    sync_buffers(chunk, world)
+    return [float(b[0]) for b in chunk.buffers()]
+
+
 def _four_rank_cases() -> dict:
     return {
+        "stage_buffers": _stage_buffers(),
         "meshes": _meshes(),
         "exchange_ep4": _exchange(4, torch.float32),
         "exchange_ep2": _exchange(2, torch.float32),
@@ -214,3 +234,11 @@ def test_moe_trains_with_expert_parallel_from_the_command_line(job_dir):
     figures = {"moe/aux_loss", "moe/load_max_over_mean", "moe/load_max_over_mean/layer_2"}
     assert figures <= set(records[-1]), sorted(records[-1])
     assert all(1.0 <= r["moe/load_max_over_mean"] <= 8 / 2 for r in records)
+
+
+@pytest.mark.multiprocess
+def test_buffers_sync_within_each_pipeline_stage(four_ranks):
+    """Ranks 0, 1 hold stage 0 and ranks 2, 3 stage 1: each stage's buffers come from its
+    first rank, whatever the other stage holds."""
+    got = {rank: result["stage_buffers"] for rank, result in four_ranks.items()}
+    assert got == {0: [0.0], 1: [0.0], 2: [2.0] * 3, 3: [2.0] * 3}

@@ -260,19 +260,25 @@ def set_gradient_sync(
         model.set_requires_gradient_sync(last)
 
 
-def sync_buffers(model: nn.Module) -> int:
-    """Broadcast every non-DTensor buffer from global rank 0 so all ranks agree.
+def sync_buffers(model: nn.Module, world: WorldMesh | None = None) -> int:
+    """Broadcast every non-DTensor buffer of ``model`` (a stage) from the first rank holding
+    its stage, so all ranks of the stage agree: over ``world``'s ``dp_cp`` groups, then its
+    ``tp`` groups (together every rank of the stage, no group of their own needed); without
+    ``world``, over all ranks from global rank 0 (a model that is one stage).
 
     DTensors are kept consistent by their placements; plain buffers are not, and a buffer
-    initialised from each rank's RNG would silently differ between replicas. Returns how many
-    buffers were synchronised.
+    initialised from each rank's RNG would silently differ between replicas. Ranks of another
+    pipeline stage hold other blocks' buffers (a mixture of experts' routers), so a broadcast
+    over all ranks would pair unrelated buffers. Returns how many buffers were synchronised.
     """
     from torch.distributed.tensor import DTensor
 
+    groups = [None] if world is None else [world["dp_cp"].get_group(), world["tp"].get_group()]
     count = 0
     for buf in model.buffers():
         if not isinstance(buf, DTensor):
-            dist.broadcast(buf, src=0)
+            for group in groups:
+                dist.broadcast(buf, group=group, group_src=0)
             count += 1
     return count
 
@@ -376,12 +382,12 @@ def build_model(
     With ``stage`` (a pipeline stage index), only that stage of ``dims.pp_stages`` is built
     (``models/base.keep_stage``), parameters named as in the whole model. Returns the
     sharded model on ``device`` with identical weights in every layout and non-DTensor
-    buffers equal on every rank.
+    buffers equal on every rank of its stage.
     """
     model = parallelized_meta_model(
         model_cfg, dims, world, parallel, precision, device, freeze, stage
     )
     model.to_empty(device=device)
     model.init_weights(seed)
-    sync_buffers(model)
+    sync_buffers(model, world)
     return model
