@@ -27,8 +27,9 @@ from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.distributed.expert_layout import expert_refusal
 from hsdp_runner.distributed.hardware import usable_gpus
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES, expert_refusal
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.models.base import model_spec, stage_blocks
 from hsdp_runner.runtime.launch import run_job
 from hsdp_runner.runtime.prelaunch import validate

@@ -12,8 +12,9 @@ views and the process groups).
 
 Expert parallel (``ep``, a model with experts) is a sixth degree that multiplies nothing: it
 borrows its ranks from the ``dp_shard x cp x tp`` ranks of one replica (those holding distinct
-tokens), which it splits row-major into ``efsdp x ep`` with ep innermost; the expert meshes are
-built with the world mesh (``world_mesh.EXPERT_VIEWS``, ``EXPERT_SPLIT``).
+tokens), which it splits row-major into ``efsdp x ep`` with ep innermost; its checks are
+``expert_layout.py``'s, and the expert meshes are built with the world mesh
+(``world_mesh.EXPERT_VIEWS``, ``EXPERT_SPLIT``).
 
 Node awareness: ranks are placed on nodes contiguously (torchrun numbers ranks node by node;
 SLURM's default block distribution does too) and the mesh is row-major with ``tp`` innermost
@@ -34,6 +35,7 @@ from typing import Optional
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
 from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed import expert_layout
 from hsdp_runner.distributed.pipeline_settings import (
     PIPELINE_KEYS,
     PipelineSettings,
@@ -54,9 +56,6 @@ from hsdp_runner.distributed.world_mesh import (
     build_world_mesh,
 )
 from hsdp_runner.models.base import ModelConfig, routed_experts
-
-# The dims expert parallel borrows its ranks from, outer to inner (row-major: ep innermost).
-TOKEN_DIMS = EXPERT_VIEWS["dp_shard_cp_tp"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +104,7 @@ class ParallelDims:
             )
         check_degree_values(degrees)
         ep = _get(parallel, "ep", 1)
-        _check_ep_value(ep)
+        expert_layout.check_ep_value(ep)
         unknown = [n for n, v in degrees.items() if v == -1]
         if len(unknown) > 1:
             raise ConfigError(
@@ -134,8 +133,7 @@ class ParallelDims:
             moe=model is not None and routed_experts(model) > 0,
         )
         dims._check_product()
-        dims._check_experts(model)
-        refusal = layout_refusal(dims, model, parallel)
+        refusal = expert_layout.layout_refusal(dims, model) or layout_refusal(dims, model, parallel)
         if refusal:
             raise ConfigError(refusal)
         dims._check_model(parallel, model)
@@ -184,19 +182,6 @@ class ParallelDims:
                 "with parallel.sequence_parallel=true; change the sequence length "
                 "or set parallel.sequence_parallel=false"
             )
-
-    def _check_experts(self, model: Optional[ModelConfig]) -> None:
-        """Expert parallel's degree against the ranks it borrows and the model's experts."""
-        if self.dp_shard_cp_tp % self.ep:
-            raise ConfigError(
-                f"parallel.ep={self.ep} does not divide parallel.dp_shard x parallel.cp x "
-                f"parallel.tp = {self.dp_shard} x {self.cp} x {self.tp} = {self.dp_shard_cp_tp}: "
-                "expert parallel borrows its ranks from those of one replica holding distinct "
-                f"tokens; use a parallel.ep dividing {self.dp_shard_cp_tp}, or raise those degrees"
-            )
-        refusal = expert_refusal(self.ep, model)
-        if refusal:
-            raise ConfigError(refusal)
 
     def stage_blocks(self, n_layers: int) -> list[range]:
         """The block indices of each pipeline stage of a model of ``n_layers`` blocks
@@ -358,26 +343,13 @@ class ParallelDims:
             return getattr(self, name)
         return prod(getattr(self, dim) for dim in _VIEW_DIMS.get(name, (name,)))
 
-    def _expert_split_dims(self) -> Optional[dict[str, tuple[str, ...]]]:
-        """{'efsdp': dims, 'ep': dims} when ep's groups are whole dims of ``TOKEN_DIMS`` (the
-        innermost ones whose sizes multiply to ep, e.g. tp or cp x tp; size-1 dims left out),
-        else None (ep splits a dim)."""
-        inner = [dim for dim in TOKEN_DIMS if getattr(self, dim) > 1]
-        size, cut = 1, len(inner)
-        while size < self.ep and cut > 0:
-            cut -= 1
-            size *= getattr(self, inner[cut])
-        if size != self.ep:
-            return None
-        return {"efsdp": tuple(inner[:cut]), "ep": tuple(inner[cut:])}
-
     def same_group(self, name: str) -> str:
         """The first of ``GROUP_ORDER`` (then the expert views) whose groups hold the same
         ranks as ``name``'s (e.g. 'dp_shard_cp' is 'dp_shard' when cp = 1, 'ep' is 'tp' when
         ep = tp): dims of size 1 add no ranks. ``name`` itself when no other matches (an
         expert split that cuts a dim)."""
         if name in EXPERT_SPLIT:
-            split = self._expert_split_dims()
+            split = expert_layout.split_dims(self)
             if split is None:
                 return name
             dims = split[name]
@@ -439,37 +411,6 @@ def _get(node, key: str, default):
 
 # Every flattened view's dims, the dense ones and the expert ones.
 _VIEW_DIMS = VIEWS | EXPERT_VIEWS
-
-
-def expert_refusal(ep: int, model: Optional[ModelConfig]) -> Optional[str]:
-    """Why the model ``model`` (None: not checked) cannot run expert parallel over ``ep`` ranks
-    (a message naming the keys and the fix), or None: a dense model with ep > 1, or ep not
-    dividing its experts."""
-    if model is None:
-        return None
-    experts = routed_experts(model)
-    if ep > 1 and not experts:
-        return (
-            f"parallel.ep={ep} needs a model with experts, but model={model.name} is dense (no "
-            "model.n_experts); set parallel.ep=1, or choose a mixture-of-experts model (e.g. "
-            "model=moe_tiny)"
-        )
-    if experts % ep:
-        return (
-            f"parallel.ep={ep} does not divide model.n_experts={experts}: each ep rank holds "
-            f"n_experts / ep of them; use a parallel.ep dividing {experts}"
-        )
-    return None
-
-
-def _check_ep_value(ep: int) -> None:
-    """Raise ConfigError for an expert-parallel degree below 1 (it is never inferred)."""
-    if not isinstance(ep, int) or ep < 1:
-        raise ConfigError(
-            f"parallel.ep={ep} is invalid; use a positive degree (1: no expert parallel). It "
-            "is never inferred (-1): it borrows ranks from parallel.dp_shard x parallel.cp x "
-            "parallel.tp instead of adding to the world size"
-        )
 
 
 def check_degree_values(degrees: dict) -> None:
