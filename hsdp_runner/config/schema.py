@@ -50,6 +50,10 @@ class ParallelConfig:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    # Expert parallel (a model with experts): each MoE block's experts shared out over ep of the
+    # dp_shard x cp x tp ranks of a replica (it borrows ranks; the world size is the other
+    # degrees' product). distributed/expert_parallel.py, docs/moe.md.
+    ep: int = 1
     sequence_parallel: bool = True
     # tp > 1: the output layer leaves the logits sharded over the vocabulary and the loss is
     # computed on them (torch's loss_parallel), instead of all-gathering them on every rank.

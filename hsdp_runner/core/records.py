@@ -80,6 +80,7 @@ class RunSummary:
     dp_shard: Optional[int] = None
     cp: Optional[int] = None
     tp: Optional[int] = None
+    ep: Optional[int] = None  # expert parallel (borrows ranks: not a mesh dim of its own)
     nodes: Optional[int] = None
     ranks_per_node: Optional[int] = None
     dims_across_nodes: Optional[list] = None

@@ -41,7 +41,7 @@ from torch import nn
 
 from hsdp_runner.core.choices import DPMode, Float8Recipe
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import ModelConfig, build_meta_model, model_spec
+from hsdp_runner.models.base import ModelConfig, build_meta_model, model_spec, routed_experts
 from hsdp_runner.models.common import TPStyles
 
 if TYPE_CHECKING:  # annotations only: benchmarks/float8_gpu_check.py runs without Hydra
@@ -144,6 +144,17 @@ def check_device(precision: PrecisionConfig, gpus: int, capability=None, name=No
         f"{capability[0]}.{capability[1]}. Use precision=bf16 (float8 is emulated on device=cpu "
         "only, never on a GPU)"
     )
+
+
+def check_experts(precision: PrecisionConfig, model_cfg: ModelConfig, gpus: int) -> None:
+    """Raise ConfigError for float8 training of a model with experts on the CPU (``gpus`` 0):
+    torchao's float8 grouped matmul, which the routed experts would need, runs on GPUs only."""
+    if enabled(precision) and not gpus and routed_experts(model_cfg):
+        raise ConfigError(
+            f"precision.float8={precision.float8} with a model with experts "
+            f"(model.n_experts={routed_experts(model_cfg)}) on the CPU: torchao's float8 "
+            "grouped matmul runs on GPUs only; use precision=fp32 or bf16 here"
+        )
 
 
 def keeps_high_precision(

@@ -10,6 +10,12 @@ the nodes, and builds the world mesh once, up front (``build_mesh``): every dim 
 flattened views ``dp``, ``dp_shard_cp`` and ``dp_cp`` (``world_mesh.py`` owns the names, the
 views and the process groups).
 
+Expert parallel (``ep``, a model with experts) is a sixth degree that multiplies nothing: it
+borrows its ranks from the ``dp_shard x cp x tp`` ranks of one replica (those holding distinct
+tokens), which it splits row-major into ``efsdp x ep`` with ep innermost; its checks are
+``expert_layout.py``'s, and the expert meshes are built with the world mesh
+(``world_mesh.EXPERT_VIEWS``, ``EXPERT_SPLIT``).
+
 Node awareness: ranks are placed on nodes contiguously (torchrun numbers ranks node by node;
 SLURM's default block distribution does too) and the mesh is row-major with ``tp`` innermost
 and ``dp_replicate`` outermost, so with ``dp_shard x cp x tp <= ranks per node`` the shard, cp
@@ -29,6 +35,7 @@ from typing import Optional
 from hsdp_runner.config.schema import LauncherConfig, ParallelConfig
 from hsdp_runner.core.choices import DPMode
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed import expert_layout
 from hsdp_runner.distributed.pipeline_settings import (
     PIPELINE_KEYS,
     PipelineSettings,
@@ -39,6 +46,8 @@ from hsdp_runner.distributed.pipeline_settings import (
 # from here, beside the degrees they name.
 from hsdp_runner.distributed.world_mesh import (
     DIM_NAMES,
+    EXPERT_SPLIT,
+    EXPERT_VIEWS,
     GROUP_ORDER,
     LATER_DIMS,
     STAGE_DIMS,
@@ -46,7 +55,7 @@ from hsdp_runner.distributed.world_mesh import (
     WorldMesh,
     build_world_mesh,
 )
-from hsdp_runner.models.base import ModelConfig
+from hsdp_runner.models.base import ModelConfig, routed_experts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +73,10 @@ class ParallelDims:
     # What ``parallel.pp_*`` resolve to (the defaults without pp): schedule, micro-batches,
     # stages per rank, the end stages' weights.
     pipeline: PipelineSettings = PipelineSettings()
+    # Expert parallel: the ranks of dp_shard x cp x tp that share out each MoE block's experts.
+    ep: int = 1
+    # The model routes tokens to experts: the expert meshes are built with the world mesh.
+    moe: bool = False
 
     @classmethod
     def from_config(
@@ -90,6 +103,8 @@ class ParallelDims:
                 "launcher.nproc_per_node"
             )
         check_degree_values(degrees)
+        ep = _get(parallel, "ep", 1)
+        expert_layout.check_ep_value(ep)
         unknown = [n for n, v in degrees.items() if v == -1]
         if len(unknown) > 1:
             raise ConfigError(
@@ -114,9 +129,11 @@ class ParallelDims:
             pipeline=PipelineSettings.from_config(
                 {key: _get(parallel, key, None) for key in PIPELINE_KEYS}, degrees["pp"]
             ),
+            ep=ep,
+            moe=model is not None and routed_experts(model) > 0,
         )
         dims._check_product()
-        refusal = layout_refusal(dims, model, parallel)
+        refusal = expert_layout.layout_refusal(dims, model) or layout_refusal(dims, model, parallel)
         if refusal:
             raise ConfigError(refusal)
         dims._check_model(parallel, model)
@@ -260,6 +277,18 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
+    def dp_shard_cp_tp(self) -> int:
+        """Ranks of one replica holding distinct tokens of a step (``dp_shard x cp x tp``, the
+        MoE running on each tp rank's part of the sequence): what expert parallel borrows
+        from, and what the router and shared experts are sharded over."""
+        return self.dp_shard * self.cp * self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks each share of the experts is sharded over: ``dp_shard x cp x tp / ep``."""
+        return self.dp_shard_cp_tp // self.ep
+
+    @property
     def dp_cp(self) -> int:
         """Ranks holding distinct tokens of a step (``dp x cp``): the loss averages over them."""
         return self.dp * self.cp
@@ -291,10 +320,10 @@ class ParallelDims:
 
     @property
     def layout(self) -> str:
-        """A short human name such as 'hsdp_tp', 'fsdp' or 'fsdp_cp'."""
+        """A short human name such as 'hsdp_tp', 'fsdp', 'fsdp_cp' or 'fsdp_ep'."""
         parts = ["pp"] if self.pp > 1 else []
         parts += [] if self.dp_mode is DPMode.none else [self.dp_mode.value]
-        parts += [name for name in ("cp", "tp") if getattr(self, name) > 1]
+        parts += [name for name in ("cp", "tp", "ep") if getattr(self, name) > 1]
         return "_".join(parts) or "single"
 
     def pp_rank_of(self, rank: int) -> int:
@@ -308,15 +337,27 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in STAGE_DIMS)
 
     def group_size(self, name: str) -> int:
-        """Ranks in one group of a mesh dim or of a flattened view (``VIEWS``)."""
-        return prod(getattr(self, dim) for dim in VIEWS.get(name, (name,)))
+        """Ranks in one group of a mesh dim, of a flattened view (``VIEWS``, ``EXPERT_VIEWS``)
+        or of the expert split (``efsdp``, ``ep``)."""
+        if name in EXPERT_SPLIT:
+            return getattr(self, name)
+        return prod(getattr(self, dim) for dim in _VIEW_DIMS.get(name, (name,)))
 
     def same_group(self, name: str) -> str:
-        """The first of ``GROUP_ORDER`` whose groups hold the same ranks as ``name``'s (e.g.
-        'dp_shard_cp' is 'dp_shard' when cp = 1): dims of size 1 add no ranks."""
-        wanted = {dim for dim in VIEWS.get(name, (name,)) if getattr(self, dim) > 1}
-        for other in GROUP_ORDER:
-            if {dim for dim in VIEWS.get(other, (other,)) if getattr(self, dim) > 1} == wanted:
+        """The first of ``GROUP_ORDER`` (then the expert views) whose groups hold the same
+        ranks as ``name``'s (e.g. 'dp_shard_cp' is 'dp_shard' when cp = 1, 'ep' is 'tp' when
+        ep = tp): dims of size 1 add no ranks. ``name`` itself when no other matches (an
+        expert split that cuts a dim)."""
+        if name in EXPERT_SPLIT:
+            split = expert_layout.split_dims(self)
+            if split is None:
+                return name
+            dims = split[name]
+        else:
+            dims = _VIEW_DIMS.get(name, (name,))
+        wanted = {dim for dim in dims if getattr(self, dim) > 1}
+        for other in GROUP_ORDER + tuple(EXPERT_VIEWS):
+            if {dim for dim in _VIEW_DIMS.get(other, (other,)) if getattr(self, dim) > 1} == wanted:
                 return other
         return name
 
@@ -330,6 +371,7 @@ class ParallelDims:
             "dp_mode": self.dp_mode.value,
             "layout": self.layout,
             **self.degrees,
+            "ep": self.ep,
             "nodes": self.nodes,
             "ranks_per_node": self.node_size,
             "dims_across_nodes": self.dims_across_nodes(),
@@ -339,9 +381,12 @@ class ParallelDims:
     def build_mesh(self, device_type: str, timeout_s: float | None = None) -> WorldMesh:
         """Build the world mesh of these degrees once (all ranks must call this together);
         return a WorldMesh. ``timeout_s`` bounds every collective on its groups (None: the
-        default process group's timeout; see ``world_mesh.build_world_mesh``)."""
-        same = {name: self.same_group(name) for name in VIEWS}
-        return build_world_mesh(device_type, self.shape, same, timeout_s)
+        default process group's timeout; see ``world_mesh.build_world_mesh``). A model with
+        experts (``moe``) gets the expert meshes too."""
+        names = tuple(VIEWS) + ((*EXPERT_VIEWS, *EXPERT_SPLIT) if self.moe else ())
+        same = {name: self.same_group(name) for name in names}
+        split = (self.efsdp, self.ep) if self.moe else None
+        return build_world_mesh(device_type, self.shape, same, timeout_s, split)
 
 
 def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool:
@@ -362,6 +407,10 @@ def _get(node, key: str, default):
     if isinstance(node, dict):
         return node.get(key, default)
     return getattr(node, key, default)
+
+
+# Every flattened view's dims, the dense ones and the expert ones.
+_VIEW_DIMS = VIEWS | EXPERT_VIEWS
 
 
 def check_degree_values(degrees: dict) -> None:

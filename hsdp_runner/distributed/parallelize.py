@@ -1,5 +1,5 @@
-"""The sharding applier: TP/SP -> context parallel -> activation checkpointing -> compile -> data
-parallel.
+"""The sharding applier: TP/SP -> context parallel -> activation checkpointing -> compile ->
+expert parallel -> data parallel.
 
 Each step is its own function and ``parallelize`` applies them in that fixed order, the order
 FSDP2 expects (it shards what TP already made into DTensors, yielding strided sharding). What is
@@ -22,6 +22,7 @@ from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.context_parallel import SequenceShard
+from hsdp_runner.distributed.expert_parallel import apply_expert_parallel
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
@@ -101,13 +102,15 @@ def selective_policy():
     # Under float8 training the amax of each cast (torchao's torch.max of |x|): saved, so a
     # recomputed cast uses the scale of the forward one (torchtitan's policy does the same).
     save.add(aten.max.default)
-    # TP's collectives and context parallel's K/V all-gather: recomputing them would repeat
-    # the block's forward communication in backward; their outputs are activations of the
-    # rank's tokens (of the whole sequence's keys and values under cp).
+    # TP's collectives, context parallel's K/V all-gather and expert parallel's token
+    # exchange: recomputing them would repeat the block's forward communication in backward;
+    # their outputs are activations of the rank's tokens (of the whole sequence's keys and
+    # values under cp, of the tokens routed to its experts under ep).
     save |= {
         funcol.all_gather_into_tensor.default,
         funcol.reduce_scatter_tensor.default,
         funcol.all_reduce.default,
+        funcol.all_to_all_single.default,
     }
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
 
@@ -257,19 +260,25 @@ def set_gradient_sync(
         model.set_requires_gradient_sync(last)
 
 
-def sync_buffers(model: nn.Module) -> int:
-    """Broadcast every non-DTensor buffer from global rank 0 so all ranks agree.
+def sync_buffers(model: nn.Module, world: WorldMesh | None = None) -> int:
+    """Broadcast every non-DTensor buffer of ``model`` (a stage) from the first rank holding
+    its stage, so all ranks of the stage agree: over ``world``'s ``dp_cp`` groups, then its
+    ``tp`` groups (together every rank of the stage, no group of their own needed); without
+    ``world``, over all ranks from global rank 0 (a model that is one stage).
 
     DTensors are kept consistent by their placements; plain buffers are not, and a buffer
-    initialised from each rank's RNG would silently differ between replicas. Returns how many
-    buffers were synchronised.
+    initialised from each rank's RNG would silently differ between replicas. Ranks of another
+    pipeline stage hold other blocks' buffers (a mixture of experts' routers), so a broadcast
+    over all ranks would pair unrelated buffers. Returns how many buffers were synchronised.
     """
     from torch.distributed.tensor import DTensor
 
+    groups = [None] if world is None else [world["dp_cp"].get_group(), world["tp"].get_group()]
     count = 0
     for buf in model.buffers():
         if not isinstance(buf, DTensor):
-            dist.broadcast(buf, src=0)
+            for group in groups:
+                dist.broadcast(buf, group=group, group_src=0)
             count += 1
     return count
 
@@ -284,8 +293,10 @@ def parallelize(
     frozen: list[str] = (),
 ) -> None:
     """Apply TP/SP, context parallel (for ``seq_len``-token sequences), activation
-    checkpointing, compile and data parallel, in that order. ``frozen``: the names of the
-    parameters ``trainer.freeze`` froze, kept frozen through TP."""
+    checkpointing, compile, expert parallel (a model with experts: its hooks, and the experts'
+    own ``fully_shard`` wraps, which the blocks' wraps must come after) and data parallel, in
+    that order. ``frozen``: the names of the parameters ``trainer.freeze`` froze, kept frozen
+    through TP."""
     if dims.tp > 1:
         apply_tp(model, world, parallel.sequence_parallel, parallel.loss_parallel)
         # torch 2.13's sequence-parallel style (and GPT-2's position table's) makes the
@@ -299,6 +310,9 @@ def parallelize(
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp, parallel.compile_backend)
+    apply_expert_parallel(
+        model, dims, world, mixed_precision_policy(precision), parallel.reshard_after_forward
+    )
     apply_data_parallel(
         model, dims, world, precision, parallel.reshard_after_forward, parallel.ddp_impl
     )
@@ -368,12 +382,12 @@ def build_model(
     With ``stage`` (a pipeline stage index), only that stage of ``dims.pp_stages`` is built
     (``models/base.keep_stage``), parameters named as in the whole model. Returns the
     sharded model on ``device`` with identical weights in every layout and non-DTensor
-    buffers equal on every rank.
+    buffers equal on every rank of its stage.
     """
     model = parallelized_meta_model(
         model_cfg, dims, world, parallel, precision, device, freeze, stage
     )
     model.to_empty(device=device)
     model.init_weights(seed)
-    sync_buffers(model)
+    sync_buffers(model, world)
     return model

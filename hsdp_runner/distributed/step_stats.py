@@ -11,8 +11,9 @@ over all ranks:
 - ``[SIGNALS + s]``: how many ranks had received signal ``s`` (their ``StopRequest``) when
   the step was issued. The agreed signal is the largest such ``s``.
 
-After the optimizer step the grad norm (the same on every rank) is appended and the vector is
-copied to the host, on CUDA into pinned memory with ``non_blocking=True`` behind an event;
+After the optimizer step the grad norm (the same on every rank) and the step's figures
+(``figures``: 0-dim device tensors, e.g. the experts' load, ``expert_balance``) are appended and
+the vector is copied to the host, on CUDA into pinned memory with ``non_blocking=True`` behind an event;
 ``PendingStep.read()`` is the step's single host read and is done one step later, once the
 next step's forward and backward are queued. ``comm_model`` counts the all-reduce
 (``STATS_BYTES``).
@@ -57,6 +58,7 @@ class StepValues:
     grad_norm: float
     nonfinite: bool  # some rank saw a non-finite loss or grad norm: the update was skipped
     signum: int | None  # the agreed stop signal, if any rank was signalled
+    figures: dict  # {name: value} of the step's figures (PendingStep's ``figures``)
 
 
 def mark(device: torch.device):
@@ -78,8 +80,10 @@ class PendingStep:
     """A step whose results are queued but not read yet.
 
     Takes the step (0-based), its LR, the all-reduced stats vector, its grad norm, the four
-    ``mark``s around its two halves (forward/backward/all-reduce, then the optimizer) and the
-    comm counter that watched it (or None). Starts the copy to the host at once.
+    ``mark``s around its two halves (forward/backward/all-reduce, then the optimizer), the
+    comm counter that watched it (or None), the number of ranks whose losses the stats sum
+    and the step's ``figures`` ({name: 0-dim device tensor}, read with the rest). Starts the
+    copy to the host at once.
     """
 
     def __init__(
@@ -91,10 +95,13 @@ class PendingStep:
         marks: list,
         counter,
         dp: int,
+        figures: dict[str, torch.Tensor] | None = None,
     ):
         # dp: how many ranks' losses the stats vector sums (the dp x cp ranks).
         self.step, self.lr, self.marks, self.counter, self.dp = step, lr, marks, counter, dp
-        values = torch.cat([stats, grad_norm.reshape(1).float()])
+        self.names = list(figures or {})
+        extra = [figures[name].reshape(1).float() for name in self.names]
+        values = torch.cat([stats, grad_norm.reshape(1).float(), *extra])
         self.ready = None
         if values.device.type == "cuda":
             # non_blocking to the CPU allocates the destination in pinned memory.
@@ -111,9 +118,10 @@ class PendingStep:
         signals = [s for s, count in enumerate(v[SIGNALS : SIGNALS + signal.NSIG]) if count > 0]
         return StepValues(
             loss=v[LOSS] / self.dp,
-            grad_norm=v[-1],
+            grad_norm=v[STATS_FLOATS],
             nonfinite=v[NONFINITE] > 0,
             signum=max(signals) if signals else None,
+            figures=dict(zip(self.names, v[STATS_FLOATS + 1 :])),
         )
 
     def seconds(self) -> float:

@@ -8,6 +8,15 @@ shard x cp: what the loss and the step statistics average over). ``build_world_m
 the process groups once, each with the job's collective timeout; ``WorldMesh`` hands out
 submeshes by name. The degrees themselves are ``ParallelDims``' (``parallel_dims.py``), whose
 ``build_mesh`` calls ``build_world_mesh``.
+
+A model with experts (``parallel.ep``, ``distributed/expert_parallel.py``) gets the expert
+meshes too, built with the others: the views ``EXPERT_VIEWS`` (``dp_shard_cp_tp``: the ranks of
+one replica holding distinct tokens, which the router and shared experts are sharded over and
+expert parallel borrows its ranks from; ``cp_tp``: the ranks holding the parts of one sequence)
+and ``dp_shard_cp_tp`` split row-major into ``efsdp`` x ``ep`` (``EXPERT_SPLIT``; ep innermost:
+the experts are shared out over ``ep`` and each share sharded over ``efsdp``). A dense job's
+mesh is unchanged. Every mesh here derives from the one root, which FSDP2 needs to shard a
+parameter that is already a DTensor over another of them.
 """
 
 from __future__ import annotations
@@ -40,19 +49,29 @@ VIEWS = {
 }
 # Every named group, mesh dims first: a group two names share (same ranks) goes by the first.
 GROUP_ORDER = DIM_NAMES + tuple(VIEWS)
+# The expert meshes (a model with experts only; see the module docstring): flattened views, then
+# the split of ``dp_shard_cp_tp`` into (efsdp, ep), ep innermost.
+EXPERT_VIEWS = {"dp_shard_cp_tp": ("dp_shard", "cp", "tp"), "cp_tp": ("cp", "tp")}
+EXPERT_SPLIT = ("efsdp", "ep")
 
 
 def build_world_mesh(
-    device_type: str, shape: tuple[int, ...], same_group: dict[str, str], timeout_s: float | None
+    device_type: str,
+    shape: tuple[int, ...],
+    same_group: dict[str, str],
+    timeout_s: float | None,
+    expert_split: tuple[int, int] | None = None,
 ) -> WorldMesh:
     """Build the world mesh of ``shape`` (``DIM_NAMES`` order) and its flattened views once
     (all ranks must call this together); return a WorldMesh.
 
-    ``same_group``: for each view of ``VIEWS``, the first name of ``GROUP_ORDER`` whose groups
-    hold the same ranks (``ParallelDims.same_group``); such a view reuses that mesh instead of
-    creating a group. ``timeout_s`` bounds every collective on the mesh's groups: DeviceMesh
-    creates its groups with torch's 30-minute default unless their backend options carry a
-    timeout, whatever the default process group was given. None: the default group's timeout.
+    ``same_group``: for each view of ``VIEWS`` (and of ``EXPERT_VIEWS`` and ``EXPERT_SPLIT``
+    with experts), the first name whose groups hold the same ranks (``ParallelDims.same_group``);
+    such a view reuses that mesh instead of creating a group. ``timeout_s`` bounds every
+    collective on the mesh's groups: DeviceMesh creates its groups with torch's 30-minute
+    default unless their backend options carry a timeout, whatever the default process group
+    was given. None: the default group's timeout. ``expert_split``: (efsdp, ep) sizes for a
+    model with experts (the expert meshes are built), None for a dense one.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -69,19 +88,41 @@ def build_world_mesh(
     # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
     # flattened dim back out of the root mesh is deprecated, so the views are kept here.
     # A view whose other dims are all of size 1 is that dim's mesh (no new group).
-    views = {}
-    for name, dims in VIEWS.items():
-        same = same_group[name]
-        views[name] = (
-            views[same]
-            if same in views
-            else mesh[same]
-            if same in DIM_NAMES
-            else mesh[dims]._flatten(
+    views: dict = {}
+    for name, dims in (VIEWS | (EXPERT_VIEWS if expert_split else {})).items():
+        views[name] = _existing(same_group[name], views, mesh)
+        if views[name] is None:
+            views[name] = mesh[dims]._flatten(
                 name, backend_override=_backend_with_timeout(device_type, timeout_s)
             )
-        )
+    if expert_split:
+        views.update(_expert_split(views, mesh, same_group, expert_split, device_type, timeout_s))
     return WorldMesh(mesh, views)
+
+
+def _existing(name: str, views: dict, mesh):
+    """The mesh already built for group ``name`` (a view of ``views`` or a dim of the root
+    ``mesh``), or None."""
+    if name in views:
+        return views[name]
+    return mesh[name] if name in DIM_NAMES else None
+
+
+def _expert_split(
+    views: dict, mesh, same_group: dict, sizes: tuple[int, int], device_type, timeout_s
+) -> dict:
+    """{'efsdp': mesh, 'ep': mesh}: ``dp_shard_cp_tp`` split row-major into ``sizes`` (efsdp,
+    ep). Where ep's groups are whole dims (ep = tp, or cp x tp, ...), both are meshes built
+    already (``same_group``); else ``dp_shard_cp_tp`` is unflattened into two new dims (a
+    private DeviceMesh API; the result keeps the root, as FSDP2 requires)."""
+    found = {name: _existing(same_group[name], views, mesh) for name in EXPERT_SPLIT}
+    if all(found[name] is not None for name in EXPERT_SPLIT):
+        return found
+    options = {name: _backend_with_timeout(device_type, timeout_s) for name in EXPERT_SPLIT}
+    split = views["dp_shard_cp_tp"]._unflatten(
+        0, sizes, EXPERT_SPLIT, backend_override=options if timeout_s is not None else None
+    )
+    return {name: split[name] for name in EXPERT_SPLIT}
 
 
 def default_group_timeout_s(device_type: str) -> float | None:
@@ -128,16 +169,18 @@ class WorldMesh:
         """This rank's coordinate along the named (possibly flattened) dim."""
         return self[name].get_local_rank()
 
-    def fsdp_mesh(self, replicate: bool):
-        """The mesh FSDP shards over: ``dp_shard_cp`` (1-D), or with ``replicate`` the 2-D
-        (``dp_replicate``, ``dp_shard_cp``) of HSDP. Joining a dim and a flattened view is a
-        private DeviceMesh API (``_concatenate``, what FSDP itself uses to add the TP dim)."""
-        shard = self["dp_shard_cp"]
+    def fsdp_mesh(self, replicate: bool, shard: str = "dp_shard_cp"):
+        """The mesh FSDP shards over: the view ``shard`` (1-D; ``dp_shard_cp`` for the dense
+        weights, ``efsdp`` or ``dp_shard_cp_tp`` for a mixture of experts' ones), or with
+        ``replicate`` the 2-D (``dp_replicate``, ``shard``) of HSDP. Joining a dim and a
+        flattened view is a private DeviceMesh API (``_concatenate``, what FSDP itself uses to
+        add the TP dim)."""
+        mesh = self[shard]
         if not replicate:
-            return shard
-        name = shard.mesh_dim_names[0]
-        if name in DIM_NAMES:  # cp = 1 or dp_shard = 1: a plain slice of the root mesh
-            return self.root["dp_replicate", name]
+            return mesh
+        name = mesh.mesh_dim_names[0]
+        if name in DIM_NAMES[DIM_NAMES.index("dp_replicate") + 1 :]:
+            return self.root["dp_replicate", name]  # a plain slice of the root mesh
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh._concatenate([self.root["dp_replicate"], shard])
+        return DeviceMesh._concatenate([self.root["dp_replicate"], mesh])

@@ -209,6 +209,13 @@ def family_schema(model_cfg: ModelConfig | dict) -> type:
     return get_class(model_fields(model_cfg)["_target_"])
 
 
+def routed_experts(model_cfg: ModelConfig) -> int:
+    """The routed experts of each mixture-of-experts block of the model ``model_cfg``
+    describes (its ``model.n_experts``); 0 for a dense family, which has no such key. How the
+    runner asks whether expert parallel (``parallel.ep``) applies without importing a family."""
+    return int(getattr(model_cfg, "n_experts", 0) or 0)
+
+
 def build_meta_model(model_cfg: ModelConfig) -> ParallelModule:
     """The model ``model_cfg`` describes, on the meta device, built once per shape in a process.
 

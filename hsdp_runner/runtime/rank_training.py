@@ -24,11 +24,11 @@ from hsdp_runner.config.compose import plain_config
 from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunInfo, RunSummary, precision_label
-from hsdp_runner.distributed import float8
+from hsdp_runner.distributed import expert_balance, float8
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.pipeline import Schedule, build_stages
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
-from hsdp_runner.models.base import model_spec
+from hsdp_runner.models.base import build_meta_model, model_spec, routed_experts
 from hsdp_runner.report import prediction
 from hsdp_runner.runtime.signals import StopRequest, signal_name
 from hsdp_runner.train import metrics, profiling, sinks
@@ -200,9 +200,39 @@ def make_trainer(
         metrics=cfg.metrics,
         fault=cfg.fault,
         sinks=trackers,
-        after_update=float8.after_update(schedule.parts, cfg.precision, dims.dp_mode),
+        after_update=_after_update(
+            float8.after_update(schedule.parts, cfg.precision, dims.dp_mode),
+            _balance_step(cfg, dims, schedule, device),
+        ),
         loss_parallel=loss_parallel_on(cfg.parallel.loss_parallel, dims.tp),
     )
+
+
+def _balance_step(cfg: RunConfig, dims: ParallelDims, schedule: Schedule, device: torch.device):
+    """The experts' balance step of this rank's stage chunks (``expert_balance``; the bias
+    update speed is ``model.bias_update_speed``), or None for a dense model."""
+    experts = routed_experts(cfg.model)
+    if not experts:
+        return None
+    speed = float(getattr(cfg.model, "bias_update_speed", 0.0) or 0.0)
+    meta = build_meta_model(cfg.model)
+    return expert_balance.balance_step(schedule.parts, meta, experts, speed, dims, device)
+
+
+def _after_update(*hooks):
+    """One hook running each of ``hooks`` (None ones left out) after the optimizer step, in
+    order, and returning their figures merged; None when there is none."""
+    hooks = [hook for hook in hooks if hook is not None]
+    if not hooks:
+        return None
+
+    def run() -> dict:
+        figures = {}
+        for hook in hooks:
+            figures.update(hook() or {})
+        return figures
+
+    return run
 
 
 def make_checkpointer(cfg: RunConfig, output_dir: Path, trainer: Trainer) -> Checkpointer:

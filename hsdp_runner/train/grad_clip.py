@@ -32,15 +32,23 @@ def clip_grad_norm(
     """Clip the gradients of ``params`` in place to a total 2-norm of at most ``max_norm``;
     return the norm before clipping (a plain 0-dim tensor, the same on every rank).
 
-    The norm covers every rank's share: DTensor gradients reduce over their meshes, and the
-    squares are summed over ``pp_group`` (the pipeline's stages; None without a pipeline), so
-    each stage clips by the factor one process would. The factor is torch's:
+    The norm covers every rank's share: DTensor gradients reduce over their meshes (each mesh's
+    gradients apart, then combined), and the squares are summed over ``pp_group`` (the
+    pipeline's stages; None without a pipeline), so each stage clips by the factor one process
+    would. The factor is torch's:
     ``min(1, max_norm / (norm + 1e-6))``.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    # DTensors on different meshes (a mixture of experts' weights beside the dense ones) cannot
+    # meet in one norm: one norm per mesh, then the norm of those.
+    by_mesh: dict = defaultdict(list)
+    for grad in grads:
+        by_mesh[getattr(grad, "device_mesh", None)].append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if pp_group is not None:
         square = norm.float() ** 2
         dist.all_reduce(square, op=dist.ReduceOp.SUM, group=pp_group)

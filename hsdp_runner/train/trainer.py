@@ -110,8 +110,10 @@ class Trainer:
     parameters get no weight decay) and the ``optim``, ``trainer``, ``metrics``
     (``comm_step``: the step whose collectives are counted) and ``fault`` sections; rank 0's
     sinks (an empty list elsewhere); ``after_update``, run after every optimizer step (float8
-    all-gather's scale precompute, ``distributed.float8``); and ``loss_parallel``, whether
-    the logits are sharded over the vocabulary (the loss's context, ``train.loss``).
+    all-gather's scale precompute, ``distributed.float8``; the experts' balance step,
+    ``distributed.expert_balance``), which may return figures of the step ({name: 0-dim device
+    tensor}, read with the step's stats and added to its record); and ``loss_parallel``,
+    whether the logits are sharded over the vocabulary (the loss's context, ``train.loss``).
     """
 
     def __init__(
@@ -129,7 +131,7 @@ class Trainer:
         metrics: MetricsConfig,
         fault: FaultConfig,
         sinks: list[Tracker] = (),
-        after_update: Callable[[], None] | None = None,
+        after_update: Callable[[], dict[str, torch.Tensor] | None] | None = None,
         loss_parallel: bool = False,
     ):
         self.schedule, self.parts = schedule, schedule.parts
@@ -177,16 +179,17 @@ class Trainer:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         return stats, grad_norm
 
-    def _update(self, stats: torch.Tensor) -> None:
+    def _update(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
         """Queue the optimizer step, skipped on the device when any rank saw a non-finite
         loss or grad norm (fused AdamW's ``found_inf``: parameters, moments and step counts
-        stay as they were), ``after_update``, then the LR schedule's step."""
+        stay as they were), ``after_update``, then the LR schedule's step. Returns the
+        figures ``after_update`` gave (none without)."""
         self.optimizer.found_inf = (stats[step_stats.NONFINITE] > 0).float()
         self.optimizer.step()
-        if self.after_update is not None:
-            self.after_update()
+        figures = self.after_update() if self.after_update is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        return figures or {}
 
     @torch.no_grad()
     def evaluate(self, n_batches: int) -> float:
@@ -246,10 +249,10 @@ class Trainer:
                 marks.append(step_stats.mark(self.device))
                 lr = self.scheduler.get_last_lr()[0]
                 with comm_counting.counting(counter):
-                    self._update(stats)
+                    figures = self._update(stats)
                 marks.append(step_stats.mark(self.device))
                 pending = step_stats.PendingStep(
-                    step, lr, stats, grad_norm, marks, counter, self.dims.dp_cp
+                    step, lr, stats, grad_norm, marks, counter, self.dims.dp_cp, figures
                 )
             if pending is not None:
                 self._finish(pending, after_step, bar)
@@ -295,6 +298,7 @@ class Trainer:
             metrics.peak_memory_gib(self.device),
         )
         record["skipped"] = values.nonfinite
+        record.update(values.figures)
         self.last_step = step
         if pending.counter is not None:
             record.update(self._comm_record(pending.counter, step))

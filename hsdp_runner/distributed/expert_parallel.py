@@ -1,0 +1,215 @@
+"""Expert parallel and the rest of what a mixture of experts needs from the runtime.
+
+A model with experts (``models/base.routed_experts`` > 0) reaches the runtime through hooks
+on each MoE block (``moe``; the model file holds no collective, as ``attend`` for context
+parallel): ``exchange`` (where the routed tokens go), ``sequence_sum`` (the auxiliary loss's
+counts of one sequence, whose parts several ranks hold) and ``aux_grad_scale``. This module
+sets them and shards the experts (``apply_expert_parallel``, from ``parallelize.parallelize``
+after TP, activation checkpointing and compile, before the blocks' data-parallel wrapping).
+
+- **Token exchange** (``parallel.ep`` > 1): expert parallel borrows ``ep`` of the
+  ``dp_shard x cp x tp`` ranks of a replica (ep innermost: ``world_mesh.EXPERT_SPLIT``); ep
+  rank r holds experts ``[r E/ep, (r+1) E/ep)``. ``TokenExchange.dispatch`` sends each rank's
+  routed token copies (sorted by expert) to the ranks holding their experts with one
+  all-to-all of the counts (host read: the split sizes) and one of the tokens at uneven splits
+  (torch's differentiable functional ``all_to_all_single``), then reorders what arrived from
+  (source rank, local expert) to (local expert, source rank) for the grouped matmul;
+  ``combine`` undoes both.
+- **Sharding**: the experts' weights become DTensors ``Shard(0)`` over ``ep`` and
+  ``fully_shard`` shards each share over ``efsdp`` (+ ``dp_replicate``: HSDP); the router's
+  gate and the shared experts (all of ``moe`` but the experts) over ``dp_shard_cp_tp`` (+
+  ``dp_replicate``). Both divide the summed gradients by ``dp_replicate x dp_shard x cp``: the
+  MoE runs on each tp rank's part of the sequence, so tp ranks' gradients are pieces of one
+  sum, not copies to average. All these meshes derive from the world mesh's root, which
+  FSDP2 requires to shard a parameter that is a DTensor over another mesh (docs/moe.md). Under
+  TP alone, or ep = 1 with TP, the same wrapping sums the tp ranks' pieces.
+- **Auxiliary loss**: ``sequence_sum`` all-reduces the per-sequence expert counts over the
+  ``cp_tp`` ranks; ``aux_grad_scale`` (``set_aux_grad_scale``, from ``pipeline.build_stages``)
+  is ``cp / micro-batches`` without a pipeline and ``cp`` under one (torch's schedules divide
+  the gradients by the micro-batches themselves).
+
+The balance step after each optimizer step (counts all-reduced, the loss-free bias updated,
+per-step figures) is ``expert_balance.py``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
+from hsdp_runner.core.choices import Dtype
+from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.models.base import ModelConfig, moe_layers, routed_experts
+
+
+class TokenExchange:
+    """The ``MoE.exchange`` of expert parallel over the 1-D ``ep_mesh`` (``models/moe.py``'s
+    ``TokenExchange`` protocol): this rank holds local experts ``[r L, (r+1) L)`` of ep rank
+    r, L = n_experts / ep."""
+
+    def __init__(self, ep_mesh):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
+        """Send ``tokens`` (N, dim: this rank's routed copies sorted by global expert) to the
+        ranks holding their experts (``counts``: (n_experts,) int64 copies per expert).
+        Returns (local tokens (M, dim) sorted by local expert, local counts (L,) int64,
+        the state ``combine`` needs)."""
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        sent = counts.view(self.ep, -1)  # [destination rank, its local expert]
+        received = all_to_all_single(counts, None, None, self.group).view(self.ep, -1)
+        # The split sizes are host values: one device-to-host read per layer and pass.
+        splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()
+        arrived = all_to_all_single(tokens, splits[1], splits[0], self.group)
+        order = _by_local_expert(received, sum(splits[1]))
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return arrived.index_select(0, order), received.sum(0), (inverse, splits)
+
+    def combine(self, outputs: torch.Tensor, state) -> torch.Tensor:
+        """Send the local experts' ``outputs`` (M, dim, dispatch's order) back to the ranks
+        the tokens came from; returns (N, dim) in the order of dispatch's input."""
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        inverse, (sent, received) = state
+        return all_to_all_single(outputs.index_select(0, inverse), sent, received, self.group)
+
+
+def _by_local_expert(received: torch.Tensor, total: int) -> torch.Tensor:
+    """The gather index that reorders ``total`` rows arrived as blocks of
+    ``received[source, local expert]`` rows (source-major, each source's rows sorted by
+    expert) into local-expert-major order (each expert's rows by source)."""
+    sizes = received.flatten()
+    starts = (torch.cumsum(sizes, 0) - sizes).view_as(received).t().flatten()
+    per_expert = received.t().flatten()
+    new_starts = torch.cumsum(per_expert, 0) - per_expert
+    shift = torch.repeat_interleave(starts - new_starts, per_expert, output_size=total)
+    return torch.arange(total, device=received.device) + shift
+
+
+class SequenceSum:
+    """The ``MoE.sequence_sum`` of a model whose sequences are split over ranks (context
+    parallel, and tp under which the MoE runs on each rank's part): sums a (sequences,
+    n_experts) count tensor over the ``cp_tp`` mesh's group (torch's functional all-reduce)."""
+
+    def __init__(self, mesh):
+        self.group = mesh.get_group()
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(counts, "sum", self.group)
+
+
+def moe_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{block index: its MoE layer} of ``model``'s (a stage's) blocks that have one (the
+    family's ``moe_layers``, through the seam ``models.base.moe_layers``); empty for a dense
+    model. The indices are the whole model's (a stage keeps its blocks' keys)."""
+    layers = {id(moe) for moe in moe_layers(model)}
+    found = {}
+    for key, block in model.blocks().items() if layers else ():
+        for module in block.modules():
+            if id(module) in layers:
+                found[int(key)] = module
+    return found
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    dims: ParallelDims,
+    world: WorldMesh,
+    mp_policy,
+    reshard_after_forward: bool,
+) -> None:
+    """Set the MoE hooks of ``model`` (a stage, on the meta device) and shard its experts over
+    the ``ep``, ``efsdp`` and ``dp_shard_cp_tp`` meshes of ``world`` (see the module
+    docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``) and
+    ``reshard_after_forward``. Nothing to do for a dense model. The MoE's own ``fully_shard``
+    wraps come only where a rank's MoE gradients are pieces that the dense blocks' wrapping
+    would not sum (tp > 1) or its experts differ from its peers' (ep > 1); otherwise they stay
+    in their block's unit."""
+    moes = moe_modules(model)
+    if not moes:
+        return
+    exchange = TokenExchange(world["ep"]) if dims.ep > 1 else None
+    sequence_sum = SequenceSum(world["cp_tp"]) if dims.cp * dims.tp > 1 else None
+    for moe in moes.values():
+        if exchange is not None:
+            moe.exchange = exchange
+        if sequence_sum is not None:
+            moe.sequence_sum = sequence_sum
+    if dims.ep == 1 and dims.tp == 1:
+        return
+    for moe in moes.values():
+        if dims.ep > 1:
+            _distribute_experts(moe.experts, world["ep"])
+        _shard(moe.experts, world, dims, "efsdp", mp_policy, reshard_after_forward)
+        _shard(moe, world, dims, "dp_shard_cp_tp", mp_policy, reshard_after_forward)
+
+
+def _distribute_experts(experts: nn.Module, ep_mesh) -> None:
+    """Replace each weight of ``experts`` (n_experts first) by a DTensor ``Shard(0)`` over
+    ``ep_mesh``: this rank keeps its own experts' rows (no communication; meta or not)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, param in list(experts.named_parameters(recurse=False)):
+        shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+        setattr(experts, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+
+def _shard(module, world, dims, over: str, mp_policy, reshard_after_forward: bool) -> None:
+    """``fully_shard`` ``module`` over the view ``over`` (with ``dp_replicate``: HSDP), its
+    gradients divided by ``dp_replicate x dp_shard x cp`` (the ranks whose losses the job
+    objective averages).
+
+    gloo has no pre-multiplied sum, which FSDP2 reduce-scatters with when the factor is not
+    the shard group's size: there the reduction sums, then divides. Not on a one-rank shard
+    group: torch 2.13 then divides twice (its copy instead of a reduce-scatter divides, and so
+    does the sum's division after it), and needs no pre-multiplied sum anyway."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = world.fsdp_mesh(replicate=dims.dp_replicate > 1, shard=over)
+    fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    module.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
+    if mesh.device_type == "cpu" and dims.group_size(over) > 1:
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
+    """Set ``aux_grad_scale`` of every MoE block of ``model`` (a stage): ``cp / micro-batches``
+    without a pipeline (each micro-batch's loss is divided by their count), ``cp`` under a
+    pipeline schedule (which divides the gradients itself). See the module docstring."""
+    for moe in moe_modules(model).values():
+        moe.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def reset_statistics(model: nn.Module) -> None:
+    """Zero the balance statistics of every MoE block of ``model`` (a stage): the routers'
+    ``tokens_per_expert`` and the blocks' ``aux_loss_sum``. For a forward that must not count
+    (torch's pipeline shape inference); the balance step resets them after each step."""
+    for moe in moe_modules(model).values():
+        moe.router.tokens_per_expert.zero_()
+        moe.aux_loss_sum.zero_()
+
+
+def compile_refusal(
+    parallel: ParallelConfig, precision: PrecisionConfig, model_cfg: ModelConfig
+) -> str | None:
+    """Why a model with experts cannot run compiled with these settings (a message naming the
+    keys and the fix), or None: torch 2.13 compiles ``torch._grouped_mm`` (``model.grouped_mm``)
+    for bfloat16 inputs only (its meta function copies the CUDA kernel's check, so the first
+    step fails while tracing, on any device; expert parallel itself compiles)."""
+    if not parallel.compile or not routed_experts(model_cfg):
+        return None
+    if getattr(model_cfg, "grouped_mm", False) and Dtype(precision.param_dtype) != Dtype.bfloat16:
+        return (
+            f"parallel.compile=true with model.grouped_mm=true and precision.param_dtype="
+            f"{Dtype(precision.param_dtype)}: torch 2.13 compiles the experts' grouped matmul "
+            "for bfloat16 only; use precision=bf16, model.grouped_mm=false (the per-expert "
+            "loop) or parallel.compile=false"
+        )
+    return None
