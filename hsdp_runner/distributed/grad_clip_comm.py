@@ -42,7 +42,9 @@ def clip_norm_comm(
     calls = []
     for count, sharded in clip_groups(model_cfg, dims, parallel, precision, freeze, stages):
         joined = _joining_view(dims, sharded) if len(sharded) > 1 else None
-        calls += [(f"all_reduce/{name}", count * master) for name in (joined or sharded)]
+        calls += [
+            (f"all_reduce/{name}", count * master) for name in ((joined,) if joined else sharded)
+        ]
     return calls
 
 
