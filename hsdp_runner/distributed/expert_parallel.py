@@ -39,7 +39,10 @@ import contextlib
 import torch
 from torch import nn
 
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
+from hsdp_runner.core.choices import Dtype
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.models.base import ModelConfig, moe_layers, routed_experts
 
 
 class TokenExchange:
@@ -136,14 +139,15 @@ class SequenceSum:
 
 
 def moe_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """{block index: its MoE module} of ``model``'s (a stage's) blocks with one (the block's
-    ``moe``, under an activation-checkpointing wrapper or not); empty for a dense model."""
+    """{block index: its MoE layer} of ``model``'s (a stage's) blocks that have one (the
+    family's ``moe_layers``, through the seam ``models.base.moe_layers``); empty for a dense
+    model. The indices are the whole model's (a stage keeps its blocks' keys)."""
+    layers = {id(moe) for moe in moe_layers(model)}
     found = {}
-    for key, block in model.blocks().items():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        moe = getattr(inner, "moe", None)
-        if moe is not None:
-            found[int(key)] = moe
+    for key, block in model.blocks().items() if layers else ():
+        for module in block.modules():
+            if id(module) in layers:
+                found[int(key)] = module
     return found
 
 
@@ -193,14 +197,18 @@ def _distribute_experts(experts: nn.Module, ep_mesh) -> None:
 def _shard(module, world, dims, over: str, mp_policy, reshard_after_forward: bool) -> None:
     """``fully_shard`` ``module`` over the view ``over`` (with ``dp_replicate``: HSDP), its
     gradients divided by ``dp_replicate x dp_shard x cp`` (the ranks whose losses the job
-    objective averages). gloo has no pre-multiplied sum: there the reduction sums, then
-    divides."""
+    objective averages).
+
+    gloo has no pre-multiplied sum, which FSDP2 reduce-scatters with when the factor is not
+    the shard group's size: there the reduction sums, then divides. Not on a one-rank shard
+    group: torch 2.13 then divides twice (its copy instead of a reduce-scatter divides, and so
+    does the sum's division after it), and needs no pre-multiplied sum anyway."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = world.fsdp_mesh(replicate=dims.dp_replicate > 1, shard=over)
     fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     module.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
-    if mesh.device_type == "cpu":
+    if mesh.device_type == "cpu" and dims.group_size(over) > 1:
         module.set_force_sum_reduction_for_comms(True)
 
 
@@ -210,3 +218,32 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
     pipeline schedule (which divides the gradients itself). See the module docstring."""
     for moe in moe_modules(model).values():
         moe.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def reset_statistics(model: nn.Module) -> None:
+    """Zero the balance statistics of every MoE block of ``model`` (a stage): the routers'
+    ``tokens_per_expert`` and the blocks' ``aux_loss_sum``. For a forward that must not count
+    (torch's pipeline shape inference); the balance step resets them after each step."""
+    for moe in moe_modules(model).values():
+        moe.router.tokens_per_expert.zero_()
+        moe.aux_loss_sum.zero_()
+
+
+def compile_refusal(
+    parallel: ParallelConfig, precision: PrecisionConfig, model_cfg: ModelConfig
+) -> str | None:
+    """Why a model with experts cannot run compiled with these settings (a message naming the
+    keys and the fix), or None: torch 2.13 compiles ``torch._grouped_mm`` (``model.grouped_mm``)
+    for bfloat16 inputs only (its meta function copies the CUDA kernel's check, so the first
+    step fails while tracing, on any device; expert parallel itself compiles)."""
+    if not parallel.compile or not routed_experts(model_cfg):
+        return None
+    if getattr(model_cfg, "grouped_mm", False) and Dtype(precision.param_dtype) != Dtype.bfloat16:
+        return (
+            f"parallel.compile=true with model.grouped_mm=true and precision.param_dtype="
+            f"{Dtype(precision.param_dtype)}: torch 2.13 compiles the experts' grouped matmul "
+            "for bfloat16 only; use precision=bf16, model.grouped_mm=false (the per-expert "
+            "loop) or parallel.compile=false"
+        )
+    return None
