@@ -8,8 +8,9 @@ counts them per op; it neither sums bytes nor says which mesh dim a collective r
 mode reads the tensors and the process group itself.
 
 Bytes are the logical size of the collective's full tensor on one rank: the gathered output of
-an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast, the
-tensor a point-to-point send sends (receives are not counted: they are the peer's sends). That is
+an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast, the input
+of an all-to-all (its rows for the rank itself included), the tensor a point-to-point send sends
+(receives are not counted: they are the peer's sends). That is
 the convention the analytic model (``comm_model``) uses; wire traffic of a ring algorithm is
 this times (n-1)/n (x2 for an all-reduce).
 """
