@@ -2,7 +2,9 @@
 
 One 4-rank and one 8-rank gloo run train one step of the tiny model in each layout, counting
 collectives with ``comm_counting.CommCounter``, and return measured and analytic figures per
-(kind, mesh dim): the same calls and bytes in every one, on every rank.
+(kind, mesh dim): the same calls and bytes in every one, on every rank. The mixture-of-experts
+layouts (``moe_*``) ride in the same runs: their token exchange's bytes come from the counted
+step's routing, which is uneven, so a balanced estimate would miss them.
 """
 
 import pytest
@@ -107,7 +109,55 @@ LAYOUTS = {
         "parallel.ac=selective",
     ],
 }
-EIGHT_RANKS = ("hsdp_tp", "gpt2_hsdp_tp", "fsdp_cp_tp")
+# A mixture of experts (moe_tiny: a dense block, then two MoE blocks of 8 experts, top 2, a
+# shared expert, QK-norm, the auxiliary loss), one layout per way expert parallel borrows its
+# ranks, with the MoE layers' own FSDP units, the token exchange and its recomputation.
+MOE = ["model=moe_tiny"]
+LAYOUTS |= {
+    # ep splits dp_shard 4: new efsdp and ep groups (the clip all-reduces over each apart).
+    "moe_fsdp_ep2": [*MOE, "parallel=fsdp", "parallel.ep=2"],
+    # HSDP, ep = dp_shard 2: the experts' shards all-reduced over dp_replicate; bf16 and two
+    # micro-batches, each reduce-scattering and exchanging its own tokens.
+    "moe_hsdp_ep2_accum": [
+        *MOE,
+        "parallel=hsdp",
+        "parallel.ep=2",
+        "precision=bf16",
+        "trainer.global_batch_size=16",
+        "trainer.grad_accum_steps=2",
+        "trainer.accum_reduce=every",
+    ],
+    # ep = tp: an MoE block has attention's TP collectives alone; full AC recomputes the
+    # exchange and the auxiliary loss's count all-reduce; the clip joins dp_shard and tp.
+    "moe_fsdp_tp_ep2_full_ac": [*MOE, "parallel=fsdp_tp", "parallel.ep=2", "parallel.ac=full"],
+    # TP alone (no data-parallel wrap), ep splitting tp, no sequence parallel: the MoE's
+    # output and input gradient all-gathered, the q/k norms' partial gradients; selective AC
+    # saves the exchange.
+    "moe_tp_ep2_no_sp_selective_ac": [
+        *MOE,
+        "parallel=tp",
+        "parallel.tp=4",
+        "model.n_kv_heads=4",
+        "parallel.ep=2",
+        "parallel.sequence_parallel=false",
+        "parallel.ac=selective",
+    ],
+    # ep = cp: the exchange over the cp group, the auxiliary loss's counts summed over it.
+    "moe_fsdp_cp_ep2_accum": [
+        *MOE,
+        "parallel=fsdp_cp",
+        "parallel.ep=2",
+        "trainer.grad_accum_steps=2",
+        "trainer.accum_reduce=last",
+    ],
+    # pp 2 x tp 2, ep = tp: every micro-batch of the schedule exchanges its tokens; the MoE
+    # layers' own units, without a wrap around them, gather and reduce in each micro-batch.
+    # Step 2 is counted (step 1 runs the schedule's shape inference).
+    "moe_pp_tp_ep2": [*MOE, "parallel=pp", "parallel.tp=2", "parallel.ep=2", "trainer.steps=2"],
+    # HSDP x cp x TP on 8 ranks, ep = cp x tp over dp_shard_cp_tp.
+    "moe_hsdp_cp_tp_ep4": [*MOE, "parallel=hsdp_cp_tp", "parallel.ep=4"],
+}
+EIGHT_RANKS = ("hsdp_tp", "gpt2_hsdp_tp", "fsdp_cp_tp", "moe_hsdp_cp_tp_ep4")
 
 
 def _layout_configs(names):
@@ -128,26 +178,54 @@ def _layout_configs(names):
 
 
 def _measure_layouts(configs):
+    """{layout: the rank's comm facts, with the analytic figure of balanced experts
+    (``comm_balanced``)}, then under 'c10d_all_to_all' what ``_c10d_all_to_all`` counts."""
     from rank_job import rank_trainer
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     out = {}
     for name, cfg in configs.items():
+        # A job has its process to itself. Here DTensor's sharding caches (Python's and the
+        # C++ fast path's) would hand this layout the output specs of an earlier one whose
+        # meshes compare equal (DeviceMesh equality ignores the root mesh), and with them that
+        # world's meshes: a clip's norm would miss this world's views to merge its reductions.
+        _clear_sharding_prop_cache()
         trainer, _ = rank_trainer(cfg)
         trainer.fit()
-        out[name] = trainer.comm_facts
+        out[name] = trainer.comm_facts | {"comm_balanced": trainer.figures.analytic_comm()}
+    out["c10d_all_to_all"] = _c10d_all_to_all()
     return out
+
+
+def _c10d_all_to_all() -> dict:
+    """What ``CommCounter`` counts of c10d's all-to-alls over all ranks: ``all_to_all_single``
+    of 3 fp32 rows of 2 per rank (24 bytes a rank), ``all_to_all`` of one int64 per rank."""
+    import torch
+    import torch.distributed as dist
+
+    from hsdp_runner.distributed.comm_counting import CommCounter
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, world_size=world)
+    counter = CommCounter(dims.build_mesh("cpu"))
+    with counter:
+        dist.all_to_all_single(torch.empty(3 * world, 2), torch.ones(3 * world, 2))
+        dist.all_to_all(list(torch.empty(world, 1).long()), list(torch.ones(world, 1).long()))
+    return counter.result()
 
 
 @pytest.fixture(scope="module")
 def facts():
-    """{layout: {rank: its communication facts}}: one set of four workers, one of eight."""
+    """{layout: {rank: its communication facts}}: one set of four workers, one of eight
+    ('c10d_all_to_all': the four ranks' count of c10d's all-to-alls)."""
     out = {}
     for world, names in (
         (4, [n for n in LAYOUTS if n not in EIGHT_RANKS]),
         (8, list(EIGHT_RANKS)),
     ):
         ranks = run_workers(_measure_layouts, world, _layout_configs(names))
-        for name in names:
+        for name in names + ["c10d_all_to_all"] * (world == 4):
             out[name] = {rank: per_layout[name] for rank, per_layout in ranks.items()}
     return out
 
@@ -159,6 +237,27 @@ def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
         assert round(f["comm_ratio"], 4) == 1.0, (rank, f)
         # Every (kind, mesh dim): the same calls and bytes, the clip's scalar reductions too.
         assert f["comm_measured"] == f["comm_analytic"], (rank, f)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "_ep" in name])
+def test_token_exchange_bytes_follow_the_counted_steps_routing(facts, layout):
+    """The experts receive uneven rows: some rank's all-to-all bytes differ from a balanced
+    estimate, and the analytic figure (with the routing) still equals the measured one."""
+    uneven = [
+        rank
+        for rank, f in facts[layout].items()
+        if f["comm_balanced"] != f["comm_analytic"]
+        and {k: v["calls"] for k, v in f["comm_balanced"].items()}
+        == {k: v["calls"] for k, v in f["comm_measured"].items()}
+    ]
+    assert uneven, facts[layout]
+
+
+@pytest.mark.multiprocess
+def test_c10d_all_to_alls_are_counted_by_their_input(facts):
+    for rank, counted in facts["c10d_all_to_all"].items():
+        assert counted == {"all_to_all/dp_shard": {"calls": 2, "bytes": 4 * 24 + 4 * 8}}, rank
 
 
 def test_analytic_fsdp_bytes_match_a_hand_count():
@@ -309,10 +408,11 @@ def test_analytic_partial_norm_gradients_take_the_dtype_fsdp_holds_them_in():
         }, choice
 
 
-@pytest.mark.parametrize("family", ["llama3_tiny", "gpt2_tiny"])
+@pytest.mark.parametrize("family", ["llama3_tiny", "gpt2_tiny", "moe_tiny"])
 def test_partial_gradients_are_the_norms_the_model_spec_lists(family):
-    """The parameters TP keeps whole (no parameter of their module split) are the norms whose
-    sizes ``ModelSpec.tp_partial_grad_numels`` lists; without sequence parallel none is."""
+    """The parameters TP keeps whole (no parameter of their module split; a mixture of experts'
+    MoE layers are no TP module) are the norms whose sizes ``ModelSpec.tp_partial_grad_numels``
+    lists; without sequence parallel only the q/k norms' (moe_tiny's: 3 blocks x 2 of 16)."""
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.param_sizes import tp_partial_grads
     from hsdp_runner.models.base import model_spec
@@ -320,4 +420,29 @@ def test_partial_gradients_are_the_norms_the_model_spec_lists(family):
     cfg = compose([f"model={family}", "parallel=fsdp_tp"])
     dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
     assert tp_partial_grads(cfg.model, dims) == model_spec(cfg.model).tp_partial_grad_numels()
-    assert tp_partial_grads(cfg.model, dims, sequence_parallel=False) == []
+    without = [16] * 6 if family == "moe_tiny" else []
+    assert tp_partial_grads(cfg.model, dims, sequence_parallel=False) == without
+
+
+def test_analytic_token_exchange_matches_a_hand_count():
+    """moe_tiny (2 MoE blocks of 8 experts, top 2, dim 64) under FSDP 4 with ep 2, fp32: a
+    rank reads 2 sequences of 32 tokens and sends 128 routed rows per MoE block. Per block,
+    forward all-to-alls the counts (8 int64), the 128 rows sent and the rows received (combine),
+    backward the received rows' gradients and the sent rows'; full AC repeats the forward's
+    three. Here the rank receives 131 rows in block 1 and 125 in block 2; balanced, 128 each."""
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+
+    row, counts = 64 * 4, 8 * 8
+    routing = [(128, 131), (128, 125)]
+    for ac, passes in (("none", 1), ("full", 2)):
+        cfg = compose(BASE + [*MOE, "parallel=fsdp", "parallel.ep=2", f"parallel.ac={ac}"])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
+        args = (cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+        rows = sum(sent + received for sent, received in routing)
+        assert analytic_comm(*args, routing=routing)["all_to_all/ep"] == {
+            "calls": 2 * (3 * passes + 2),
+            "bytes": 2 * passes * counts + (passes + 1) * rows * row,
+        }, ac
+        balanced = analytic_comm(*args)["all_to_all/ep"]["bytes"]
+        assert balanced == 2 * passes * counts + (passes + 1) * 4 * 128 * row, ac

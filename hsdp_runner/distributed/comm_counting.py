@@ -8,8 +8,9 @@ counts them per op; it neither sums bytes nor says which mesh dim a collective r
 mode reads the tensors and the process group itself.
 
 Bytes are the logical size of the collective's full tensor on one rank: the gathered output of
-an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast, the
-tensor a point-to-point send sends (receives are not counted: they are the peer's sends). That is
+an all-gather, the input of a reduce-scatter, the tensor of an all-reduce or broadcast, the input
+of an all-to-all (its rows for the rank itself included), the tensor a point-to-point send sends
+(receives are not counted: they are the peer's sends). That is
 the convention the analytic model (``comm_model``) uses; wire traffic of a ring algorithm is
 this times (n-1)/n (x2 for an all-reduce).
 """
@@ -23,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hsdp_runner.distributed.parallel_dims import GROUP_ORDER
+from hsdp_runner.distributed.world_mesh import GROUP_ORDER, group_order
 
 # Mesh dims first, then the flattened views: a group two names share is reported by the first.
+# A world with experts names its expert groups after these (``world_mesh.group_order``).
 GROUP_NAMES = GROUP_ORDER
 
 _c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
@@ -38,6 +40,10 @@ COLLECTIVES = {
     _c10d.allreduce_: ("all_reduce", "tensors", False),
     _c10d.allreduce_coalesced_: ("all_reduce", "tensors", False),
     _c10d.broadcast_: ("broadcast", "tensors", False),
+    # dist.all_to_all_single and dist.all_to_all: what the rank's input holds (its rows for
+    # itself included, as an all-gather's output holds its own shard).
+    _c10d.alltoall_base_: ("all_to_all", "input", False),
+    _c10d.alltoall_: ("all_to_all", "input_tensors", False),
     # Point to point (pipeline stages): what a rank sends; its receives are a peer's sends.
     _c10d.send: ("send", "tensors", False),
     _funcol.all_gather_into_tensor: ("all_gather", "input", True),
@@ -62,11 +68,12 @@ def group_names(world) -> dict[tuple[int, ...], str]:
 
     Takes the job's WorldMesh. Groups are matched by their ranks, not their identity: DTensor
     and ``_flatten`` may create a second group over the same ranks. Ranks shared by two names
-    (``dp`` when only one dp dim is larger than 1) go to the first of ``GROUP_NAMES``, as
-    ``ParallelDims.same_group`` says.
+    (``dp`` when only one dp dim is larger than 1) go to the first of ``GROUP_NAMES`` (then,
+    in a world with experts, of the expert groups: ``efsdp``, ``ep``, ``dp_shard_cp_tp``,
+    ``cp_tp``), as ``ParallelDims.same_group`` says.
     """
     names: dict[tuple[int, ...], str] = {}
-    for name in GROUP_NAMES:
+    for name in group_order(world.has_experts):
         ranks = tuple(sorted(dist.get_process_group_ranks(world[name].get_group())))
         names.setdefault(ranks, name)
     return names

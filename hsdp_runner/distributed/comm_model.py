@@ -9,7 +9,7 @@ One counter, ``_stage``, counts what a rank of one pipeline stage sends in a ste
 stage-to-stage sends, the FSDP/HSDP/DDP collectives of the stage's parameters, and the context
 and tensor parallel collectives of its blocks and ends. ``analytic_comm`` sums it over the
 rank's stages and adds what the rank reduces once a step over all of them: the grad norm's
-reductions (``_clip_norm``) and the step's stats. A job without pipeline parallel is
+reductions (``grad_clip_comm``), a mixture of experts' balance step and the step's stats. A job without pipeline parallel is
 one stage holding both ends (embedding and output layer), with no sends; its micro-batches are
 ``trainer.grad_accum_steps``. How the stage's step passes (micro-batches, FSDP's gathers and
 gradient reductions) is ``step_passes.stage_passes``: the accumulation loop's, or a pipeline
@@ -85,24 +85,28 @@ follows what the runner builds (``parallelize.py``):
   once more), so a pipeline job counts a later one (``metrics.comm_step=1``, the default,
   counts step 2 there). The zero-bubble schedule's split backward (input, then weights)
   gathers and reduces as the others do: measured so with FSDP inside the stages.
-- Gradient clipping (``train/grad_clip.clip_grad_norm``: torch's ``get_total_norm`` over the
-  rank's gradients, then ``full_tensor``; ``_clip_norm``): DTensor keeps each gradient's norm
-  partial over the mesh dims the gradient is sharded on, stacks the norms (one per trainable
-  parameter of the rank's stages, all stages in one stack, in the master dtype) and
-  all-reduces the stack once over each such dim, before the total norm (one call a dim):
-  FSDP's shard group (named as above), and ``tp`` when a trainable parameter is split over
-  it. Replicated dims (HSDP's ``dp_replicate``, DDP) and plain tensors (pp alone) add
-  nothing; the total is replicated, so ``full_tensor`` moves nothing. DTensor would merge the
-  dims' all-reduces into one over a flattened group whose layout joins them
-  (``_optimize_transform_infos``); the world mesh's views (``world_mesh.VIEWS``) never join
-  ``tp``, so none does. A ``Partial`` gradient's own norm needs the gradient whole: that
-  all-reduce is the TP term's above.
+- Gradient clipping (``train/grad_clip.clip_grad_norm``; ``grad_clip_comm``): per mesh the
+  rank's gradients live on, the stack of their norms (master dtype) all-reduced once over
+  each dim they are sharded on (FSDP's shard group, ``tp`` when a trainable parameter is split
+  over it), or once over a flattened view joining those dims exactly: in a dense job's world
+  none joins ``tp``, so none does.
+- A mixture of experts (``moe_comm``): with its MoE layers' own FSDP units (expert parallel
+  or TP: experts over ``efsdp``, router and shared experts over ``dp_shard_cp_tp``, HSDP
+  adding ``dp_replicate``; ``param_sizes.unit_views``) gathered and reduced as the blocks are
+  (without a data-parallel wrap around them, TP alone: every micro-batch, pipeline or not);
+  the token exchange's all-to-alls over ``ep``, whose rows come from the counted step's
+  routing (``routing``); the auxiliary loss's count all-reduce over ``cp_tp``; the balance
+  step's all-reduce; an MoE block's TP collectives are attention's alone (the MoE runs on
+  the rank's part of the sequence; without sequence parallel its output and its input's
+  gradient are all-gathered).
 - The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
   one small fp32 vector (``step_stats.STATS_BYTES``).
 
 What a step measures equals this count, per (kind, mesh dim), calls and bytes, in every layout
 ``tests/test_comm.py`` and ``tests/test_pipeline.py`` run (FSDP, HSDP, DDP, TP with and without
-FSDP, cp, pp, frozen parameters, float8 all-gather from its second step). Where they part:
+FSDP, cp, pp, frozen parameters, float8 all-gather from its second step; a mixture of experts
+with expert parallel over dp_shard, tp and cp, HSDP, TP alone, pp, full and selective AC and
+accumulation). Where they part:
 float8's first step and float8 TP (above); a frozen start of the model, where autograd runs
 no backward before the first trainable parameter: a frozen token embedding under sequence
 parallel skips its backward all-gather, frozen leading blocks of the first stage their
@@ -119,20 +123,25 @@ from collections import defaultdict
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed import float8
-from hsdp_runner.distributed.comm_counting import GROUP_NAMES
+from hsdp_runner.distributed.grad_clip_comm import clip_norm_comm
+from hsdp_runner.distributed.moe_comm import balance_bytes, routed_rows, stage_moe_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import (
-    clipped_gradients,
     float8_weight_sizes,
+    moe_blocks,
     tp_partial_grads,
     unit_sizes,
+    unit_views,
 )
 from hsdp_runner.distributed.step_passes import (
     StagePasses,
+    fsdp_gathers,
+    has_dp_wrapper,
     partial_grad_reductions,
     stage_passes,
 )
 from hsdp_runner.distributed.step_stats import STATS_BYTES
+from hsdp_runner.distributed.world_mesh import group_order
 from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.models.params import torch_dtype
 
@@ -153,6 +162,11 @@ class _Tally:
             self.counts[key]["calls"] += calls
             self.counts[key]["bytes"] += nbytes
 
+    def add_bytes(self, key: str, nbytes: int) -> None:
+        """Bytes of calls counted already (the token exchange's rows: a call may move none)."""
+        if nbytes:
+            self.counts[key]["bytes"] += nbytes
+
     def result(self) -> dict[str, dict[str, int]]:
         """{'<kind>/<dim>': {'calls', 'bytes'}}, sorted by key."""
         return {key: dict(self.counts[key]) for key in sorted(self.counts)}
@@ -166,6 +180,7 @@ def analytic_comm(
     trainer: TrainerConfig,
     pp_rank: int = 0,
     pipeline_stage: bool = False,
+    routing: list[tuple[int, int]] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Return {'<kind>/<dim>': {'calls', 'bytes'}} one rank communicates in one step.
 
@@ -173,20 +188,29 @@ def analytic_comm(
     ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate. Sums the stage
     counter (``_stage``) over the rank's stages (``ParallelDims.local_stages``; without pipeline
     parallel the one stage, holding both ends), then adds the step's reductions over them
-    all: the grad norm's (``_clip_norm``, and over ``pp``) and the step's stats.
-    ``pipeline_stage``: the job (pp = 1) is one stage of a pipeline, as the planner prices a
-    stage, with ``trainer.grad_accum_steps`` its micro-batches (``stage_passes``). See the
-    module docstring for what is counted.
+    all: the grad norm's (``grad_clip_comm``, and over ``pp``), a mixture of experts' balance
+    step and the step's stats. ``pipeline_stage``: the job (pp = 1) is one stage of a
+    pipeline, as the planner prices a stage, with ``trainer.grad_accum_steps`` its
+    micro-batches (``stage_passes``). ``routing``: under expert parallel, the rows the rank's
+    token exchange sent and received in each forward dispatch of the counted step
+    (``expert_parallel.recording_routing``; None: balanced, ``moe_comm.routed_rows``). See
+    the module docstring for what is counted.
     """
     tally = _Tally()
     passes = stage_passes(dims, parallel, trainer, pipeline_stage)
     stages = dims.local_stages(pp_rank)
     for stage in stages:
         _stage(tally, model_cfg, dims, parallel, precision, trainer, stage, passes)
-    _clip_norm(tally, model_cfg, dims, parallel, precision, trainer, stages)
+    for key, nbytes in routed_rows(
+        model_cfg, dims, parallel, precision, trainer, stages, routing
+    ).items():
+        tally.add_bytes(key, nbytes)
+    for key, nbytes in clip_norm_comm(model_cfg, dims, parallel, precision, trainer.freeze, stages):
+        tally.add(key, 1, nbytes)
     if dims.pp > 1:
         tally.add("all_reduce/pp", 1, 4)  # the grad norm's squares, summed over the stages
     if dims.world_size > 1:
+        tally.add(f"all_reduce/{world_dim(dims)}", 1, balance_bytes(model_cfg))
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)
     return tally.result()
 
@@ -219,7 +243,19 @@ def _stage(
         if float8.gathers_float8(precision, dims.dp_mode)
         else {}
     )
-    _data_parallel(tally, units, f8, dims, precision, passes.gathers, passes.reductions)
+    views = unit_views(model_cfg, dims, sp, stage)
+    for view in dict.fromkeys(views.values()):  # the dense units, then the MoE layers' own
+        mine = {unit: sizes for unit, sizes in units.items() if views[unit] == view}
+        # The MoE layers' own units without a data-parallel wrap around them (TP without
+        # dp): neither the accumulation loop nor a pipeline schedule reaches them (both switch
+        # the wrap of the whole stage), so every micro-batch gathers and reduces them.
+        if view == "dp_shard_cp" or has_dp_wrapper(dims, precision):
+            gathers, reductions = passes.gathers, passes.reductions
+        else:
+            gathers, reductions = fsdp_gathers(m, parallel.reshard_after_forward, False), m
+        f8_mine = {unit: f8[unit] for unit in mine if unit in f8}
+        _data_parallel(tally, mine, f8_mine, dims, precision, gathers, reductions, view)
+    stage_moe_comm(tally, model_cfg, dims, parallel, trainer, stage, m)
     if dims.cp > 1:
         _context_parallel(tally, model_cfg, dims, parallel, precision, trainer, stage, m)
     if dims.tp > 1:
@@ -230,7 +266,10 @@ def _stage(
             rows * model_cfg.seq_len // dims.cp,
             compute,
             m,
-            len(dims.stage_blocks(model_cfg.n_layers)[stage]),
+            (
+                len(dims.stage_blocks(model_cfg.n_layers)[stage]),
+                len(moe_blocks(model_cfg, dims, stage)),
+            ),
             ends,
         )
         # The norms' partial gradients (sequence parallel): each all-reduced on its own.
@@ -255,9 +294,11 @@ def stage_send_bytes(
 
 
 def world_dim(dims: ParallelDims) -> str:
-    """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or the
-    flattened ``dp``) spanning every rank, else ``world``."""
-    return next((name for name in GROUP_NAMES if dims.group_size(name) == dims.world_size), "world")
+    """The name ``comm.CommCounter`` gives the group of all ranks: the first mesh dim (or
+    flattened view; with experts, expert group: ``world_mesh.group_order``) spanning every
+    rank, else ``world``."""
+    names = group_order(dims.moe)
+    return next((name for name in names if dims.group_size(name) == dims.world_size), "world")
 
 
 def context_parallel_comm(
@@ -281,30 +322,6 @@ def context_parallel_comm(
     return tally.result()
 
 
-def _clip_norm(
-    tally: _Tally,
-    model_cfg: ModelConfig,
-    dims: ParallelDims,
-    parallel: ParallelConfig,
-    precision: PrecisionConfig,
-    trainer: TrainerConfig,
-    stages: range,
-) -> None:
-    """The reductions of ``train/grad_clip.clip_grad_norm``'s total norm over the gradients of
-    the rank's ``stages``: DTensor keeps each gradient's norm partial over the mesh dims the
-    gradient is sharded on, stacks the norms (one per gradient, master dtype) and all-reduces
-    the stack once over each such dim: FSDP's shard group, and ``tp`` when some trainable
-    parameter is split over it. (Norms of ``Partial`` gradients are ``_tensor_parallel``'s.)"""
-    count, tp_split = clipped_gradients(
-        model_cfg, dims, trainer.freeze, parallel.sequence_parallel, stages
-    )
-    norms = count * _dtype_bytes(precision.master_dtype)
-    if dims.dp_shard_cp > 1:
-        tally.add(f"all_reduce/{dims.same_group('dp_shard_cp')}", 1, norms)
-    if dims.tp > 1 and tp_split:
-        tally.add("all_reduce/tp", 1, norms)
-
-
 def _data_parallel(
     tally: _Tally,
     units: dict,
@@ -313,15 +330,17 @@ def _data_parallel(
     precision: PrecisionConfig,
     gathers: tuple[int, int],
     reductions: int,
+    view: str = "dp_shard_cp",
 ) -> None:
     """FSDP's all-gathers (``gathers``: ``fsdp_gathers``) and reduce-scatters (``reductions``
-    a step), HSDP's and DDP's all-reduces; the elements of ``float8_sizes`` (per unit) are
-    gathered at one byte each, and their scales are precomputed once a step (one fp32 amax per
-    float8 weight, all-reduced over the shards)."""
+    a step) of ``units`` sharded over the group ``view`` (``param_sizes.unit_views``), HSDP's
+    and DDP's all-reduces; the elements of ``float8_sizes`` (per unit) are gathered at one
+    byte each, and their scales are precomputed once a step (one fp32 amax per float8 weight,
+    all-reduced over the shards)."""
     gather, reduce = _dtype_bytes(precision.param_dtype), _dtype_bytes(precision.reduce_dtype)
     trainable = {unit: sizes[1] for unit, sizes in units.items() if sizes[1]}
-    if dims.dp_shard_cp > 1:
-        shard_dim = dims.same_group("dp_shard_cp")
+    if dims.group_size(view) > 1:
+        shard_dim = dims.same_group(view)
 
         def gathered(unit_names) -> int:
             f8 = sum(sum(float8_sizes.get(u, ())) for u in unit_names)
@@ -340,7 +359,7 @@ def _data_parallel(
             weights = sum(len(sizes) for sizes in float8_sizes.values())
             tally.add(f"all_reduce/{shard_dim}", 1, weights * _dtype_bytes(precision.master_dtype))
     if dims.dp_replicate > 1:
-        shard = sum(trainable.values()) // dims.dp_shard_cp
+        shard = sum(trainable.values()) // dims.group_size(view)
         tally.add("all_reduce/dp_replicate", len(trainable), shard * reduce)
 
 
@@ -373,38 +392,44 @@ def _tensor_parallel(
     tokens: int,
     compute: int,
     accum: int,
-    layers: int,
+    layers: tuple[int, int],
     ends: tuple[bool, bool],
 ) -> None:
-    """TP's activation collectives of a stage's ``layers`` blocks and ``ends`` (whether it
-    holds the embedding, the output layer) for ``tokens`` a step over ``accum`` passes;
-    ``parallel`` says whether sequence parallel, full AC and the loss on vocabulary-sharded
-    logits (``train/loss.py``) apply."""
+    """TP's activation collectives of a stage's blocks (``layers``: how many, how many of them
+    with an MoE layer) and ``ends`` (whether it holds the embedding, the output layer) for
+    ``tokens`` a step over ``accum`` passes; ``parallel`` says whether sequence parallel, full
+    AC and the loss on vocabulary-sharded logits (``train/loss.py``) apply. An MoE block has
+    attention's collectives alone, its MoE running on the rank's part of the sequence: without
+    sequence parallel that part is a local slice of the replicated stream, the MoE's output is
+    all-gathered (forward) and so is its input's gradient (backward)."""
     sequence_parallel, loss_parallel = parallel.sequence_parallel, parallel.loss_parallel
     recompute = parallel.ac == AC.full
     dim, (first, last) = model_cfg.dim, ends
+    dense, moe = layers[0] - layers[1], layers[1]
     act = tokens * dim * compute  # one residual-stream activation of the step's tokens on a rank
     if recompute:  # full AC: the blocks' forward collectives run again (module docstring)
         again = (
-            {"all_gather/tp": 2, "reduce_scatter/tp": 1}
+            {"all_gather/tp": (2, 1), "reduce_scatter/tp": (1, 1)}
             if sequence_parallel
-            else {"all_reduce/tp": 1}
+            else {"all_reduce/tp": (1, 1)}
         )
-        for kind, per_block in again.items():
-            tally.add(kind, per_block * layers * accum, per_block * layers * act)
+        for kind, (per_dense, per_moe) in again.items():
+            calls = per_dense * dense + per_moe * moe
+            tally.add(kind, calls * accum, calls * act)
     if last and loss_parallel:  # per token: the row max, the sum of exponentials, the target
         tally.add("all_reduce/tp", 3 * accum, 3 * tokens * LOSS_BYTES)
     elif last:
         tally.add("all_gather/tp", accum, tokens * model_cfg.vocab_size * compute)  # logits
+    # per block 2 in each pass (attention's 1 in an MoE block), the ends' 1 each
+    calls = 4 * dense + 2 * moe + first + last
     if sequence_parallel:
-        # 2 per block in each pass, the output layer's input all-gather (forward) and the
-        # embedding's (backward); the reduce-scatters mirror them
-        calls = 4 * layers + first + last
+        # with the output layer's input all-gather (forward) and the embedding's (backward);
+        # the reduce-scatters mirror them
         tally.add("all_gather/tp", calls * accum, calls * act)
         tally.add("reduce_scatter/tp", calls * accum, calls * act)
     else:
-        calls = 4 * layers + first + last  # per block 2 in forward, 2 in backward; the ends
         tally.add("all_reduce/tp", calls * accum, calls * act)
+        tally.add("all_gather/tp", 2 * moe * accum, 2 * moe * act)
 
 
 def comm_report(measured: dict, analytic: dict, step: int) -> dict:

@@ -34,6 +34,8 @@ per-step figures) is ``expert_balance.py``'s.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -51,6 +53,9 @@ class TokenExchange:
     def __init__(self, ep_mesh):
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
+        # While a list (``recording_routing``): (rows sent, rows received) of each dispatch of
+        # a forward, recomputations left out; what the comm model's token-exchange bytes read.
+        self.routing: list[tuple[int, int]] | None = None
 
     def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
         """Send ``tokens`` (N, dim: this rank's routed copies sorted by global expert) to the
@@ -63,6 +68,9 @@ class TokenExchange:
         received = all_to_all_single(counts, None, None, self.group).view(self.ep, -1)
         # The split sizes are host values: one device-to-host read per layer and pass.
         splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()
+        # Inside a backward (activation checkpointing recomputing the forward): not recorded.
+        if self.routing is not None and torch._C._current_graph_task_id() == -1:
+            self.routing.append((sum(splits[0]), sum(splits[1])))
         arrived = all_to_all_single(tokens, splits[1], splits[0], self.group)
         order = _by_local_expert(received, sum(splits[1]))
         inverse = torch.empty_like(order)
@@ -76,6 +84,32 @@ class TokenExchange:
 
         inverse, (sent, received) = state
         return all_to_all_single(outputs.index_select(0, inverse), sent, received, self.group)
+
+
+@contextlib.contextmanager
+def recording_routing(parts: list[nn.Module], record: bool):
+    """Within the block, with ``record``, every token exchange of ``parts`` (a rank's stage
+    chunks) appends (rows sent, rows received) of each forward dispatch to one list, which the
+    block gets (the rows a rank's first forwards send and receive: host values the exchange
+    reads anyway, so nothing is added to the step); without ``record``, or for a model
+    without expert parallel, the block gets None."""
+    exchanges = {
+        id(moe.exchange): moe.exchange
+        for part in parts
+        for moe in moe_modules(part).values()
+        if isinstance(moe.exchange, TokenExchange)
+    }
+    if not record or not exchanges:
+        yield None
+        return
+    routing: list[tuple[int, int]] = []
+    for exchange in exchanges.values():
+        exchange.routing = routing
+    try:
+        yield routing
+    finally:
+        for exchange in exchanges.values():
+            exchange.routing = None
 
 
 def _by_local_expert(received: torch.Tensor, total: int) -> torch.Tensor:

@@ -2,48 +2,113 @@
 
 The sizes the communication model (``comm_model``) and the planner count with, read off a meta
 model without building a mesh: per FSDP unit, the elements of one rank's TP part of each
-parameter (dim 0 padded as FSDP pads it), trainable or frozen (``unit_sizes``); the weights a
-float8 all-gather sends at one byte per element (``float8_weight_sizes``); the gradients
-the rank clips (``clipped_gradients``) and those TP leaves partial (``tp_partial_grads``). Each takes an optional pipeline stage (or the rank's
-stages) and then counts only the parameters ``models/base.keep_stage`` leaves there.
+parameter (dim 0 padded as FSDP pads it), trainable or frozen (``unit_sizes``), and the group
+each unit is sharded over (``unit_views``); the weights a float8 all-gather sends at one byte
+per element (``float8_weight_sizes``); the parameters a rank holds as it holds them
+(``local_params``: what ``grad_clip_comm`` groups the clipped gradients by) and those whose
+gradients TP leaves partial (``tp_partial_grads``). Each takes an optional pipeline stage and
+then counts only the parameters ``models/base.keep_stage`` leaves there.
+
+A model with experts (``models/base.moe_layers``) whose MoE layers get their own FSDP wraps
+(``expert_wraps``: expert parallel or TP, ``expert_parallel.apply_expert_parallel``) has two
+more units per MoE block: '<block>.moe.experts' (this rank's ``n_experts / ep`` experts,
+sharded over ``efsdp``) and '<block>.moe' (router gate and shared experts, sharded over
+``dp_shard_cp_tp``), neither split by TP; the block's unit keeps the rest.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import NamedTuple, Optional
 
 from torch import nn
 
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.models.base import ModelConfig, block_prefix, build_meta_model, model_spec
+from hsdp_runner.models.base import (
+    ModelConfig,
+    block_prefix,
+    build_meta_model,
+    model_spec,
+    moe_layers,
+)
 from hsdp_runner.models.params import frozen_names
 
 
-def _local_params(
+class LocalParam(NamedTuple):
+    """One parameter as a rank holds it before FSDP shards it (``local_params``)."""
+
+    unit: str  # its FSDP unit: '<blocks>.<i>', an MoE block's '<...>.moe(.experts)', 'root'
+    name: str
+    numel: int  # elements of the rank's part (TP, expert parallel), dim 0 padded as FSDP pads
+    split: Optional[int]  # the dim TP splits it on, or None
+    view: str  # the group FSDP shards its unit over: 'dp_shard_cp', 'efsdp', 'dp_shard_cp_tp'
+    experts: bool  # a routed expert weight (sharded over ``ep`` too)
+
+
+def expert_wraps(dims: ParallelDims) -> bool:
+    """Whether a model with experts gets the MoE layers' own FSDP wraps (experts over
+    ``efsdp``, router and shared experts over ``dp_shard_cp_tp``): under expert parallel or TP
+    (``expert_parallel.apply_expert_parallel``); otherwise they stay in their block's unit."""
+    return dims.moe and (dims.ep > 1 or dims.tp > 1)
+
+
+def _moe_names(model) -> list[str]:
+    """The module names of ``model``'s MoE layers (``models/base.moe_layers``)."""
+    layers = {id(moe) for moe in moe_layers(model)}
+    return [name for name, module in model.named_modules() if id(module) in layers]
+
+
+def moe_blocks(
+    model_cfg: ModelConfig, dims: ParallelDims | None = None, stage: int | None = None
+) -> list[int]:
+    """The indices of the blocks with an MoE layer (``models/base.moe_layers``) of the model,
+    or with ``stage`` of pipeline stage ``stage`` of ``dims``; empty for a dense model."""
+    model = build_meta_model(model_cfg)
+    blocks = block_prefix(model) + "."
+    found = [int(name[len(blocks) :].split(".")[0]) for name in _moe_names(model)]
+    if stage is None:
+        return found
+    mine = dims.stage_blocks(model_cfg.n_layers)[stage]
+    return [block for block in found if block in mine]
+
+
+def local_params(
     model_cfg: ModelConfig,
     dims: ParallelDims,
     sequence_parallel: bool,
     stage: int | None = None,
 ):
-    """(FSDP unit, parameter name, elements on one rank before FSDP sharding, the dim TP
-    splits it on or None) of every parameter: its TP part (``ModelSpec.tp_split_dim``), dim 0
-    padded to a multiple of ``dp_shard x cp`` as FSDP pads it. Units: '<blocks>.<i>' (e.g.
-    'layers.0') or 'root'. With ``stage`` (a pipeline stage index of ``dims.pp_stages``), only
-    that stage's parameters (``_on_stage``)."""
+    """``LocalParam`` of every parameter: its TP part (``ModelSpec.tp_split_dim``), or with
+    the MoE layers' own wraps (``expert_wraps``) an expert weight's ``n_experts / ep`` experts
+    or a router/shared weight whole; dim 0 padded to a multiple of its unit's shard group as
+    FSDP pads it. Units: '<blocks>.<i>' (e.g. 'layers.0'), 'root', and an MoE layer's (module
+    docstring). With ``stage`` (a pipeline stage index of ``dims.pp_stages``), only that
+    stage's parameters (``_on_stage``)."""
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     blocks = block_prefix(model) + "."
+    moes = _moe_names(model) if expert_wraps(dims) else []
     for name, param in model.named_parameters():
         if stage is not None and not _on_stage(model, name, blocks, stage, dims):
             continue
-        shape = list(param.shape)
-        split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
-        if split is not None:
-            shape[split] //= dims.tp
-        shape[0] = math.ceil(shape[0] / dims.dp_shard_cp) * dims.dp_shard_cp
-        unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
-        yield unit, name, math.prod(shape), split
+        shape, split = list(param.shape), None
+        moe = next((m for m in moes if name.startswith(m + ".")), None)
+        experts = moe is not None and name.startswith(f"{moe}.experts.")
+        if moe is None:
+            unit = ".".join(name.split(".")[:2]) if name.startswith(blocks) else "root"
+            view = "dp_shard_cp"
+            split = spec.tp_split_dim(name, sequence_parallel) if dims.tp > 1 else None
+            if split is not None:
+                shape[split] //= dims.tp
+        elif experts:
+            unit, view = f"{moe}.experts", "efsdp"
+            shape[0] //= dims.ep
+        else:
+            unit, view = moe, "dp_shard_cp_tp"
+        shard = dims.group_size(view)
+        shape[0] = math.ceil(shape[0] / shard) * shard
+        yield LocalParam(unit, name, math.prod(shape), split, view, experts)
 
 
 def _on_stage(model, name: str, blocks: str, stage: int, dims: ParallelDims) -> bool:
@@ -80,10 +145,24 @@ def unit_sizes(
     params = dict(build_meta_model(model_cfg).named_parameters())
     frozen = set(frozen_names(params, freeze))
     units: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for unit, name, numel, _ in _local_params(model_cfg, dims, sequence_parallel, stage):
-        units[unit][0] += numel
-        units[unit][1] += 0 if name in frozen else numel
+    for param in local_params(model_cfg, dims, sequence_parallel, stage):
+        units[param.unit][0] += param.numel
+        units[param.unit][1] += 0 if param.name in frozen else param.numel
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
+
+
+def unit_views(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    sequence_parallel: bool = True,
+    stage: int | None = None,
+) -> dict[str, str]:
+    """{FSDP unit (as ``unit_sizes``): the group it is sharded over}: 'dp_shard_cp' for the
+    blocks and the root, 'efsdp' for an MoE layer's experts and 'dp_shard_cp_tp' for its router
+    and shared experts under their own wraps (``expert_wraps``); HSDP adds ``dp_replicate``."""
+    return {
+        param.unit: param.view for param in local_params(model_cfg, dims, sequence_parallel, stage)
+    }
 
 
 def float8_weight_sizes(
@@ -98,7 +177,7 @@ def float8_weight_sizes(
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     modules = dict(model.named_modules())
     sizes: dict[str, list[int]] = defaultdict(list)
-    for unit, name, numel, _ in _local_params(model_cfg, dims, sequence_parallel, stage):
+    for unit, name, numel, *_ in local_params(model_cfg, dims, sequence_parallel, stage):
         fqn, _, leaf = name.rpartition(".")
         module = modules.get(fqn)
         if leaf != "weight" or not isinstance(module, nn.Linear):
@@ -114,26 +193,6 @@ def float8_weight_sizes(
     return dict(sizes)
 
 
-def clipped_gradients(
-    model_cfg: ModelConfig,
-    dims: ParallelDims,
-    freeze=(),
-    sequence_parallel: bool = True,
-    stages=(0,),
-) -> tuple[int, bool]:
-    """The gradients a rank holding pipeline ``stages`` clips (its trainable parameters, the
-    ones ``freeze``, ``trainer.freeze``'s patterns, leaves out): (how many, whether any is of
-    a parameter TP splits, ``ModelSpec.tp_split_dim``)."""
-    frozen = set(frozen_names(dict(build_meta_model(model_cfg).named_parameters()), freeze))
-    count, tp_split = 0, False
-    for stage in stages:
-        for _, name, _, split in _local_params(model_cfg, dims, sequence_parallel, stage):
-            if name not in frozen:
-                count += 1
-                tp_split = tp_split or split is not None
-    return count, tp_split
-
-
 def tp_partial_grads(
     model_cfg: ModelConfig,
     dims: ParallelDims,
@@ -144,20 +203,27 @@ def tp_partial_grads(
     """Elements of each trainable parameter (``freeze``: ``trainer.freeze``'s patterns) of
     pipeline ``stage`` (None: the whole model) whose gradient is ``Partial`` over ``tp``: with
     sequence parallel, those of the modules TP keeps whole on every rank (none of their
-    parameters split, ``ModelSpec.tp_split_dim``: the norms), whose input is sequence-sharded.
-    Empty without TP or sequence parallel. ``ModelSpec.tp_partial_grad_numels`` lists the
-    whole model's (``tests/test_comm.py`` checks that they agree)."""
-    if dims.tp == 1 or not sequence_parallel:
+    parameters split, ``ModelSpec.tp_split_dim``: the norms), whose input is sequence-sharded;
+    with or without it, those the family names
+    (``ModelConfig.tp_partial_without_sequence_parallel``: norms over each head's channels).
+    A mixture of experts' MoE layers are no TP module (their weights are sharded over the
+    ranks holding distinct tokens, which sum their gradients). Empty without TP.
+    ``ModelSpec.tp_partial_grad_numels`` lists the whole model's under sequence parallel
+    (``tests/test_comm.py`` checks that they agree)."""
+    if dims.tp == 1:
         return []
     spec, model = model_spec(model_cfg), build_meta_model(model_cfg)
     params = dict(model.named_parameters())
     split = {n.rpartition(".")[0] for n in params if spec.tp_split_dim(n, True) is not None}
+    moes = tuple(f"{name}." for name in _moe_names(model))
     frozen = set(frozen_names(params, freeze))
     blocks = block_prefix(model) + "."
     return [
         param.numel()
         for name, param in params.items()
         if name.rpartition(".")[0] not in split
+        and not name.startswith(moes)
+        and (sequence_parallel or spec.tp_partial_without_sequence_parallel(name))
         and name not in frozen
         and (stage is None or _on_stage(model, name, blocks, stage, dims))
     ]

@@ -55,6 +55,13 @@ EXPERT_VIEWS = {"dp_shard_cp_tp": ("dp_shard", "cp", "tp"), "cp_tp": ("cp", "tp"
 EXPERT_SPLIT = ("efsdp", "ep")
 
 
+def group_order(experts: bool) -> tuple[str, ...]:
+    """Every named group of a world mesh, in the order a group several names share goes by the
+    first (``ParallelDims.same_group``): ``GROUP_ORDER``, then with ``experts`` (a model with
+    experts: the expert meshes are built) the expert views and the expert split."""
+    return GROUP_ORDER + ((*EXPERT_VIEWS, *EXPERT_SPLIT) if experts else ())
+
+
 def build_world_mesh(
     device_type: str,
     shape: tuple[int, ...],
@@ -164,6 +171,11 @@ class WorldMesh:
         if isinstance(names, str) and names in self._flattened:
             return self._flattened[names]
         return self.root[names]
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the expert meshes were built (a model with experts)."""
+        return EXPERT_SPLIT[-1] in self._flattened
 
     def local_rank_in(self, name: str) -> int:
         """This rank's coordinate along the named (possibly flattened) dim."""

@@ -49,6 +49,12 @@ class ModelConfig:
     seq_len: int = MISSING
     init_std: float = 0.02
 
+    def tp_partial_without_sequence_parallel(self, param: str) -> bool:
+        """Whether TP leaves parameter ``param``'s gradient partial over the TP ranks without
+        sequence parallel too: a parameter kept whole whose input the TP plan splits (a norm
+        over each attention head's channels). None by default; a family overrides this."""
+        return False
+
 
 class ParallelModule(Protocol):
     """The module a family builds. ``forward(tokens)`` returns logits (batch, seq, vocab).

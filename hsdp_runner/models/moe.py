@@ -149,6 +149,12 @@ class MoEConfig(ModelConfig):
         qk = [self.attention_head_dim()] * 2 if self.qk_norm else []
         return [self.dim, *qk, self.dim] * self.n_layers + [self.dim]
 
+    def tp_partial_without_sequence_parallel(self, param: str) -> bool:
+        """The q/k norms' weights: their input is split over the heads
+        (``ReplicatedParams(Shard(2))``), so their gradients are partial over tp with or
+        without sequence parallel."""
+        return param.split(".")[-2] in ("q_norm", "k_norm")
+
     def count_params(self) -> dict:
         """See ``count_params``."""
         return count_params(self)

@@ -8,6 +8,8 @@ step loop only reads them. This module imports neither the trainer nor the shard
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +31,10 @@ class RunFigures:
 
     peak: metrics.Peak
     flops_per_token: float
-    analytic_comm: Optional[dict]
+    # The analytic comm of one step of this rank: ``comm_model.analytic_comm`` with the job's
+    # config bound, called with ``routing=``: under expert parallel the token exchange's rows
+    # of the counted step (``expert_parallel.recording_routing``; None: balanced).
+    analytic_comm: Optional[Callable[..., dict]]
     memory_estimate: dict  # GiB: params, grads, optimizer, total (metrics.memory_breakdown)
 
     @property
@@ -121,10 +126,18 @@ def compute_run_figures(
     comm = (
         None
         if cfg.metrics.comm_step is None
-        else analytic_comm(
-            cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer, dims.pp_rank_of(rank)
+        else functools.partial(
+            analytic_comm,
+            cfg.model,
+            dims,
+            cfg.parallel,
+            cfg.precision,
+            cfg.trainer,
+            pp_rank=dims.pp_rank_of(rank),
         )
     )
+    if comm is not None:
+        comm()  # built now, not in the step loop: the meta model and its sizes are cached
     return RunFigures(
         peak=peak,
         flops_per_token=model_spec(cfg.model).flops_per_token(),

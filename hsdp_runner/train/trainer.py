@@ -23,6 +23,7 @@ from hsdp_runner.core.choices import OnNan
 from hsdp_runner.core.faults import inject_fault
 from hsdp_runner.distributed import comm_counting, step_stats
 from hsdp_runner.distributed.comm_model import comm_report
+from hsdp_runner.distributed.expert_parallel import recording_routing
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.pipeline import Schedule
 from hsdp_runner.models.base import ModelSpec
@@ -161,6 +162,8 @@ class Trainer:
         # here: it looks up the mesh's groups, host work no step should do.
         self.comm_facts: dict = {}
         self.comm_counter = None if self.comm_step is None else comm_counting.CommCounter(world)
+        # The counted step's token exchange rows per forward dispatch (expert parallel only).
+        self.comm_routing: list[tuple[int, int]] | None = None
 
     def _forward_backward(
         self, step: int, data: Prefetcher, signum: int | None
@@ -237,10 +240,16 @@ class Trainer:
             for step in range(start_step, steps):
                 counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
-                with comm_counting.counting(counter), loss_context(self.loss_parallel):
+                with (
+                    comm_counting.counting(counter),
+                    loss_context(self.loss_parallel),
+                    recording_routing(self.parts, counter is not None) as routing,
+                ):
                     stats, grad_norm = self._forward_backward(
                         step, data, stop.signum if stop is not None else None
                     )
+                if routing is not None:
+                    self.comm_routing = routing
                 marks.append(step_stats.mark(self.device))
                 if pending is not None and self._finish(pending, after_step, bar):
                     pending = None
@@ -313,8 +322,10 @@ class Trainer:
         return False
 
     def _comm_record(self, counter: comm_counting.CommCounter, step: int) -> dict:
-        """Keep the measured vs analytic comm facts; return the per-step fields of the record."""
-        self.comm_facts = comm_report(counter.result(), self.figures.analytic_comm, step)
+        """Keep the measured vs analytic comm facts (the analytic figure with the counted
+        step's routing, under expert parallel); return the per-step fields of the record."""
+        analytic = self.figures.analytic_comm(routing=self.comm_routing)
+        self.comm_facts = comm_report(counter.result(), analytic, step)
         if self.rank == 0:
             log.info(
                 "step %d communication per rank: measured %s bytes, analytic %s bytes (ratio %s)",

@@ -1,0 +1,100 @@
+"""What a mixture of experts adds to the analytic communication of a step (``comm_model``).
+
+The runtime's collectives of a model with experts (``expert_parallel.py``,
+``expert_balance.py``), counted as ``comm_counting`` counts them (an all-to-all by the rank's
+input, an all-reduce by its tensor):
+
+- **Token exchange** (``parallel.ep`` > 1, ``expert_parallel.TokenExchange`` over ``ep``):
+  per MoE layer and micro-batch, forward all-to-alls the counts (``n_experts`` int64), the
+  rank's routed token copies (N rows: its tokens x ``top_k``) and, in combine, the outputs of
+  the rows its experts received (M rows); backward all-to-alls their gradients (M rows, then
+  N). Rows are ``dim`` wide in the compute dtype. ``parallel.ac=full`` runs the forward's three
+  again in backward (the MoE is recomputed whole: the experts' inputs and outputs are saved
+  activations); ``selective`` saves their outputs. N and M are the counted step's routing
+  (``expert_parallel.recording_routing``: the rows each forward dispatch sent and received on
+  this rank); without it a rank is taken to receive what it sends (balanced experts).
+- **Auxiliary loss** (``model.aux_loss_coef`` > 0 with ``cp x tp`` > 1): per MoE layer and
+  micro-batch, ``MoE.sequence_sum`` all-reduces the (rows, ``n_experts``) fp32 counts of the
+  rank's sequences over ``cp_tp`` (again under full AC; selective saves it).
+- **Balance step** (``expert_balance.ExpertBalance``): after the optimizer step one all-reduce
+  over all ranks of every MoE layer's counts and loss value, (``n_experts`` + 1) fp32 each.
+
+The experts' weights' data-parallel collectives (their own FSDP units over ``efsdp`` and
+``dp_shard_cp_tp``) are ``param_sizes``' units; the clip's norms over their meshes
+``param_sizes.clip_groups``; the TP collectives of an MoE block (attention's, and without
+sequence parallel the MoE's output all-gather and its input gradient's) ``comm_model``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
+from hsdp_runner.core.choices import AC
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.param_sizes import moe_blocks
+from hsdp_runner.models.base import ModelConfig, routed_experts
+from hsdp_runner.models.params import torch_dtype
+
+COUNT_BYTES = 8  # the exchange's counts: int64
+STAT_BYTES = 4  # the auxiliary loss's counts and the balance step's vector: fp32
+
+
+def stage_moe_comm(
+    tally,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    trainer: TrainerConfig,
+    stage: int,
+    micro_batches: int,
+) -> None:
+    """Add to ``tally`` the token exchange's calls and the bytes of its counts, and the
+    auxiliary loss's all-reduces, of the MoE blocks of pipeline ``stage`` over
+    ``micro_batches`` (module docstring); the routed rows' bytes are ``routed_rows``'."""
+    layers = len(moe_blocks(model_cfg, dims, stage))
+    if not layers:
+        return
+    again = 2 if AC(parallel.ac) is AC.full else 1  # full AC runs the forward's again
+    passes = layers * micro_batches
+    if dims.ep > 1:
+        experts = routed_experts(model_cfg)
+        key = f"all_to_all/{dims.same_group('ep')}"
+        tally.add(key, passes * (3 * again + 2), passes * again * experts * COUNT_BYTES)
+    if dims.cp * dims.tp > 1 and getattr(model_cfg, "aux_loss_coef", 0) > 0:
+        rows = trainer.global_batch_size // dims.dp // micro_batches
+        counts = rows * routed_experts(model_cfg) * STAT_BYTES
+        tally.add(f"all_reduce/{dims.same_group('cp_tp')}", passes * again, passes * again * counts)
+
+
+def routed_rows(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+    stages: Sequence[int],
+    routing: Sequence[tuple[int, int]] | None,
+) -> dict[str, int]:
+    """{'all_to_all/<ep>': bytes} of the token exchange's rows in a step of a rank holding
+    pipeline ``stages`` (empty without expert parallel): each forward dispatch's N rows sent
+    and M received (``routing``: the counted step's (N, M) per dispatch; None: balanced, M = N
+    = the rank's tokens of a micro-batch x ``top_k``), each row moved by forward's dispatch
+    and combine and backward's two mirrors, and once more each under full AC."""
+    if dims.ep == 1 or not dims.moe:
+        return {}
+    if routing is None:
+        layers = sum(len(moe_blocks(model_cfg, dims, stage)) for stage in stages)
+        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // (dims.cp * dims.tp)
+        rows = 2 * layers * tokens * model_cfg.top_k
+    else:
+        rows = sum(sent + received for sent, received in routing)
+    again = 2 if AC(parallel.ac) is AC.full else 1
+    row_bytes = model_cfg.dim * torch_dtype(precision.param_dtype).itemsize
+    return {f"all_to_all/{dims.same_group('ep')}": (again + 1) * rows * row_bytes}
+
+
+def balance_bytes(model_cfg: ModelConfig) -> int:
+    """Bytes of the balance step's all-reduce (module docstring); 0 for a dense model."""
+    experts = routed_experts(model_cfg)
+    return len(moe_blocks(model_cfg)) * (experts + 1) * STAT_BYTES if experts else 0
