@@ -28,7 +28,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import usable_gpus
-from hsdp_runner.distributed.parallel_dims import DIM_NAMES
+from hsdp_runner.distributed.parallel_dims import DIM_NAMES, expert_refusal
 from hsdp_runner.models.base import model_spec, stage_blocks
 from hsdp_runner.runtime.launch import run_job
 from hsdp_runner.runtime.prelaunch import validate
@@ -60,6 +60,19 @@ ORDER = (
     "pp_fsdp",
     "pp_fsdp_tp",
     "pp_hsdp",
+    # Expert parallel (a model with experts: PARITY_ARGS=model=moe_tiny; a dense model skips
+    # them): ep over all of dp_shard, over part of it, borrowing tp, with HSDP, borrowing cp,
+    # under a pipeline, with activation checkpointing, gradient accumulation and compile.
+    "fsdp:parallel.dp_shard=2:parallel.ep=2",
+    "fsdp:parallel.ep=2",
+    "fsdp:parallel.ep=4",
+    "fsdp_tp:parallel.ep=2",
+    "hsdp:parallel.ep=2",
+    "cp:parallel.dp_shard=2:parallel.ep=2",
+    "pp_fsdp:parallel.ep=2",
+    "fsdp:parallel.ep=2:parallel.ac=full",
+    "fsdp:parallel.ep=2:parallel.ac=selective",
+    "fsdp:parallel.ep=2:trainer.grad_accum_steps=2",
 )
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20
 # steps (docs/layouts_and_parity.md). On GPU, cuBLAS picks its fp32 matmul kernels (tile shapes, split-K) per
@@ -204,8 +217,12 @@ def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
 
 
 def unsupported_reason(cfg: RunConfig) -> str | None:
-    """Why the model of ``cfg`` cannot run its layout (the family's own check, or fewer blocks
-    than the layout's pipeline stages: the tiny models have 2), or None."""
+    """Why the model of ``cfg`` cannot run its layout (the family's own check, fewer blocks
+    than the layout's pipeline stages: the tiny models have 2, or expert parallel on a dense
+    model), or None."""
+    refusal = expert_refusal(cfg.parallel.ep, cfg.model)
+    if refusal:
+        return refusal
     try:
         model_spec(cfg.model).check_parallel(
             cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel

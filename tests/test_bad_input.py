@@ -91,6 +91,25 @@ BAD_INPUTS = [
         None,
     ),
     (["precision=bf16"], "needs bfloat16, which this GPU does not support", 4),
+    # Expert parallel (parallel.ep): a dense model, the ranks it borrows, the experts, float8.
+    (["parallel=fsdp", "parallel.ep=2"], "parallel.ep=2 needs a model with experts", None),
+    (["parallel.ep=0"], "parallel.ep=0 is invalid; use a positive degree", None),
+    (
+        ["model=moe_tiny", "parallel=fsdp_tp", "parallel.ep=3"],
+        "parallel.ep=3 does not divide parallel.dp_shard x parallel.cp x parallel.tp = 2 x 1 x 2",
+        None,
+    ),
+    (
+        ["model=moe_tiny", "parallel=fsdp", "parallel.ep=4", "model.n_experts=6"],
+        "parallel.ep=4 does not divide model.n_experts=6",
+        None,
+    ),
+    (["model=moe_tiny", "precision=float8"], "float8 grouped matmul runs on GPUs only", None),
+    (
+        ["model=moe_tiny", "parallel=fsdp", "parallel.ep=2", "parallel.compile=true"],
+        "compiles the experts' grouped matmul for bfloat16 only",
+        None,
+    ),
     (["precision.float8=fp8"], "precision.float8='fp8'", None),
     (
         ["precision=float8_rowwise", "precision.float8_all_gather=true"],

@@ -8,6 +8,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from conftest import read_job, run_cli
 from distributed import run_workers
 
 from hsdp_runner.config.schema import ParallelConfig
@@ -201,3 +202,15 @@ def test_token_exchange_carries_bf16(four_ranks):
     for result in four_ranks.values():
         got = result["exchange_ep2_bf16"]
         assert got["dispatch"] == 0.0 and got["combine"] == 0.0 and got["grad"] <= 1e-2
+
+
+@pytest.mark.multiprocess
+def test_moe_trains_with_expert_parallel_from_the_command_line(job_dir):
+    result = run_cli(job_dir, "model=moe_tiny", "parallel=fsdp", "parallel.ep=2", "trainer.steps=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records, summary = read_job(job_dir)
+    assert (summary["layout"], summary["ep"], summary["world_size"]) == ("fsdp_ep", 2, 4)
+    assert len(records) == 3
+    figures = {"moe/aux_loss", "moe/load_max_over_mean", "moe/load_max_over_mean/layer_2"}
+    assert figures <= set(records[-1]), sorted(records[-1])
+    assert all(1.0 <= r["moe/load_max_over_mean"] <= 8 / 2 for r in records)

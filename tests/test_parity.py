@@ -39,6 +39,7 @@ WORLD = {
     "hsdp_tp": 8,
     "cp": 2,
     "cp:parallel.tp=2": 4,
+    "fsdp:parallel.dp_shard=2:parallel.ep=2": 2,
 }
 METRIC_KEYS = {
     "step",
@@ -63,7 +64,13 @@ def rel_diffs(a, b, key="loss"):
 
 
 # One family each (the second one, GPT-2, came in through the model seam alone): its layouts.
-MODELS = {"llama3_tiny": tuple(WORLD), "gpt2_tiny": ("single", "ddp", "hsdp_tp", "cp")}
+MODELS = {
+    "llama3_tiny": tuple(layout for layout in WORLD if "ep=" not in layout),
+    "gpt2_tiny": ("single", "ddp", "hsdp_tp", "cp"),
+    # The mixture of experts through the job path with expert parallel; its other layouts train
+    # in one set of four in-process workers (``ep_runs``) against this single process.
+    "moe_tiny": ("single", "fsdp:parallel.dp_shard=2:parallel.ep=2"),
+}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -360,6 +367,99 @@ def test_fsdp_tensor_peak_falls_with_micro_batches_when_every_one_reduces(four_r
     held = peak["fsdp_accum4_last"] - peak["fsdp_accum4_every"]
     # Less one late-freed block, which the least of three runs may still hold.
     assert held >= 0.75 * (unsharded - unsharded / 4) - block, peak
+
+
+# Expert parallel on the mixture of experts (``parallel.ep``), each case against the parity
+# run's single process of moe_tiny (the same overrides: its steps, learning rate and batch): ep
+# over all of dp_shard and over part of it, borrowing tp, with HSDP (dp_replicate), borrowing
+# cp, under a pipeline, with activation checkpointing, with gradient accumulation and compiled;
+# on four in-process workers. moe_tiny's auxiliary loss and balancing bias are on.
+EP_BASE = ["model=moe_tiny", "logger=none", *METERS_OFF, f"trainer.steps={STEPS}", *LR]
+EP_CASES = {
+    "fsdp:parallel.ep=4": ["parallel=fsdp", "parallel.ep=4"],
+    "fsdp:parallel.ep=2": ["parallel=fsdp", "parallel.ep=2"],
+    "fsdp_tp:parallel.ep=2": ["parallel=fsdp_tp", "parallel.ep=2"],
+    "hsdp:parallel.ep=2": ["parallel=hsdp", "parallel.ep=2"],
+    "cp:parallel.dp_shard=2:parallel.ep=2": ["parallel=cp", "parallel.dp_shard=2", "parallel.ep=2"],
+    "pp_fsdp:parallel.ep=2": ["parallel=pp_fsdp", "parallel.ep=2"],
+    "ac=full": ["parallel=fsdp", "parallel.ep=2", "parallel.ac=full"],
+    "ac=selective": ["parallel=fsdp", "parallel.ep=2", "parallel.ac=selective"],
+    "grad_accum_steps=2": ["parallel=fsdp", "parallel.ep=2", "trainer.grad_accum_steps=2"],
+    # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
+    # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only
+    # (expert_parallel.compile_refusal).
+    "compile": [
+        "parallel=fsdp",
+        "parallel.ep=2",
+        "parallel.compile=true",
+        "parallel.compile_backend=aot_eager",
+        "model.grouped_mm=false",
+    ],
+}
+
+
+def _ep_cases(configs: dict) -> dict:
+    """Train each ``{name: typed config}`` case on these ranks; return {name: (step records,
+    ParallelDims.describe(), {MoE block index: its expert_bias after training})}."""
+    from rank_job import rank_trainer
+
+    from hsdp_runner.distributed.expert_parallel import moe_modules
+
+    out = {}
+    for name, cfg in configs.items():
+        trainer, dims = rank_trainer(cfg)
+        records = trainer.fit(0)
+        bias = {
+            layer: moe.router.expert_bias.clone()
+            for part in trainer.parts
+            for layer, moe in moe_modules(part).items()
+        }
+        out[name] = (records, dims.describe(), bias)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_runs() -> dict:
+    """{rank: ``_ep_cases``'s results} of ``EP_CASES`` on four workers."""
+    from hsdp_runner.config.compose import to_run_config
+
+    configs = {
+        name: to_run_config(compose([*EP_BASE, *overrides])) for name, overrides in EP_CASES.items()
+    }
+    return run_workers(_ep_cases, 4, configs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("parity", ["moe_tiny"], indirect=True)
+@pytest.mark.parametrize("case", list(EP_CASES))
+def test_expert_parallel_matches_single_process_within_1e5(parity, ep_runs, case):
+    """Losses, grad norms and the step's MoE figures (the experts' load, the auxiliary
+    loss) as one process computes them."""
+    out, _, _ = parity
+    base, _ = read_job(out / "single")
+    records, facts, _ = ep_runs[0][case]
+    assert facts["ep"] > 1 and facts["layout"].endswith("_ep"), facts
+    assert len(records) == STEPS
+    assert max(rel_diffs(records, base)) <= 1e-5, case
+    assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, case
+    assert max(rel_diffs(records, base, "moe/aux_loss")) <= 1e-5, case
+    for key in ("moe/load_max_over_mean", "moe/load_max_over_mean/layer_2"):
+        assert [r[key] for r in records] == [r[key] for r in base], (case, key)
+
+
+@pytest.mark.multiprocess
+def test_the_balance_step_moves_every_ranks_bias_alike(ep_runs):
+    """Every rank holding a MoE block ends with the same balancing bias, updated (moe_tiny's
+    bias_update_speed is on)."""
+    for case in EP_CASES:
+        held: dict[int, list[torch.Tensor]] = {}
+        for result in ep_runs.values():
+            for layer, bias in result[case][2].items():
+                held.setdefault(layer, []).append(bias)
+        assert sorted(held) == [1, 2], case  # moe_tiny: block 0 dense, blocks 1 and 2 MoE
+        for layer, biases in held.items():
+            assert biases[0].abs().max() > 0, (case, layer)
+            assert all(torch.equal(bias, biases[0]) for bias in biases), (case, layer)
 
 
 @pytest.mark.parametrize(

@@ -37,8 +37,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
+from hsdp_runner.core.choices import Dtype
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
-from hsdp_runner.models.base import moe_layers
+from hsdp_runner.models.base import ModelConfig, moe_layers, routed_experts
 
 
 class TokenExchange:
@@ -182,3 +184,32 @@ def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
     pipeline schedule (which divides the gradients itself). See the module docstring."""
     for moe in moe_modules(model).values():
         moe.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def reset_statistics(model: nn.Module) -> None:
+    """Zero the balance statistics of every MoE block of ``model`` (a stage): the routers'
+    ``tokens_per_expert`` and the blocks' ``aux_loss_sum``. For a forward that must not count
+    (torch's pipeline shape inference); the balance step resets them after each step."""
+    for moe in moe_modules(model).values():
+        moe.router.tokens_per_expert.zero_()
+        moe.aux_loss_sum.zero_()
+
+
+def compile_refusal(
+    parallel: ParallelConfig, precision: PrecisionConfig, model_cfg: ModelConfig
+) -> str | None:
+    """Why a model with experts cannot run compiled with these settings (a message naming the
+    keys and the fix), or None: torch 2.13 compiles ``torch._grouped_mm`` (``model.grouped_mm``)
+    for bfloat16 inputs only (its meta function copies the CUDA kernel's check, so the first
+    step fails while tracing, on any device; expert parallel itself compiles)."""
+    if not parallel.compile or not routed_experts(model_cfg):
+        return None
+    if getattr(model_cfg, "grouped_mm", False) and Dtype(precision.param_dtype) != Dtype.bfloat16:
+        return (
+            f"parallel.compile=true with model.grouped_mm=true and precision.param_dtype="
+            f"{Dtype(precision.param_dtype)}: torch 2.13 compiles the experts' grouped matmul "
+            "for bfloat16 only; use precision=bf16, model.grouped_mm=false (the per-expert "
+            "loop) or parallel.compile=false"
+        )
+    return None

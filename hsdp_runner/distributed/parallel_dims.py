@@ -194,20 +194,9 @@ class ParallelDims:
                 "expert parallel borrows its ranks from those of one replica holding distinct "
                 f"tokens; use a parallel.ep dividing {self.dp_shard_cp_tp}, or raise those degrees"
             )
-        if model is None:
-            return
-        experts = routed_experts(model)
-        if self.ep > 1 and not experts:
-            raise ConfigError(
-                f"parallel.ep={self.ep} needs a model with experts, but model={model.name} is "
-                "dense (no model.n_experts); set parallel.ep=1, or choose a mixture-of-experts "
-                "model (e.g. model=moe_tiny)"
-            )
-        if experts % self.ep:
-            raise ConfigError(
-                f"parallel.ep={self.ep} does not divide model.n_experts={experts}: each ep rank "
-                f"holds n_experts / ep of them; use a parallel.ep dividing {experts}"
-            )
+        refusal = expert_refusal(self.ep, model)
+        if refusal:
+            raise ConfigError(refusal)
 
     def stage_blocks(self, n_layers: int) -> list[range]:
         """The block indices of each pipeline stage of a model of ``n_layers`` blocks
@@ -450,6 +439,27 @@ def _get(node, key: str, default):
 
 # Every flattened view's dims, the dense ones and the expert ones.
 _VIEW_DIMS = VIEWS | EXPERT_VIEWS
+
+
+def expert_refusal(ep: int, model: Optional[ModelConfig]) -> Optional[str]:
+    """Why the model ``model`` (None: not checked) cannot run expert parallel over ``ep`` ranks
+    (a message naming the keys and the fix), or None: a dense model with ep > 1, or ep not
+    dividing its experts."""
+    if model is None:
+        return None
+    experts = routed_experts(model)
+    if ep > 1 and not experts:
+        return (
+            f"parallel.ep={ep} needs a model with experts, but model={model.name} is dense (no "
+            "model.n_experts); set parallel.ep=1, or choose a mixture-of-experts model (e.g. "
+            "model=moe_tiny)"
+        )
+    if experts % ep:
+        return (
+            f"parallel.ep={ep} does not divide model.n_experts={experts}: each ep rank holds "
+            f"n_experts / ep of them; use a parallel.ep dividing {experts}"
+        )
+    return None
 
 
 def _check_ep_value(ep: int) -> None:

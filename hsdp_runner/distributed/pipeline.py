@@ -31,7 +31,7 @@ from torch import nn
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce
 from hsdp_runner.distributed import float8
-from hsdp_runner.distributed.expert_parallel import set_aux_grad_scale
+from hsdp_runner.distributed.expert_parallel import reset_statistics, set_aux_grad_scale
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.parallelize import build_model, set_gradient_sync
 from hsdp_runner.models.base import ModelConfig
@@ -131,7 +131,9 @@ class PipelineSchedule(Schedule):
     ``parts`` (stage indices ``stage_ids``), on ``device``, sending over the world mesh's
     ``pp`` dim. A pipeline's first step also runs torch's runtime shape inference (a forward
     that all-gathers FSDP's units once more, and metadata sends), so the second step is the
-    one every later step repeats."""
+    one every later step repeats. That forward (a first stage's on the first micro-batch, a
+    later stage's on uninitialised inputs) must not count in a mixture of experts' balance
+    statistics: they are reset when the real forwards begin (``_forget_shape_inference``)."""
 
     repeated_from = 2
 
@@ -171,10 +173,34 @@ class PipelineSchedule(Schedule):
         self.poisoned = poison
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
+        hooks = self._forget_shape_inference() if self._infers_shapes else []
         self.schedule.step(
             *args, target=targets if self.is_last else None, losses=losses, return_outputs=False
         )
+        for hook in hooks:
+            hook.remove()
+        self._infers_shapes = False
         return self._mean(losses)
+
+    # torch infers the stages' shapes at the first training step and again at the first one
+    # after an evaluation (its eval/train switch).
+    _infers_shapes = True
+
+    def _forget_shape_inference(self) -> list:
+        """Forward pre-hooks on the parts that, at each part's second forward of the step (its
+        first real micro-batch: the first was torch's shape inference), reset the part's
+        mixture-of-experts statistics (``expert_parallel.reset_statistics``). Returns them."""
+        hooks = []
+        for part in self.parts:
+            calls = [0]
+
+            def forget(module, args, part=part, calls=calls):
+                calls[0] += 1
+                if calls[0] == 2:
+                    reset_statistics(part)
+
+            hooks.append(part.register_forward_pre_hook(forget))
+        return hooks
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -182,6 +208,7 @@ class PipelineSchedule(Schedule):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         self.schedule.eval(*args, target=targets if self.is_last else None, losses=losses)
+        self._infers_shapes = True
         return self._mean(losses)
 
     def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:

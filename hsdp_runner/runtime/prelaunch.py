@@ -24,7 +24,7 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import DataKind, LauncherName
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG
-from hsdp_runner.distributed import float8
+from hsdp_runner.distributed import expert_parallel, float8
 from hsdp_runner.distributed.hardware import (
     check_torch_apis,
     check_visible_gpus,
@@ -90,6 +90,9 @@ def validate(
     if refusal:
         raise ConfigError(refusal)
     model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
+    refusal = expert_parallel.compile_refusal(cfg.parallel, cfg.precision, cfg.model)
+    if refusal:
+        raise ConfigError(refusal)
     validate_batch(cfg.trainer, dims.dp)
     if (
         gpus
