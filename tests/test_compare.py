@@ -142,7 +142,15 @@ def test_a_moe_sweep_shows_ep_in_the_degrees_and_the_experts_balance(tmp_path_fa
         ]
         job = next(moe.glob(f"{num}_*"))
         (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    head, _, fast, slow = compare.table(compare.load_jobs(moe)).splitlines()
+    # A skipped job records the mesh degrees it asked for; its ep is in its resolved config.
+    reason = "parallel.ep=3 does not divide dp_shard x cp x tp = 4"
+    asked = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
+    skipped = {"status": "skipped", "reason": reason, "requested_degrees": asked}
+    fake_job(moe, 2, ["model=moe_debug", "parallel.ep=3"], skipped)
+    config = next(moe.glob("2_*")) / "config_resolved.yaml"
+    config.write_text(yaml.safe_dump({"parallel": {**asked, "ep": 3}}))
+    head, _, fast, slow, misfit = compare.table(compare.load_jobs(moe)).splitlines()
+    assert misfit.startswith("| #2 ep=3 | — | 1×4×1×1 ep3 | — |")
     assert "| expert load max/mean (aux loss), last step | status |" in head
     assert fast.startswith("| **#1 ep=2 (best)** | fsdp_ep | 1×4×1×1 ep2 | 8 |")
     assert fast.endswith("| 2.50 (aux 0.0123) | ok |")

@@ -143,9 +143,10 @@ def degrees(job: Job) -> tuple[str, str, str]:
     if s.mesh_shape is not None:
         shape = _shape_text(full_shape(s.mesh_shape)) + _ep_text(s.ep)
         return s.layout, shape, str(s.world_size)
-    asked = s.requested_degrees or job.config.get("parallel") or {}
+    parallel = job.config.get("parallel") or {}
+    asked = s.requested_degrees or parallel
     shape = [asked.get(k, 1 if k in LATER_DIMS else "?") for k in DIM_NAMES]
-    return "—", _shape_text(shape) + _ep_text(asked.get("ep")), "—"
+    return "—", _shape_text(shape) + _ep_text(asked.get("ep", parallel.get("ep"))), "—"
 
 
 def _ep_text(ep) -> str:
