@@ -1,11 +1,11 @@
-"""Checkpoints: exact resume, crash safety of a save, resharding across layouts, for Llama and
-for GPT-2 (the family added through the model seam). Each job runs through the runner's job
+"""Checkpoints: exact resume, crash safety of a save, resharding across layouts, for Llama, for
+GPT-2 (the family added through the model seam) and for the MoE family across ep degrees. Each job runs through the runner's job
 path (validation, ``run_job``, ``run_worker``), its ranks forked without torch's elastic
 launch (conftest's ``run_forked``); a SIGKILLed rank ends the job as under the launcher."""
 
 import pytest
 import torch
-from conftest import TINY, read_job, run_forked
+from conftest import METERS_OFF, TINY, read_job, run_forked
 from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
@@ -227,3 +227,60 @@ def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
         assert summary["loaded_from"] == str(tmp_path / "hf") and len(records) == 2
         first_losses[layout] = [r["loss"] for r in records]
     assert first_losses["pp"] == pytest.approx(first_losses["single"], rel=1e-5)
+
+
+def test_moe_checkpoint_resumes_exactly_under_ep_and_reshards_across_ep_degrees(tmp_path):
+    """moe_tiny saved under ep 4 (fsdp, dp_shard 4: each rank holds 2 of the 8 experts) resumes
+    under ep 4 with the uninterrupted run's losses, bit for bit; then each job's checkpoint
+    continues under the next layout with the reference's losses (fp32, 1e-5 rel): ep 2 x tp 2
+    (the experts sharded over the tp ranks, FSDP over dp_shard), ep 1 (fsdp 2), one process.
+
+    A fast loss-free bias (``bias_update_speed``) makes the routing depend on the restored
+    ``expert_bias`` buffer: each hop starts after an odd number of updates of +-speed, where
+    it is not zero. Every checkpoint holds it, equal to the reference's at its step, and not
+    the step's counts (``tokens_per_expert``).
+    """
+    job = ["model=moe_tiny", "model.bias_update_speed=0.05", "trainer.global_batch_size=8"]
+    job += ["trainer.steps=8", "logger=none", *METERS_OFF, *SAVE]
+    ref = run_forked(
+        tmp_path / "ep4", *job, "parallel=fsdp", "parallel.ep=4", "checkpoint.interval=1"
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference, _ = read_job(tmp_path / "ep4")
+    source = tmp_path / "ep4" / "checkpoints" / "step-1"
+    chain = (
+        ("ep4_resumed", ["parallel=fsdp", "parallel.ep=4"], 2),
+        ("ep2_tp2", ["parallel=fsdp_tp", "parallel.ep=2"], 4),
+        ("ep1_fsdp2", ["parallel=fsdp", "parallel.dp_shard=2"], 6),
+        ("single", ["parallel=single"], 8),
+    )
+    for name, layout, first in chain:
+        biases = _expert_biases(source)
+        assert len(biases) == 2 and all(b.count_nonzero() for b in biases.values()), source
+        result = run_forked(
+            tmp_path / name,
+            *job,
+            *layout,
+            f"checkpoint.interval={first + 1}",
+            f"checkpoint.load_path={source}",
+        )
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        records, summary = read_job(tmp_path / name)
+        assert summary["loaded_from"] == str(source) and records[0]["step"] == first
+        if name == "ep4_resumed":  # the same layout: every later step exactly as uninterrupted
+            assert [r["loss"] for r in records] == [r["loss"] for r in reference[1:]]
+        for r in records:  # the later steps check the optimizer state too
+            assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), name
+        source = tmp_path / name / "checkpoints" / f"step-{first + 1}"
+        if name != "single":
+            reference_biases = _expert_biases(tmp_path / "ep4" / "checkpoints" / source.name)
+            for key, bias in _expert_biases(source).items():
+                assert torch.equal(bias, reference_biases[key]), (name, key)
+
+
+def _expert_biases(checkpoint) -> dict:
+    """The ``expert_bias`` buffers a checkpoint holds, by name; checks that it holds no
+    ``tokens_per_expert`` (not persistent: counts of one step)."""
+    weights, _ = load_full_weights(checkpoint)
+    assert not any(k.endswith("tokens_per_expert") for k in weights), checkpoint
+    return {k: v for k, v in weights.items() if k.endswith("expert_bias")}

@@ -128,6 +128,37 @@ def test_compare_cli_writes_table_and_plots_into_the_sweep_dir(sweep, capsys):
     assert (sweep / "loss.png").stat().st_size > 10_000
 
 
+def test_a_moe_sweep_shows_ep_in_the_degrees_and_the_experts_balance(tmp_path_factory, sweep):
+    """An ep sweep's table names each job's ep next to its mesh and the balance figures its
+    last step logged; a sweep of dense models has no balance column."""
+    moe = tmp_path_factory.mktemp("moe_sweep")
+    for num, ep in ((0, 1), (1, 2)):
+        layout = "fsdp_ep" if ep > 1 else "fsdp"
+        summary = {**ran(1000.0 * (1 + ep), [1, 4, 1]), "layout": layout, "ep": ep}
+        fake_job(moe, num, ["model=moe_debug", f"parallel.ep={ep}"], summary)
+        records = [
+            {"step": step, "loss": 5.0, "moe/load_max_over_mean": load, "moe/aux_loss": 0.0123}
+            for step, load in ((1, 3.5), (2, 1.25 * ep))
+        ]
+        job = next(moe.glob(f"{num}_*"))
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # A skipped job records the mesh degrees it asked for; its ep is in its resolved config.
+    reason = "parallel.ep=3 does not divide dp_shard x cp x tp = 4"
+    asked = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1}
+    skipped = {"status": "skipped", "reason": reason, "requested_degrees": asked}
+    fake_job(moe, 2, ["model=moe_debug", "parallel.ep=3"], skipped)
+    config = next(moe.glob("2_*")) / "config_resolved.yaml"
+    config.write_text(yaml.safe_dump({"parallel": {**asked, "ep": 3}}))
+    head, _, fast, slow, misfit = compare.table(compare.load_jobs(moe)).splitlines()
+    assert misfit.startswith("| #2 ep=3 | — | 1×4×1×1 ep3 | — |")
+    assert "| expert load max/mean (aux loss), last step | status |" in head
+    assert fast.startswith("| **#1 ep=2 (best)** | fsdp_ep | 1×4×1×1 ep2 | 8 |")
+    assert fast.endswith("| 2.50 (aux 0.0123) | ok |")
+    assert slow.startswith("| #0 ep=1 | fsdp | 1×4×1×1 | 8 |")
+    assert slow.endswith("| 1.25 (aux 0.0123) | ok |")
+    assert "expert load" not in compare.table(compare.load_jobs(sweep)).splitlines()[0]
+
+
 def test_compare_of_a_dir_without_jobs_exits_2(tmp_path, capsys):
     assert compare.main([str(tmp_path)]) == 2
     assert "holds no job dirs" in capsys.readouterr().err
@@ -156,8 +187,8 @@ def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
     assert runset.filters == "Group = '2025-01-01_12-00-00_degrees_8'"
     kinds = [type(p).__name__ for p in grid.panels]
     assert kinds == ["BarPlot", "BarPlot", "ParallelCoordinatesPlot", "LinePlot"]
-    degrees = [c.metric.name for c in grid.panels[2].columns][:5]
-    assert degrees == [f"derived.{d}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
+    degrees = [c.metric.name for c in grid.panels[2].columns][:6]
+    assert degrees == [f"derived.{d}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")]
 
 
 @pytest.mark.parametrize(

@@ -245,6 +245,25 @@ def test_a_context_parallel_job_shows_its_cp_degree_in_the_table_and_the_chart(t
     assert "rep×shard×cp×tp" in page and "fsdp_cp" in page and "1×4×2×1" in page
 
 
+def test_a_moe_job_adds_its_balance_to_the_curves_and_the_table(tmp_path):
+    """A job with experts: the curves get a third panel, the busiest expert's load over the
+    mean per step, and the HTML table the balance column (sorted by the load)."""
+    job = fake_job(tmp_path, 0, ["parallel.ep=2"], {**ran(900.0, 4, 1), "ep": 2}, steps=2)
+    records = [
+        {"step": s, "loss": 5.0, "step_time_s": 0.5, "moe/load_max_over_mean": 1.5 / s}
+        for s in (1, 2)
+    ]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    jobs = runs.load_jobs(tmp_path)
+    fig, _ = dashboard_charts.curves(jobs)
+    assert [t.yaxis for t in fig.data] == ["y", "y2", "y3"]
+    assert list(fig.data[2].y) == [1.5, 0.75]
+    assert "experts: busiest load / mean" in fig.layout.annotations[2].text
+    table = dashboard.table_html(jobs)
+    assert "expert load max/mean" in table and '<td data-key="0.75">0.75</td>' in table
+    assert ">1×4×1×1 ep2</td>" in table
+
+
 def test_curves_overlay_loss_and_step_time_of_every_job_named_on_hover(sweep):
     fig, _ = dashboard_charts.curves(runs.load_jobs(sweep))
     names = [t.name for t in fig.data]

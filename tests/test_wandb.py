@@ -31,6 +31,7 @@ def test_offline_wandb_run_has_group_config_and_steps(job_dir):
     assert run["config"]["parallel"]["dp_replicate"] == 2
     assert run["config"]["derived"]["mesh_shape"] == [1, 2, 1, 1, 1]
     assert run["config"]["derived"]["world_size"] == 2
+    assert run["config"]["derived"]["ep"] == 1  # expert parallel: a degree, not a mesh dim
     assert run["config"]["derived"]["precision"] == "bf16"  # compare's label (recipe, +compile)
     assert [h["step"] for h in run["history"]] == list(range(1, 7))
     _, summary = read_job(job_dir)

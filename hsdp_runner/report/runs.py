@@ -133,16 +133,25 @@ def _status(job: Job) -> str:
 
 def degrees(job: Job) -> tuple[str, str, str]:
     """(layout, 'r x s x c x t', world size) from the run's mesh, or the asked-for degrees;
-    a pipeline's stages lead as 'pp2 r x s x c x t'.
+    a pipeline's stages lead as 'pp2 r x s x c x t', expert parallel follows as
+    'r x s x c x t ep2' (it borrows ranks of s x c x t: not a mesh dim of its own).
 
     A run from before the pipeline or context-parallel dims (a mesh without them, no
-    ``parallel.pp`` / ``parallel.cp``) had 1 there.
+    ``parallel.pp`` / ``parallel.cp``) had 1 there, and one from before ``parallel.ep`` ep 1.
     """
     s = job.summary
     if s.mesh_shape is not None:
-        return s.layout, _shape_text(full_shape(s.mesh_shape)), str(s.world_size)
-    asked = s.requested_degrees or job.config.get("parallel") or {}
-    return "—", _shape_text([asked.get(k, 1 if k in LATER_DIMS else "?") for k in DIM_NAMES]), "—"
+        shape = _shape_text(full_shape(s.mesh_shape)) + _ep_text(s.ep)
+        return s.layout, shape, str(s.world_size)
+    parallel = job.config.get("parallel") or {}
+    asked = s.requested_degrees or parallel
+    shape = [asked.get(k, 1 if k in LATER_DIMS else "?") for k in DIM_NAMES]
+    return "—", _shape_text(shape) + _ep_text(asked.get("ep", parallel.get("ep"))), "—"
+
+
+def _ep_text(ep) -> str:
+    """' ep<n>' for an expert-parallel degree other than 1 (None: a run without the key)."""
+    return "" if ep in (None, 1) else f" ep{ep}"
 
 
 def _shape_text(shape: list) -> str:
@@ -200,22 +209,58 @@ COLUMNS: tuple[Column, ...] = (
 )
 
 
+# The balance figures the runtime logs each step for a model with experts (expert_balance).
+LOAD_KEY, AUX_KEY = "moe/load_max_over_mean", "moe/aux_loss"
+
+
+def balance(job: Job) -> tuple[float, float | None] | None:
+    """(busiest expert's load over the mean, auxiliary loss) at the job's last step that
+    logged them (the largest over its MoE layers), or None for a model without experts."""
+    last = next((r for r in reversed(job.records) if LOAD_KEY in r), None)
+    return None if last is None else (last[LOAD_KEY], last.get(AUX_KEY))
+
+
+def _balance_text(job: Job) -> str:
+    figures = balance(job)
+    if figures is None:
+        return "—"
+    load, aux = figures
+    return f"{load:.2f}" + ("" if aux is None else f" (aux {aux:.3g})")
+
+
+# Shown only for a sweep with a model with experts (``columns``).
+BALANCE_COLUMN: Column = (
+    "expert load max/mean (aux loss), last step",
+    _balance_text,
+    lambda j: (balance(j) or (None,))[0],
+)
+
+
+def columns(jobs: list[Job]) -> tuple[Column, ...]:
+    """The table's columns for ``jobs``: ``COLUMNS``, and the experts' balance before the
+    status when a job logged it."""
+    if not any(balance(j) for j in jobs):
+        return COLUMNS
+    return (*COLUMNS[:-1], BALANCE_COLUMN, COLUMNS[-1])
+
+
 def best(jobs: list[Job]) -> Job | None:
     """The job marked best: the first of ``jobs`` (``load_jobs``' order) when it completed."""
     return jobs[0] if jobs and jobs[0].status is RunStatus.completed else None
 
 
-def cells(job: Job) -> list[tuple[str, float | str | None]]:
-    """One job's row: (text, sort value) per column of ``COLUMNS``."""
-    return [(text(job), key(job)) for _, text, key in COLUMNS]
+def cells(job: Job, cols: tuple[Column, ...] = COLUMNS) -> list[tuple[str, float | str | None]]:
+    """One job's row: (text, sort value) per column of ``cols`` (``columns(jobs)``)."""
+    return [(text(job), key(job)) for _, text, key in cols]
 
 
 def table(jobs: list[Job]) -> str:
     """Return the markdown table: one row per job, in ``jobs`` order, the best job in bold."""
-    head = "| " + " | ".join(name for name, _, _ in COLUMNS) + " |"
-    rows = [head, "|" + "---|" * len(COLUMNS)]
+    cols = columns(jobs)
+    head = "| " + " | ".join(name for name, _, _ in cols) + " |"
+    rows = [head, "|" + "---|" * len(cols)]
     for job in jobs:
-        texts = [text.replace("|", "\\|") for text, _ in cells(job)]
+        texts = [text.replace("|", "\\|") for text, _ in cells(job, cols)]
         if job is best(jobs):
             texts[0] = f"**{texts[0]} (best)**"
         rows.append("| " + " | ".join(texts) + " |")

@@ -50,7 +50,8 @@ def build_report(project: str, entity: str | None, group: str, title: str):
         **({"entity": entity} if entity else {}),
     )
     degrees = [
-        wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}")) for name in DIM_NAMES
+        wr.ParallelCoordinatesPlotColumn(metric=wr.Config(f"derived.{name}"))
+        for name in (*DIM_NAMES, "ep")  # ep borrows ranks: not a mesh dim, a degree all the same
     ]
     figures = [
         wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(name))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES
 from hsdp_runner.distributed.world_mesh import LATER_DIMS
 from hsdp_runner.report import prediction
-from hsdp_runner.report.runs import Job, degrees
+from hsdp_runner.report.runs import LOAD_KEY, Job, balance, degrees
 
 DEGREES = DIM_NAMES
 BEST, OTHER = "#e8710a", "#1f77b4"
@@ -181,18 +181,22 @@ def parallel_coordinates(jobs: list[Job]):
 
 
 def curves(jobs: list[Job]):
-    """Loss and step time against step of every job that logged a step, overlaid; jobs that
-    did not complete are dashed."""
+    """Loss and step time against step of every job that logged a step, overlaid, and the
+    experts' balance (busiest expert's load over the mean, the largest over the MoE layers)
+    when a job has experts; jobs that did not complete are dashed."""
     go, make_subplots = _go()
     logged = sorted((j for j in jobs if j.records), key=lambda j: j.num)
     if not logged:
         return None, "no job has logged a step yet"
+    panels = [("loss", ".4f", "training loss"), ("step_time_s", ".3f", "step time s (log scale)")]
+    if any(balance(j) for j in logged):
+        panels.append((LOAD_KEY, ".3f", "experts: busiest load / mean (1 = balanced)"))
     fig = make_subplots(
-        rows=2,
+        rows=len(panels),
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.08,
-        subplot_titles=("training loss", "step time s (log scale)"),
+        subplot_titles=[title for _, _, title in panels],
     )
     palette = (
         "#1f77b4",
@@ -212,7 +216,7 @@ def curves(jobs: list[Job]):
             color=palette[i % len(palette)], dash="solid" if job.status == "completed" else "dash"
         )
         steps = [r["step"] for r in job.records]
-        for row, key, fmt in ((1, "loss", ".4f"), (2, "step_time_s", ".3f")):
+        for row, (key, fmt, _) in enumerate(panels, start=1):
             fig.add_trace(
                 go.Scatter(
                     x=steps,
@@ -229,9 +233,11 @@ def curves(jobs: list[Job]):
                 col=1,
             )
     fig.update_yaxes(type="log", row=2, col=1)
-    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=len(panels), col=1)
     fig.update_layout(legend=dict(orientation="h", y=-0.15))
-    return _style(fig, 620), "hover a line for its job; click a legend entry to hide it"
+    return _style(
+        fig, 310 * len(panels)
+    ), "hover a line for its job; click a legend entry to hide it"
 
 
 def communication(jobs: list[Job]):

@@ -8,7 +8,7 @@ charts of ``dashboard_charts``. While a sweep runs (its ``sweep_state.json`` say
 by ``dashboard_callback``) the page reloads itself every few seconds, keeping its scroll
 position; the reload can be paused with a checkbox.
 
-Jobs are read by ``runs.load_jobs``; the table is built from the same ``runs.COLUMNS`` as
+Jobs are read by ``runs.load_jobs``; the table is built from the same ``runs.columns`` as
 ``compare.md`` (each cell's text, and the job's own figure to sort by), so both views always
 show the same columns. The page's HTML, CSS and JavaScript are package files in ``assets/``.
 """
@@ -111,16 +111,15 @@ def _why(summary: RunSummary) -> str:
 
 
 def table_html(jobs: list[runs.Job]) -> str:
-    """The job table (``runs.COLUMNS``, in ``jobs`` order) as HTML: each cell's sort key from
-    the job's own figures, a status class per row, the full reason or error of a job that did
-    not complete as the status cell's tooltip."""
-    head = "".join(
-        f'<th title="click to sort">{html.escape(name)}</th>' for name, _, _ in runs.COLUMNS
-    )
+    """The job table (``runs.columns(jobs)``, in ``jobs`` order) as HTML: each cell's sort key
+    from the job's own figures, a status class per row, the full reason or error of a job that
+    did not complete as the status cell's tooltip."""
+    cols = runs.columns(jobs)
+    head = "".join(f'<th title="click to sort">{html.escape(name)}</th>' for name, _, _ in cols)
     best = runs.best(jobs)
     rows = []
     for job in jobs:
-        cells = runs.cells(job)
+        cells = runs.cells(job, cols)
         if job is best:
             cells[0] = (f"{cells[0][0]} (best)", cells[0][1])
         tds = [
