@@ -94,7 +94,9 @@ def selective_policy():
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
     # _scaled_mm: the float8 matmul (precision.float8 on a GPU; emulated on CPU it is aten.mm).
+    # _grouped_mm: the MoE experts' matmuls (models/moe_routing.py), one call per weight.
     matmuls = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
+    matmuls.add(aten._grouped_mm.default)
     save = {getattr(aten, name).default for name in SDPA_FORWARD_OPS if hasattr(aten, name)}
     # Under float8 training the amax of each cast (torchao's torch.max of |x|): saved, so a
     # recomputed cast uses the scale of the forward one (torchtitan's policy does the same).

@@ -234,6 +234,15 @@ def _meta_model(fields: str) -> ParallelModule:
         return model_spec(json.loads(fields)).build()
 
 
+def moe_layers(model: nn.Module) -> list:
+    """The mixture-of-experts layers (``models/moe_routing.MoE``) of ``model`` (a whole model
+    or a pipeline stage, wrapped or not), in block order: what the runtime installs the token
+    exchange on and reads the balance statistics from. Empty for a family without experts
+    (one without a ``moe_layers()`` method)."""
+    find = getattr(model, "moe_layers", None)
+    return find() if find is not None else []
+
+
 def block_prefix(model: nn.Module) -> str:
     """The name under which ``model.blocks()`` sits in ``model``'s parameter names ('layers')."""
     container = model.blocks()

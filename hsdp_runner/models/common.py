@@ -1,8 +1,9 @@
 """What model families share: the seeded initial values, the parameter name without wrapper
-prefixes, causal attention (grouped-query heads repeated) and the TP style that keeps a module
-whole on the TP mesh.
+prefixes, the Llama-style building blocks (RMSNorm, rotary embeddings, the SwiGLU feed-forward),
+causal attention (grouped-query heads repeated) and the TP style that keeps a module whole on
+the TP mesh.
 
-A family module (``llama.py``, ``gpt2.py``) imports these instead of another family's module,
+A family module (``llama.py``, ``moe.py``, ``gpt2.py``) imports these instead of another family's module,
 so each family reads on its own. Helpers the runner uses outside the models (dtype names,
 freezing, copying a full value into a shard) are ``params``'.
 """
@@ -73,6 +74,50 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in fp32, times a learned weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (cos, sin) tables of shape (seq_len, head_dim // 2) for rotary embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: ``w2(silu(w1(x)) * w3(x))``, hidden width ``hidden_dim``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of (batch, heads, seq, head_dim) queries over keys and values with
     ``kv_heads`` dividing ``heads`` (grouped-query heads are repeated here)."""
@@ -87,13 +132,21 @@ class ReplicatedParams(ParallelStyle):
 
     Used for the norms when sequence parallel is off, so every parameter lives on the TP mesh
     (the optimizer's foreach kernels and grad clipping cannot mix DTensors with plain tensors).
-    torch has no built-in style for this.
+    torch has no built-in style for this. ``input_layout`` is how the module's local input
+    is laid out over the mesh: whole on every rank (``Replicate()``, the default) or, for a
+    norm over each attention head's channels, split over the heads (``Shard(2)`` of
+    (batch, seq, heads, head_dim)): the weight's gradient is then ``Partial`` over the mesh
+    (each rank's heads' part), summed like a sequence-parallel norm's.
     """
+
+    def __init__(self, input_layout=None):
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def to_dtensor(mod, inputs, mesh):
             return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                DTensor.from_local(x, mesh, [self.input_layout], run_check=False)
                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
                 else x
                 for x in inputs

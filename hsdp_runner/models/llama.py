@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import MISSING
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -28,11 +27,15 @@ from torch.distributed.tensor.parallel import (
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig
 from hsdp_runner.models.common import (
+    FeedForward,
     ReplicatedParams,
+    RMSNorm,
     TPStyles,
+    apply_rope,
     causal_attention,
     initial_value,
     output_layer_style,
+    rope_tables,
 )
 from hsdp_runner.models.llama_hf import LlamaHF
 from hsdp_runner.models.params import copy_full_into
@@ -111,35 +114,6 @@ class LlamaConfig(ModelConfig, LlamaHF):
         return self
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (cos, sin) tables of shape (seq_len, head_dim // 2) for rotary embeddings."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return rotated.type_as(x)
-
-
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
@@ -160,17 +134,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -1,0 +1,247 @@
+"""The mixture-of-experts layer of ``moe.py``: router, experts, token exchange and the
+load-balance statistics, read top to bottom in the order a token meets them.
+
+- ``Router``: scores every expert (fp32 softmax or sigmoid of a linear gate), picks each
+  token's top-k experts by score + ``expert_bias`` (DeepSeek-V3's loss-free balancing bias: it
+  changes the choice, never the weights) and weighs them by their scores (renormalised to sum
+  1 if asked, times ``route_scale``). Dropless: every token reaches all k of its experts.
+- ``TokenExchange`` / ``LocalExchange``: the seam expert parallel enters through (as
+  ``attend`` is context parallel's): the layer hands its token copies, sorted by expert, to
+  ``exchange.dispatch`` and takes the experts' outputs back from ``exchange.combine``. The
+  default keeps every expert on this process; the runtime installs one that all-to-alls.
+- ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
+  sorted by expert either in three ``torch._grouped_mm`` calls or, as the reference, in a
+  loop over experts (``model.grouped_mm``).
+- ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
+  reads and sets: ``Router.tokens_per_expert`` (counts of the step's forwards),
+  ``MoE.aux_loss_sum`` (the sequence-wise auxiliary loss' value), ``MoE.sequence_sum`` (sums
+  per-sequence counts over the ranks a sequence is split over) and ``MoE.aux_grad_scale``.
+  Neither statistic is counted again when activation checkpointing recomputes the forward.
+- ``AuxLossScaler``: how the auxiliary loss' gradient enters without changing any loss value
+  (Megatron's ``MoEAuxLossAutoScaler``): identity on the layer's output in forward, and in
+  backward a gradient of ``aux_grad_scale`` into the auxiliary loss, whose graph carries it to
+  the router's scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hsdp_runner.models.common import FeedForward
+
+
+def recomputing() -> bool:
+    """True inside a backward pass: activation checkpointing is recomputing a forward, whose
+    statistics the first forward already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """Top-k routing of ``dim``-wide tokens over ``n_experts`` experts (module docstring)."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        score_func: str,
+        norm_topk_prob: bool,
+        route_scale: float,
+    ):
+        super().__init__()
+        self.top_k, self.score_func = top_k, score_func
+        self.norm_topk_prob, self.route_scale = norm_topk_prob, route_scale
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        # Updated by the runtime between steps (model.bias_update_speed); saved in checkpoints.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        # Copies routed to each expert over the step's training forwards; the runtime reads,
+        # all-reduces and zeroes it.
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route tokens ``x`` (N, dim). Returns (weights (N, k) fp32, chosen experts (N, k)
+        int64, scores (N, n_experts) fp32 normalised to sum 1 per token: the auxiliary loss'
+        probabilities)."""
+        logits = self.gate(x).float()
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * self.route_scale
+        if self.training and not recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(
+                    chosen.flatten(), minlength=self.tokens_per_expert.numel()
+                )
+        if self.score_func != "softmax":
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return weights, chosen, scores
+
+
+class TokenExchange(Protocol):
+    """Moves routed token copies to the ranks holding their experts and the outputs back."""
+
+    def dispatch(
+        self, tokens: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """tokens: (N, dim) this rank's routed token copies sorted by global expert id
+        (stable); counts: (n_experts,) int64 copies per global expert. Returns
+        (local_tokens (M, dim) sorted by LOCAL expert, local_counts (n_local_experts,) int64,
+        state) where the rank holds experts [r*E/ep, (r+1)*E/ep) of ep rank r."""
+
+    def combine(self, outputs: torch.Tensor, state: Any) -> torch.Tensor:
+        """outputs: (M, dim) the local experts' outputs in dispatch's order. Returns (N, dim)
+        in the order of dispatch's input tokens."""
+
+
+class LocalExchange:
+    """Every expert on this process: dispatch and combine hand the tokens through."""
+
+    def dispatch(self, tokens, counts):
+        """Returns (tokens, counts, None) unchanged."""
+        return tokens, counts, None
+
+    def combine(self, outputs, state):
+        """Returns ``outputs`` unchanged."""
+        return outputs
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked expert weight (``.to_local()`` of a DTensor sharded
+    over ``ep`` on dim 0; the tensor itself otherwise)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts of hidden width ``hidden_dim``, weights stacked per expert
+    in Linear layout (out, in): w1, w3 (E, hidden, dim), w2 (E, dim, hidden)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, grouped_mm: bool):
+        super().__init__()
+        self.grouped_mm = grouped_mm
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run tokens ``x`` (M, dim), sorted by local expert with ``counts`` (n_local,) int64
+        per expert, through the experts this rank holds (as many as the local w1's dim 0).
+        Returns (M, dim). The gradient reaching the output must be contiguous (torch 2.13's
+        grouped matmul backward fails on an expanded one); the MoE layer's is."""
+        w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
+        if self.grouped_mm:
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
+        outputs = []
+        for expert, part in enumerate(torch.split(x, counts.tolist())):
+            hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)
+            outputs.append(hidden @ w2[expert].T)
+        return torch.cat(outputs)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on ``output``; backward also sends ``scale`` as the gradient of ``aux_loss``
+    (a 0-dim function of the router's scores), so the auxiliary loss trains the router
+    without being added to any loss value."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+def sum_over_nothing(counts: torch.Tensor) -> torch.Tensor:
+    """``MoE.sequence_sum`` of one process (each sequence whole on it): ``counts`` itself."""
+    return counts
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts on the tokens of (batch, seq, dim) input.
+
+    Plain attributes the runtime sets: ``exchange`` (``TokenExchange``, default
+    ``LocalExchange()``), ``sequence_sum`` (sums (batch, n_experts) per-sequence counts over
+    the ranks holding parts of each sequence; default: identity) and ``aux_grad_scale`` (the
+    auxiliary loss gradient's factor; default 1.0). ``aux_loss_sum`` (0-dim fp32 buffer)
+    accumulates the auxiliary loss' value times that scale over the step's training forwards.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        expert_ffn_dim: int,
+        n_shared_experts: int,
+        router: Router,
+        grouped_mm: bool,
+        aux_loss_coef: float,
+        seq_len: int,
+    ):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.aux_loss_coef, self.seq_len = aux_loss_coef, seq_len
+        self.router = router
+        self.experts = GroupedExperts(dim, expert_ffn_dim, n_experts, grouped_mm)
+        self.shared_experts: Optional[FeedForward] = (
+            FeedForward(dim, n_shared_experts * expert_ffn_dim) if n_shared_experts else None
+        )
+        self.exchange: TokenExchange = LocalExchange()
+        self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] = sum_over_nothing
+        self.aux_grad_scale = 1.0
+        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, chosen, scores = self.router(tokens)
+        # Each token's k copies, sorted (stably) by expert: the order the experts read.
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        local, local_counts, state = self.exchange.dispatch(tokens[order // self.top_k], counts)
+        routed = self.exchange.combine(self.experts(local, local_counts), state)
+        # Weighted after the experts and summed per token in fp32.
+        routed = routed.float() * weights.flatten()[order, None]
+        out = torch.zeros(tokens.shape, device=x.device).index_add(0, order // self.top_k, routed)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        out = out.view(bsz, seq, dim)
+        if self.training and self.aux_loss_coef > 0:
+            aux = self.aux_loss(chosen.view(bsz, -1), scores.view(bsz, seq, -1))
+            if not recomputing():
+                self.aux_loss_sum += aux.detach() * self.aux_grad_scale
+            out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    def aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss of this rank's tokens: ``chosen`` (batch,
+        local seq * k) experts, ``scores`` (batch, local seq, E) normalised per token.
+        coef * mean over sequences of sum_i f_i P_i with f_i = E / (k T) * copies to expert i
+        in the whole sequence (``sequence_sum``), P_i = (1/T) * this rank's scores of expert i
+        (partial: the ranks' pieces add up), T = the model's seq_len."""
+        with torch.no_grad():
+            counts = torch.zeros(chosen.shape[0], self.n_experts, device=chosen.device)
+            counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+            f = self.sequence_sum(counts) * (self.n_experts / (self.top_k * self.seq_len))
+        p = scores.sum(dim=1) / self.seq_len
+        return self.aux_loss_coef * (f * p).sum(dim=-1).mean()
