@@ -90,6 +90,19 @@ def test_export_loads_in_transformers_qwen3_moe_with_the_same_logits(tmp_path):
         torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
+def _batches(cfg) -> TokenBatches:
+    """The batches a single-rank job of ``cfg`` trains and evaluates on."""
+    return TokenBatches(
+        cfg.data,
+        cfg.model.vocab_size,
+        cfg.model.seq_len,
+        cfg.trainer.global_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=cfg.trainer.seed,
+    )
+
+
 @pytest.fixture(scope="module")
 def trained_moe(tmp_path_factory):
     """A finished single-rank job of the Qwen3-expressible moe_tiny: 2 steps, the eval loss of
@@ -110,16 +123,7 @@ def trained_moe(tmp_path_factory):
 
 def test_transformers_computes_the_runners_eval_loss_from_the_export(trained_moe):
     _, summary = read_job(trained_moe)
-    cfg = compose(JOB)
-    batches = TokenBatches(
-        cfg.data,
-        cfg.model.vocab_size,
-        cfg.model.seq_len,
-        cfg.trainer.global_batch_size,
-        dp_rank=0,
-        dp_size=1,
-        seed=cfg.trainer.seed,
-    )
+    batches = _batches(compose(JOB))
     theirs = _load_hf(trained_moe / "hf")
     losses = []
     with torch.no_grad():
@@ -139,6 +143,24 @@ def test_an_export_reads_back_into_the_checkpoint_weights(trained_moe, tmp_path,
     read = hf.read_folder(folder, spec, {k: tuple(v.shape) for k, v in weights.items()})
     assert read.keys() == weights.keys()
     assert all(torch.equal(read[k], weights[k]) for k in weights)
+
+
+def test_training_starts_from_the_export_with_its_weights(trained_moe, job_dir):
+    """init_from_hf: the first loss is the exported weights' loss on batch 0 (every
+    ``expert_bias`` zero, as trained)."""
+    result = run_forked(
+        job_dir, *JOB, "trainer.steps=1", f"checkpoint.init_from_hf={trained_moe / 'hf'}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records, summary = read_job(job_dir)
+    assert summary["loaded_from"] == str(trained_moe / "hf") and summary["start_step"] == 0
+    weights, manifest = load_full_weights(trained_moe / "checkpoints" / "step-2")
+    model = model_spec(manifest["model"]).build()
+    model.load_state_dict(weights)
+    inputs, targets = _batches(compose(JOB)).local_batch(0)
+    with torch.no_grad():
+        loss = F.cross_entropy(model.eval()(inputs).flatten(0, 1), targets.flatten()).item()
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-6)
 
 
 @pytest.mark.parametrize(
