@@ -194,7 +194,7 @@ class MoEHF:
                 "needs model.bias_update_speed=0 (balance with model.aux_loss_coef instead)"
             )
         for name, tensor in (state or {}).items():
-            if name.endswith(self.hf_dropped) and not tensor.is_meta and tensor.any():
+            if name.endswith(self.hf_dropped) and tensor.any():
                 raise ConfigError(
                     f"{name} is nonzero (a loss-free balancing bias from training with "
                     f"model.bias_update_speed > 0): it changes which experts each token "
