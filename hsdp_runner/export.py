@@ -2,7 +2,8 @@
 
 Turns a training checkpoint (a ``step-N`` folder, or a folder of them: the newest complete one)
 into a Hugging Face folder of the model's family that ``transformers`` loads
-(``LlamaForCausalLM`` / ``GPT2LMHeadModel.from_pretrained``): consolidated ``model.safetensors`` (or shards + index above ``--max-shard-gib``) and
+(``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``Qwen3MoeForCausalLM.from_pretrained``):
+consolidated ``model.safetensors`` (or shards + index above ``--max-shard-gib``) and
 ``config.json``. Runs in one process without a process group: DCP assembles the full tensors
 from however many ranks' shards the checkpoint holds. Exit codes: 0 done, 2 bad input.
 """

@@ -48,9 +48,15 @@ def _hf_spec(model_cfg: ModelConfig) -> HFAdapter:
 def to_hf(
     state: dict[str, torch.Tensor], model_cfg: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Map our full (unsharded) state dict to the family's HF names, layout and ``dtype``."""
+    """Map our full (unsharded) state dict to the family's HF names, layout and ``dtype``;
+    ConfigError (naming the ``model.*`` key) for weights the family's HF model cannot hold."""
     spec = _hf_spec(model_cfg)
-    unnamed = [name for name in state if spec.hf_names().to_hf(name) is None]
+    spec.check_export(state)
+    unnamed = [
+        name
+        for name in state
+        if spec.hf_names().to_hf(name) is None and not name.endswith(spec.hf_dropped)
+    ]
     if unnamed:
         raise HFFormatError(
             f"parameter {unnamed[0]!r} has no Hugging Face {spec.hf_model_type} name"
@@ -64,6 +70,13 @@ def to_hf(
 def from_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Map an HF state dict (HF names) back to our names and layout."""
     return _hf_spec(model_cfg).from_hf(state)
+
+
+def check_exportable(model_cfg: ModelConfig) -> None:
+    """Raise ConfigError before training (``checkpoint.export_at_end``) when the model
+    ``model_cfg`` describes cannot be exported: its family has no HF mapping, or its settings
+    are ones the family's HF model cannot express."""
+    _hf_spec(model_cfg).check_export(None)
 
 
 def hf_config(model_cfg: ModelConfig, dtype: torch.dtype) -> dict:

@@ -270,6 +270,7 @@ def validate(
         )
     if c.export_at_end:
         hf.require_empty_destination(export_dir(c, output_dir), "checkpoint.export_dir")
+        hf.check_exportable(model_cfg)
     return start
 
 

@@ -157,6 +157,9 @@ class HFAdapter(Protocol):
 
     hf_model_type: str  # config.json's model_type
     hf_ignored: tuple[str, ...]  # suffixes of HF tensors with no counterpart (buffers)
+    # Suffixes of our state entries with no HF counterpart: ``check_export`` vouches that
+    # leaving them out changes nothing, ``to_hf`` leaves them out, ``from_hf`` recreates them.
+    hf_dropped: tuple[str, ...]
 
     def hf_names(self) -> HFNames:
         """The rename rules between our parameter names and HF's."""
@@ -175,6 +178,11 @@ class HFAdapter(Protocol):
 
     def check_hf_config(self, config_json: dict, path) -> None:
         """Raise ConfigError (naming ``path``) for what the model cannot compute."""
+
+    def check_export(self, state: Optional[dict]) -> None:
+        """Raise ConfigError naming the ``model.*`` key for what the HF model cannot express:
+        of the settings alone (``state`` None: before training) or of the full state dict
+        ``state`` about to be exported."""
 
 
 def model_fields(model_cfg: ModelConfig | dict) -> dict:
@@ -366,3 +374,22 @@ class HFNames:
     def from_hf(self, name: str) -> str | None:
         """Our name for Hugging Face's tensor ``name`` (None if we have none)."""
         return self._rename(name, self._from)
+
+
+# HF's Llama-style models rotate the two halves of each head (channels i, i + head_dim/2),
+# our RoPE (``common.apply_rope``) interleaved pairs (2i, 2i+1), Meta's original layout; so a
+# mapping permutes the rows of the rotated projections within each head, as HF's own
+# ``convert_llama_weights_to_hf.py`` does for Meta checkpoints.
+
+
+def rope_rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``weight`` (n_heads x head_dim rows, any columns) with each head's rows reordered from
+    interleaved pairs (ours) to halves (HF)."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def rope_rows_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of ``rope_rows_to_hf``."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)

@@ -11,6 +11,7 @@ is mixed into (``gpt2.GPT2Config``); ``checkpoint/hf.py`` does the file work for
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,7 @@ class GPT2HF:
 
     hf_model_type = "gpt2"
     hf_ignored = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of older HF files
+    hf_dropped = ()  # every parameter has an HF counterpart
 
     def hf_names(self) -> HFNames:
         """Our parameter names and Hugging Face GPT-2's (q, k, v all map to ``c_attn``)."""
@@ -114,6 +116,9 @@ class GPT2HF:
                 "GELU MLP of 4 x n_embd with an untied lm_head and plain attention "
                 "scaling, so these weights would compute something else"
             )
+
+    def check_export(self, state: Optional[dict]) -> None:
+        """Nothing to refuse: GPT2LMHeadModel expresses every GPT-2 this family builds."""
 
 
 # --- Hugging Face names -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import HFNames
+from hsdp_runner.models.base import HFNames, rope_rows_from_hf, rope_rows_to_hf
 
 
 class LlamaHF:
@@ -21,17 +21,18 @@ class LlamaHF:
 
     hf_model_type = "llama"
     hf_ignored = ("rotary_emb.inv_freq",)  # a buffer some HF Llama folders carry
+    hf_dropped = ()  # every parameter has an HF counterpart
 
     def hf_names(self) -> HFNames:
         """Our parameter names and Hugging Face Llama's."""
         return HF_NAMES
 
     def to_hf(self, state: dict) -> dict:
-        """Our full state dict in HF names and HF's RoPE row order (see ``_rope_rows_to_hf``)."""
+        """Our full state dict in HF names and HF's RoPE row order (see ``rope_rows_to_hf``)."""
         out = {}
         for name, tensor in state.items():
             heads = self._rope_heads(name)
-            out[HF_NAMES.to_hf(name)] = _rope_rows_to_hf(tensor, heads) if heads else tensor
+            out[HF_NAMES.to_hf(name)] = rope_rows_to_hf(tensor, heads) if heads else tensor
         return out
 
     def from_hf(self, state: dict) -> dict:
@@ -40,7 +41,7 @@ class LlamaHF:
         for hf_name, tensor in state.items():
             name = HF_NAMES.from_hf(hf_name)
             heads = self._rope_heads(name)
-            out[name] = _rope_rows_from_hf(tensor, heads) if heads else tensor
+            out[name] = rope_rows_from_hf(tensor, heads) if heads else tensor
         return out
 
     def _rope_heads(self, name: str) -> Optional[int]:
@@ -98,14 +99,16 @@ class LlamaHF:
                 "plain RoPE only, so these weights would compute something else"
             )
 
+    def check_export(self, state: Optional[dict]) -> None:
+        """Nothing to refuse: LlamaForCausalLM expresses every Llama this family builds."""
+
 
 # --- Hugging Face names -------------------------------------------------------------------------
 # Our model and ``transformers``' LlamaForCausalLM compute the same function, but names differ
 # (``layers.0.attention.wq.weight`` vs ``model.layers.0.self_attn.q_proj.weight``), and our
 # RoPE (``apply_rope``) rotates interleaved channel pairs (2i, 2i+1), Meta's original layout,
 # while HF rotates the two halves of a head (i, i + head_dim/2). So the rows of ``wq`` and
-# ``wk`` are permuted within each head on export and back on import, exactly as HF's own
-# ``convert_llama_weights_to_hf.py`` does for Meta checkpoints.
+# ``wk`` are permuted within each head on export and back on import (``base.rope_rows_to_hf``).
 
 HF_NAMES = HFNames(
     (
@@ -123,15 +126,3 @@ HF_NAMES = HFNames(
         ("output.weight", "lm_head.weight"),
     )
 )
-
-
-def _rope_rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs (ours) to halves (HF)."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _rope_rows_from_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of ``_rope_rows_to_hf``."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)

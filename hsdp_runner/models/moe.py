@@ -40,6 +40,7 @@ from hsdp_runner.models.common import (
     output_layer_style,
     rope_tables,
 )
+from hsdp_runner.models.moe_hf import MoEHF
 from hsdp_runner.models.moe_routing import MoE
 from hsdp_runner.models.params import copy_full_into
 
@@ -50,9 +51,10 @@ NON_NEGATIVE = ("n_dense_layers", "n_shared_experts", "aux_loss_coef", "bias_upd
 
 
 @dataclass
-class MoEConfig(ModelConfig):
+class MoEConfig(ModelConfig, MoEHF):
     """``model.*`` of a mixture-of-experts decoder (conf/model/moe_*.yaml, qwen3_*.yaml);
-    built, it is the ``ModelSpec``. (A Hugging Face mapping is mixed in like ``LlamaHF``.)"""
+    built, it is the ``ModelSpec``. Its Hugging Face mapping (Qwen3-MoE) is ``moe_hf.MoEHF``'s,
+    mixed in."""
 
     n_kv_heads: Optional[int] = None
     head_dim: Optional[int] = None  # None: dim / n_heads
@@ -211,9 +213,9 @@ class MoEConfig(ModelConfig):
         """The token embedding and the RMSNorm weights (q/k norms too) get no weight decay."""
         return name == "tok_embeddings.weight" or name.endswith("norm.weight")
 
-    def hf_adapter(self) -> None:
-        """No Hugging Face mapping yet."""
-        return None
+    def hf_adapter(self) -> MoEConfig:
+        """This config is its own HF mapping (``moe_hf.MoEHF``, mixed in: Qwen3-MoE)."""
+        return self
 
 
 class Attention(nn.Module):
