@@ -3,7 +3,9 @@
 Runs on every rank with the already-sharded model; rank 0 alone writes the console line,
 ``metrics.jsonl``, W&B and ``summary.json``. The host runs a step ahead of the device: per
 step one collective of its own and one host read, one step late (``step_stats``), and the
-next batch is made in a background thread (``data.Prefetcher``).
+next batch is made in the background (``data.Prefetcher``, or a data=hf stream); how long a
+step waited for it is its record's ``data_wait_s``. With ``trainer.val_every`` the held-out
+batches are evaluated every that many steps (the record's ``val_loss``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import math
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -31,13 +34,11 @@ from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
 from hsdp_runner.train.grad_clip import clip_grad_norm
+from hsdp_runner.train.hf_batches import HFBatches, LaneLoader
 from hsdp_runner.train.loss import loss_context
 from hsdp_runner.train.sinks import Tracker
 
 log = logging.getLogger(__name__)
-
-# Eval batches come from step indices no training run reaches.
-EVAL_STEP_OFFSET = 1 << 40
 
 
 def build_optimizer(
@@ -120,7 +121,7 @@ class Trainer:
         dims: ParallelDims,
         world: WorldMesh,
         device: torch.device,
-        batches: TokenBatches,
+        batches: TokenBatches | HFBatches,
         figures: RunFigures,
         *,
         spec: ModelSpec,
@@ -152,6 +153,10 @@ class Trainer:
         # (equal token counts), so the loss is their mean.
         self.counts_loss = world.local_rank_in("tp") == 0 and schedule.is_last
         self.records: list[dict] = []
+        self.stream: Prefetcher | LaneLoader | None = None  # the batches of fit()
+        self._data_wait: dict[int, float] = {}  # step -> seconds it waited for its batch
+        self._val_loss: dict[int, float] = {}  # 1-based step -> validation loss after it
+        self.val_losses: list[tuple[int, float]] = []
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
@@ -161,7 +166,7 @@ class Trainer:
         self.comm_counter = None if self.comm_step is None else comm_counting.CommCounter(world)
 
     def _forward_backward(
-        self, step: int, data: Prefetcher, signum: int | None
+        self, step: int, data: Prefetcher | LaneLoader, signum: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue step ``step``'s forward and backward (the schedule's micro-batches), the
         clipping over every stage's gradients and the stats all-reduce.
@@ -169,7 +174,9 @@ class Trainer:
         Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
         """
         poison = inject_fault(self.fault, self.rank, step + 1)
+        waited = time.perf_counter()
         inputs, targets = data.get(step)
+        self._data_wait[step] = time.perf_counter() - waited
         loss = self.schedule.step(inputs, targets, poison)
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm(params, self.grad_clip, self.schedule.pp_group)
@@ -200,7 +207,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         with loss_context(self.loss_parallel):
             for i in range(n_batches):
-                inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
+                inputs, targets = self.batches.held_out(i)
                 loss = self.schedule.eval_loss(inputs.to(self.device), targets.to(self.device))
                 total += loss if self.counts_loss else 0.0
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # each dp x cp rank's loss once
@@ -210,6 +217,23 @@ class Trainer:
         if self.rank == 0:
             log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
         return loss
+
+    def _validate(self, done: int) -> None:
+        """With ``trainer.val_every``: the validation loss once ``done`` steps are done (their
+        updates queued), kept for step ``done``'s record."""
+        every = self.train.val_every
+        if every and done % every == 0 and done not in self._val_loss:
+            self._val_loss[done] = self.evaluate(self.train.val_batches)
+            self.val_losses.append((done, self._val_loss[done]))
+
+    def data_state(self, step: int) -> dict | None:
+        """This rank's data position after ``step`` steps (a data=hf stream's lane states;
+        None for stateless data), for the checkpoint."""
+        if self.stream is None or (state := self.stream.state_at(step)) is None:
+            if self.batches.stateful:
+                raise RuntimeError(f"no data position kept for step {step}")
+            return None
+        return state
 
     def fit(self, start_step: int = 0, after_step=None, stop=None) -> list[dict]:
         """Run steps ``start_step``..``train.steps - 1`` (0-based); reports each to the sinks.
@@ -228,10 +252,12 @@ class Trainer:
         bar = progress_bar(steps, start_step, self.rank)
         for part in self.parts:
             part.train()
-        data = Prefetcher(self.batches, self.device)
+        data = self.stream = self.batches.stream(start_step, self.device)
         pending = None
         try:
             for step in range(start_step, steps):
+                if step > start_step:
+                    self._validate(step)
                 counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
                 with comm_counting.counting(counter), loss_context(self.loss_parallel):
@@ -252,6 +278,7 @@ class Trainer:
                     step, lr, stats, grad_norm, marks, counter, self.dims.dp_cp
                 )
             if pending is not None:
+                self._validate(pending.step + 1)
                 self._finish(pending, after_step, bar)
         finally:
             data.close()
@@ -295,6 +322,9 @@ class Trainer:
             metrics.peak_memory_gib(self.device),
         )
         record["skipped"] = values.nonfinite
+        record["data_wait_s"] = self._data_wait.pop(pending.step)
+        if step in self._val_loss:
+            record["val_loss"] = self._val_loss.pop(step)
         self.last_step = step
         if pending.counter is not None:
             record.update(self._comm_record(pending.counter, step))
