@@ -37,7 +37,7 @@ from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import auto_job
 from hsdp_runner.train.data import load_corpus
-from hsdp_runner.train.hf_batches import check_data, check_resume
+from hsdp_runner.train.hf_checks import check_data, check_resume
 
 
 def under_torchrun() -> bool:

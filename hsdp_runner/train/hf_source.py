@@ -115,11 +115,23 @@ def locate(spec: SourceSpec) -> Located:
     """Classify ``data.path``; raise ConfigError for a missing path or unreadable file types."""
     path = Path(spec.path).expanduser()
     if path.is_file():
-        return Located("file", _builder_of([path], spec), {"train": [str(path)]})
-    if path.is_dir():
-        if any((path / marker).is_file() for marker in SAVED_MARKERS):
-            return Located("saved")
-        return _folder(path, spec)
+        located = Located("file", _builder_of([path], spec), {"train": [str(path)]})
+    elif path.is_dir() and any((path / marker).is_file() for marker in SAVED_MARKERS):
+        return Located("saved")
+    elif path.is_dir():
+        located = _folder(path, spec)
+    else:
+        return _hub_or_missing(spec, path)
+    for name in itertools.chain(*located.files.values()):
+        if Path(name).stat().st_size == 0:  # datasets fails on it with a bare StopIteration
+            raise ConfigError(
+                f"data.path={spec.path!r}: {name} is empty (no documents); remove it or "
+                "point data.path at a file with data"
+            )
+    return located
+
+
+def _hub_or_missing(spec: SourceSpec, path: Path) -> Located:
     looks_local = spec.path.startswith(("/", ".", "~")) or path.suffix in SUFFIX_BUILDERS
     if looks_local or spec.path.count("/") > 1:
         raise ConfigError(
@@ -272,10 +284,15 @@ class StreamedDocs:
             except StopIteration:
                 return
             except Exception as err:
+                fix = (
+                    "check the dataset's name, data.split and the network, or point data.path "
+                    "at a local copy"
+                    if self.located.kind == "hub"
+                    else "fix or remove it (a rerun resumes from the job's last checkpoint)"
+                )
                 raise DataError(
                     f"data.path={self.spec.path!r}: {source} cannot be read "
-                    f"({type(err).__name__}: {_first_line(err)}); fix or remove it, then "
-                    "rerun the job to resume from its last checkpoint"
+                    f"({type(err).__name__}: {_first_line(err)}); {fix}"
                 ) from None
             yield source, batch
 

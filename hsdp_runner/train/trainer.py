@@ -196,8 +196,9 @@ class Trainer:
         self.scheduler.step()
 
     @torch.no_grad()
-    def evaluate(self, n_batches: int) -> float:
-        """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged.
+    def evaluate(self, n_batches: int, what: str = "eval") -> float:
+        """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged
+        (``what`` names it in the log: eval after training, or validation during it).
 
         Runs the stages in eval mode through the same sharded forward as training, so it
         exercises FSDP's unshard/reshard outside of backward.
@@ -215,7 +216,7 @@ class Trainer:
             part.train()
         loss = total.item() / (self.dims.dp_cp * n_batches)
         if self.rank == 0:
-            log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
+            log.info("%s loss %.6f over %d held-out batches", what, loss, n_batches)
         return loss
 
     def _validate(self, done: int) -> None:
@@ -223,7 +224,7 @@ class Trainer:
         updates queued), kept for step ``done``'s record."""
         every = self.train.val_every
         if every and done % every == 0 and done not in self._val_loss:
-            self._val_loss[done] = self.evaluate(self.train.val_batches)
+            self._val_loss[done] = self.evaluate(self.train.val_batches, f"step {done}: val")
             self.val_losses.append((done, self._val_loss[done]))
 
     def data_state(self, step: int) -> dict | None:
@@ -359,8 +360,9 @@ class Trainer:
         step = record["step"]
         if self.rank == 0 and (step % self.train.log_every == 0 or step == self.train.steps):
             mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+            val = f"val {record['val_loss']:.4f}  " if "val_loss" in record else ""
             bar.write(
-                f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  "
+                f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  {val}"
                 f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                 f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
                 f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "
