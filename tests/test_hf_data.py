@@ -174,3 +174,58 @@ def test_datasets_and_tokenizers_are_imported_only_inside_functions():
                 continue
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in lazy]
     assert not found, found
+
+
+@pytest.fixture(scope="module")
+def bad_files(corpus, tmp_path_factory):
+    """Files a user could point data=hf at by mistake."""
+    folder = tmp_path_factory.mktemp("bad")
+    (folder / "empty.jsonl").write_text("")
+    (folder / "small.jsonl").write_text('{"text": "doc1 the fox"}\n{"text": "doc2 a dog"}\n')
+    lines = corpus.jsonl.read_text().splitlines()
+    (folder / "corrupt.jsonl").write_text("\n".join(lines[:50] + ['{"text": "doc7 the'] + lines))
+    (folder / "garbage.json").write_text("this is no tokenizer")
+    return folder
+
+
+# (overrides on top of a valid data=hf job, words the one-line message must contain)
+BAD_HF_INPUTS = [
+    (["data.path=/no/such.jsonl"], "data.path='/no/such.jsonl' does not exist"),
+    (["data.path=null"], "data=hf needs data.path"),
+    (["data.path=BAD/empty.jsonl"], "empty.jsonl is empty (no documents)"),
+    (["data.path=BAD/corrupt.jsonl"], "corrupt.jsonl cannot be read (ArrowInvalid"),
+    (["data.text_field=body"], "data.text_field='body' is not a column of data.path="),
+    (["data.streaming=true", "data.text_field=body"], "data.text_field='body' is not a field"),
+    (["data.split=validation"], "data.split='validation' is not a split of data.path"),
+    (["data.tokenizer=/no/tokenizer.json"], "data.tokenizer='/no/tokenizer.json': does not exist"),
+    (["data.tokenizer=BAD/garbage.json"], "cannot be read as a tokenizers file"),
+    (["data.tokenizer=BAD"], "holds no tokenizer.json"),
+    (["model.vocab_size=64"], "has 423 tokens, more than model.vocab_size=64"),
+    (["data.bos_token='<bos>'"], "data.bos_token='<bos>' is not in the vocabulary"),
+    (["data.path=BAD/small.jsonl"], "fewer than one global batch: trainer.global_batch_size=8"),
+    (["trainer.val_every=2", "trainer.val_batches=40"], "fewer than the 40 held-out batches"),
+    (["data.val_fraction=0"], "data.val_fraction=0.0 must lie between 0 and 1"),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, words", BAD_HF_INPUTS, ids=[" ".join(case[0]) for case in BAD_HF_INPUTS]
+)
+def test_bad_data_input_exits_2_with_one_line_before_any_worker(
+    overrides, words, corpus, bad_files, job_dir, monkeypatch, capsys
+):
+    from conftest import TINY
+    from hf_corpus import hf_overrides
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hsdp_runner.runtime import app
+
+    overrides = [o.replace("BAD", str(bad_files)) for o in overrides]
+    argv = [f"hydra.run.dir={job_dir}", *TINY, *hf_overrides(corpus), *overrides]
+    monkeypatch.setattr("sys.argv", ["hsdp_runner", *argv])
+    GlobalHydra.instance().clear()
+    code = app.main()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err and err.strip().count("\n") == 0, err
+    assert not (job_dir / "logs").exists()

@@ -49,11 +49,13 @@ STREAM_BATCH = 256  # examples a streamed file is read in at a time
 
 
 def datasets_lib():
-    """The ``datasets`` module (imported on first use: ~1.4 s), progress bars and info off."""
+    """The ``datasets`` module (imported on first use: ~1.4 s), progress bars and its log off:
+    each failure reaches the user as one message of ours naming the file (datasets would
+    also log it, as an error of its own, before raising)."""
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 
@@ -259,28 +261,32 @@ class StreamedDocs:
         self.count = None
         self._stream = self._numbered()
         self._at: tuple[int, str] | None = None  # the last document read
+        self._reading = spec.path  # the file being read
 
-    def _pass(self) -> Iterator[tuple[str, dict]]:
-        """(source name, a batch of examples as columns) of one pass over the split.
+    def _pass(self) -> Iterator[dict]:
+        """The batches of examples (as columns) of one pass over the split; ``_reading``
+        names the file (or hub dataset) being read.
 
         Through ``IterableDataset.iter``: its ``__iter__`` would split the files among the
         worker processes of a DataLoader, each of which reads its own lanes of every file."""
         datasets = datasets_lib()
         if self.located.kind == "hub":
+            self._reading = self.spec.path
             examples = datasets.load_dataset(self.spec.path, split=self.split, streaming=True)
-            yield from ((self.spec.path, batch) for batch in examples.iter(STREAM_BATCH))
+            yield from examples.iter(STREAM_BATCH)
             return
         for name in self.located.files[self.split]:
+            self._reading = name
             examples = datasets.load_dataset(
                 self.located.builder, data_files=[name], split="train", streaming=True
             )
-            yield from ((name, batch) for batch in examples.iter(STREAM_BATCH))
+            yield from examples.iter(STREAM_BATCH)
 
     def _checked_pass(self) -> Iterator[tuple[str, dict]]:
-        source, it = self.spec.path, self._pass()
+        it = self._pass()
         while True:
             try:
-                source, batch = next(it)
+                batch = next(it)
             except StopIteration:
                 return
             except Exception as err:
@@ -291,10 +297,10 @@ class StreamedDocs:
                     else "fix or remove it (a rerun resumes from the job's last checkpoint)"
                 )
                 raise DataError(
-                    f"data.path={self.spec.path!r}: {source} cannot be read "
+                    f"data.path={self.spec.path!r}: {self._reading} cannot be read "
                     f"({type(err).__name__}: {_first_line(err)}); {fix}"
                 ) from None
-            yield source, batch
+            yield self._reading, batch
 
     def _one_pass(self) -> Iterator[str]:
         """The texts of this role in one pass over the split, in order."""
