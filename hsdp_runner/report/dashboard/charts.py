@@ -182,7 +182,8 @@ def parallel_coordinates(jobs: list[Job]):
 
 def curves(jobs: list[Job]):
     """Loss and step time against step of every job that logged a step, overlaid; jobs that
-    did not complete are dashed."""
+    did not complete are dashed; validation losses (``trainer.val_every``) are dotted, with
+    markers, beside their job's training loss."""
     go, make_subplots = _go()
     logged = sorted((j for j in jobs if j.records), key=lambda j: j.num)
     if not logged:
@@ -192,7 +193,7 @@ def curves(jobs: list[Job]):
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.08,
-        subplot_titles=("training loss", "step time s (log scale)"),
+        subplot_titles=("training loss (dotted: validation)", "step time s (log scale)"),
     )
     palette = (
         "#1f77b4",
@@ -226,6 +227,23 @@ def curves(jobs: list[Job]):
                     hovertemplate=f"<b>{name}</b><br>step %{{x}}<br>{key} %{{y:{fmt}}}<extra></extra>",
                 ),
                 row=row,
+                col=1,
+            )
+        val = [(r["step"], r["val_loss"]) for r in job.records if r.get("val_loss") is not None]
+        if val:
+            fig.add_trace(
+                go.Scatter(
+                    x=[s for s, _ in val],
+                    y=[v for _, v in val],
+                    name=f"{name} val",
+                    legendgroup=name,
+                    showlegend=False,
+                    mode="lines+markers",
+                    line={**line, "dash": "dot"},
+                    marker=dict(size=7),
+                    hovertemplate=f"<b>{name}</b><br>step %{{x}}<br>val_loss %{{y:.4f}}<extra></extra>",
+                ),
+                row=1,
                 col=1,
             )
     fig.update_yaxes(type="log", row=2, col=1)
