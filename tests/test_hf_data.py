@@ -229,3 +229,12 @@ def test_bad_data_input_exits_2_with_one_line_before_any_worker(
     assert code == 2, err
     assert words in err and err.strip().count("\n") == 0, err
     assert not (job_dir / "logs").exists()
+
+
+def test_the_last_validation_loss_goes_to_the_wandb_summary():
+    from hsdp_runner.core.choices import RunStatus
+    from hsdp_runner.core.records import RunSummary
+    from hsdp_runner.train.sinks import wandb_summary
+
+    assert wandb_summary(RunSummary(status=RunStatus.completed, val_loss=2.5))["val_loss"] == 2.5
+    assert "val_loss" not in wandb_summary(RunSummary(status=RunStatus.completed))
