@@ -197,12 +197,8 @@ def validate_config(cfg: RunConfig) -> None:
 
 
 def _validate_hf_data(data: DataConfig) -> None:
-    """The ``data=hf`` keys that need no file: the path and tokenizer given, the ranges."""
-    if not data.path:
-        raise ConfigError(
-            "data=hf needs data.path: set it to a data file or folder (jsonl, json, parquet, "
-            "arrow, csv, txt) or a Hugging Face hub dataset name"
-        )
+    """The ranges of the ``data=hf`` keys (the path and the tokenizer, which data=hf needs,
+    are checked with their files before launch: ``train/hf_checks.py``)."""
     if not 0.0 < data.val_fraction < 1.0:
         raise ConfigError(
             f"data.val_fraction={data.val_fraction} must lie between 0 and 1 (the share of "

@@ -136,7 +136,15 @@ def train_rank(
             "skipped_steps": trainer.skipped_steps,
             "final_loss": records[-1]["loss"] if records else None,
             "eval_loss": eval_loss,
-            "val_loss": trainer.val_losses[-1][1] if trainer.val_losses else None,
+            # The last validation of the whole run (a resumed job's may be in an earlier attempt).
+            "val_loss": next(
+                (
+                    r["val_loss"]
+                    for r in reversed(sinks.read_metrics(output_dir))
+                    if "val_loss" in r
+                ),
+                None,
+            ),
             "peak_tflops": figures.peak_tflops,
             "peak_tflops_source": figures.peak_source,
             "flops_per_token": figures.flops_per_token,

@@ -284,8 +284,10 @@ class LaneDataset(torch.utils.data.IterableDataset):
             while True:
                 rows, states = group.next_rows()
                 yield torch.from_numpy(rows), states
+        except DataError as err:
+            yield "error", str(err)
         except Exception as err:
-            yield "error", f"{type(err).__name__}: {err}"
+            yield "error", f"{type(err).__name__} in a data worker: {err}"
 
 
 def _quiet_worker(worker_id: int) -> None:

@@ -31,6 +31,11 @@ def check_data(data_cfg: DataConfig, trainer: TrainerConfig, vocab_size: int, se
     """The checks of ``data=hf`` before any worker starts: tokenizer, path, split, text
     field, enough training tokens for one global batch, enough held-out tokens for
     ``trainer.val_batches`` / ``eval_batches``. Raises ConfigError naming key and fix."""
+    if not data_cfg.path:
+        raise ConfigError(
+            "data=hf needs data.path: set it to a data file or folder (jsonl, json, parquet, "
+            "arrow, csv, txt) or a Hugging Face hub dataset name"
+        )
     spec = SourceSpec.from_config(data_cfg)
     encode = Encoder(check_tokenizer(data_cfg, vocab_size))
     batch_tokens = trainer.global_batch_size * (seq_len + 1)

@@ -156,7 +156,6 @@ class Trainer:
         self.stream: Prefetcher | LaneLoader | None = None  # the batches of fit()
         self._data_wait: dict[int, float] = {}  # step -> seconds it waited for its batch
         self._val_loss: dict[int, float] = {}  # 1-based step -> validation loss after it
-        self.val_losses: list[tuple[int, float]] = []
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
@@ -225,7 +224,6 @@ class Trainer:
         every = self.train.val_every
         if every and done % every == 0 and done not in self._val_loss:
             self._val_loss[done] = self.evaluate(self.train.val_batches, f"step {done}: val")
-            self.val_losses.append((done, self._val_loss[done]))
 
     def data_state(self, step: int) -> dict | None:
         """This rank's data position after ``step`` steps (a data=hf stream's lane states;
@@ -247,7 +245,9 @@ class Trainer:
         was signalled, all stop after that step (step s+1's gradients are dropped) and
         ``stopped_by`` is set. A non-finite step is never applied; with
         ``trainer.on_nan=stop`` NonFiniteError is raised when it is read, with ``skip`` it
-        is counted. Returns the reported records.
+        is counted. With ``trainer.val_every`` the held-out batches are evaluated once every
+        that many steps are done (before the next step's forward), into that step's record
+        (``val_loss``). Returns the reported records.
         """
         steps = self.train.steps
         bar = progress_bar(steps, start_step, self.rank)
