@@ -258,7 +258,6 @@ class StreamedDocs:
     def __init__(self, spec: SourceSpec, located: Located, split: str, keep_held_out):
         self.spec, self.located, self.split = spec, located, split
         self.keep_held_out = keep_held_out  # None: every document; True/False: carve
-        self.count = None
         self._stream = self._numbered()
         self._at: tuple[int, str] | None = None  # the last document read
         self._reading = spec.path  # the file being read

@@ -17,6 +17,12 @@ RNG. Drawn documents, each ``[BOS] + tokens + [EOS]``, are concatenated and cut 
 The state of a lane (``LaneState``) is a few integers and document numbers, never tokens: its
 next incoming document, how many draws it made, the documents in its buffer and the unread
 tails of the documents it has drawn. Restoring reads and tokenizes those documents again.
+
+Written here rather than taken from ``datasets``: ``IterableDataset.shuffle`` +
+``split_dataset_by_node`` + ``state_dict`` resume only at the same number of ranks (the state is
+per rank's shard) and drop the shuffle buffer on resume (its documents are skipped), and
+torchdata's ``StatefulDataLoader`` keeps a per-rank, per-worker state too. A state per lane of
+the global batch is what lets a job resume at another data-parallel degree, exactly.
 """
 
 from __future__ import annotations
