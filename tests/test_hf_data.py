@@ -71,6 +71,7 @@ def sample_ids(corpus, rows: list[torch.Tensor]) -> list[int]:
     return [doc_of[t] for step in rows for row in step for t in row.tolist() if t in doc_of]
 
 
+@pytest.mark.multiprocess  # the dp 2 leg's DataLoader worker processes
 def test_resume_at_dp_4_then_2_then_8_sees_each_sample_once(corpus):
     """Three steps at dp 4, three at dp 2 (two DataLoader workers per rank), three at dp 8
     (streamed), each from the position the last saved: the very batches of one uninterrupted
