@@ -199,7 +199,10 @@ class LaneLoader:
         first = batches.resumed or {lane: LaneState() for lane in batches.lanes}
         self.states = {start_step: {lane: s.to_dict() for lane, s in first.items()}}
         workers = min(batches.workers, len(batches.lanes))
-        self.source = _ProcessSource(batches, workers) if workers else _ThreadSource(batches)
+        pin = self.pin
+        self.source = (
+            _ProcessSource(batches, workers, pin) if workers else _ThreadSource(batches, pin)
+        )
 
     def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets) of ``step``, the step after the last one got."""
@@ -212,10 +215,7 @@ class LaneLoader:
         for old in [s for s in self.states if s < step - 2]:
             del self.states[old]
         self.next_step = step + 1
-        batch = rows.long()
-        if self.pin:
-            batch = batch.pin_memory()
-        return self.batches.split(batch.to(self.device, non_blocking=True))
+        return self.batches.split(rows.to(self.device, non_blocking=True))
 
     def state_at(self, step: int) -> dict | None:
         """{lane: state} of this rank's lanes after ``step`` steps, if still kept."""
@@ -226,10 +226,18 @@ class LaneLoader:
         self.source.close()
 
 
-class _ThreadSource:
-    """One background thread making whole steps ahead, ``data.prefetch`` at most."""
+def _host_batch(rows: torch.Tensor, pin: bool) -> torch.Tensor:
+    """int64 rows, in pinned memory when ``pin`` (a CUDA job: the copy then overlaps)."""
+    rows = rows.long()
+    return rows.pin_memory() if pin else rows
 
-    def __init__(self, batches: HFBatches):
+
+class _ThreadSource:
+    """One background thread making whole steps ahead, ``data.prefetch`` at most, pinned
+    there too."""
+
+    def __init__(self, batches: HFBatches, pin: bool):
+        self.pin = pin
         self.queue: queue.Queue = queue.Queue(maxsize=batches.prefetch)
         self.stopping = threading.Event()
         self.thread = threading.Thread(
@@ -242,7 +250,7 @@ class _ThreadSource:
             group = batches.group(batches.lanes)
             while not self.stopping.is_set():
                 rows, states = group.next_rows()
-                self._put((torch.from_numpy(rows), states))
+                self._put((_host_batch(torch.from_numpy(rows), self.pin), states))
         except BaseException as err:  # handed to the training thread, which raises it
             self._put(err)
 
@@ -299,10 +307,11 @@ def _quiet_worker(worker_id: int) -> None:
 
 class _ProcessSource:
     """``workers`` DataLoader worker processes; a step is one item of each, in worker order
-    (DataLoader hands an iterable dataset's items out round-robin)."""
+    (DataLoader hands an iterable dataset's items out round-robin), joined (and pinned) in the
+    training thread: a copy of the step's tokens."""
 
-    def __init__(self, batches: HFBatches, workers: int):
-        self.workers = workers
+    def __init__(self, batches: HFBatches, workers: int, pin: bool):
+        self.workers, self.pin = workers, pin
         loader = torch.utils.data.DataLoader(
             LaneDataset(batches),
             batch_size=None,
@@ -321,7 +330,7 @@ class _ProcessSource:
                 raise DataError(part_states)
             parts.append(rows)
             states.update({int(k): v for k, v in part_states.items()})
-        return torch.cat(parts), states
+        return _host_batch(torch.cat(parts), self.pin), states
 
     def close(self) -> None:
         """Shut the worker processes down."""
