@@ -157,7 +157,8 @@ def _builder_of(files: list[Path], spec: SourceSpec) -> str:
 def _folder(path: Path, spec: SourceSpec) -> Located:
     datasets = datasets_lib()
     try:
-        found = datasets.load_dataset_builder(str(path)).config.data_files or {}
+        builder = datasets.load_dataset_builder(str(path), cache_dir=spec.cache_dir)
+        found = builder.config.data_files or {}
     except Exception as err:  # datasets raises several types for a folder without data
         raise ConfigError(
             f"data.path={spec.path!r} holds no data files datasets can read "
@@ -198,7 +199,7 @@ def _load_mapped(spec: SourceSpec, located: Located) -> dict:
             )
         )
     except Exception as err:
-        bad = _damaged_file(located)
+        bad = _damaged_file(located, spec.cache_dir)
         where = f"{bad[0]} cannot be read ({bad[1]})" if bad else f"cannot be read ({err!r})"
         raise ConfigError(
             f"data.path={spec.path!r}: {where}; fix or remove that file, or point data.path "
@@ -206,13 +207,17 @@ def _load_mapped(spec: SourceSpec, located: Located) -> dict:
         ) from None
 
 
-def _damaged_file(located: Located) -> tuple[str, str] | None:
+def _damaged_file(located: Located, cache_dir: str | None) -> tuple[str, str] | None:
     """The first file of ``located`` that fails when read alone, and why (the error path)."""
     datasets = datasets_lib()
     for name in itertools.chain(*located.files.values()):
         try:
             for _ in datasets.load_dataset(
-                located.builder, data_files=[name], split="train", streaming=True
+                located.builder,
+                data_files=[name],
+                split="train",
+                streaming=True,
+                cache_dir=cache_dir,
             ):
                 pass
         except Exception as err:
@@ -271,13 +276,19 @@ class StreamedDocs:
         datasets = datasets_lib()
         if self.located.kind == "hub":
             self._reading = self.spec.path
-            examples = datasets.load_dataset(self.spec.path, split=self.split, streaming=True)
+            examples = datasets.load_dataset(
+                self.spec.path, split=self.split, streaming=True, cache_dir=self.spec.cache_dir
+            )
             yield from examples.iter(STREAM_BATCH)
             return
         for name in self.located.files[self.split]:
             self._reading = name
             examples = datasets.load_dataset(
-                self.located.builder, data_files=[name], split="train", streaming=True
+                self.located.builder,
+                data_files=[name],
+                split="train",
+                streaming=True,
+                cache_dir=self.spec.cache_dir,
             )
             yield from examples.iter(STREAM_BATCH)
 
