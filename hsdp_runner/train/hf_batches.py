@@ -176,7 +176,7 @@ class HFBatches:
 
 def position(states: dict, step: int, global_batch: int) -> dict:
     """The JSON-able position a checkpoint saves: every lane's state after ``step`` steps and
-    the global cursor (samples and their windows' tokens are ``step * global_batch``)."""
+    the global cursor (``samples``: ``step * global_batch`` windows of the global batch)."""
     return {
         "format": POSITION_FORMAT,
         "lanes": global_batch,
