@@ -56,23 +56,27 @@ def plot_bars(jobs: list[Job], path: Path) -> Path:
 
 
 def plot_loss(jobs: list[Job], path: Path) -> Path:
-    """Loss against step for every job with metrics (failed jobs dashed, up to where they died)."""
+    """Loss against step for every job with metrics (failed jobs dashed, up to where they died),
+    and its validation losses (``trainer.val_every``) as dotted markers in the same colour."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5), layout="constrained")
     for job in sorted(jobs, key=lambda j: j.num):
         if job.records:
             failed = job.status is not RunStatus.completed
-            ax.plot(
+            (line,) = ax.plot(
                 [r["step"] for r in job.records],
                 [r["loss"] for r in job.records],
                 linestyle="--" if failed else "-",
                 marker="." if failed else None,
                 label=job.label + (f" ({job.status})" if failed else ""),
             )
+            val = [(r["step"], r["val_loss"]) for r in job.records if r.get("val_loss") is not None]
+            if val:
+                ax.plot(*zip(*val), linestyle=":", marker="o", color=line.get_color())
     ax.set_xlabel("step")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("loss")
-    ax.set_title(f"{path.parent.name}: training loss")
+    ax.set_title(f"{path.parent.name}: training loss (dotted: validation)")
     if ax.lines:
         ax.legend(fontsize="small")
     else:

@@ -2,7 +2,8 @@
 
 Runs the same config (seed, global batch, data, steps) under each layout through the runner's
 own launch path, reads each job's metrics.jsonl and summary.json, and compares losses, grad
-norms and the final eval loss against the single-process run. Prints a table, writes
+norms, the validation losses during training and the final eval loss against the
+single-process run. Prints a table, writes
 ``parity.md``, and exits 1 if any layout is outside the tolerance or failed (2 on bad input,
 128 + signal when a signal stopped it: the remaining layouts are not run). Without
 ``--layouts`` it checks every layout that runs without more arguments (``default_layouts``);
@@ -181,10 +182,14 @@ def compare(
     if len(base) != len(other):
         return {"passed": False, "note": f"{len(other)} steps vs {len(base)}"}
     pairs = list(zip(base, other))
+    if [("val_loss" in b) for b in base] != [("val_loss" in o) for o in other]:
+        return {"passed": False, "note": "validated at other steps"}
+    val = [(o["val_loss"], b["val_loss"]) for b, o in pairs if "val_loss" in b]
     row = {
         "max_abs_loss": max(abs(o["loss"] - b["loss"]) for b, o in pairs),
         "max_rel_loss": max(_rel(o["loss"], b["loss"]) for b, o in pairs),
         "max_rel_grad_norm": max(_rel(o["grad_norm"], b["grad_norm"]) for b, o in pairs),
+        "max_rel_val_loss": max((_rel(o, b) for o, b in val), default=None),
         "rel_eval_loss": None if base_eval is None else _rel(other_eval, base_eval),
     }
     worst = max(v for k, v in row.items() if k.startswith(("max_rel", "rel_")) and v is not None)
@@ -202,8 +207,8 @@ def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
         f"Parity against `{BASELINE}` (tolerance {rtol:.0e} relative{why})",
         "",
         "| layout | world size | max abs loss diff | max rel loss diff | max rel grad-norm "
-        "diff | rel eval-loss diff | result |",
-        "|---|---|---|---|---|---|---|",
+        "diff | max rel val-loss diff | rel eval-loss diff | result |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         result = "PASS" if r["passed"] else f"FAIL {r['note']}".strip()
@@ -212,7 +217,7 @@ def format_table(rows: list[dict], rtol: float, why: str = "") -> str:
         lines.append(
             f"| {r['layout']} | {r['world_size']} | {fmt(r.get('max_abs_loss'))} | "
             f"{fmt(r.get('max_rel_loss'))} | {fmt(r.get('max_rel_grad_norm'))} | "
-            f"{fmt(r.get('rel_eval_loss'))} | {result} |"
+            f"{fmt(r.get('max_rel_val_loss'))} | {fmt(r.get('rel_eval_loss'))} | {result} |"
         )
     return "\n".join(lines)
 
@@ -241,11 +246,18 @@ def unsupported_reason(cfg: RunConfig) -> str | None:
 
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
-    """The overrides every layout's job gets: the steps, two eval batches unless the command
-    line says otherwise, then the command line's own."""
+    """The overrides every layout's job gets: the steps, two eval batches and a validation of
+    one held-out batch halfway and at the end, unless the command line says otherwise, then
+    the command line's own."""
     overrides = [f"trainer.steps={args.steps}", *args.overrides]
-    if not any(o.startswith("trainer.eval_batches=") for o in overrides):
-        overrides.append("trainer.eval_batches=2")
+    defaults = {
+        "trainer.eval_batches": 2,
+        "trainer.val_every": max(1, args.steps // 2),
+        "trainer.val_batches": 1,
+    }
+    for key, value in defaults.items():
+        if not any(o.startswith(f"{key}=") for o in overrides):
+            overrides.append(f"{key}={value}")
     return overrides
 
 

@@ -135,7 +135,8 @@ def read_job(out_dir: Path) -> tuple[list[dict], dict | None]:
 # (or shared fixture's files') time in a `make test` run of 2026-11-26 (314.5 s of pytest,
 # docs/testing.md), summed from its --durations table: faults 105 s, parity 74, sweep 53, the
 # eight-rank files 44, many_nodes 41, checkpoint 30, torchrun 29, float8 24, gpu_failures 22,
-# auto 22, comm 20, plan 17, then config, dashboard_browser, bad_input, options, wandb.
+# auto 22, comm 20, hf_jobs (measured alone, 17 s), plan 17, then config, dashboard_browser,
+# bad_input, options, wandb.
 SHARED_SESSION_FIXTURE = {
     "test_placements.py": "eight_ranks",
     "test_correctness.py": "eight_ranks",
@@ -157,6 +158,7 @@ SLOWEST_FIRST = (
     "test_gpu_failures.py",
     "test_auto.py",
     "test_comm.py",
+    "test_hf_jobs.py",
     "test_plan.py",
     "test_config.py",
     "test_dashboard_browser.py",

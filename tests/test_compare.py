@@ -107,7 +107,9 @@ def test_table_is_sorted_by_throughput_with_the_best_marked(sweep):
     assert rows[0].startswith(
         "| **#3 dp_shard=8 tp=1 (best)** | fsdp_tp | 1×8×1×1 | 8 | bf16 | 3.00 (×1.000) |"
     )
-    assert "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | ok |" in rows[0]
+    assert (
+        "1,500 (1,333–1,714) | 12,000 (10,800–13,200) | 41.00% | 30.50 | 0.5 | — | ok |" in rows[0]
+    )
     assert rows[1].startswith("| #1 dp_shard=4 tp=2 |") and "(best)" not in rows[1]
     # A run's context-parallel degree is a column of its degrees; runs from before the cp
     # dim (3-dim meshes, no parallel.cp) show cp = 1.
@@ -189,6 +191,7 @@ def test_wandb_report_is_built_for_the_sweeps_group_without_a_server():
     assert kinds == ["BarPlot", "BarPlot", "ParallelCoordinatesPlot", "LinePlot"]
     degrees = [c.metric.name for c in grid.panels[2].columns][:6]
     assert degrees == [f"derived.{d}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")]
+    assert list(grid.panels[3].y) == ["loss", "val_loss"]
 
 
 @pytest.mark.parametrize(
@@ -223,3 +226,28 @@ def test_the_precision_column_names_the_float8_recipe_and_compile(precision, par
     cell = dict((name, text) for name, text, _ in COLUMNS)["precision"]
     config = {"precision": precision, "parallel": parallel}
     assert cell(Job(Path("."), 0, [], config, None, [])) == label
+
+
+def test_the_table_and_the_loss_plot_show_validation_losses(tmp_path):
+    """A job that validated during training: its last validation loss in the table's "val
+    loss" column, its validation points in loss.png and in the dashboard's loss chart."""
+    from hsdp_runner.report.dashboard import charts
+
+    fake_job(tmp_path, 0, ["parallel.tp=1"], {**ran(9000.0, [1, 8, 1]), "val_loss": 3.7125})
+    job_dir = next(tmp_path.iterdir())
+    (job_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss": 5.0 - s, **({"val_loss": 4.5 - s} if s % 2 else {})})
+            + "\n"
+            for s in (1, 2, 3)
+        )
+    )
+    fake_job(tmp_path, 1, ["parallel.tp=2"], ran(8000.0, [1, 4, 2]), losses=[5.0, 4.0])
+    jobs = compare.load_jobs(tmp_path)
+    rows = compare.table(jobs).splitlines()[2:]
+    assert rows[0].endswith("| 0.5 | 3.7125 | ok |") and rows[1].endswith("| 0.5 | — | ok |")
+    fig, _ = charts.curves(jobs)
+    val = [trace for trace in fig.data if trace.name.endswith(" val")]
+    assert len(val) == 1 and list(val[0].x) == [1, 3] and list(val[0].y) == [3.5, 1.5]
+    compare.plot_loss(jobs, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 0

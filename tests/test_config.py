@@ -35,7 +35,7 @@ def test_every_group_has_its_options():
     )
     assert {"llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"} <= set(GROUPS["model"])
     assert GROUPS["precision"] == ["bf16", "bf16_pure", "float8", "float8_rowwise", "fp32"]
-    assert set(GROUPS["data"]) == {"synthetic", "text"}
+    assert set(GROUPS["data"]) == {"synthetic", "text", "hf"}
     assert set(GROUPS["logger"]) == {"wandb", "none"}
 
 
@@ -96,7 +96,7 @@ def test_wrong_type_fails_at_composition_naming_the_key():
         ("parallel.ac=sometimes", "[none, full, selective]"),
         ("parallel.ddp_impl=ddp", "[replicate, fully_shard]"),
         ("precision.param_dtype=float8", "[float32, bfloat16, float16]"),
-        ("data.kind=images", "[synthetic, text]"),
+        ("data.kind=images", "[synthetic, text, hf]"),
         ("logger.name=tensorboard", "[wandb, none]"),
         ("logger.mode=cloud", "[offline, online, disabled]"),
         ("trainer.on_nan=ignore", "[stop, skip]"),

@@ -109,8 +109,7 @@ def _train_eval_frozen(cases):
     from rank_job import rank_trainer
 
     from hsdp_runner.models.llama import Llama
-    from hsdp_runner.train.data import TokenBatches
-    from hsdp_runner.train.trainer import EVAL_STEP_OFFSET
+    from hsdp_runner.train.data import EVAL_STEP_OFFSET, TokenBatches
 
     results = {}
     for (layout, reshard), cfg in cases:

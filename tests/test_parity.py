@@ -112,6 +112,9 @@ def test_every_layout_matches_single_process_within_1e5(parity):
         assert len(records) == STEPS
         assert max(rel_diffs(records, base)) <= 1e-5, layout
         assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, layout
+        validated = [(r, b) for r, b in zip(records, base) if "val_loss" in b]
+        assert [b["step"] for _, b in validated] == [STEPS // 2, STEPS], layout
+        assert all(abs(r["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"] for r, b in validated)
         assert (
             abs(summary["eval_loss"] - read_job(out / "single")[1]["eval_loss"])
             <= 1e-5 * summary["eval_loss"]
@@ -493,7 +496,8 @@ def test_a_layout_the_model_cannot_run_is_reported_as_skipped():
     ]
     table = parity_cli.format_table(rows, 1e-5)
     assert (
-        "| hsdp_cp_tp | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2" in table
+        "| hsdp_cp_tp | - | - | - | - | - | - | SKIP (the model cannot run it: parallel.cp=2"
+        in table
     )
 
 
@@ -515,3 +519,14 @@ def test_make_parity_runs_every_preset_that_needs_no_more_arguments(monkeypatch,
         "parity: left out auto: its degrees are chosen at launch (-1), which on CPU needs a "
         "rank count; run it with --layouts auto:launcher.nproc_per_node=4"
     ]
+
+
+def test_compare_checks_the_validation_losses_too():
+    base = [{"loss": 2.0, "grad_norm": 1.0}, {"loss": 1.5, "grad_norm": 1.0, "val_loss": 1.8}]
+    close = [{**base[0]}, {**base[1], "val_loss": 1.8 * (1 + 1e-7)}]
+    far = [{**base[0]}, {**base[1], "val_loss": 1.9}]
+    assert parity_cli.compare(base, close, 1e-5)["passed"]
+    row = parity_cli.compare(base, far, 1e-5)
+    assert not row["passed"] and row["max_rel_val_loss"] == pytest.approx(0.1 / 1.8)
+    unvalidated = [base[0], {k: v for k, v in base[1].items() if k != "val_loss"}]
+    assert parity_cli.compare(base, unvalidated, 1e-5)["note"] == "validated at other steps"

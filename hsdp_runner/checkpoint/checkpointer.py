@@ -13,9 +13,12 @@ FSDP-on-TP strided shards included), the LR scheduler, and every rank's RNG stat
 manifest ``checkpoint.json`` holds the step, the data position, the model shape and the
 layout it was saved under.
 
-The data loader needs no state of its own: ``data.TokenBatches`` makes the global batch of a
-step a pure function of (trainer.seed, step) and each dp rank takes its slice, so the loader
-position is the step, and it is valid under any dp degree.
+Synthetic and text data need no loader state: ``data.TokenBatches`` makes the global batch of
+a step a pure function of (trainer.seed, step) and each dp rank takes its slice, so the loader
+position is the step, valid under any dp degree. ``data=hf`` streams have a position
+(``hf_batches.position``: every lane's state and the global sample cursor), gathered from all
+ranks into one ``data_position`` entry of the checkpoint; lanes belong to the global batch,
+not to ranks, so it resumes under any dp degree too.
 
 Crash safety: every rank writes into ``step-N.partial``; after a barrier rank 0 writes the
 manifest and renames the folder to ``step-N`` (atomic on POSIX), so a checkpoint is visible
@@ -61,6 +64,8 @@ from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.pipeline import merged_view
 from hsdp_runner.models.base import ModelConfig, model_fields
 from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.train import hf_batches
+from hsdp_runner.train.hf_tokenizer import export_tokenizer
 from hsdp_runner.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -98,13 +103,19 @@ def set_rng_state(blob: bytes, device: torch.device) -> bool:
     return True
 
 
+# What else decides a data=hf stream's batches, recorded beside the keys every kind has.
+HF_DATA_KEYS = ("tokenizer", "text_field", "split", "val_split", "val_fraction", "shuffle_buffer")
+
+
 def data_facts(data_cfg: DataConfig, train: TrainerConfig, seq_len: int) -> dict:
     """What decides the batches of a step, as a checkpoint manifest records it (``data``):
-    the ``data`` config, ``trainer.seed`` and ``trainer.global_batch_size``, the sequence
-    length."""
+    the ``data`` config (data=hf: also ``HF_DATA_KEYS``), ``trainer.seed`` and
+    ``trainer.global_batch_size``, the sequence length."""
+    hf_keys = HF_DATA_KEYS if str(data_cfg.kind) == "hf" else ()
     return {
         "kind": str(data_cfg.kind),
         "path": data_cfg.path,
+        **{key: getattr(data_cfg, key) for key in hf_keys},
         "seed": train.seed,
         "global_batch_size": train.global_batch_size,
         "seq_len": seq_len,
@@ -155,6 +166,7 @@ class Checkpointer:
             trainer.scheduler,
         )
         self.total_steps, self.master_dtype = trainer.train.steps, precision.master_dtype
+        self.trainer = trainer  # its data position (a data=hf stream's) is saved and restored
         self.data, self.fault = data_facts(data, trainer.train, model.seq_len), trainer.fault
         self.folder = checkpoint_dir(ckpt_cfg, output_dir)
         self.export_folder = export_dir(ckpt_cfg, output_dir)
@@ -193,6 +205,9 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = {**self._state(), "rng": None}
+        has_position = "position" in manifest.get("data", {})
+        if has_position and self.trainer.batches.stateful:
+            state["data_position"] = None
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, dcp.CheckpointException) as err:
@@ -207,6 +222,8 @@ class Checkpointer:
             optim_state_dict=state["optimizer"],
         )
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("data_position") is not None:
+            self.trainer.batches.restore(json.loads(state["data_position"]))
         restored = len(state["rng"]) == self.dims.world_size and set_rng_state(
             state["rng"][self.rank], self.device
         )
@@ -226,14 +243,26 @@ class Checkpointer:
             self.dims.layout,
             self.dims.world_size,
         )
-        log.info(
-            "data position carries over: the batch of step s is a function of "
-            "(trainer.seed, s) split over the dp ranks, so step %d is the same batch at "
-            "dp=%d as it was at dp=%d",
-            manifest["step"] + 1,
-            self.dims.dp,
-            saved["dp"],
-        )
+        position = manifest["data"].get("position")
+        if position is not None and self.trainer.batches.stateful:
+            log.info(
+                "data position carries over: the data=hf stream continues at sample %d of "
+                "its %d lanes (step %d), now split over dp=%d (saved at dp=%d)",
+                position["samples"],
+                position["lanes"],
+                manifest["step"] + 1,
+                self.dims.dp,
+                saved["dp"],
+            )
+        elif not self.trainer.batches.stateful:
+            log.info(
+                "data position carries over: the batch of step s is a function of "
+                "(trainer.seed, s) split over the dp ranks, so step %d is the same batch at "
+                "dp=%d as it was at dp=%d",
+                manifest["step"] + 1,
+                self.dims.dp,
+                saved["dp"],
+            )
         changed = [
             f"{k} {manifest['data'].get(k)!r} -> {v!r}"
             for k, v in self.data.items()
@@ -322,8 +351,11 @@ class Checkpointer:
         run_on_rank0(f"preparing {partial}", prepare, self._wait_s)
         rng = [None] * self.dims.world_size
         dist.all_gather_object(rng, rng_state(self.device))
+        extra = {"rng": rng}
+        if self.trainer.batches.stateful:
+            extra["data_position"] = self._data_position(step)
         dist.barrier()
-        dcp.save({**self._state(), "rng": rng}, checkpoint_id=str(partial))
+        dcp.save({**self._state(), **extra}, checkpoint_id=str(partial))
         inject_fault(self.fault, self.rank, step, phase=FaultPhase.save)
         dist.barrier()
 
@@ -337,6 +369,15 @@ class Checkpointer:
         self.facts["last_checkpoint"] = str(final)
         return final
 
+    def _data_position(self, step: int) -> bytes:
+        """Every lane's state after ``step`` (each rank holds its own lanes'; all gathered),
+        as the JSON bytes every rank saves alike (DCP keeps one copy)."""
+        every = [None] * self.dims.world_size
+        dist.all_gather_object(every, self.trainer.data_state(step))
+        states = {lane: state for part in every for lane, state in part.items()}
+        gbs = self.trainer.batches.global_batch
+        return json.dumps(hf_batches.position(states, step, gbs)).encode()
+
     def _manifest(self, step: int) -> dict:
         return {
             "format": FORMAT,
@@ -346,11 +387,7 @@ class Checkpointer:
             "layout": self.dims.describe(),
             "model": model_fields(self.model_cfg),
             "master_dtype": str(self.master_dtype),
-            "data": {
-                "next_step": step,
-                **self.data,
-                "loader": "stateless: batch(step) = f(seed, step), sliced by dp rank",
-            },
+            "data": {"next_step": step, **self.data, **self.trainer.batches.manifest_facts(step)},
         }
 
     def _commit(self, partial: Path, final: Path, step: int) -> None:
@@ -411,6 +448,8 @@ class Checkpointer:
             hf.write_export(
                 weights, self.model_cfg, dtype, self.export_folder, c.export_max_shard_gib
             )
+            if isinstance(self.trainer.batches, hf_batches.HFBatches):  # its tokenizer too
+                export_tokenizer(self.trainer.batches.tokenizer, self.export_folder)
             log.info("exported Hugging Face weights (%s) to %s", c.export_dtype, self.export_folder)
 
         run_on_rank0(f"exporting to {self.export_folder}", write, self._wait_s)

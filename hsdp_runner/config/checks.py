@@ -15,7 +15,13 @@ import dataclasses
 import difflib
 import typing
 
-from hsdp_runner.config.schema import LauncherConfig, PrecisionConfig, RunConfig, TrainerConfig
+from hsdp_runner.config.schema import (
+    DataConfig,
+    LauncherConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainerConfig,
+)
 from hsdp_runner.core.choices import Choice, DataKind, Dtype, FaultKind, Float8Recipe, LauncherName
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.signal_names import parse_signal
@@ -137,6 +143,14 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.eval_batches={c.trainer.eval_batches} must be >= 0 (0 = no eval)"
         )
+    if c.trainer.val_every < 0:
+        raise ConfigError(
+            f"trainer.val_every={c.trainer.val_every} must be >= 0 (0 = no validation)"
+        )
+    if c.trainer.val_every:
+        _require_positive("trainer.val_batches", c.trainer.val_batches)
+    if c.data.kind == DataKind.hf:
+        _validate_hf_data(c.data)
     _validate_launcher(c.launcher)
     if c.metrics.warmup_steps < 0:
         raise ConfigError(f"metrics.warmup_steps={c.metrics.warmup_steps} must be >= 0")
@@ -180,6 +194,19 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
     if c.optim.lr <= 0:
         raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
+
+
+def _validate_hf_data(data: DataConfig) -> None:
+    """The ranges of the ``data=hf`` keys (the path and the tokenizer, which data=hf needs,
+    are checked with their files before launch: ``train/hf_checks.py``)."""
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(
+            f"data.val_fraction={data.val_fraction} must lie between 0 and 1 (the share of "
+            "documents held out when data.val_split is null)"
+        )
+    for key, low in (("shuffle_buffer", 0), ("workers", 0), ("prefetch", 1)):
+        if getattr(data, key) < low:
+            raise ConfigError(f"data.{key}={getattr(data, key)} must be >= {low}")
 
 
 def validate_float8(precision: PrecisionConfig, tp: int = 1) -> None:

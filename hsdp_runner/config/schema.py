@@ -107,8 +107,23 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
+    """The training data (conf/data/*.yaml). ``kind=hf`` reads the keys below ``path``
+    (hsdp_runner/train/hf_*.py, docs/data.md); synthetic and text data ignore them."""
+
     kind: DataKind = DataKind.synthetic
     path: Optional[str] = None
+    tokenizer: Optional[str] = None
+    text_field: str = "text"
+    split: str = "train"
+    val_split: Optional[str] = None
+    val_fraction: float = 0.01
+    streaming: bool = False
+    shuffle_buffer: int = 64
+    workers: int = 0
+    prefetch: int = 2
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -151,6 +166,9 @@ class TrainerConfig:
     accum_reduce: AccumReduce = AccumReduce.every
     log_every: int = 1
     eval_batches: int = 0
+    # Validation during training: every val_every steps (0: never), val_batches held-out batches.
+    val_every: int = 0
+    val_batches: int = 2
     freeze: list = field(default_factory=list)
     on_nan: OnNan = OnNan.stop
 

@@ -76,10 +76,12 @@ class Float8Recipe(Choice):
 
 
 class DataKind(Choice):
-    """``data.kind``: synthetic tokens or a byte-level text file."""
+    """``data.kind``: synthetic tokens, a byte-level text file, or a dataset and tokenizer
+    of Hugging Face's libraries (``hf``)."""
 
     synthetic = "synthetic"
     text = "text"
+    hf = "hf"
 
 
 class Logger(Choice):

@@ -102,6 +102,8 @@ class RunSummary:
     skipped_steps: Optional[int] = _trained()
     final_loss: Optional[float] = _trained()
     eval_loss: Optional[float] = _trained()
+    # The last validation during training (trainer.val_every; each is in metrics.jsonl).
+    val_loss: Optional[float] = None
     peak_tflops: Optional[float] = _trained()
     peak_tflops_source: Optional[str] = _trained()
     flops_per_token: Optional[float] = _trained()
@@ -119,6 +121,9 @@ class RunSummary:
     max_tps_global: Optional[float] = None
     median_tflops: Optional[float] = _trained()
     median_mfu: Optional[float] = _trained()
+    # Seconds a step waited for its batch: median after warm-up, longest of all steps.
+    median_data_wait_s: Optional[float] = None
+    max_data_wait_s: Optional[float] = None
     mem_peak_gib: Optional[float] = _trained()
     # Checkpointing (Checkpointer.facts).
     start_step: Optional[int] = _trained()

@@ -205,6 +205,8 @@ COLUMNS: tuple[Column, ...] = (
         lambda j: _num(j.summary.median_step_time_s, ".3g"),
         lambda j: j.summary.median_step_time_s,
     ),
+    # The last validation (trainer.val_every): equal across layouts of one model and data.
+    ("val loss", lambda j: _num(j.summary.val_loss, ".4f"), lambda j: j.summary.val_loss),
     ("status", _status, lambda j: j.status.rank),
 )
 

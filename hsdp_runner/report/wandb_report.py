@@ -71,7 +71,7 @@ def build_report(project: str, entity: str | None, group: str, title: str):
             wr.ParallelCoordinatesPlot(
                 title="degrees vs throughput, MFU, memory", columns=degrees + figures
             ),
-            wr.LinePlot(title="loss", x="step", y=["loss"]),
+            wr.LinePlot(title="loss (and validation)", x="step", y=["loss", "val_loss"]),
         ],
     )
     return wr.Report(

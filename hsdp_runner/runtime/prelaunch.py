@@ -37,6 +37,7 @@ from hsdp_runner.models.base import build_meta_model, model_spec
 from hsdp_runner.models.params import frozen_names
 from hsdp_runner.runtime import auto_job
 from hsdp_runner.train.data import load_corpus
+from hsdp_runner.train.hf_checks import check_data, check_resume
 
 
 def under_torchrun() -> bool:
@@ -111,10 +112,14 @@ def validate(
         float8.check_tp(cfg.model, dims.tp, cfg.parallel.sequence_parallel)
     if cfg.data.kind == DataKind.text:
         load_corpus(cfg.data.path, cfg.model.seq_len + 1)
+    if cfg.data.kind == DataKind.hf:
+        check_data(cfg.data, cfg.trainer, cfg.model.vocab_size, cfg.model.seq_len)
     if cfg.trainer.freeze:
         frozen_names(dict(build_meta_model(cfg.model).named_parameters()), cfg.trainer.freeze)
     _check_writable(output_dir)
-    checkpoint_start.validate(cfg.checkpoint, cfg.model, cfg.trainer.steps, output_dir)
+    start = checkpoint_start.validate(cfg.checkpoint, cfg.model, cfg.trainer.steps, output_dir)
+    if cfg.data.kind == DataKind.hf:
+        check_resume(cfg.data, cfg.trainer, start.manifest)
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         for message in dims.node_warnings():
             print(f"hsdp_runner: warning: {message}", file=sys.stderr)

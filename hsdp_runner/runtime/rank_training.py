@@ -32,7 +32,7 @@ from hsdp_runner.models.base import build_meta_model, model_spec, routed_experts
 from hsdp_runner.report import prediction
 from hsdp_runner.runtime.signals import StopRequest, signal_name
 from hsdp_runner.train import metrics, profiling, sinks
-from hsdp_runner.train.data import TokenBatches
+from hsdp_runner.train.data import make_batches
 from hsdp_runner.train.figures import RunFigures, compute_run_figures, run_peak
 from hsdp_runner.train.loss import loss_parallel_on, next_token_loss
 from hsdp_runner.train.tensor_memory import TensorMemoryMeter
@@ -136,6 +136,15 @@ def train_rank(
             "skipped_steps": trainer.skipped_steps,
             "final_loss": records[-1]["loss"] if records else None,
             "eval_loss": eval_loss,
+            # The last validation of the whole run (a resumed job's may be in an earlier attempt).
+            "val_loss": next(
+                (
+                    r["val_loss"]
+                    for r in reversed(sinks.read_metrics(output_dir))
+                    if "val_loss" in r
+                ),
+                None,
+            ),
             "peak_tflops": figures.peak_tflops,
             "peak_tflops_source": figures.peak_source,
             "flops_per_token": figures.flops_per_token,
@@ -176,7 +185,7 @@ def make_trainer(
     """Build the Trainer from the typed config: the rank's ``schedule`` (``build_rank_model``),
     the sections it uses, this rank's batches and the run's fixed figures; ``trackers`` on rank
     0 (an empty list elsewhere)."""
-    batches = TokenBatches(
+    batches = make_batches(
         cfg.data,
         cfg.model.vocab_size,
         cfg.model.seq_len,

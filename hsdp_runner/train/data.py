@@ -4,10 +4,15 @@ A batch is a function of (seed, step) alone; each data-parallel rank takes its c
 slice of it, and each context-parallel rank its part of every sequence (inputs and targets
 alike, in the head-tail order of ``context_parallel``). That keeps layouts comparable and makes
 the loader position just the step.
-Two sources: ``synthetic`` (a seeded Zipf + bigram process, any vocab) and ``text`` (a real
-corpus through a byte-level tokenizer; by default the Python documentation topics that ship
-with CPython in ``pydoc_data``). ``Prefetcher`` makes the next step's batch in a background
-thread while the current step runs, so the step itself only picks it up.
+Two sources here: ``synthetic`` (a seeded Zipf + bigram process, any vocab) and ``text`` (a
+real corpus through a byte-level tokenizer; by default the Python documentation topics that
+ship with CPython in ``pydoc_data``). ``Prefetcher`` makes the next step's batch in a background
+thread while the current step runs, so the step itself only picks it up. The held-out batches
+are those of steps no run reaches (``EVAL_STEP_OFFSET`` on).
+
+The third, ``hf`` (a dataset and a tokenizer of Hugging Face's libraries), is a stream with a
+saved position (``hf_batches.HFBatches``); ``make_batches`` builds either for a rank. Both
+answer ``held_out(i)``, ``split(rows)`` and ``stream(start_step, device)``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from hsdp_runner.config.schema import DataConfig
 from hsdp_runner.core.choices import DataKind
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.context_parallel import shard_sequence
+from hsdp_runner.train.hf_batches import HFBatches
+
+# Held-out batches come from step indices no training run reaches.
+EVAL_STEP_OFFSET = 1 << 40
 
 
 def encode_bytes(text: str) -> torch.Tensor:
@@ -97,6 +106,8 @@ def follow_successors(
 class TokenBatches:
     """Yields this rank's (inputs, targets) for a step; see the module docstring."""
 
+    stateful = False  # the position is the step: nothing to save
+
     def __init__(
         self,
         data_cfg: DataConfig,
@@ -148,6 +159,19 @@ class TokenBatches:
         of each row its cp part."""
         return self.split(self.local_rows(step))
 
+    def manifest_facts(self, step: int) -> dict:
+        """How a checkpoint's manifest describes the loader position after ``step``."""
+        return {"loader": "stateless: batch(step) = f(seed, step), sliced by dp rank"}
+
+    def held_out(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of held-out batch ``index`` (never trained on) as (inputs,
+        targets), on CPU."""
+        return self.local_batch(EVAL_STEP_OFFSET + index)
+
+    def stream(self, start_step: int, device: torch.device) -> Prefetcher:
+        """This rank's batches from ``start_step`` on, made a step ahead (``Prefetcher``)."""
+        return Prefetcher(self, device)
+
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of ``local_rows``' (rows, seq_len + 1) tokens, each cut to this cp
         rank's positions (a target stays beside its input token)."""
@@ -187,7 +211,30 @@ class Prefetcher:
         self._ahead = (step + 1, self._pool.submit(self._make, step + 1))
         return self.batches.split(batch.to(self.device, non_blocking=True))
 
+    def state_at(self, step: int) -> None:
+        """No state: a batch is a function of (seed, step) (``HFBatches``' streams have one)."""
+        return None
+
     def close(self) -> None:
         """Stop the background thread (a batch being made is finished and dropped)."""
         self._ahead = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def make_batches(
+    data_cfg: DataConfig,
+    vocab_size: int,
+    seq_len: int,
+    global_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> TokenBatches | HFBatches:
+    """This rank's batches of ``data.kind`` (the ``data`` section ``data_cfg``): HFBatches for
+    ``hf``, else TokenBatches; the other arguments as TokenBatches takes them."""
+    kind = HFBatches if DataKind(data_cfg.kind) is DataKind.hf else TokenBatches
+    return kind(
+        data_cfg, vocab_size, seq_len, global_batch, dp_rank, dp_size, seed, cp_rank, cp_size
+    )

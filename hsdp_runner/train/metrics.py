@@ -297,10 +297,13 @@ def steady_state(records: list[dict], warmup_steps: int) -> dict:
     """
     steady = records[warmup_steps:] or records
     out = {"steady_steps": len(steady), "warmup_steps_excluded": len(records) - len(steady)}
-    for key in ("step_time_s", "tps_per_device", "tps_global", "tflops", "mfu"):
+    for key in ("step_time_s", "tps_per_device", "tps_global", "tflops", "mfu", "data_wait_s"):
         values = [r[key] for r in steady if r.get(key) is not None]
         out[f"median_{key}"] = statistics.median(values) if values else None
         if key in ("tps_per_device", "tps_global", "step_time_s") and values:
             out[f"min_{key}"], out[f"max_{key}"] = min(values), max(values)
+    # The longest wait for a batch, warm-up included: a loader that cannot keep up shows here.
+    waits = [r["data_wait_s"] for r in records if r.get("data_wait_s") is not None]
+    out["max_data_wait_s"] = max(waits, default=None)
     out["mem_peak_gib"] = max((r["mem_peak_gib"] for r in records), default=None)
     return out

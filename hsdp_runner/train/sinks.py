@@ -205,6 +205,8 @@ def wandb_summary(summary: RunSummary) -> dict:
         "final_loss": summary.final_loss,
         "skipped_steps": summary.skipped_steps,
     }
+    if summary.val_loss is not None:
+        out["val_loss"] = summary.val_loss
     out |= {f"mem_estimate_gib/{k}": v for k, v in (summary.mem_estimate_gib or {}).items()}
     if summary.mem_peak_gib_per_rank:
         out["mem_peak_gib_max_rank"] = max(summary.mem_peak_gib_per_rank)

@@ -3,7 +3,9 @@
 Runs on every rank with the already-sharded model; rank 0 alone writes the console line,
 ``metrics.jsonl``, W&B and ``summary.json``. The host runs a step ahead of the device: per
 step one collective of its own and one host read, one step late (``step_stats``), and the
-next batch is made in a background thread (``data.Prefetcher``).
+next batch is made in the background (``data.Prefetcher``, or a data=hf stream); how long a
+step waited for it is its record's ``data_wait_s``. With ``trainer.val_every`` the held-out
+batches are evaluated every that many steps (the record's ``val_loss``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import math
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,13 +35,11 @@ from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
 from hsdp_runner.train.grad_clip import clip_grad_norm
+from hsdp_runner.train.hf_batches import HFBatches, LaneLoader
 from hsdp_runner.train.loss import loss_context
 from hsdp_runner.train.sinks import Tracker
 
 log = logging.getLogger(__name__)
-
-# Eval batches come from step indices no training run reaches.
-EVAL_STEP_OFFSET = 1 << 40
 
 
 def build_optimizer(
@@ -123,7 +124,7 @@ class Trainer:
         dims: ParallelDims,
         world: WorldMesh,
         device: torch.device,
-        batches: TokenBatches,
+        batches: TokenBatches | HFBatches,
         figures: RunFigures,
         *,
         spec: ModelSpec,
@@ -155,6 +156,9 @@ class Trainer:
         # (equal token counts), so the loss is their mean.
         self.counts_loss = world.local_rank_in("tp") == 0 and schedule.is_last
         self.records: list[dict] = []
+        self.stream: Prefetcher | LaneLoader | None = None  # the batches of fit()
+        self._data_wait: dict[int, float] = {}  # step -> seconds it waited for its batch
+        self._val_loss: dict[int, float] = {}  # 1-based step -> validation loss after it
         self.skipped_steps = 0
         self.stopped_by: int | None = None  # signal number when a stop request ended fit()
         self.last_step = 0
@@ -166,7 +170,7 @@ class Trainer:
         self.comm_routing: list[tuple[int, int]] | None = None
 
     def _forward_backward(
-        self, step: int, data: Prefetcher, signum: int | None
+        self, step: int, data: Prefetcher | LaneLoader, signum: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue step ``step``'s forward and backward (the schedule's micro-batches), the
         clipping over every stage's gradients and the stats all-reduce.
@@ -174,7 +178,9 @@ class Trainer:
         Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
         """
         poison = inject_fault(self.fault, self.rank, step + 1)
+        waited = time.perf_counter()
         inputs, targets = data.get(step)
+        self._data_wait[step] = time.perf_counter() - waited
         loss = self.schedule.step(inputs, targets, poison)
         params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm(params, self.grad_clip, self.schedule.pp_group)
@@ -195,8 +201,9 @@ class Trainer:
         return figures or {}
 
     @torch.no_grad()
-    def evaluate(self, n_batches: int) -> float:
-        """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged.
+    def evaluate(self, n_batches: int, what: str = "eval") -> float:
+        """Mean loss over ``n_batches`` held-out batches (never used for training), dp-averaged
+        (``what`` names it in the log: eval after training, or validation during it).
 
         Runs the stages in eval mode through the same sharded forward as training, so it
         exercises FSDP's unshard/reshard outside of backward.
@@ -206,7 +213,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         with loss_context(self.loss_parallel):
             for i in range(n_batches):
-                inputs, targets = self.batches.local_batch(EVAL_STEP_OFFSET + i)
+                inputs, targets = self.batches.held_out(i)
                 loss = self.schedule.eval_loss(inputs.to(self.device), targets.to(self.device))
                 total += loss if self.counts_loss else 0.0
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # each dp x cp rank's loss once
@@ -214,8 +221,24 @@ class Trainer:
             part.train()
         loss = total.item() / (self.dims.dp_cp * n_batches)
         if self.rank == 0:
-            log.info("eval loss %.6f over %d held-out batches", loss, n_batches)
+            log.info("%s loss %.6f over %d held-out batches", what, loss, n_batches)
         return loss
+
+    def _validate(self, done: int) -> None:
+        """With ``trainer.val_every``: the validation loss once ``done`` steps are done (their
+        updates queued), kept for step ``done``'s record."""
+        every = self.train.val_every
+        if every and done % every == 0 and done not in self._val_loss:
+            self._val_loss[done] = self.evaluate(self.train.val_batches, f"step {done}: val")
+
+    def data_state(self, step: int) -> dict | None:
+        """This rank's data position after ``step`` steps (a data=hf stream's lane states;
+        None for stateless data), for the checkpoint."""
+        if self.stream is None or (state := self.stream.state_at(step)) is None:
+            if self.batches.stateful:
+                raise RuntimeError(f"no data position kept for step {step}")
+            return None
+        return state
 
     def fit(self, start_step: int = 0, after_step=None, stop=None) -> list[dict]:
         """Run steps ``start_step``..``train.steps - 1`` (0-based); reports each to the sinks.
@@ -228,16 +251,20 @@ class Trainer:
         was signalled, all stop after that step (step s+1's gradients are dropped) and
         ``stopped_by`` is set. A non-finite step is never applied; with
         ``trainer.on_nan=stop`` NonFiniteError is raised when it is read, with ``skip`` it
-        is counted. Returns the reported records.
+        is counted. With ``trainer.val_every`` the held-out batches are evaluated once every
+        that many steps are done (before the next step's forward), into that step's record
+        (``val_loss``). Returns the reported records.
         """
         steps = self.train.steps
         bar = progress_bar(steps, start_step, self.rank)
         for part in self.parts:
             part.train()
-        data = Prefetcher(self.batches, self.device)
+        data = self.stream = self.batches.stream(start_step, self.device)
         pending = None
         try:
             for step in range(start_step, steps):
+                if step > start_step:
+                    self._validate(step)
                 counter = self.comm_counter if step + 1 == self.comm_step else None
                 marks = [step_stats.mark(self.device)]
                 with (
@@ -264,6 +291,7 @@ class Trainer:
                     step, lr, stats, grad_norm, marks, counter, self.dims.dp_cp, figures
                 )
             if pending is not None:
+                self._validate(pending.step + 1)
                 self._finish(pending, after_step, bar)
         finally:
             data.close()
@@ -308,6 +336,9 @@ class Trainer:
         )
         record["skipped"] = values.nonfinite
         record.update(values.figures)
+        record["data_wait_s"] = self._data_wait.pop(pending.step)
+        if step in self._val_loss:
+            record["val_loss"] = self._val_loss.pop(step)
         self.last_step = step
         if pending.counter is not None:
             record.update(self._comm_record(pending.counter, step))
@@ -344,8 +375,9 @@ class Trainer:
         step = record["step"]
         if self.rank == 0 and (step % self.train.log_every == 0 or step == self.train.steps):
             mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+            val = f"val {record['val_loss']:.4f}  " if "val_loss" in record else ""
             bar.write(
-                f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  "
+                f"step {record['step']:>4}/{self.train.steps}  loss {record['loss']:.4f}  {val}"
                 f"gnorm {record['grad_norm']:.3f}  lr {record['lr']:.2e}  "
                 f"{record['tps_per_device']:,.0f} tok/s/dev  {record['tps_global']:,.0f} tok/s  "
                 f"{record['tflops']:.3g} TFLOP/s  mfu {mfu}  mem {record['mem_peak_gib']:.2f} GiB  "

@@ -183,12 +183,16 @@ def parallel_coordinates(jobs: list[Job]):
 def curves(jobs: list[Job]):
     """Loss and step time against step of every job that logged a step, overlaid, and the
     experts' balance (busiest expert's load over the mean, the largest over the MoE layers)
-    when a job has experts; jobs that did not complete are dashed."""
+    when a job has experts; jobs that did not complete are dashed; validation losses
+    (``trainer.val_every``) are dotted, with markers, beside their job's training loss."""
     go, make_subplots = _go()
     logged = sorted((j for j in jobs if j.records), key=lambda j: j.num)
     if not logged:
         return None, "no job has logged a step yet"
-    panels = [("loss", ".4f", "training loss"), ("step_time_s", ".3f", "step time s (log scale)")]
+    panels = [
+        ("loss", ".4f", "training loss (dotted: validation)"),
+        ("step_time_s", ".3f", "step time s (log scale)"),
+    ]
     if any(balance(j) for j in logged):
         panels.append((LOAD_KEY, ".3f", "experts: busiest load / mean (1 = balanced)"))
     fig = make_subplots(
@@ -230,6 +234,23 @@ def curves(jobs: list[Job]):
                     hovertemplate=f"<b>{name}</b><br>step %{{x}}<br>{key} %{{y:{fmt}}}<extra></extra>",
                 ),
                 row=row,
+                col=1,
+            )
+        val = [(r["step"], r["val_loss"]) for r in job.records if r.get("val_loss") is not None]
+        if val:
+            fig.add_trace(
+                go.Scatter(
+                    x=[s for s, _ in val],
+                    y=[v for _, v in val],
+                    name=f"{name} val",
+                    legendgroup=name,
+                    showlegend=False,
+                    mode="lines+markers",
+                    line={**line, "dash": "dot"},
+                    marker=dict(size=7),
+                    hovertemplate=f"<b>{name}</b><br>step %{{x}}<br>val_loss %{{y:.4f}}<extra></extra>",
+                ),
+                row=1,
                 col=1,
             )
     fig.update_yaxes(type="log", row=2, col=1)
