@@ -153,6 +153,11 @@ BAD_INPUTS = [
         None,
     ),  # none meets
     (
+        ["parallel=auto", "launcher.nproc_per_node=2", "model=moe_tiny"],
+        "model=moe_tiny has routed experts (model.n_experts=8), which the planner does not",
+        None,
+    ),
+    (
         ["parallel=auto"],
         "parallel=auto on CPU needs the number of ranks to plan for and start: "
         "set launcher.nproc_per_node",

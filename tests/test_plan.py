@@ -392,6 +392,7 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
             ["cluster=h100_sxm", "cluster.nodes=16", "trainer.global_batch_size=8"],
             "valid for this config: trainer.global_batch_size=8 is not divisible",
         ),
+        (["model=qwen3_30b_a3b"], "model.n_experts=128), which the planner does not price"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args, message, capsys):

@@ -45,6 +45,7 @@ from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.layouts import (
     Scenario,
     check_plan_options,
+    check_plannable_model,
     enumerate_layouts,
     plan_layouts,
     plan_scenarios,
@@ -140,6 +141,7 @@ def plan_job(
     start = time.perf_counter()
     run = to_run_config(cfg)
     check_plan_options(run.plan)
+    check_plannable_model(run.model)
     fixed = fixed_degrees(run.parallel)
     try:  # a degree no layout has fails here, before anything is measured
         with_degrees(enumerate_layouts(run, world_size, ranks_per_node), fixed, world_size)

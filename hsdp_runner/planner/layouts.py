@@ -34,7 +34,7 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
-from hsdp_runner.models.base import model_spec
+from hsdp_runner.models.base import model_spec, routed_experts
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import mem_phases, pipeline
 from hsdp_runner.planner import memory as plan_memory
@@ -68,6 +68,20 @@ def check_plan_options(plan: PlanConfig) -> None:
         )
     if plan.top_k < 1:
         raise ConfigError(f"plan.top_k={plan.top_k} must be >= 1")
+
+
+def check_plannable_model(model) -> None:
+    """Raise ConfigError for a model the planner cannot price: one with routed experts
+    (``model.n_experts``). Its memory and step time need what it does not model yet (expert
+    weights over ep x the experts' FSDP dim, dispatch buffers, routing imbalance, grouped
+    matmul efficiency, the all-to-alls): a figure for them would be a dense model's guess."""
+    experts = routed_experts(model)
+    if experts:
+        raise ConfigError(
+            f"model={model.name} has routed experts (model.n_experts={experts}), which the "
+            "planner does not price yet; train it with explicit degrees instead (parallel.ep, "
+            "docs/moe.md), or plan a dense model"
+        )
 
 
 def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
