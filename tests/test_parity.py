@@ -390,13 +390,15 @@ EP_CASES = {
     "grad_accum_steps=2": ["parallel=fsdp", "parallel.ep=2", "trainer.grad_accum_steps=2"],
     # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
     # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only
-    # (expert_parallel.compile_refusal).
+    # (expert_parallel.compile_refusal). Three steps: the first compiles (20 of the pool's
+    # 60 s), each later one meets new token counts and recompiles (10 s more for six).
     "compile": [
         "parallel=fsdp",
         "parallel.ep=2",
         "parallel.compile=true",
         "parallel.compile_backend=aot_eager",
         "model.grouped_mm=false",
+        "trainer.steps=3",
     ],
 }
 
@@ -442,12 +444,12 @@ def test_expert_parallel_matches_single_process_within_1e5(parity, ep_runs, case
     base, _ = read_job(out / "single")
     records, facts, _ = ep_runs[0][case]
     assert facts["ep"] > 1 and facts["layout"].endswith("_ep"), facts
-    assert len(records) == STEPS
+    assert len(records) == (3 if case == "compile" else STEPS)
     assert max(rel_diffs(records, base)) <= 1e-5, case
     assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, case
     assert max(rel_diffs(records, base, "moe/aux_loss")) <= 1e-5, case
     for key in ("moe/load_max_over_mean", "moe/load_max_over_mean/layer_2"):
-        assert [r[key] for r in records] == [r[key] for r in base], (case, key)
+        assert [r[key] for r in records] == [r[key] for r in base[: len(records)]], (case, key)
 
 
 @pytest.mark.multiprocess
