@@ -1,7 +1,7 @@
 """What model families share: the seeded initial values, the parameter name without wrapper
 prefixes, the Llama-style building blocks (RMSNorm, rotary embeddings, the SwiGLU feed-forward),
-causal attention (grouped-query heads repeated) and the TP style that keeps a module whole on
-the TP mesh.
+causal attention (grouped-query heads repeated), the TP style that keeps a module whole on
+the TP mesh, and the decoder skeleton of the Llama-style families (``RotaryDecoder``).
 
 A family module (``llama.py``, ``moe.py``, ``gpt2.py``) imports these instead of another family's module,
 so each family reads on its own. Helpers the runner uses outside the models (dtype names,
@@ -11,6 +11,7 @@ freezing, copying a full value into a shard) are ``params``'.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,9 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
 )
+
+from hsdp_runner.models.base import ModelConfig
+from hsdp_runner.models.params import copy_full_into
 
 
 @dataclass(frozen=True)
@@ -156,3 +160,93 @@ class ReplicatedParams(ParallelStyle):
             return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+class RotaryDecoder(nn.Module):
+    """The decoder the Llama-style families share: token embedding, the blocks (keyed
+    "0".."n-1", each called as ``block(h, cos, sin)``), final RMSNorm, output layer and the RoPE
+    tables of ``head_dim``-wide heads. ``forward(tokens)`` returns logits (batch, seq, vocab).
+
+    A family builds it with its blocks and names its output projections in ``DEPTH_SCALED``
+    (name suffixes initialised at std / sqrt(2 n_layers)); what it holds beyond that (the
+    TP plan, buffers of its own) it adds in a subclass.
+    """
+
+    DEPTH_SCALED: tuple[str, ...] = ("wo.weight", "w2.weight")
+
+    def __init__(self, cfg: ModelConfig, blocks: list[nn.Module], head_dim: int):
+        # cfg: a family's config (LlamaConfig, MoEConfig), which adds norm_eps and rope_theta.
+        super().__init__()
+        self.cfg, self.head_dim = cfg, head_dim
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0".."n-1" keeps block names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # Set by the sharding applier when compiled blocks follow a TP embedding (see parallelize).
+        self.clone_embedding_output = False
+        self.sequence_shard = None  # set under context parallel (``shard_sequence``)
+
+    def blocks(self) -> nn.ModuleDict:
+        """The transformer blocks (what AC, compile and FSDP wrap)."""
+        return self.layers
+
+    def pipeline_ends(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The token embedding before the blocks; the final norm and output layer after."""
+        return ("tok_embeddings",), ("norm", "output")
+
+    def shard_sequence(self, shard) -> None:
+        """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
+        self.sequence_shard = shard
+        for block in self.layers.values():
+            block.attention.attend = shard.attention
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # A later pipeline stage (no embedding) takes the previous stage's hidden state.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        if self.clone_embedding_output and self.tok_embeddings is not None:
+            h = h.clone()
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.sequence_shard is not None:  # the rank's tokens are not positions 0, 1, ...
+            # A later stage's input, a hidden state, is split over tp too under sequence
+            # parallel; its blocks' attention sees (and checks) the cp rank's whole part.
+            first = self.tok_embeddings is not None
+            local_len = tokens.shape[1] if first else self.sequence_shard.local_len
+            positions = self.sequence_shard.positions(local_len, cos.device)
+            cos, sin = cos[positions], sin[positions]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.output is None:  # a pipeline stage before the last
+            return h
+        return self.output(self.norm(h))
+
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and the RoPE tables deterministically from ``seed``.
+
+        Norms start at 1; every other parameter's full value is drawn on the parameter's own
+        device (``initial_value``) from a generator seeded by (seed, name), then cut to this
+        rank's shard, so every layout starts from identical weights and a GPU draws even a 70B
+        model in seconds. (The DTensor RNG would also be deterministic, but its stream depends
+        on the mesh.) On CPU the values are those of torch's CPU generator. On CUDA they come
+        from a CUDA generator: equally a function of (seed, name), the same on every rank and
+        in every layout of a job, but not equal to the CPU values, and not promised equal
+        across GPU models or torch versions (torch may split the draw differently over another
+        GPU's multiprocessors).
+        """
+        std = self.cfg.init_std
+        depth_std = std / math.sqrt(2 * self.cfg.n_layers)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if name.endswith("norm.weight"):
+                    full = torch.ones(param.shape, device=local.device)
+                else:
+                    scale = depth_std if name.endswith(self.DEPTH_SCALED) else std
+                    full = initial_value(name, tuple(param.shape), seed, scale, local.device)
+                copy_full_into(param, full)
+            cos, sin = rope_tables(self.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)

@@ -10,14 +10,13 @@ code runs whole or with its heads split over a TP mesh.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from omegaconf import MISSING
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
@@ -30,15 +29,13 @@ from hsdp_runner.models.common import (
     FeedForward,
     ReplicatedParams,
     RMSNorm,
+    RotaryDecoder,
     TPStyles,
     apply_rope,
     causal_attention,
-    initial_value,
     output_layer_style,
-    rope_tables,
 )
 from hsdp_runner.models.llama_hf import LlamaHF
-from hsdp_runner.models.params import copy_full_into
 
 
 @dataclass
@@ -149,89 +146,17 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
-    """Decoder-only transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+class Llama(RotaryDecoder):
+    """Decoder-only transformer (``common.RotaryDecoder`` with Llama's blocks).
+    ``forward(tokens)`` returns logits (batch, seq, vocab)."""
 
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        # A ModuleDict keyed "0".."n-1" keeps block names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        # Set by the sharding applier when compiled blocks follow a TP embedding (see parallelize).
-        self.clone_embedding_output = False
-        self.sequence_shard = None  # set under context parallel (``shard_sequence``)
-
-    def blocks(self) -> nn.ModuleDict:
-        """The transformer blocks (what AC, compile and FSDP wrap)."""
-        return self.layers
-
-    def pipeline_ends(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The token embedding before the blocks; the final norm and output layer after."""
-        return ("tok_embeddings",), ("norm", "output")
-
-    def shard_sequence(self, shard) -> None:
-        """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
-        self.sequence_shard = shard
-        for block in self.layers.values():
-            block.attention.attend = shard.attention
+        blocks = [TransformerBlock(cfg) for _ in range(cfg.n_layers)]
+        super().__init__(cfg, blocks, cfg.dim // cfg.n_heads)
 
     def tp_plan(self, tp_mesh, sequence_parallel: bool, styles=None, loss_parallel=False) -> None:
         """Apply ``tp_plan`` (below) to this model."""
         tp_plan(self, tp_mesh, sequence_parallel, styles, loss_parallel)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A later pipeline stage (no embedding) takes the previous stage's hidden state.
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        if self.clone_embedding_output and self.tok_embeddings is not None:
-            h = h.clone()
-        cos, sin = self.rope_cos, self.rope_sin
-        if self.sequence_shard is not None:  # the rank's tokens are not positions 0, 1, ...
-            # A later stage's input, a hidden state, is split over tp too under sequence
-            # parallel; its blocks' attention sees (and checks) the cp rank's whole part.
-            first = self.tok_embeddings is not None
-            local_len = tokens.shape[1] if first else self.sequence_shard.local_len
-            positions = self.sequence_shard.positions(local_len, cos.device)
-            cos, sin = cos[positions], sin[positions]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        if self.output is None:  # a pipeline stage before the last
-            return h
-        return self.output(self.norm(h))
-
-    def init_weights(self, seed: int) -> None:
-        """Fill every parameter and buffer deterministically from ``seed``.
-
-        Norms start at 1; every other parameter's full value is drawn on the parameter's own
-        device (``common.initial_value``) from a generator seeded by (seed, name), then cut to
-        this rank's shard, so every layout starts from identical weights and a GPU draws even a 70B model in seconds. (The DTensor
-        RNG would also be deterministic, but its stream depends on the mesh.) On CPU the
-        values are those of torch's CPU generator. On CUDA they come from a CUDA generator:
-        equally a function of (seed, name), the same on every rank and in every layout of a
-        job, but not equal to the CPU values, and not promised equal across GPU models or torch
-        versions (torch may split the draw differently over another GPU's multiprocessors).
-        """
-        std = self.cfg.init_std
-        depth_std = std / math.sqrt(2 * self.cfg.n_layers)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if name.endswith("norm.weight"):
-                    full = torch.ones(param.shape, device=local.device)
-                else:
-                    scale = depth_std if name.endswith(("wo.weight", "w2.weight")) else std
-                    full = initial_value(name, tuple(param.shape), seed, scale, local.device)
-                copy_full_into(param, full)
-            cos, sin = rope_tables(
-                self.cfg.dim // self.cfg.n_heads, self.cfg.seq_len, self.cfg.rope_theta
-            )
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
 
 def count_params(cfg: LlamaConfig) -> dict:

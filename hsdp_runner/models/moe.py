@@ -12,14 +12,13 @@ seam: ``models.base.moe_layers(model)``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from omegaconf import MISSING
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -33,16 +32,14 @@ from hsdp_runner.models.common import (
     FeedForward,
     ReplicatedParams,
     RMSNorm,
+    RotaryDecoder,
     TPStyles,
     apply_rope,
     causal_attention,
-    initial_value,
     output_layer_style,
-    rope_tables,
 )
 from hsdp_runner.models.moe_hf import MoEHF
 from hsdp_runner.models.moe_routing import MoE
-from hsdp_runner.models.params import copy_full_into
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 # Counts that must be >= 1, and counts and coefficients that must be >= 0 (0: feature off).
@@ -284,93 +281,35 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MoETransformer(nn.Module):
-    """Decoder-only MoE transformer. ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+class MoETransformer(RotaryDecoder):
+    """Decoder-only MoE transformer (``common.RotaryDecoder`` with dense then MoE blocks).
+    ``forward(tokens)`` returns logits (batch, seq, vocab)."""
+
+    # The experts' stacked down projections are output projections too.
+    DEPTH_SCALED = ("wo.weight", "w2.weight", "experts.w2")
 
     def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        # A ModuleDict keyed "0".."n-1" keeps block names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(cfg, i < cfg.n_dense_layers) for i in range(cfg.n_layers)}
-        )
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.attention_head_dim(), cfg.seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        # Set by the sharding applier when compiled blocks follow a TP embedding (see parallelize).
-        self.clone_embedding_output = False
-        self.sequence_shard = None  # set under context parallel (``shard_sequence``)
-
-    def blocks(self) -> nn.ModuleDict:
-        """The transformer blocks (what AC, compile and FSDP wrap)."""
-        return self.layers
+        blocks = [TransformerBlock(cfg, i < cfg.n_dense_layers) for i in range(cfg.n_layers)]
+        super().__init__(cfg, blocks, cfg.attention_head_dim())
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers this model (or pipeline stage) holds, in block order, found through
         any wrapper: where the runtime sets the exchange and reads the balance statistics."""
         return [module for module in self.layers.modules() if isinstance(module, MoE)]
 
-    def pipeline_ends(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The token embedding before the blocks; the final norm and output layer after."""
-        return ("tok_embeddings",), ("norm", "output")
-
-    def shard_sequence(self, shard) -> None:
-        """Take this rank's positions and attention from ``shard`` (see ``models/base.py``)."""
-        self.sequence_shard = shard
-        for block in self.layers.values():
-            block.attention.attend = shard.attention
-
     def tp_plan(self, tp_mesh, sequence_parallel: bool, styles=None, loss_parallel=False) -> None:
         """Apply ``tp_plan`` (below) to this model."""
         tp_plan(self, tp_mesh, sequence_parallel, styles, loss_parallel)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # A later pipeline stage (no embedding) takes the previous stage's hidden state.
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        if self.clone_embedding_output and self.tok_embeddings is not None:
-            h = h.clone()
-        cos, sin = self.rope_cos, self.rope_sin
-        if self.sequence_shard is not None:  # the rank's tokens are not positions 0, 1, ...
-            first = self.tok_embeddings is not None
-            local_len = tokens.shape[1] if first else self.sequence_shard.local_len
-            positions = self.sequence_shard.positions(local_len, cos.device)
-            cos, sin = cos[positions], sin[positions]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        if self.output is None:  # a pipeline stage before the last
-            return h
-        return self.output(self.norm(h))
-
     def init_weights(self, seed: int) -> None:
-        """Fill every parameter and buffer deterministically from ``seed`` (as Llama's: each
-        parameter's full value drawn from a generator seeded by (seed, name), then cut to
-        this rank's shard). Norms start at 1; the output projections (attention ``wo``, the
-        dense, expert and shared ``w2``) at std / sqrt(2 n_layers); the balancing bias and
-        the statistics at 0."""
-        std = self.cfg.init_std
-        depth_std = std / math.sqrt(2 * self.cfg.n_layers)
+        """``RotaryDecoder.init_weights`` (the experts' ``w2`` depth-scaled too), then the
+        balancing bias and the statistics at 0."""
+        super().init_weights(seed)
         with torch.no_grad():
-            for name, param in self.named_parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if name.endswith("norm.weight"):
-                    full = torch.ones(param.shape, device=local.device)
-                else:
-                    deep = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
-                    scale = depth_std if deep else std
-                    full = initial_value(name, tuple(param.shape), seed, scale, local.device)
-                copy_full_into(param, full)
             for moe in self.moe_layers():
                 moe.router.expert_bias.zero_()
                 moe.router.tokens_per_expert.zero_()
                 moe.aux_loss_sum.zero_()
-            cos, sin = rope_tables(
-                self.cfg.attention_head_dim(), self.cfg.seq_len, self.cfg.rope_theta
-            )
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
 
 def count_params(cfg: MoEConfig) -> dict:
