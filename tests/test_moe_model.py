@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 
 from hsdp_runner.config.compose import compose
+from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import build_meta_model, model_spec, moe_layers
-from hsdp_runner.models.common import clean_name
+from hsdp_runner.models.common import clean_name, initial_value
 from hsdp_runner.models.moe_routing import GroupedExperts, Router
 
 
@@ -287,3 +289,187 @@ def test_qwen3_presets_have_the_published_parameter_counts(preset, total, non_em
     assert round((counts["total"] - 2 * counts["embedding"]) / 1e9, digits) == non_embedding
     activated = (counts["active_matmul"] + counts["embedding"]) / 1e9
     assert active <= activated < active + 10**-digits
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("top_k=0", "model.top_k=0"),
+        ("top_k=9", "model.top_k=9"),
+        ("n_experts=0", "model.n_experts=0"),
+        ("n_dense_layers=3", "model.n_dense_layers=3"),
+        ("n_dense_layers=-1", "model.n_dense_layers=-1"),
+        ("n_shared_experts=-1", "model.n_shared_experts=-1"),
+        ("score_func=relu", "model.score_func='relu'"),
+        ("expert_ffn_dim=36", "model.grouped_mm=true"),
+        ("head_dim=15", "model.head_dim"),
+        ("n_kv_heads=3", "model.n_kv_heads=3"),
+        ("aux_loss_coef=-0.1", "model.aux_loss_coef=-0.1"),
+        ("bias_update_speed=-1", "model.bias_update_speed=-1"),
+        ("route_scale=0", "model.route_scale=0"),
+    ],
+)
+def test_bad_moe_values_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        tiny_spec(override).validate()
+
+
+def test_the_loop_reference_takes_widths_the_grouped_matmul_refuses():
+    tiny_spec("expert_ffn_dim=36", "grouped_mm=false").validate()
+
+
+def test_tp_needs_the_sequence_to_split_over_cp_and_tp_even_without_sequence_parallel():
+    spec = tiny_spec("seq_len=36")
+    spec.check_parallel(cp=1, tp=1, sequence_parallel=False)
+    spec.check_parallel(cp=1, tp=2, sequence_parallel=False)
+    with pytest.raises(ConfigError, match="parallel.cp x parallel.tp=8"):
+        spec.check_parallel(cp=2, tp=4, sequence_parallel=False)
+
+
+def test_tp_keeps_moe_weights_whole_and_lists_the_norms_as_partial_gradients():
+    """No MoE weight is TP-split; attention and the dense FFN split as Llama's; the partial
+    gradients are the norms', q/k norms included, in parameter order; norms and the embedding
+    get no weight decay."""
+    spec = tiny_spec()
+    params = dict(built(spec).named_parameters())
+    assert all(spec.tp_split_dim(n, True) is None for n in params if ".moe." in n)
+    assert spec.tp_split_dim("layers.1.attention.wo.weight", True) == 1
+    assert spec.tp_split_dim("layers.0.feed_forward.w1.weight", True) == 0
+    assert spec.tp_split_dim("layers.1.attention.q_norm.weight", True) is None
+    norms = [p.numel() for n, p in params.items() if n.endswith("norm.weight")]
+    assert spec.tp_partial_grad_numels() == norms and len(norms) == 4 * 3 + 1
+    no_decay = {n for n in params if spec.no_weight_decay(n)}
+    assert no_decay == {n for n in params if n.endswith("norm.weight")} | {"tok_embeddings.weight"}
+
+
+def test_initial_weights_are_a_function_of_seed_and_name():
+    """Two builds with one seed are equal (buffers too); a stacked expert weight is drawn whole
+    from its name (the output projections scaled by depth), norms are 1, the bias is 0."""
+    spec = tiny_spec()
+    a, b = built(spec, seed=7), built(spec, seed=7)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    depth_std = spec.init_std / math.sqrt(2 * spec.n_layers)
+    for name, std in (("layers.2.moe.experts.w2", depth_std), ("layers.2.moe.experts.w1", 0.02)):
+        expected = initial_value(name, (8, *a.get_parameter(name).shape[1:]), 7, std, "cpu")
+        assert torch.equal(a.get_parameter(name), expected)
+    assert torch.equal(a.layers["1"].attention.q_norm.weight, torch.ones(16))
+    assert "layers.1.moe.router.expert_bias" in a.state_dict()
+    assert "layers.1.moe.router.tokens_per_expert" not in a.state_dict()
+    assert not built(spec, seed=8).layers["1"].moe.experts.w1.equal(a.layers["1"].moe.experts.w1)
+
+
+def tp_against_one_process(sequence_parallel: bool) -> dict:
+    """On one of 2 gloo ranks: moe_tiny (auxiliary loss on, its per-sequence counts summed
+    over tp) under its TP plan against the whole model in this process. Returns the largest
+    logit difference, the largest relative gradient difference (MoE weights' gradients summed
+    over the ranks' sequence shards, DTensor ones made whole) and whether the routed counts
+    summed over the ranks equal the whole model's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    spec = tiny_spec()
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len), generator=generator)
+    results = []
+    for tp in (False, True):
+        model = built(spec)
+        if tp:
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            model.tp_plan(mesh, sequence_parallel)
+
+            def sequence_sum(counts):
+                counts = counts.clone()
+                dist.all_reduce(counts)
+                return counts
+
+            for moe in moe_layers(model):
+                moe.sequence_sum = sequence_sum
+        logits = model(tokens)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        loss.backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if isinstance(g, DTensor):
+                g = g.full_tensor()
+            elif tp:  # an MoE weight: this rank's sequence shard's part
+                g = g.clone()
+                dist.all_reduce(g)
+            grads[name] = g
+        counts = [m.router.tokens_per_expert.clone() for m in moe_layers(model)]
+        if tp:
+            for c in counts:
+                dist.all_reduce(c)
+        results.append((logits.detach(), grads, counts))
+    (l0, g0, c0), (l1, g1, c1) = results
+    worst = max(((g1[n] - g).abs().max() / g.abs().max()).item() for n, g in g0.items())
+    return {
+        "logits": (l1 - l0).abs().max().item(),
+        "grads": worst,
+        "counts": all(torch.equal(a, b) for a, b in zip(c0, c1)),
+    }
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_plan_computes_what_one_process_computes(sequence_parallel):
+    """Two TP ranks: attention and the dense FFN split, the q/k norms whole with their heads'
+    partial gradients summed, the MoE on each rank's sequence shard (its input cut from the
+    stream, its output put back), the auxiliary loss from partial P and summed counts."""
+    from distributed import run_workers
+
+    for result in run_workers(tp_against_one_process, 2, sequence_parallel).values():
+        assert result["logits"] < 1e-5
+        assert result["grads"] < 1e-5
+        assert result["counts"]
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_moe_tiny_trains_from_the_command_line(job_dir, ac):
+    """``python -m hsdp_runner model=moe_tiny parallel=single``: the loss falls over 8 steps
+    under every activation checkpointing mode; the full-AC run also saves a checkpoint (the
+    balancing bias among its tensors)."""
+    from conftest import METERS_OFF, read_job, run_cli
+
+    save = ["checkpoint.enable=true", "checkpoint.interval=8"] if ac == "full" else []
+    result = run_cli(
+        job_dir,
+        "model=moe_tiny",
+        "parallel=single",
+        f"parallel.ac={ac}",
+        "trainer.global_batch_size=8",
+        "trainer.steps=8",
+        "logger=none",
+        *METERS_OFF,
+        *save,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records, summary = read_job(job_dir)
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.05, losses
+    assert summary["flops_per_token"] == tiny_spec().flops_per_token()
+    if save:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(job_dir / "checkpoints" / "step-8").read_metadata()
+        assert "model.layers.2.moe.router.expert_bias" in saved.state_dict_metadata
+
+
+def test_the_model_trains_on_fake_tensors_in_bf16():
+    """The planner measures memory on fake tensors: routing and counting keep static shapes
+    (no ``bincount``, no host sync on the grouped path). fp32 is not covered: torch 2.13's
+    meta function of ``_grouped_mm`` accepts bf16 only (its kernels accept fp32)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode():
+            model = tiny_spec().build()
+            model(torch.randint(0, 256, (2, 32))).float().square().mean().backward()
+            assert model.layers["2"].moe.experts.w2.grad.shape == (8, 64, 32)
+    finally:
+        torch.set_default_dtype(default)

@@ -40,10 +40,13 @@ from hsdp_runner.models.common import (
     output_layer_style,
     rope_tables,
 )
-from hsdp_runner.models.moe_routing import MoE, Router
+from hsdp_runner.models.moe_routing import MoE
 from hsdp_runner.models.params import copy_full_into
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+# Counts that must be >= 1, and counts and coefficients that must be >= 0 (0: feature off).
+POSITIVE = ("n_experts", "top_k", "expert_ffn_dim")
+NON_NEGATIVE = ("n_dense_layers", "n_shared_experts", "aux_loss_coef", "bias_update_speed")
 
 
 @dataclass
@@ -75,49 +78,35 @@ class MoEConfig(ModelConfig):
 
     def validate(self) -> None:
         """Raise ConfigError for an MoE-specific bad value (naming the key and the fix)."""
-        problems = self._problems()
+        for keys, low in ((POSITIVE, 1), (NON_NEGATIVE, 0)):
+            for key in keys:
+                if getattr(self, key) < low:
+                    raise ConfigError(f"model.{key}={getattr(self, key)} must be >= {low}")
+        problems = [message for bad, message in self._checks() if bad]
         if problems:
             raise ConfigError(problems[0])
 
-    def _problems(self) -> list[str]:
+    def _checks(self) -> list[tuple[bool, str]]:
         n_kv, head_dim = self.n_kv_heads or self.n_heads, self.attention_head_dim()
-        checks = [
-            (self.n_experts < 1, f"model.n_experts={self.n_experts} must be >= 1"),
+        return [
             (
-                not 1 <= self.top_k <= self.n_experts,
-                f"model.top_k={self.top_k} must be between 1 and model.n_experts="
-                f"{self.n_experts}; set it in that range",
+                self.top_k > self.n_experts,
+                f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}; lower it",
             ),
-            (self.expert_ffn_dim < 1, f"model.expert_ffn_dim={self.expert_ffn_dim} must be >= 1"),
             (
-                not 0 <= self.n_dense_layers < self.n_layers,
-                f"model.n_dense_layers={self.n_dense_layers} must be between 0 and model."
-                f"n_layers-1={self.n_layers - 1} (an MoE model needs an MoE block; with none "
-                "use a llama preset)",
+                self.n_dense_layers >= self.n_layers,
+                f"model.n_dense_layers={self.n_dense_layers} leaves no MoE block of model."
+                f"n_layers={self.n_layers}; lower it (a model without one: a llama preset)",
             ),
             (
                 self.n_dense_layers > 0 and self.ffn_hidden_dim < 1,
-                f"model.ffn_hidden_dim={self.ffn_hidden_dim} must be >= 1 for the "
-                f"model.n_dense_layers={self.n_dense_layers} dense blocks",
-            ),
-            (
-                self.n_shared_experts < 0,
-                f"model.n_shared_experts={self.n_shared_experts} must be >= 0 (0: none)",
+                f"model.ffn_hidden_dim={self.ffn_hidden_dim} must be >= 1 for the dense blocks",
             ),
             (
                 self.score_func not in SCORE_FUNCS,
                 f"model.score_func={self.score_func!r} is not one of {', '.join(SCORE_FUNCS)}",
             ),
             (self.route_scale <= 0, f"model.route_scale={self.route_scale} must be > 0"),
-            (
-                self.aux_loss_coef < 0,
-                f"model.aux_loss_coef={self.aux_loss_coef} must be >= 0 (0: no auxiliary loss)",
-            ),
-            (
-                self.bias_update_speed < 0,
-                f"model.bias_update_speed={self.bias_update_speed} must be >= 0 (0: no "
-                "balancing bias)",
-            ),
             (
                 self.head_dim is None and self.dim % self.n_heads != 0,
                 f"model.n_heads={self.n_heads} does not divide model.dim={self.dim}; set "
@@ -135,11 +124,10 @@ class MoEConfig(ModelConfig):
             (
                 self.grouped_mm and (self.dim % 8 or self.expert_ffn_dim % 8),
                 f"model.grouped_mm=true needs model.dim={self.dim} and model.expert_ffn_dim="
-                f"{self.expert_ffn_dim} to be multiples of 8 (torch._grouped_mm's 16-byte row "
-                "alignment in bf16); change them or set model.grouped_mm=false",
+                f"{self.expert_ffn_dim} to be multiples of 8 (the grouped matmul's 16-byte "
+                "row alignment in bf16); change them or set model.grouped_mm=false",
             ),
         ]
-        return [message for bad, message in checks if bad]
 
     def build(self) -> MoETransformer:
         """The model on the current default device."""
@@ -268,24 +256,18 @@ class TransformerBlock(nn.Module):
         if dense:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
         else:
-            router = Router(
-                cfg.dim,
-                cfg.n_experts,
-                cfg.top_k,
-                cfg.score_func,
-                cfg.norm_topk_prob,
-                cfg.route_scale,
-            )
             self.moe = MoE(
                 cfg.dim,
                 cfg.n_experts,
                 cfg.top_k,
                 cfg.expert_ffn_dim,
                 cfg.n_shared_experts,
-                router,
-                cfg.grouped_mm,
-                cfg.aux_loss_coef,
-                cfg.seq_len,
+                score_func=cfg.score_func,
+                norm_topk_prob=cfg.norm_topk_prob,
+                route_scale=cfg.route_scale,
+                grouped_mm=cfg.grouped_mm,
+                aux_loss_coef=cfg.aux_loss_coef,
+                seq_len=cfg.seq_len,
             )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ load-balance statistics, read top to bottom in the order a token meets them.
   ``exchange.dispatch`` and takes the experts' outputs back from ``exchange.combine``. The
   default keeps every expert on this process; the runtime installs one that all-to-alls.
 - ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
-  sorted by expert either in three ``torch._grouped_mm`` calls or, as the reference, in a
-  loop over experts (``model.grouped_mm``).
+  sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
+  of ``torch._grouped_mm``) or, as the reference, in a loop over experts
+  (``model.grouped_mm``).
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
   reads and sets: ``Router.tokens_per_expert`` (counts of the step's forwards),
   ``MoE.aux_loss_sum`` (the sequence-wise auxiliary loss' value), ``MoE.sequence_sum`` (sums
@@ -26,7 +27,7 @@ load-balance statistics, read top to bottom in the order a token meets them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,15 @@ def recomputing() -> bool:
     """True inside a backward pass: activation checkpointing is recomputing a forward, whose
     statistics the first forward already counted."""
     return torch._C._current_graph_task_id() != -1
+
+
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(n_experts,) int64 copies routed to each expert by ``chosen`` (any shape of expert
+    ids). A scatter into a fixed-size tensor rather than ``bincount``, whose output shape
+    depends on the values (the planner runs the model on fake tensors)."""
+    flat = chosen.flatten()
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=chosen.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class Router(nn.Module):
@@ -82,9 +92,7 @@ class Router(nn.Module):
         weights = weights * self.route_scale
         if self.training and not recomputing():
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(
-                    chosen.flatten(), minlength=self.tokens_per_expert.numel()
-                )
+                self.tokens_per_expert += expert_counts(chosen, self.tokens_per_expert.numel())
         if self.score_func != "softmax":
             scores = scores / scores.sum(dim=-1, keepdim=True)
         return weights, chosen, scores
@@ -139,13 +147,15 @@ class GroupedExperts(nn.Module):
         """Run tokens ``x`` (M, dim), sorted by local expert with ``counts`` (n_local,) int64
         per expert, through the experts this rank holds (as many as the local w1's dim 0).
         Returns (M, dim). The gradient reaching the output must be contiguous (torch 2.13's
-        grouped matmul backward fails on an expanded one); the MoE layer's is."""
+        grouped matmul backward fails on an expanded one); the MoE layer's is. torch 2.13's
+        kernels take fp32 and bf16, but its meta function (fake tensors: torch.compile, the
+        planner's memory run) takes bf16 only: those run the grouped path in bf16 alone."""
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
+            hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+            hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
         outputs = []
         for expert, part in enumerate(torch.split(x, counts.tolist())):
             hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)
@@ -176,7 +186,8 @@ def sum_over_nothing(counts: torch.Tensor) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    """Routed experts plus optional shared experts on the tokens of (batch, seq, dim) input.
+    """Routed experts plus optional shared experts on the tokens of (batch, seq, dim) input
+    (the arguments: ``moe.MoEConfig``'s keys of the same names).
 
     Plain attributes the runtime sets: ``exchange`` (``TokenExchange``, default
     ``LocalExchange()``), ``sequence_sum`` (sums (batch, n_experts) per-sequence counts over
@@ -192,7 +203,10 @@ class MoE(nn.Module):
         top_k: int,
         expert_ffn_dim: int,
         n_shared_experts: int,
-        router: Router,
+        *,
+        score_func: str,
+        norm_topk_prob: bool,
+        route_scale: float,
         grouped_mm: bool,
         aux_loss_coef: float,
         seq_len: int,
@@ -200,11 +214,10 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.aux_loss_coef, self.seq_len = aux_loss_coef, seq_len
-        self.router = router
+        self.router = Router(dim, n_experts, top_k, score_func, norm_topk_prob, route_scale)
         self.experts = GroupedExperts(dim, expert_ffn_dim, n_experts, grouped_mm)
-        self.shared_experts: Optional[FeedForward] = (
-            FeedForward(dim, n_shared_experts * expert_ffn_dim) if n_shared_experts else None
-        )
+        shared_width = n_shared_experts * expert_ffn_dim
+        self.shared_experts = FeedForward(dim, shared_width) if shared_width else None
         self.exchange: TokenExchange = LocalExchange()
         self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] = sum_over_nothing
         self.aux_grad_scale = 1.0
@@ -216,12 +229,13 @@ class MoE(nn.Module):
         weights, chosen, scores = self.router(tokens)
         # Each token's k copies, sorted (stably) by expert: the order the experts read.
         order = chosen.flatten().argsort(stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        counts = expert_counts(chosen, self.n_experts)
         local, local_counts, state = self.exchange.dispatch(tokens[order // self.top_k], counts)
         routed = self.exchange.combine(self.experts(local, local_counts), state)
         # Weighted after the experts and summed per token in fp32.
         routed = routed.float() * weights.flatten()[order, None]
-        out = torch.zeros(tokens.shape, device=x.device).index_add(0, order // self.top_k, routed)
+        out = torch.zeros(tokens.shape, dtype=routed.dtype, device=x.device)
+        out = out.index_add(0, order // self.top_k, routed)
         out = out.to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -240,7 +254,8 @@ class MoE(nn.Module):
         in the whole sequence (``sequence_sum``), P_i = (1/T) * this rank's scores of expert i
         (partial: the ranks' pieces add up), T = the model's seq_len."""
         with torch.no_grad():
-            counts = torch.zeros(chosen.shape[0], self.n_experts, device=chosen.device)
+            shape, fp32 = (chosen.shape[0], self.n_experts), torch.float32
+            counts = torch.zeros(shape, dtype=fp32, device=chosen.device)
             counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=counts.dtype))
             f = self.sequence_sum(counts) * (self.n_experts / (self.top_k * self.seq_len))
         p = scores.sum(dim=1) / self.seq_len
