@@ -173,8 +173,33 @@ def _stage_buffers() -> list[float]:
     return [float(b[0]) for b in chunk.buffers()]
 
 
+def _skipped_step_bias() -> dict:
+    """The balance step over one real moe_tiny layer per rank, fed uneven counts: its bias
+    after a step the optimizer skipped (applied 0) and after one it applied (applied 1)."""
+    from test_config import compose
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed.expert_balance import balance_step
+    from hsdp_runner.models.base import model_spec
+
+    spec = model_spec(to_run_config(compose(["model=moe_tiny"])).model)
+    model = spec.build()
+    with torch.device("meta"):
+        meta = spec.build()
+    balance = balance_step([model], meta, spec.n_experts, 0.1, dims(s=4), torch.device("cpu"))
+    router = model.moe_layers()[0].router
+    counts = torch.arange(spec.n_experts, dtype=torch.float32)
+    router.tokens_per_expert.copy_(counts)
+    balance(torch.tensor(0.0))
+    skipped = router.expert_bias.clone()
+    router.tokens_per_expert.copy_(counts)
+    balance(torch.tensor(1.0))
+    return {"skipped": skipped.abs().max().item(), "applied": router.expert_bias.tolist()}
+
+
 def _four_rank_cases() -> dict:
     return {
+        "skipped_step_bias": _skipped_step_bias(),
         "stage_buffers": _stage_buffers(),
         "meshes": _meshes(),
         "exchange_ep4": _exchange(4, torch.float32),
@@ -242,3 +267,13 @@ def test_buffers_sync_within_each_pipeline_stage(four_ranks):
     first rank, whatever the other stage holds."""
     got = {rank: result["stage_buffers"] for rank, result in four_ranks.items()}
     assert got == {0: [0.0], 1: [0.0], 2: [2.0] * 3, 3: [2.0] * 3}
+
+
+@pytest.mark.multiprocess
+def test_a_skipped_step_leaves_the_balancing_bias_as_the_weights(four_ranks):
+    """A step the optimizer skipped as non-finite moves no bias; an applied one moves every
+    expert's by the speed, against its load (the busiest down, the idlest up)."""
+    for result in four_ranks.values():
+        got = result["skipped_step_bias"]
+        assert got["skipped"] == 0.0, got
+        assert got["applied"][0] == pytest.approx(0.1) and got["applied"][-1] == pytest.approx(-0.1)

@@ -16,8 +16,7 @@ from hsdp_runner.checkpoint import hf
 from hsdp_runner.checkpoint.start import MANIFEST, load_full_weights
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import model_spec
-from hsdp_runner.train.data import TokenBatches
-from hsdp_runner.train.data import EVAL_STEP_OFFSET
+from hsdp_runner.train.data import EVAL_STEP_OFFSET, TokenBatches
 
 # moe_tiny as Qwen3-MoE can hold it (no shared experts, no balancing bias), with heads
 # narrower than dim / n_heads (config.json's head_dim).

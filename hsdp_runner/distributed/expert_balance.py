@@ -57,9 +57,10 @@ class ExpertBalance:
         self.divisor = dims.dp_cp * (dims.pipeline.microbatches if pipeline else 1)
 
     @torch.no_grad()
-    def __call__(self) -> dict[str, torch.Tensor]:
-        """All-reduce the step's counts and loss values, update the biases, reset both; return
-        {figure name: 0-dim device tensor}."""
+    def __call__(self, applied: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All-reduce the step's counts and loss values, update the biases (times
+        ``applied``, 0-dim: 0 when the optimizer skipped the step as non-finite, so the bias
+        stays as the weights do), reset both; return {figure name: 0-dim device tensor}."""
         n_layers, n_experts = len(self.layers), self.n_experts
         packed = self._pack()
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
@@ -71,7 +72,8 @@ class ExpertBalance:
                 continue
             router = moe.router
             if self.speed:
-                router.expert_bias += self.speed * torch.sign(counts[slot].mean() - counts[slot])
+                step = self.speed * torch.sign(counts[slot].mean() - counts[slot])
+                router.expert_bias += applied.to(step.device) * step
             router.tokens_per_expert.zero_()
             moe.aux_loss_sum.zero_()
         load = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1.0)

@@ -294,16 +294,17 @@ def tp_styles(model: nn.Module, device_type: str) -> TPStyles:
 
 def after_update(
     chunks: list[nn.Module], precision: PrecisionConfig, dp_mode: DPMode
-) -> Callable[[], None] | None:
+) -> Callable[[torch.Tensor], None] | None:
     """What runs after each optimizer step over the rank's model ``chunks`` (one, or its
     pipeline stages): with float8 all-gather, torchao's scale precompute (one all-reduce of
     every float8 weight's amax, so the next all-gather sends float8 shards with the scale of
-    the whole weight); else None."""
+    the whole weight); else None. The hook takes the step's ``applied`` flag (``after_update``'s
+    contract) and needs none: a skipped step left the weights, hence their scales, as they were."""
     if not gathers_float8(precision, dp_mode):
         return None
     precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
 
-    def run() -> None:
+    def run(applied: torch.Tensor) -> None:
         for chunk in chunks:
             precompute(chunk)
 

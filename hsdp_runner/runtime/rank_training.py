@@ -230,15 +230,17 @@ def _balance_step(cfg: RunConfig, dims: ParallelDims, schedule: Schedule, device
 
 def _after_update(*hooks):
     """One hook running each of ``hooks`` (None ones left out) after the optimizer step, in
-    order, and returning their figures merged; None when there is none."""
+    order, each given the step's ``applied`` flag (a 0-dim device tensor: 1.0 when the
+    optimizer applied the step, 0.0 when it skipped a non-finite one), and returning their
+    figures merged; None when there is none."""
     hooks = [hook for hook in hooks if hook is not None]
     if not hooks:
         return None
 
-    def run() -> dict:
+    def run(applied: torch.Tensor) -> dict:
         figures = {}
         for hook in hooks:
-            figures.update(hook() or {})
+            figures.update(hook(applied) or {})
         return figures
 
     return run

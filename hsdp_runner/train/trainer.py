@@ -133,7 +133,7 @@ class Trainer:
         metrics: MetricsConfig,
         fault: FaultConfig,
         sinks: list[Tracker] = (),
-        after_update: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+        after_update: Callable[[torch.Tensor], dict[str, torch.Tensor] | None] | None = None,
         loss_parallel: bool = False,
     ):
         self.schedule, self.parts = schedule, schedule.parts
@@ -195,7 +195,8 @@ class Trainer:
         figures ``after_update`` gave (none without)."""
         self.optimizer.found_inf = (stats[step_stats.NONFINITE] > 0).float()
         self.optimizer.step()
-        figures = self.after_update() if self.after_update is not None else None
+        applied = 1.0 - self.optimizer.found_inf  # 0-dim: 1 applied, 0 skipped
+        figures = self.after_update(applied) if self.after_update is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return figures or {}
