@@ -277,3 +277,20 @@ def test_a_skipped_step_leaves_the_balancing_bias_as_the_weights(four_ranks):
         got = result["skipped_step_bias"]
         assert got["skipped"] == 0.0, got
         assert got["applied"][0] == pytest.approx(0.1) and got["applied"][-1] == pytest.approx(-0.1)
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_float8_with_experts_is_refused_on_either_device(gpus):
+    """On the CPU torchao's grouped float8 does not run; on a GPU the experts would stay in
+    bf16 while the dense linears went float8: refused rather than half applied."""
+    from test_config import compose
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed.float8 import check_experts
+
+    run = to_run_config(compose(["model=moe_tiny", "precision=float8"]))
+    words = "runs on GPUs only" if not gpus else "not converted to float8 yet"
+    with pytest.raises(ConfigError, match=words):
+        check_experts(run.precision, run.model, gpus)
+    dense = to_run_config(compose(["model=llama3_tiny", "precision=float8"]))
+    check_experts(dense.precision, dense.model, gpus)  # a dense model: nothing to refuse
