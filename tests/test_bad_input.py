@@ -194,6 +194,17 @@ def test_bad_input_exits_2_naming_key_and_fix_before_any_worker(
     assert not (job_dir / "logs").exists()
 
 
+def test_a_second_run_in_one_process_still_exits_2_on_a_bad_override(job_dir, monkeypatch, capsys):
+    """An earlier ``app.main`` in the same process (a sweep, a test) started its task; a later
+    call whose overrides Hydra rejects is still a config error, not a crash (exit 1)."""
+    monkeypatch.setitem(app._state, "task_started", True)
+    monkeypatch.setattr(
+        "sys.argv", ["hsdp_runner", f"hydra.run.dir={job_dir}", *TINY, "parallel.tpp=2"]
+    )
+    GlobalHydra.instance().clear()
+    assert app.main() == 2, capsys.readouterr().err
+
+
 def test_bad_input_from_the_command_line_exits_2(job_dir):
     result = run_cli(job_dir, *TINY, "parallel.tp=3", timeout=120)
     assert result.returncode == 2

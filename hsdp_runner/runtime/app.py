@@ -161,6 +161,9 @@ def hydra_task(cfg: DictConfig) -> int:
 def main() -> int:
     """Entry point: register schemas and resolvers, run Hydra; return the process exit code."""
     bootstrap()
+    # Per call, not per process: a second main() in one process (tests run many) must not
+    # take an earlier call's started task for its own when Hydra rejects its overrides.
+    _state["task_started"] = False
     # Hydra reports a bad choice over several lines (the schema's Enum error and its context);
     # a choice override on the command line is checked first, for one line.
     problem = bad_choice_override(sys.argv[1:]) or unwritable_output_dir(sys.argv[1:])
