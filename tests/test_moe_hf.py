@@ -120,8 +120,31 @@ def trained_moe(tmp_path_factory):
     return out
 
 
-def test_transformers_computes_the_runners_eval_loss_from_the_export(trained_moe):
+@pytest.fixture(scope="module")
+def trained_moe_ep(tmp_path_factory):
+    """The same job under expert parallel on two ranks (FSDP 2, ep 2): its export gathers
+    expert weights sharded over ep and efsdp."""
+    out = tmp_path_factory.mktemp("trained_moe_ep")
+    result = run_forked(
+        out,
+        *JOB,
+        "parallel=fsdp",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "trainer.steps=2",
+        f"trainer.eval_batches={EVAL_BATCHES}",
+        "checkpoint.export_at_end=true",
+        "checkpoint.export_dtype=float32",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("job", ["trained_moe", "trained_moe_ep"])
+def test_transformers_computes_the_runners_eval_loss_from_the_export(job, request):
+    trained_moe = request.getfixturevalue(job)
     _, summary = read_job(trained_moe)
+    assert (summary["layout"], summary["ep"]) == (("fsdp_ep", 2) if "ep" in job else ("single", 1))
     batches = _batches(compose(JOB))
     theirs = _load_hf(trained_moe / "hf")
     losses = []
