@@ -162,6 +162,23 @@ class ReplicatedParams(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+# The dim each weight of a Llama-style decoder is split on by its family's TP plan (column-
+# parallel: 0, row-parallel: 1; the embedding is row-parallel over the vocab, i.e. dim 0), keyed
+# by the module's name. Weights not listed (the norms) stay whole on every TP rank. The
+# communication model (hsdp_runner/distributed/comm_model.py) reads it through ``tp_split_dim``.
+ROTARY_TP_SPLIT_DIM = {
+    "tok_embeddings": 0,
+    "output": 0,
+    "wq": 0,
+    "wk": 0,
+    "wv": 0,
+    "wo": 1,
+    "w1": 0,
+    "w3": 0,
+    "w2": 1,
+}
+
+
 class RotaryDecoder(nn.Module):
     """The decoder the Llama-style families share: token embedding, the blocks (keyed
     "0".."n-1", each called as ``block(h, cos, sin)``), final RMSNorm, output layer and the RoPE

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig
 from hsdp_runner.models.common import (
+    ROTARY_TP_SPLIT_DIM,
     FeedForward,
     ReplicatedParams,
     RMSNorm,
@@ -71,7 +72,7 @@ class LlamaConfig(ModelConfig, LlamaHF):
 
     def tp_split_dim(self, param: str, sequence_parallel: bool) -> Optional[int]:
         """The dim ``tp_plan`` splits parameter ``param`` on (None: whole on every rank)."""
-        return TP_SPLIT_DIM.get(param.split(".")[-2])
+        return ROTARY_TP_SPLIT_DIM.get(param.split(".")[-2])
 
     def tp_partial_grad_numels(self) -> list[int]:
         """The norm weights (2 per block and the final one), ``dim`` elements each."""
@@ -185,22 +186,6 @@ def flops_per_token(cfg: LlamaConfig) -> float:
     and the PaLM paper do. The embedding lookup is not a matmul and is left out.
     """
     return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
-
-
-# The dim each weight is split on by ``tp_plan`` (column-parallel: 0, row-parallel: 1; the
-# embedding is row-parallel over the vocab, i.e. dim 0). Weights not listed (the norms) stay
-# whole on every TP rank. The communication model (hsdp_runner/distributed/comm_model.py) reads it.
-TP_SPLIT_DIM = {
-    "tok_embeddings": 0,
-    "output": 0,
-    "wq": 0,
-    "wk": 0,
-    "wv": 0,
-    "wo": 1,
-    "w1": 0,
-    "w3": 0,
-    "w2": 1,
-}
 
 
 def tp_plan(

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig
 from hsdp_runner.models.common import (
+    ROTARY_TP_SPLIT_DIM,
     FeedForward,
     ReplicatedParams,
     RMSNorm,
@@ -137,7 +138,7 @@ class MoEConfig(ModelConfig, MoEHF):
         MoE weight: the layer runs on the rank's sequence shard)."""
         if ".moe." in f".{param}":
             return None
-        return TP_SPLIT_DIM.get(param.split(".")[-2])
+        return ROTARY_TP_SPLIT_DIM.get(param.split(".")[-2])
 
     def tp_partial_grad_numels(self) -> list[int]:
         """In parameter order: per block attention_norm (dim), q_norm and k_norm (head_dim,
@@ -333,22 +334,6 @@ def count_params(cfg: MoEConfig) -> dict:
         "matmul": matmul,
         "active_matmul": base + n_moe * (router + cfg.top_k * expert + shared),
     }
-
-
-# The dim each attention and dense weight is split on by ``tp_plan`` (as Llama's: column-
-# parallel 0, row-parallel 1, the embedding row-parallel over the vocab). Weights not listed
-# (norms, q/k norms) and every MoE weight stay whole on every TP rank.
-TP_SPLIT_DIM = {
-    "tok_embeddings": 0,
-    "output": 0,
-    "wq": 0,
-    "wk": 0,
-    "wv": 0,
-    "wo": 1,
-    "w1": 0,
-    "w3": 0,
-    "w2": 1,
-}
 
 
 def tp_plan(
