@@ -256,6 +256,13 @@ class PlanConfig:
     # Pipeline degrees priced beside the pp = 1 layouts (planner/pipeline.py); [1]: none;
     # null: 1 and the powers of two dividing the nodes and the blocks (default_pp_degrees).
     pp_degrees: Optional[list] = None
+    # Expert-parallel degrees of a model with experts (planner/degrees.py); null: the powers of
+    # two dividing the experts and the ranks ep may borrow (dp_shard x cp x tp); [1]: none.
+    ep_degrees: Optional[list] = None
+    # The busiest ep rank's routed token copies over the mean (>= 1; 1.0 = uniform routing):
+    # scales its experts' activations, matmuls and received all-to-all rows. A job's logged
+    # moe/load_max_over_mean (per expert) bounds it from above.
+    expert_imbalance: float = 1.0
 
 
 @dataclass
