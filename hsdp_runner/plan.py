@@ -34,7 +34,6 @@ from hsdp_runner.planner.cluster import resolve
 from hsdp_runner.planner.layouts import (
     check_axis_keys,
     check_plan_options,
-    check_plannable_model,
     plan_layouts,
 )
 from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
@@ -110,8 +109,7 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     ``cfg`` is the composed config: the planner applies each axis combination to it as an
     override before converting the candidate to the typed ``RunConfig``."""
     run = to_run_config(cfg)
-    check_plan_options(run.plan)
-    check_plannable_model(run.model)
+    check_plan_options(run.plan, run.model)
     cluster = resolve(run.cluster, run.precision.param_dtype)
     degrees = pp_degrees(
         run.plan.pp_degrees, cluster.nodes, run.model.n_layers, cluster.gpus_per_node

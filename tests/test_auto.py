@@ -70,8 +70,9 @@ def test_an_explicit_degree_is_a_constraint_and_one_no_layout_has_exits_naming_t
     assert auto.fixed_degrees(compose(AUTO).parallel) == {}
     every = layouts.enumerate_layouts(to_run_config(cfg), 4, 4)
     kept = layouts.with_degrees(every, {"tp": 2}, 4)
-    assert {(2, 1, 1, 2), (1, 2, 1, 2)} <= {e["shape"] for e in kept} < {e["shape"] for e in every}
-    assert all(e["shape"][-1] == 2 for e in kept)
+    assert {(2, 1, 1, 2, 1), (1, 2, 1, 2, 1)} <= {e["shape"] for e in kept}
+    assert {e["shape"] for e in kept} < {e["shape"] for e in every}
+    assert all(e["shape"][3] == 2 for e in kept)
     with pytest.raises(ConfigError, match=r"parallel.tp=3: no layout of 4 ranks has that degree"):
         layouts.with_degrees(every, {"tp": 3}, 4)
 

@@ -183,7 +183,7 @@ def test_this_machine_plan_remeasures_a_busy_peak_and_says_how_old_and_loaded_it
     monkeypatch.setattr(linkbench, "cache_path", lambda ranks: tmp_path / f"links_{ranks}.json")
     bench = {
         "peak_tflops": {"float32": 0.02},
-        "links": {"all_gather": {"2": [1e-3, 1e8]}},
+        "links": {kind: {"2": [1e-3, 1e8]} for kind in linkbench.KINDS},
         "overlap": 0.3,
         "memory_gbps": 5.0,
         "memory_gib": 16.0,

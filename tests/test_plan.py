@@ -10,10 +10,10 @@ from clusters import fake_cluster, quiet_load
 from omegaconf import OmegaConf
 
 from hsdp_runner import plan
-from hsdp_runner.config.compose import CONF_DIR
+from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig
-from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.param_sizes import view_sizes
 from hsdp_runner.planner import calibrate as plan_calibrate
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner.cluster import Cluster
@@ -149,7 +149,7 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
         )
         measured = plan_memory.measure([req])[0]["peak"]
         dims = _dims(*shape[:2], shape[3], 4, 4, cp=shape[2])
-        exact = plan_memory.state_bytes(unit_sizes(cfg.model, dims), dims.dp_shard_cp, 4)
+        exact = plan_memory.state_bytes(view_sizes(cfg.model, dims), dims, 4)
         assert measured["sharded_param"] == exact["params"], shape
     # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
     req = plan_memory.request(
@@ -166,8 +166,42 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
         accum_reduce="every",
     )
     measured = plan_memory.measure([req])[0]["peak"]
-    exact = plan_memory.state_bytes(unit_sizes(cfg.model, _dims(1, 1, 2, 2, 2)), 1, 4)
+    dims = _dims(1, 1, 2, 2, 2)
+    exact = plan_memory.state_bytes(view_sizes(cfg.model, dims), dims, 4)
     assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
+
+
+def test_tracked_expert_params_are_sharded_over_ep_and_the_experts_fsdp_dim():
+    """A model with experts: the fake build's sharded parameters equal the exact arithmetic, the
+    experts over ep x efsdp and the rest over dp_shard x cp (moe_tiny, one dense and two MoE
+    blocks, 4 ranks): FSDP 4 with ep 1, 2, 4 and FSDP 2 x TP 2 with ep 2 (experts over
+    dp_shard x tp)."""
+    cfg = plan.compose(["model=moe_tiny"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    cases = [((1, 4, 1, 1), ep) for ep in (1, 2, 4)] + [((1, 2, 1, 2), 2)]
+    requests = [
+        plan_memory.request(
+            plain["model"],
+            plain["parallel"],
+            plain["precision"],
+            [],
+            shape,
+            2,
+            1,
+            4,
+            4,
+            (1, 2),
+            accum_reduce="every",
+            experts={"ep": ep, "imbalance": 1.0},
+        )
+        for shape, ep in cases
+    ]
+    for (shape, ep), got in zip(cases, plan_memory.measure(requests, use_disk_cache=False)):
+        degrees = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), shape))
+        dims = ParallelDims(**degrees, world_size=4, ranks_per_node=4, ep=ep, moe=True)
+        exact = plan_memory.state_bytes(view_sizes(to_run_config(cfg).model, dims), dims, 4)
+        assert got["peak"]["sharded_param"] == exact["params"], (shape, ep)
+        assert got["peak"]["act"] > 0
 
 
 def _one_rank(*cases: tuple[str, int, int]) -> list[dict]:
@@ -213,7 +247,7 @@ def test_step_end_streams_each_ranks_trainable_shard_ten_times_at_memory_bandwid
     cfg = plan.compose(["model=llama3_debug", f"precision={precision}"])
     cluster = _cluster(memory_gbps=100.0)
     for dims in (_dims(8, 1, 1, 8, 8), _dims(1, 8, 1, 8, 8), _dims(2, 2, 2, 8, 8)):
-        units = unit_sizes(cfg.model, dims)
+        units = view_sizes(cfg.model, dims)
         trainable = sum(u[1] for u in units.values()) // dims.dp_shard
         expected = trainable * element_bytes * 10 / 100e9
         assert step_time(cfg, dims, cluster)["step_end_s"] == pytest.approx(expected, rel=1e-12)
@@ -392,7 +426,9 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
             ["cluster=h100_sxm", "cluster.nodes=16", "trainer.global_batch_size=8"],
             "valid for this config: trainer.global_batch_size=8 is not divisible",
         ),
-        (["model=qwen3_30b_a3b"], "model.n_experts=128), which the planner does not price"),
+        (["plan.ep_degrees=[1,2]"], "plan.ep_degrees=[1, 2]: the model has no routed experts"),
+        (["model=moe_tiny", "plan.ep_degrees=[0]"], "plan.ep_degrees=[0]: each expert-parallel"),
+        (["model=moe_tiny", "plan.expert_imbalance=0.5"], "plan.expert_imbalance=0.5 must be >= 1"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args, message, capsys):
@@ -512,7 +548,7 @@ def test_link_table_is_remeasured_when_ranks_would_get_other_thread_counts(tmp_p
         calls.append(ranks)
         return {
             "peak_tflops": {"float32": 1.0},
-            "links": {},
+            "links": {kind: {} for kind in linkbench.KINDS},
             "overlap": 0.3,
             "memory_gbps": 5.0,
             "threads_per_rank": linkbench._threads_per_rank(ranks),

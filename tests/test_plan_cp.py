@@ -25,7 +25,8 @@ TINY = [
 
 
 def _shapes(layouts: list[dict]) -> set[tuple]:
-    return {e["shape"] for e in layouts}
+    """(dp_replicate, dp_shard, cp, tp) of each layout (a dense model's ep is always 1)."""
+    return {e["shape"][:4] for e in layouts}
 
 
 def test_automatic_cp_degrees_split_the_sequence_in_2cp_chunks_inside_a_node():
@@ -41,8 +42,25 @@ def test_automatic_cp_degrees_split_the_sequence_in_2cp_chunks_inside_a_node():
 def test_degree_shapes_are_every_factorisation_of_the_world_with_the_cp_degrees_asked():
     shapes = degree_shapes(8, [1, 2, 4, 8])
     assert len(shapes) == len(set(shapes)) == 20  # ordered 4-factor products of 2^3
-    assert all(r * s * c * t == 8 for r, s, c, t in shapes)
-    assert degree_shapes(8, [1]) == [(r, s, 1, t) for r, s, _, t in shapes if _ == 1]
+    assert all(r * s * c * t == 8 and ep == 1 for r, s, c, t, ep in shapes)  # dense: ep 1
+    assert degree_shapes(8, [1]) == [(r, s, 1, t, 1) for r, s, _, t, _ep in shapes if _ == 1]
+
+
+def test_expert_degrees_are_the_powers_of_two_dividing_the_borrowed_ranks_and_the_experts():
+    from hsdp_runner.planner.degrees import check_ep_degrees, ep_degrees
+
+    # 8 ranks, 4 experts: ep over powers of two dividing both dp_shard x cp x tp and 4.
+    shapes = degree_shapes(8, [1], None, experts=4)
+    assert (1, 8, 1, 1, 4) in shapes and (1, 8, 1, 1, 8) not in shapes
+    assert [s for s in shapes if s[:4] == (2, 2, 1, 2)] == [(2, 2, 1, 2, ep) for ep in (1, 2, 4)]
+    assert [s[4] for s in shapes if s[:4] == (8, 1, 1, 1)] == [1]  # DDP borrows no rank
+    assert ep_degrees(None, 12, 12) == [1, 2, 4]  # 3 and 6 divide both, but are no power of 2
+    assert ep_degrees([2, 8], 8, 4) == [2]  # asked, those the layout's ranks allow
+    assert ep_degrees(None, 0, 8) == [1]  # a dense model
+    with pytest.raises(ConfigError, match=r"plan.ep_degrees=\[2\]: the model has no routed"):
+        check_ep_degrees([2], 0)
+    with pytest.raises(ConfigError, match=r"plan.ep_degrees=\[0\]: each expert-parallel"):
+        check_ep_degrees([0], 8)
 
 
 def test_enumeration_includes_cp_layouts_and_cp_degrees_1_keeps_the_old_list():

@@ -64,10 +64,8 @@ class TokenExchange:
         the state ``combine`` needs)."""
         from torch.distributed._functional_collectives import all_to_all_single
 
-        sent = counts.view(self.ep, -1)  # [destination rank, its local expert]
-        received = all_to_all_single(counts, None, None, self.group).view(self.ep, -1)
-        # The split sizes are host values: one device-to-host read per layer and pass.
-        splits = torch.stack([sent.sum(1), received.sum(1)]).tolist()
+        sent, received = self.exchange_counts(counts)
+        splits = self.split_sizes(sent, received)
         # Inside a backward (activation checkpointing recomputing the forward): not recorded.
         if self.routing is not None and torch._C._current_graph_task_id() == -1:
             self.routing.append((sum(splits[0]), sum(splits[1])))
@@ -76,6 +74,20 @@ class TokenExchange:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return arrived.index_select(0, order), received.sum(0), (inverse, splits)
+
+    def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sent, received): (ep, L) int64 rows this rank sends to [destination rank, its local
+        expert] (``counts`` viewed so) and receives from [source rank, local expert] (the
+        counts all-to-alled). The planner's memory run replaces it with planned routing."""
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        received = all_to_all_single(counts, None, None, self.group)
+        return counts.view(self.ep, -1), received.view(self.ep, -1)
+
+    def split_sizes(self, sent: torch.Tensor, received: torch.Tensor) -> list[list[int]]:
+        """[rows sent to each ep rank, rows received from each]: host values, one
+        device-to-host read per layer and pass."""
+        return torch.stack([sent.sum(1), received.sum(1)]).tolist()
 
     def combine(self, outputs: torch.Tensor, state) -> torch.Tensor:
         """Send the local experts' ``outputs`` (M, dim, dispatch's order) back to the ranks

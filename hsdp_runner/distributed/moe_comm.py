@@ -78,20 +78,34 @@ def routed_rows(
 ) -> dict[str, int]:
     """{'all_to_all/<ep>': bytes} of the token exchange's rows in a step of a rank holding
     pipeline ``stages`` (empty without expert parallel): each forward dispatch's N rows sent
-    and M received (``routing``: the counted step's (N, M) per dispatch; None: balanced, M = N
-    = the rank's tokens of a micro-batch x ``top_k``), each row moved by forward's dispatch
+    and M received (``routing``: the counted step's (N, M) per dispatch; None: balanced,
+    ``planned_routing``), each row moved by forward's dispatch
     and combine and backward's two mirrors, and once more each under full AC."""
     if dims.ep == 1 or not dims.moe:
         return {}
     if routing is None:
-        layers = sum(len(moe_blocks(model_cfg, dims, stage)) for stage in stages)
-        tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // (dims.cp * dims.tp)
-        rows = 2 * layers * tokens * model_cfg.top_k
-    else:
-        rows = sum(sent + received for sent, received in routing)
+        routing = planned_routing(model_cfg, dims, trainer, stages)
+    rows = sum(sent + received for sent, received in routing)
     again = 2 if AC(parallel.ac) is AC.full else 1
     row_bytes = model_cfg.dim * torch_dtype(precision.param_dtype).itemsize
     return {f"all_to_all/{dims.same_group('ep')}": (again + 1) * rows * row_bytes}
+
+
+def planned_routing(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    trainer: TrainerConfig,
+    stages: Sequence[int],
+    imbalance: float = 1.0,
+) -> list[tuple[int, int]]:
+    """(rows sent, rows received) per MoE layer of pipeline ``stages`` over a step, as
+    ``routed_rows`` reads a recorded routing: the rank's tokens of the step x ``top_k`` sent,
+    ``imbalance`` x as many received (1.0: balanced experts; the planner prices the busiest
+    ep rank with ``plan.expert_imbalance``)."""
+    layers = sum(len(moe_blocks(model_cfg, dims, stage)) for stage in stages)
+    tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // (dims.cp * dims.tp)
+    sent = tokens * model_cfg.top_k
+    return [(sent, round(sent * imbalance))] * layers
 
 
 def balance_bytes(model_cfg: ModelConfig) -> int:

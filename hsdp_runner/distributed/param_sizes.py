@@ -151,6 +151,25 @@ def unit_sizes(
     return {unit: (sizes[0], sizes[1]) for unit, sizes in units.items()}
 
 
+def view_sizes(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    freeze=(),
+    sequence_parallel: bool = True,
+) -> dict[str, tuple[int, int]]:
+    """{group FSDP shards over (``LocalParam.view``): (all elements, trainable ones)} of the
+    parameters a rank holds before sharding (as ``unit_sizes``, padded), so that each part
+    divides by its own group: the blocks' and root's by ``dp_shard_cp``, the experts' by
+    ``efsdp``, an MoE layer's router and shared experts by ``dp_shard_cp_tp``."""
+    params = dict(build_meta_model(model_cfg).named_parameters())
+    frozen = set(frozen_names(params, freeze))
+    views: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for param in local_params(model_cfg, dims, sequence_parallel):
+        views[param.view][0] += param.numel
+        views[param.view][1] += 0 if param.name in frozen else param.numel
+    return {view: (sizes[0], sizes[1]) for view, sizes in views.items()}
+
+
 def unit_views(
     model_cfg: ModelConfig,
     dims: ParallelDims,

@@ -26,10 +26,12 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from math import prod
 
-from hsdp_runner.distributed.parallel_dims import VIEWS
+from hsdp_runner.distributed.parallel_dims import EXPERT_VIEWS, VIEWS
 
-# Flattened views of the world mesh, by name: the dims they join, outermost first.
-FLATTENED = VIEWS  # ParallelDims owns their definition
+# Flattened views of the world mesh, by name: the dims they join, outermost first; a model
+# with experts has the expert views too. ParallelDims owns their definition.
+FLATTENED = VIEWS
+_ANY_VIEW = {**VIEWS, **EXPERT_VIEWS}
 WORLD = "world"
 
 
@@ -61,11 +63,11 @@ def group_dims(name: str, dim_names: Sequence[str]) -> tuple[str, ...]:
         return (name,)
     if name == WORLD:
         return tuple(dim_names)
-    if name in FLATTENED and set(FLATTENED[name]) <= set(dim_names):
-        return FLATTENED[name]
+    if name in _ANY_VIEW and set(_ANY_VIEW[name]) <= set(dim_names):
+        return _ANY_VIEW[name]
     raise ValueError(
         f"{name!r} is neither a mesh dim of {tuple(dim_names)}, a flattened view "
-        f"({', '.join(FLATTENED)}) nor {WORLD!r}"
+        f"({', '.join(_ANY_VIEW)}) nor {WORLD!r}"
     )
 
 

@@ -38,14 +38,13 @@ from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
-from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster, resolve
+from hsdp_runner.planner.degrees import PLANNED_DIMS
 from hsdp_runner.planner.layouts import (
     Scenario,
     check_plan_options,
-    check_plannable_model,
     enumerate_layouts,
     plan_layouts,
     plan_scenarios,
@@ -72,7 +71,7 @@ class AutoChoice:
 
 def fixed_degrees(parallel: ParallelConfig) -> dict[str, int]:
     """The degrees an auto job set itself (dim name -> degree); -1 means 'the planner picks'."""
-    degrees = {name: getattr(parallel, name) for name in STAGE_DIMS}
+    degrees = {name: getattr(parallel, name) for name in PLANNED_DIMS}
     return {name: degree for name, degree in degrees.items() if degree != -1}
 
 
@@ -140,8 +139,7 @@ def plan_job(
     """
     start = time.perf_counter()
     run = to_run_config(cfg)
-    check_plan_options(run.plan)
-    check_plannable_model(run.model)
+    check_plan_options(run.plan, run.model)
     fixed = fixed_degrees(run.parallel)
     try:  # a degree no layout has fails here, before anything is measured
         with_degrees(enumerate_layouts(run, world_size, ranks_per_node), fixed, world_size)
@@ -216,11 +214,12 @@ def apply_choice(
     cfg: DictConfig, overrides: dict, plan_json: Path | str, node: ClusterConfig | dict
 ) -> None:
     """Write a planned choice into ``cfg``: the chosen layout's ``overrides`` (its degrees;
-    ``parallel.pp`` = 1 unless it is a pipeline row), ``plan.source`` = ``plan_json`` and the
+    ``parallel.pp`` = 1 unless it is a pipeline row, ``parallel.ep`` = 1 unless the model has
+    experts), ``plan.source`` = ``plan_json`` and the
     ``cluster`` node it was planned for (a config node, or its plain dict as another rank
     published it)."""
     cfg.cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), node)
-    for key, value in {"parallel.pp": 1, **overrides}.items():
+    for key, value in {"parallel.pp": 1, "parallel.ep": 1, **overrides}.items():
         OmegaConf.update(cfg, key, value, merge=False)
     cfg.plan.source = str(plan_json)
 
@@ -317,12 +316,12 @@ def _degrees(entry: dict) -> str:
     degrees = [
         f"{k.removeprefix('parallel.')}={v}"
         for k, v in entry["overrides"].items()
-        if k.removeprefix("parallel.") in STAGE_DIMS
+        if k.removeprefix("parallel.") in PLANNED_DIMS
     ]
     others = [
         f"{k}={v}"
         for k, v in entry["overrides"].items()
-        if k.removeprefix("parallel.") not in STAGE_DIMS
+        if k.removeprefix("parallel.") not in PLANNED_DIMS
     ]
     return " ".join(degrees + others)
 

@@ -8,8 +8,9 @@ that ``python -m hsdp_runner.plan --calibrate`` fitted to a sweep over either.
 
 A collective over a group of ``n`` ranks costs ``latency + ring_factor x bytes / bus
 bandwidth`` where ``bytes`` is the full tensor (as ``comm_model`` counts it) and the ring factor
-is (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce (NCCL's ring; each byte
-leaves a rank once, or twice: reduce-scatter then all-gather). The bus bandwidth depends on how
+is (n-1)/n for all-gather, reduce-scatter and all-to-all, 2(n-1)/n for all-reduce (NCCL's
+ring; each byte leaves a rank once, or twice: reduce-scatter then all-gather; an all-to-all's
+rank keeps 1/n of its input). The bus bandwidth depends on how
 the group sits on nodes (``topology.Placement``):
 
 - inside one node: NVLink, ``nvlink_gbps x nvlink_efficiency`` per GPU;
@@ -19,7 +20,9 @@ the group sits on nodes (``topology.Placement``):
   with k > 1 also crosses NVLink inside each node, so the bus bandwidth is the smaller of the
   two. The node's other groups of the same dim (``groups_per_node`` of them, run at the same
   moment) use the other GPUs' shares: together the g groups of k ranks use the node's NICs
-  exactly once (g x k = GPUs per node).
+  exactly once (g x k = GPUs per node). An all-to-all (expert parallel's token exchange) is no
+  ring: each rank sends every peer its part directly, so across nodes a rank's off-node bytes,
+  (n - k)/n of them, go through its own NIC share, not k GPUs' (``_all_to_all_across_nodes``).
 
 The time a collective spends on each link is kept apart (``Price.link_s``) so that
 ``planner.step_time`` can let collectives that run at the same time share a link they both use and
@@ -80,7 +83,7 @@ class Price:
     link_s: dict  # {link name: seconds the traffic occupies that link}
     bus_gbps: float  # the bus bandwidth assumed (GB/s)
     link: str  # the bottleneck: 'nvlink', 'nic' or 'measured'
-    algorithm: str  # 'ring'
+    algorithm: str  # 'ring', or 'all_to_all' (pairwise: every rank to every peer)
 
     @property
     def bandwidth_s(self) -> float:
@@ -191,6 +194,8 @@ class Cluster:
                 INTRA,
                 "ring",
             )
+        if kind == "all_to_all":
+            return self._all_to_all_across_nodes(where, calls, nbytes)
         nic = where.ranks_per_node * self.nic_share_gbps
         link_s = {INTER: traffic / (nic * 1e9)}
         if where.ranks_per_node > 1:
@@ -202,6 +207,24 @@ class Cluster:
             bus,
             INTER if bus == nic else INTRA,
             "ring",
+        )
+
+    def _all_to_all_across_nodes(self, where: Placement, calls: int, nbytes: float) -> Price:
+        """An all-to-all over a group spanning nodes, k ranks on each: every rank sends each
+        peer its part directly, the (n - k)/n of its bytes bound for other nodes through its
+        own share of the node's NICs (no ring spreads them over k GPUs' NICs), the (k - 1)/n
+        for its node's peers over NVLink at the same time."""
+        n, k = where.size, where.ranks_per_node
+        nic = self.nic_share_gbps
+        link_s = {INTER: nbytes * (n - k) / n / (nic * 1e9)}
+        if k > 1:
+            link_s[INTRA] = nbytes * (k - 1) / n / (self.intra_node_bus_gbps * 1e9)
+        return Price(
+            calls * self.inter_node_latency_us * 1e-6 * self.latency_scale,
+            link_s,
+            nic,
+            INTER,
+            "all_to_all",
         )
 
     def describe(self) -> dict:

@@ -1,4 +1,5 @@
-"""Which degree tuples the planner tries: every ``(dp_replicate, dp_shard, cp, tp)`` of a world.
+"""Which degree tuples the planner tries: every ``(dp_replicate, dp_shard, cp, tp, ep)`` of a
+world (``PLANNED_DIMS``).
 
 The data-parallel and TP degrees are always enumerated in full (every factorisation of the
 world size; ``ParallelDims`` then says which are invalid and why). Context parallel is
@@ -7,11 +8,21 @@ the model and cluster (``auto_cp_degrees``): a cp that cannot split ``model.seq_
 ``2 x cp`` load-balancing chunks, or that would cross nodes without
 ``parallel.allow_cp_across_nodes``, is invalid for every choice of the other degrees, and
 listing it once per choice would only fill the table with the same reason.
+
+Expert parallel (a model with experts) multiplies nothing: it borrows ranks from ``dp_shard x
+cp x tp``, so each degree tuple of the other dims is tried with every ep of ``ep_degrees``
+that divides those ranks and the experts (``plan.ep_degrees``; null: the powers of two that
+do). A dense model plans ep = 1 alone.
 """
 
 from __future__ import annotations
 
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.world_mesh import STAGE_DIMS
+
+# The degrees of a planned layout, in the order of its ``shape`` (pp is planned apart:
+# ``planner.pipeline``).
+PLANNED_DIMS = (*STAGE_DIMS, "ep")
 
 
 def divisors(n: int) -> list[int]:
@@ -53,12 +64,47 @@ def cp_degrees(
     return values
 
 
-def degree_shapes(world: int, cps: list[int]) -> list[tuple[int, int, int, int]]:
-    """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` and cp in ``cps``: by tp,
-    then cp, then dp_shard ascending."""
+def check_ep_degrees(asked, experts: int) -> None:
+    """Raise ConfigError for ``plan.ep_degrees`` values (``asked``, a list or None) that no
+    layout can take: below 1, or above 1 for a model without experts (``experts`` = 0)."""
+    if asked is None:
+        return
+    values = [int(ep) for ep in asked]
+    if not values or min(values) < 1:
+        raise ConfigError(
+            f"plan.ep_degrees={list(asked)}: each expert-parallel degree must be >= 1, e.g. "
+            "plan.ep_degrees=[1,2,4], or null for every degree the experts and ranks allow"
+        )
+    if not experts and max(values) > 1:
+        raise ConfigError(
+            f"plan.ep_degrees={list(asked)}: the model has no routed experts (model.n_experts), "
+            "so expert parallel has nothing to share out; drop plan.ep_degrees or plan a "
+            "mixture-of-experts model"
+        )
+
+
+def ep_degrees(asked, experts: int, borrowed: int) -> list[int]:
+    """The ep degrees to try for one layout whose ``dp_shard x cp x tp`` is ``borrowed``:
+    [1] for a dense model (``experts`` = 0); ``asked`` (``plan.ep_degrees``) as given, those
+    not dividing ``borrowed`` left out (they multiply nothing: no layout of these degrees
+    has them); None: the powers of two dividing both ``experts`` and ``borrowed``."""
+    if not experts:
+        return [1]
+    if asked is not None:
+        return sorted({int(ep) for ep in asked if borrowed % int(ep) == 0})
+    return [ep for ep in divisors(borrowed) if ep & (ep - 1) == 0 and experts % ep == 0]
+
+
+def degree_shapes(
+    world: int, cps: list[int], eps=None, experts: int = 0
+) -> list[tuple[int, int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, cp, tp, ep) (``PLANNED_DIMS``) with product of the first
+    four ``world``, cp in ``cps`` and ep of ``ep_degrees(eps, experts, dp_shard x cp x tp)``:
+    by tp, then cp, then dp_shard, then ep ascending."""
     out = []
     for tp in divisors(world):
         for cp in (c for c in cps if (world // tp) % c == 0):
             for shard in divisors(world // tp // cp):
-                out.append((world // tp // cp // shard, shard, cp, tp))
+                for ep in ep_degrees(eps, experts, shard * cp * tp):
+                    out.append((world // tp // cp // shard, shard, cp, tp, ep))
     return out

@@ -31,16 +31,15 @@ from hsdp_runner.config.checks import validate_batch, validate_config
 from hsdp_runner.config.compose import plain_config, to_run_config
 from hsdp_runner.config.schema import PlanConfig, RunConfig
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
+from hsdp_runner.distributed.param_sizes import view_sizes
 from hsdp_runner.models.base import model_spec, routed_experts
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import mem_phases, pipeline
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.cluster import Cluster
-from hsdp_runner.planner.degrees import cp_degrees, degree_shapes
+from hsdp_runner.planner.degrees import PLANNED_DIMS, check_ep_degrees, cp_degrees, degree_shapes
 
 
 @dataclass
@@ -58,8 +57,9 @@ class Scenario:
     pipeline_stage: bool = False
 
 
-def check_plan_options(plan: PlanConfig) -> None:
-    """Raise ConfigError for ``plan.*`` options the planner cannot work with."""
+def check_plan_options(plan: PlanConfig, model=None) -> None:
+    """Raise ConfigError for ``plan.*`` options the planner cannot work with (for ``model``, the
+    job's model config, where given: expert-parallel degrees for a model without experts)."""
     layers = list(plan.layers_measured)
     if len(set(layers)) < 2 or min(layers) < 1:
         raise ConfigError(
@@ -68,20 +68,13 @@ def check_plan_options(plan: PlanConfig) -> None:
         )
     if plan.top_k < 1:
         raise ConfigError(f"plan.top_k={plan.top_k} must be >= 1")
-
-
-def check_plannable_model(model) -> None:
-    """Raise ConfigError for a model the planner cannot price: one with routed experts
-    (``model.n_experts``). Its memory and step time need what it does not model yet (expert
-    weights over ep x the experts' FSDP dim, dispatch buffers, routing imbalance, grouped
-    matmul efficiency, the all-to-alls): a figure for them would be a dense model's guess."""
-    experts = routed_experts(model)
-    if experts:
+    if plan.expert_imbalance < 1:
         raise ConfigError(
-            f"model={model.name} has routed experts (model.n_experts={experts}), which the "
-            "planner does not price yet; train it with explicit degrees instead (parallel.ep, "
-            "docs/moe.md), or plan a dense model"
+            f"plan.expert_imbalance={plan.expert_imbalance} must be >= 1: the busiest ep "
+            "rank's routed tokens over the mean (1.0 = uniform routing)"
         )
+    if model is not None:
+        check_ep_degrees(plan.ep_degrees, routed_experts(model))
 
 
 def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
@@ -95,7 +88,7 @@ def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
                 f"plan.axes.{key}: {key} is not a key of the job config; "
                 "axes take dotted keys such as plan.axes.parallel.ac=none,selective"
             )
-        if key.split(".")[-1] in STAGE_DIMS:
+        if key.split(".")[-1] in PLANNED_DIMS:
             raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
 
 
@@ -124,8 +117,9 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, Run
 
 
 def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[dict]:
-    """Every (dp_replicate, dp_shard, cp, tp) with product ``world`` (cp over
-    ``planner.degrees.cp_degrees``): dims or the reason it is invalid."""
+    """Every (dp_replicate, dp_shard, cp, tp, ep) (``degrees.PLANNED_DIMS``) whose first four
+    multiply to ``world`` (cp over ``planner.degrees.cp_degrees``, ep over
+    ``degrees.ep_degrees``): dims or the reason it is invalid."""
     cps = cp_degrees(
         cfg.plan.cp_degrees,
         cfg.model.seq_len,
@@ -134,8 +128,8 @@ def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[d
         cfg.parallel.allow_cp_across_nodes,
     )
     out = []
-    for shape in degree_shapes(world, cps):
-        parallel = dataclasses.replace(cfg.parallel, **dict(zip(STAGE_DIMS, shape)))
+    for shape in degree_shapes(world, cps, cfg.plan.ep_degrees, routed_experts(cfg.model)):
+        parallel = dataclasses.replace(cfg.parallel, **dict(zip(PLANNED_DIMS, shape)))
         entry = {"shape": shape, "dims": None, "reason": None}
         try:
             dims = ParallelDims.from_config(parallel, cfg.model, world, ranks_per_node)
@@ -155,7 +149,9 @@ def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
     kept = [
         e
         for e in layouts
-        if all(dict(zip(STAGE_DIMS, e["shape"]))[name] == degree for name, degree in fixed.items())
+        if all(
+            dict(zip(PLANNED_DIMS, e["shape"]))[name] == degree for name, degree in fixed.items()
+        )
     ]
     if not kept:
         asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
@@ -265,7 +261,9 @@ def _memory_requests(
     """Group valid layouts by what their measurement depends on; return (requests, groups)."""
     groups: dict[tuple, dict] = {}
     for v, (_chosen, cfg, layouts) in enumerate(variants):
-        depths = sorted({min(n, cfg.model.n_layers) for n in cfg.plan.layers_measured})
+        depths = mem_phases.measured_depths(
+            cfg.plan.layers_measured, cfg.model.n_layers, _dense_blocks(cfg)
+        )
         for entry in layouts:
             dims = entry["dims"]
             if dims is None:
@@ -273,10 +271,11 @@ def _memory_requests(
             micro = validate_batch(cfg.trainer, dims.dp)
             # HSDP's replicate all-reduce works in place on the reduce-scattered shard, so an
             # HSDP layout shares the measurement of the FSDP ones (DDP keeps whole parameters);
-            # cp changes the tokens each rank holds, so it is measured per degree.
-            key = (v, dims.tp, dims.cp, dims.dp_shard_cp > 1, micro)
+            # cp changes the tokens each rank holds, so it is measured per degree; ep the
+            # experts a rank runs and the rows it receives.
+            key = (v, dims.tp, dims.cp, dims.ep, dims.dp_shard_cp > 1, micro)
             if key not in groups:
-                groups[key] = {"shape": dims.stage_shape, "depths": depths, "cfg": cfg}
+                groups[key] = {"shape": entry["shape"], "depths": depths, "cfg": cfg}
             entry["mem_key"] = key
     requests = []
     for key, group in groups.items():
@@ -290,28 +289,40 @@ def _memory_requests(
                     plain["parallel"],
                     plain["precision"],
                     plain["trainer"]["freeze"],
-                    group["shape"],
+                    group["shape"][:-1],
                     key[-1],
                     cfg.trainer.grad_accum_steps,
                     cluster.world_size,
                     cluster.gpus_per_node,
                     depth,
                     accum_reduce=_plain(cfg.trainer.accum_reduce),
+                    experts=(
+                        {"ep": group["shape"][-1], "imbalance": cfg.plan.expert_imbalance}
+                        if routed_experts(cfg.model)
+                        else None
+                    ),
                 )
             )
     return requests, groups
 
 
+def _dense_blocks(cfg: RunConfig) -> int | None:
+    """The dense blocks before the MoE blocks of a model with experts (``model.n_dense_layers``);
+    None for a dense model (``mem_phases.depth_key``)."""
+    return getattr(cfg.model, "n_dense_layers", 0) if routed_experts(cfg.model) else None
+
+
 def _state(cfg: RunConfig, dims: ParallelDims, cache: dict | None = None) -> dict:
     """Exact per-rank state bytes of ``dims`` (``plan_memory.state_bytes``); ``cache`` keeps
-    them per (config, shape): counting a big model's units builds it on the meta device."""
-    key = (id(cfg), dims.shape)
+    them per (config, degrees): counting a big model's parameters builds it on the meta
+    device."""
+    key = (id(cfg), dims.shape, dims.ep)
     if cache is not None and key in cache:
         return cache[key]
     master = torch_dtype(cfg.precision.master_dtype).itemsize
     state = plan_memory.state_bytes(
-        unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel),
-        dims.dp_shard_cp,
+        view_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel),
+        dims,
         master,
     )
     if cache is not None:
@@ -339,7 +350,9 @@ def _entry(
     step_time: Callable[..., dict],
 ) -> dict:
     cluster = scenario.cluster
-    overrides = {f"parallel.{name}": degree for name, degree in zip(STAGE_DIMS, layout["shape"])}
+    # ep only for a model with experts: a dense model's plan names the degrees it always did.
+    names = PLANNED_DIMS if routed_experts(cfg.model) else PLANNED_DIMS[:-1]
+    overrides = {f"parallel.{name}": degree for name, degree in zip(names, layout["shape"])}
     overrides.update({k: _plain(_at(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
@@ -357,12 +370,14 @@ def _entry(
         }
     group = groups[layout["mem_key"]]
     phases = mem_phases.extrapolate(
-        {d: measured[i] for d, i in group["index"].items()}, cfg.model.n_layers
+        {d: measured[i] for d, i in group["index"].items()},
+        mem_phases.depth_key(cfg.model.n_layers, _dense_blocks(cfg)),
     )
     ref = ParallelDims(
-        **dict(zip(STAGE_DIMS, group["shape"])),
+        **dict(zip(PLANNED_DIMS, group["shape"])),
         world_size=dims.world_size,
         ranks_per_node=dims.ranks_per_node,
+        moe=dims.moe,
     )
     memory = plan_memory.layout_memory(
         phases,

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 SMALL, LARGE = 1 << 10, 1 << 22  # bytes of the full tensor
 REPEATS = 5
 
@@ -47,7 +47,7 @@ def cached_or_measure(ranks: int) -> dict:
     """Return the cached measurement for ``ranks`` ranks on this host, measuring it if absent
     or taken with another thread count per rank than a job's ranks get now, on a busy machine
     (``cpu_peak.MachineLoad.busy``: its matmul peak is too low), or before the load, the
-    overlap and the memory bandwidth were recorded."""
+    overlap, the memory bandwidth and every collective of ``KINDS`` were recorded."""
     from hsdp_runner.distributed.cpu_peak import MachineLoad
 
     path = cache_path(ranks)
@@ -58,7 +58,8 @@ def cached_or_measure(ranks: int) -> dict:
         # measured again: it is too low, and so is every step the plan prices with it.
         load = MachineLoad.from_record(cached.get("peak_load"))
         quiet = load is not None and not load.busy
-        if current and quiet and "overlap" in cached and "memory_gbps" in cached:
+        complete = all(kind in cached.get("links", {}) for kind in KINDS)
+        if current and quiet and complete and "overlap" in cached and "memory_gbps" in cached:
             return cached
     print(
         f"plan: measuring this machine ({ranks} gloo ranks: matmul peak, collectives); "
@@ -228,6 +229,7 @@ def _time(kind: str, nbytes: int, n: int, group) -> float:
 
     full = torch.zeros(nbytes // 4)
     shard = torch.zeros(nbytes // 4 // n)
+    out = torch.empty_like(full) if kind == "all_to_all" else None
     times = []
     for _ in range(REPEATS + 1):
         dist.barrier()
@@ -236,6 +238,8 @@ def _time(kind: str, nbytes: int, n: int, group) -> float:
             dist.all_gather_into_tensor(full, shard, group=group)
         elif kind == "reduce_scatter":
             dist.reduce_scatter_tensor(shard, full, group=group)
+        elif kind == "all_to_all":  # the rank's input is the full tensor, as comm_model counts
+            dist.all_to_all_single(out, full, group=group)
         else:
             dist.all_reduce(full, group=group)
         times.append(time.perf_counter() - start)

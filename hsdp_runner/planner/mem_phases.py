@@ -159,39 +159,98 @@ def categories(dev_snap: dict) -> dict:
     return cats
 
 
-def extrapolate(measured: dict[int, dict], n_layers: int) -> dict[str, dict]:
-    """Per phase (``<micro>/<phase>``), the categories at ``n_layers`` blocks.
+def depth_key(n_layers: int, n_dense: int | None):
+    """The key a measurement of ``n_layers`` blocks is filed under: the block count for a
+    dense model (``n_dense`` None), (dense blocks, MoE blocks) for a model with experts whose
+    first ``n_dense`` blocks are dense."""
+    return n_layers if n_dense is None else (n_dense, n_layers - n_dense)
 
-    ``measured``: depth -> a child's result (``phases`` and ``marks``). A model no deeper than
-    a measurement is measured whole: its phases (interior blocks included) are returned as they
-    are. Otherwise each phase of the deepest measurement grows per added block by its kind's
-    growth, the difference of that kind's mark between the two deepest measurements, and the
-    interior blocks' backward is composed from the two ends (``_interior``).
-    """
+
+def measured_depths(layers: list[int], n_layers: int, n_dense: int | None) -> list:
+    """The depths to measure (``depth_key``s) for ``plan.layers_measured`` = ``layers`` of a
+    model of ``n_layers`` blocks, ``n_dense`` of them dense (None: a dense model).
+
+    A dense model: each count of ``layers`` (at most ``n_layers``). A model with experts grows
+    by two kinds of block, so each kind's growth is measured with the other held: MoE blocks
+    at each count of ``layers`` after one dense block (none when the model has none), and,
+    with two or more dense blocks, dense blocks at each count before one MoE block. The
+    deepest MoE measurement is the one extrapolated: its first block is dense as the model's
+    is, its last an MoE block."""
+    if n_dense is None:
+        return sorted({min(n, n_layers) for n in layers})
+    moe_blocks, dense = n_layers - n_dense, min(n_dense, 1)
+    keys = {(dense, m) for m in _counts(layers, moe_blocks)}
+    if n_dense >= 2:
+        keys |= {(d, 1) for d in _counts(layers, n_dense)}
+    return sorted(keys)
+
+
+def _counts(layers: list[int], most: int) -> list[int]:
+    """The counts of ``layers`` at most ``most``; two of them where ``most`` allows two (a
+    cap that merges them takes the two below it)."""
+    counts = sorted({min(n, most) for n in layers})
+    return counts if len(counts) > 1 or most < 2 else [most - 1, most]
+
+
+def extrapolate(measured: dict, n_layers) -> dict[str, dict]:
+    """Per phase (``<micro>/<phase>``), the categories at depth ``n_layers``.
+
+    ``measured``: depth -> a child's result (``phases`` and ``marks``); depths are block counts
+    (a dense model, ``n_layers`` an int) or (dense, MoE) block counts (``measured_depths``,
+    ``n_layers`` such a pair). A model measured at its own depth is returned whole (interior
+    blocks included). Otherwise each phase of the base measurement (the deepest; for two kinds,
+    the deepest in MoE blocks) grows per added block of each kind by that kind's growth: the
+    difference of the phase kind's mark between the two deepest measurements that differ in
+    that kind alone; and the interior blocks' backward is composed from the two ends
+    (``_interior``)."""
     if n_layers in measured:
         return {k: dict(v) for k, v in measured[n_layers]["phases"].items()}
-    (lo, low), (hi, high) = sorted(measured.items())[-2:]
-    growth: dict[str, dict] = {}
-    for key, b in high["marks"].items():
-        a = low["marks"][key]
-        growth[key] = {k: (b.get(k, 0) - a.get(k, 0)) / (hi - lo) for k in set(a) | set(b)}
+    single = isinstance(n_layers, int)
+    depths = {((d,) if single else tuple(d)): r for d, r in measured.items()}
+    target = (n_layers,) if single else tuple(n_layers)
+    base = max(depths, key=lambda d: (d[-1], [-c for c in d[:-1]]))
+    growth = {
+        axis: _growth(depths, axis) for axis in range(len(target)) if target[axis] != base[axis]
+    }
     out = {}
-    for key, cats in high["phases"].items():
+    for key, cats in depths[base]["phases"].items():
         micro, phase = key.split("/")
         if phase not in PHASES:
             continue
-        per_block = growth[f"{micro}/{PHASES[phase]}"]
-        out[key] = _add(cats, per_block, n_layers - hi)
-    if n_layers >= 3:
+        for axis, per_mark in growth.items():
+            cats = _add(cats, per_mark[f"{micro}/{PHASES[phase]}"], target[axis] - base[axis])
+        out[key] = cats
+    if sum(target) >= 3:
+        last = len(target) - 1  # the last block is of the last kind
+        second = 0 if target[0] >= 2 else last  # the block after the first
         for micro in {key.split("/")[0] for key in out}:
             if f"{micro}/bw:last" in out and f"{micro}/bw:first" in out:
                 out[f"{micro}/bw:mid"] = _interior(
                     out[f"{micro}/bw:last"],
                     out[f"{micro}/bw:first"],
-                    growth[f"{micro}/end_fw"],
-                    growth[f"{micro}/end_bw"],
+                    _growth(depths, last)[f"{micro}/end_fw"],
+                    _growth(depths, second)[f"{micro}/end_bw"],
                 )
     return out
+
+
+def _growth(depths: dict[tuple, dict], axis: int) -> dict[str, dict]:
+    """Per mark, the categories one more block of kind ``axis`` adds: from the two deepest
+    measurements that differ in that count alone."""
+    pairs = [
+        (a, b)
+        for a in depths
+        for b in depths
+        if b[axis] > a[axis] and all(a[i] == b[i] for i in range(len(a)) if i != axis)
+    ]
+    if not pairs:
+        raise ValueError(f"no two measured depths of {sorted(depths)} differ in kind {axis} alone")
+    lo, hi = max(pairs, key=lambda p: (p[1][axis], p[0][axis]))
+    low, high, blocks = depths[lo]["marks"], depths[hi]["marks"], hi[axis] - lo[axis]
+    return {
+        key: {k: (b.get(k, 0) - low[key].get(k, 0)) / blocks for k in set(low[key]) | set(b)}
+        for key, b in high.items()
+    }
 
 
 def _add(cats: dict, per_block: dict, blocks: float) -> dict:

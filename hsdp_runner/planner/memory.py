@@ -88,14 +88,23 @@ def request(
     accum: int,
     world_size: int,
     ranks_per_node: int,
-    n_layers: int,
+    n_layers,
     *,
     accum_reduce: str,
+    experts: dict | None = None,
 ) -> dict:
     """Describe one fake measurement as a plain dict (what the child process needs):
-    ``accum_reduce`` is ``trainer.accum_reduce``'s value, ``every`` or ``last``."""
+    ``n_layers`` the blocks to build (a ``mem_phases.depth_key``: a count, or (dense, MoE)
+    blocks of a model with experts), ``accum_reduce`` is ``trainer.accum_reduce``'s value,
+    ``every`` or ``last``; ``experts`` for a model with experts: {'ep': degree, 'imbalance':
+    ``plan.expert_imbalance``} (``expert_memory``)."""
+    if isinstance(n_layers, int):
+        blocks = {"n_layers": n_layers}
+    else:
+        blocks = {"n_layers": sum(n_layers), "n_dense_layers": n_layers[0]}
+    extra = {"experts": dict(experts)} if experts is not None else {}
     return {
-        "model": {**model, "n_layers": n_layers},
+        "model": {**model, **blocks},
         "parallel": parallel,
         "precision": precision,
         "freeze": list(freeze),
@@ -105,6 +114,7 @@ def request(
         "accum_reduce": accum_reduce if accum > 1 else "every",  # one micro-batch: no choice
         "world_size": world_size,
         "ranks_per_node": ranks_per_node,
+        **extra,
         "v": CACHE_VERSION,
     }
 
@@ -183,8 +193,11 @@ def _measure_all(requests: list[dict]) -> list[dict]:
     """Child process: every request in turn, each in a fake process group of its world size."""
     import warnings
 
+    from hsdp_runner.planner.expert_memory import lenient_grouped_mm_meta
+
     warnings.filterwarnings("ignore")
     _untracked_dtensor_meta()
+    lenient_grouped_mm_meta()
     out = []
     for req in requests:
         _join(req["world_size"])
@@ -233,6 +246,7 @@ def _join(world_size: int) -> None:
 
 def _forget_dtensor_caches() -> None:
     """Clear DTensor's caches that hold meshes (torch 2.13's private names; see ``_join``)."""
+    import torch
     from torch.distributed.tensor import DTensor, _redistribute
 
     propagator = DTensor._op_dispatcher.sharding_propagator
@@ -240,6 +254,9 @@ def _forget_dtensor_caches() -> None:
     propagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute._planner_cache.clear()
+    # The C++ dispatch fast path keeps a sharding cache of its own: left, a build whose group
+    # names shifted (a model with experts creates more groups) met an earlier world's names.
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def build_measured(req: dict):
@@ -247,27 +264,35 @@ def build_measured(req: dict):
     (``parallelize.parallelized_meta_model``) on the world mesh of the request's degrees (pp = 1:
     the planner measures one stage's worth of blocks as a whole model); returns (model,
     ParallelDims, the model's config). Call in a process whose fake process group has the
-    request's world size (``_join``)."""
+    request's world size (``_join``). A model with experts gets its planned routing
+    (``expert_memory.plan_routing``)."""
     import torch
     from omegaconf import OmegaConf
 
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import parallelized_meta_model
     from hsdp_runner.distributed.world_mesh import STAGE_DIMS
+    from hsdp_runner.planner.expert_memory import plan_routing
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
-    degrees = dict(zip(STAGE_DIMS, req["shape"]))
+    experts = req.get("experts")
+    degrees = {**dict(zip(STAGE_DIMS, req["shape"])), "ep": experts["ep"] if experts else 1}
     for name, degree in degrees.items():
         parallel[name] = degree
     parallel.pp = 1
     dims = ParallelDims(
-        **degrees, world_size=req["world_size"], ranks_per_node=req["ranks_per_node"]
+        **degrees,
+        world_size=req["world_size"],
+        ranks_per_node=req["ranks_per_node"],
+        moe=experts is not None,
     )
     world = dims.build_mesh("cpu")
     model = parallelized_meta_model(
         model_cfg, dims, world, parallel, precision, torch.device("cpu"), req["freeze"]
     )
+    if experts is not None:
+        plan_routing(model, experts["imbalance"])
     return model, dims, model_cfg
 
 
@@ -331,16 +356,16 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
     }
 
 
-def state_bytes(units: dict, shard: int, master_bytes: int) -> dict:
+def state_bytes(views: dict, dims, master_bytes: int) -> dict:
     """Exact per-rank bytes of sharded parameters, gradients and AdamW's two moments.
 
-    ``units``: ``comm_model.unit_sizes`` ((all, trainable) elements of one TP rank's part of
-    each FSDP unit, dim 0 padded to the shard degree), divided here by ``shard``, the ranks FSDP
-    shards over (``ParallelDims.dp_shard_cp``).
-    """
-    total = sum(u[0] for u in units.values())
-    trainable = sum(u[1] for u in units.values())
-    params, grads = total // shard * master_bytes, trainable // shard * master_bytes
+    ``views``: ``param_sizes.view_sizes`` ((all, trainable) elements of what one rank holds
+    before sharding, padded as FSDP pads, per group it shards over), each divided here by its
+    group's size in ``dims`` (``ParallelDims.group_size``: ``dp_shard x cp`` for the dense
+    parameters, ``efsdp`` for the experts)."""
+    params = sum(sizes[0] // dims.group_size(view) for view, sizes in views.items())
+    grads = sum(sizes[1] // dims.group_size(view) for view, sizes in views.items())
+    params, grads = params * master_bytes, grads * master_bytes
     return {"params": params, "grads": grads, "optimizer": 2 * grads}
 
 

@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.cpu_peak import MachineLoad
-from hsdp_runner.distributed.world_mesh import STAGE_DIMS  # planned: pp = 1
+from hsdp_runner.planner.degrees import PLANNED_DIMS
 
 PLAN_JSON, PLAN_MD = "plan.json", "plan.md"
-DEGREE_KEYS = tuple(f"parallel.{name}" for name in STAGE_DIMS)
+DEGREE_KEYS = tuple(f"parallel.{name}" for name in PLANNED_DIMS)
 GROUPS = ("parallel", "model", "precision", "optim", "data", "logger", "launcher")
 
 
@@ -41,7 +41,9 @@ def rank(entries: list[dict]) -> None:
 
 def _degrees(entry: dict) -> str:
     o = entry["overrides"]  # plan.json files written before the cp dim have no parallel.cp
-    return "×".join(str(o.get(key, 1)) for key in DEGREE_KEYS)
+    # ep only where planned (a model with experts): rep×shard×cp×tp×ep.
+    keys = DEGREE_KEYS if "parallel.ep" in o else DEGREE_KEYS[:-1]
+    return "×".join(str(o.get(key, 1)) for key in keys)
 
 
 def _axes(entry: dict) -> str:
@@ -68,7 +70,7 @@ def _peak_phase(entry: dict) -> str:
 def table(entries: list[dict], cluster: dict) -> str:
     """The ranked markdown table: one row per layout, invalid ones last with their reason."""
     head = (
-        "| rank | degrees (rep×shard×cp×tp) | axes | mem GiB/rank | memory peak | step s "
+        "| rank | degrees (rep×shard×cp×tp[×ep]) | axes | mem GiB/rank | memory peak | step s "
         "| tok/s/device | MFU | compute s | step end s | exposed comm s | dominant |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]

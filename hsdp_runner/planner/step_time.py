@@ -55,9 +55,10 @@ from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
-from hsdp_runner.distributed.param_sizes import unit_sizes
+from hsdp_runner.distributed.param_sizes import expert_wraps, moe_blocks, unit_sizes, view_sizes
 from hsdp_runner.distributed.step_passes import stage_passes
 from hsdp_runner.distributed.topology import Placement, placement
+from hsdp_runner.distributed.world_mesh import EXPERT_SPLIT
 from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import precision_cost
@@ -80,8 +81,14 @@ def step_flops(
 
 
 def placement_of(dims: ParallelDims, dim: str) -> Placement:
-    """How the groups of ``dim`` (a mesh dim, the flattened 'dp', or 'world': the trainer's
-    step-statistics all-reduce when no one dim spans every rank) sit on the nodes of ``dims``."""
+    """How the groups of ``dim`` (a mesh dim, a flattened view such as 'dp', 'world': the
+    trainer's step-statistics all-reduce when no one dim spans every rank, or a group of the
+    experts' split 'efsdp' / 'ep') sit on the nodes of ``dims``. The split cuts ``dp_shard x
+    cp x tp``, the innermost ranks, row-major into ``efsdp x ep``: the same placement as a
+    mesh whose innermost dims are those two."""
+    if dim in EXPERT_SPLIT:
+        shape = (dims.pp, dims.dp_replicate, dims.efsdp, dims.ep)
+        return placement(shape, (*DIM_NAMES[:2], *EXPERT_SPLIT), dim, dims.node_size)
     return placement(dims.shape, DIM_NAMES, dim, dims.node_size)
 
 
@@ -140,6 +147,19 @@ def _without(comm: dict, part: dict) -> dict:
     return out
 
 
+def fsdp_groups(dims: ParallelDims) -> list[str]:
+    """The groups FSDP gathers and reduces over, by the names ``comm_model`` gives them
+    (``ParallelDims.same_group``): the blocks' and root's (``dp_shard_cp``) first, then, with
+    the MoE layers' own wraps (``param_sizes.expert_wraps``), the experts' (``efsdp``) and the
+    router's and shared experts' (``dp_shard_cp_tp``) where those are other groups."""
+    groups = [dims.same_group("dp_shard_cp")]
+    if expert_wraps(dims):
+        for view in ("efsdp", "dp_shard_cp_tp"):
+            if dims.same_group(view) not in groups:
+                groups.append(dims.same_group(view))
+    return groups
+
+
 def _spill(running: list[tuple[str, Price, float]], budget: float) -> dict[str, float]:
     """Seconds of one backward pass's hidden collectives that its compute cannot hide, per
     mesh dim: ``running`` holds (dim, price, share of the price that runs in this pass), all
@@ -177,58 +197,76 @@ def step_time(
     prices = comm_prices(_without(comm, kv), dims, cluster)
     times = {key: p.seconds for key, p in prices.items()}
     kv_prices = comm_prices(kv, dims, cluster)
-    fsdp = dims.same_group("dp_shard_cp")  # the name comm_model gives FSDP's group
+    groups = fsdp_groups(dims)
+    fsdp = groups[0]
     units = unit_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     total = sum(u[0] for u in units.values()) or 1
-    root = units.get("root", (0, 0))[0] / total
-    blocks = max(1, cfg.model.n_layers)
-    ag = times.get(f"all_gather/{fsdp}", 0.0)
+    # The root unit (embedding, final norm, output) is the dense group's alone.
+    root = {g: units.get("root", (0, 0))[0] / total if g == fsdp else 0.0 for g in groups}
+    # Units per group: the blocks, or the MoE layers' own (their experts, their router).
+    blocks = {
+        g: max(1, cfg.model.n_layers if g == fsdp else len(moe_blocks(cfg.model))) for g in groups
+    }
+    ag = {g: times.get(f"all_gather/{g}", 0.0) for g in groups}
     # all-gathers: forward gathers every unit, backward (with reshard) the blocks again; a
     # pipeline stage gathers in its first forward alone. The passes the comm model counted.
     passes = stage_passes(dims, cfg.parallel, cfg.trainer, pipeline_stage)
     accum = passes.micro_batches
     forward_gathers, backward_gathers = passes.gathers
-    ag_fwd_share = forward_gathers / (forward_gathers + backward_gathers * (1 - root))
-    ag_fwd, ag_bwd = ag * ag_fwd_share, ag * (1 - ag_fwd_share)
+    fwd_share = {
+        g: forward_gathers / (forward_gathers + backward_gathers * (1 - root[g])) for g in groups
+    }
     exposed: dict[str, float] = {}
 
     def expose(dim: str, seconds: float) -> None:
         if seconds > 0:
             exposed[dim] = exposed.get(dim, 0.0) + seconds
 
-    expose(fsdp, ag_fwd * root)
-    spill = max(0.0, ag_fwd * (1 - root) - cluster.overlap * fwd)
-    expose(fsdp, spill)
+    hidden_fwd = {}
+    for g in groups:
+        expose(g, ag[g] * fwd_share[g] * root[g])
+        hidden_fwd[g] = ag[g] * fwd_share[g] * (1 - root[g])
+    spill = max(0.0, sum(hidden_fwd.values()) - cluster.overlap * fwd)
+    for g, seconds in hidden_fwd.items():
+        expose(g, spill * seconds / (sum(hidden_fwd.values()) or 1))
     # Backward, per micro-batch: each gathers its blocks again and hides what it runs behind
     # its own backward compute. The gradients are reduce-scattered in every micro-batch
     # (``trainer.accum_reduce=every`` under FSDP/HSDP, ``step_passes.grad_reductions``) or in
     # the last alone; HSDP's and DDP's all-reduce over dp_replicate runs in the last alone.
     reductions = passes.reductions
     bwd_pass = bwd / accum
-    expose(fsdp, ag_bwd / blocks)
-    ag_share = (1 - ag_fwd_share) * (1 - 1 / blocks) / accum  # of the step's all-gather price
-    rs_key, ar_key = f"reduce_scatter/{fsdp}", "all_reduce/dp_replicate"
+    ar_key = "all_reduce/dp_replicate"
+    ag_running, rs_running = [], []
+    for g in groups:
+        expose(g, ag[g] * (1 - fwd_share[g]) / blocks[g])
+        # Of the step's all-gather price, what one micro-batch's backward hides.
+        share = (1 - fwd_share[g]) * (1 - 1 / blocks[g]) / accum
+        if ag[g]:
+            ag_running.append((g, prices[f"all_gather/{g}"], share))
+        if f"reduce_scatter/{g}" in prices:
+            rs_running.append((g, prices[f"reduce_scatter/{g}"], (1 - root[g]) / reductions))
     # The root's reductions are the last of each backward: exposed (each reduction's share).
-    for key in (rs_key, ar_key):
+    for key in (f"reduce_scatter/{fsdp}", ar_key):
         if key in times:
-            expose(key.split("/")[1], times[key] * root)
-    ag_running = [(fsdp, prices[f"all_gather/{fsdp}"], ag_share)] if ag else []
-    rs_running = [(fsdp, prices[rs_key], (1 - root) / reductions)] if rs_key in prices else []
+            expose(key.split("/")[1], times[key] * root[fsdp])
     earlier = ag_running + (rs_running if reductions > 1 else [])
     last = ag_running + rs_running
     if ar_key in prices:
-        last.append(("dp_replicate", prices[ar_key], 1 - root))
+        last.append(("dp_replicate", prices[ar_key], 1 - root[fsdp]))
     for dim, seconds in _spill(earlier, cluster.overlap * bwd_pass).items():
         expose(dim, (accum - 1) * seconds)
     for dim, seconds in _spill(last, cluster.overlap * bwd_pass).items():
         expose(dim, seconds)
-    grad_sync = (rs_key, ar_key)
+    overlapped = {ar_key} | {
+        f"{kind}/{g}" for g in groups for kind in ("all_gather", "reduce_scatter")
+    }
     for key, seconds in times.items():
-        if key not in grad_sync and key != f"all_gather/{fsdp}":
+        if key not in overlapped:
             expose(key.split("/")[1], seconds)
     for price in kv_prices.values():
         expose("cp", price.seconds)
-    trainable = sum(u[1] for u in units.values()) // dims.dp_shard_cp
+    views = view_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
+    trainable = sum(sizes[1] // dims.group_size(view) for view, sizes in views.items())
     step_end = cluster.step_end_seconds(trainable, torch_dtype(cfg.precision.master_dtype).itemsize)
     step = compute + step_end + sum(exposed.values())
     terms = {
