@@ -376,3 +376,87 @@ def test_float8_weights_are_measured_gathered_at_one_byte():
     assert bf16["unsharded_param"] - root == 49_280 * 2
     assert float8["unsharded_param"] - root == 49_152 + 128 * 2 + 7 * 4
     assert (bf16["all_gather"], float8["all_gather"]) == (98_560, 49_152 + 128 * 2)
+
+
+# A model with experts whose first two blocks are dense: 2 dense + 4 MoE blocks, 8 experts.
+MOE = ["model=moe_tiny", "model.n_layers=6", "model.n_dense_layers=2", "model.seq_len=64"]
+MOE += ["cluster.gpus_per_node=4"]
+
+
+def _moe_request(depth, ep: int, imbalance: float = 1.0, shape=(1, 4, 1, 1)) -> dict:
+    cfg = plan.compose(MOE)
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return plan_memory.request(
+        plain["model"],
+        plain["parallel"],
+        plain["precision"],
+        [],
+        shape,
+        2,
+        1,
+        4,
+        4,
+        depth,
+        accum_reduce="every",
+        experts={"ep": ep, "imbalance": imbalance},
+    )
+
+
+def _expert_rows(req: dict) -> tuple[dict, dict, list]:
+    """In a measuring child: a request's phases on fake tensors and on real ones, and the rows
+    the first MoE layer's exchange received (its planned counts)."""
+    from hsdp_runner.distributed.expert_parallel import moe_modules
+
+    plan_memory._untracked_dtensor_meta()
+    plan_memory._join(req["world_size"])
+    fake = plan_memory._measure_one(req)["phases"]
+    real = plan_memory._measure_one(req, fake=False)["phases"]
+    model, _, _ = plan_memory.build_measured(req)
+    exchange = next(iter(moe_modules(model).values())).exchange
+    return fake, real, type(exchange).__name__
+
+
+def test_expert_layouts_are_measured_as_the_same_step_holds_on_real_tensors():
+    """A model with experts on fake tensors: the router's choice is data, so the planner plans
+    the routing (``expert_memory``); the fake step then holds, phase by phase, what the same
+    step holds on real tensors (FSDP 4 with ep 2 at 1.5x the mean rows, and FSDP 2 x TP 2 with
+    ep 1), and the busiest rank's extra rows cost activations."""
+    requests = [
+        _moe_request((2, 1), ep=2, imbalance=1.5),
+        _moe_request((2, 1), ep=1, shape=(1, 2, 1, 2)),
+        _moe_request((2, 1), ep=2, imbalance=1.0),
+    ]
+    pool = plan_memory._children()
+    results = [f.result() for f in [pool.submit(_expert_rows, r) for r in requests]]
+    for fake, real, exchange in results:
+        # Equal but for the planned counts (a few int64: host values in the fake step, which
+        # the real step holds as tensors).
+        assert fake.keys() == real.keys()
+        assert all(abs(fake[k]["total"] - real[k]["total"]) <= 256 for k in fake), exchange
+    assert [r[2] for r in results] == [
+        "PlannedTokenExchange",
+        "PlannedLocalExchange",
+        "PlannedTokenExchange",
+    ]
+    busy, balanced = results[0][0], results[2][0]
+    assert busy["0/at:blocks_end"]["act"] > balanced["0/at:blocks_end"]["act"]
+
+
+def test_expert_model_peak_is_the_same_from_any_two_depths_and_equals_the_whole_model(cache):
+    """Two kinds of block grow the step: dense and MoE blocks are measured apart
+    (``mem_phases.measured_depths``) and each phase extrapolated by both; from
+    plan.layers_measured [1, 2] and [2, 3] the largest phase equals the tracker's own peak of
+    the 6-block model (2 dense, 4 MoE) measured whole, within 5%."""
+    whole_depth = (2, 4)
+    pairs = {str(lm): mem_phases.measured_depths(lm, 6, 2) for lm in ([1, 2], [2, 3])}
+    assert pairs["[1, 2]"] == [(1, 1), (1, 2), (2, 1)]
+    depths = sorted({d for ds in pairs.values() for d in ds} | {whole_depth})
+    got = dict(zip(depths, plan_memory.measure([_moe_request(d, ep=2) for d in depths])))
+    whole = got[whole_depth]["peak"]["total"]
+    for depths_of in pairs.values():
+        phases = mem_phases.extrapolate({d: got[d] for d in depths_of}, whole_depth)
+        assert abs(_largest_phase(phases) / whole - 1) <= 0.05, depths_of
+        for got_part, want_part in zip(
+            _pipeline_parts(phases), _pipeline_parts(got[whole_depth]["phases"])
+        ):
+            assert abs(got_part / want_part - 1) <= 0.05, depths_of

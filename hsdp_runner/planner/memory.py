@@ -193,11 +193,8 @@ def _measure_all(requests: list[dict]) -> list[dict]:
     """Child process: every request in turn, each in a fake process group of its world size."""
     import warnings
 
-    from hsdp_runner.planner.expert_memory import lenient_grouped_mm_meta
-
     warnings.filterwarnings("ignore")
     _untracked_dtensor_meta()
-    lenient_grouped_mm_meta()
     out = []
     for req in requests:
         _join(req["world_size"])
@@ -272,7 +269,7 @@ def build_measured(req: dict):
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.parallelize import parallelized_meta_model
     from hsdp_runner.distributed.world_mesh import STAGE_DIMS
-    from hsdp_runner.planner.expert_memory import plan_routing
+    from hsdp_runner.planner.expert_memory import lenient_grouped_mm_meta, plan_routing
 
     model_cfg, parallel = OmegaConf.create(req["model"]), OmegaConf.create(req["parallel"])
     precision = OmegaConf.create(req["precision"])
@@ -292,6 +289,7 @@ def build_measured(req: dict):
         model_cfg, dims, world, parallel, precision, torch.device("cpu"), req["freeze"]
     )
     if experts is not None:
+        lenient_grouped_mm_meta()
         plan_routing(model, experts["imbalance"])
     return model, dims, model_cfg
 
