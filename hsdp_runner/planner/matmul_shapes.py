@@ -90,32 +90,53 @@ def step_gemms(cfg: RunConfig, dims: ParallelDims, imbalance: float | None = Non
     """The GEMMs one rank of layout ``dims`` runs in one step of ``cfg`` (module docstring),
     identical ones merged (``Gemm.runs`` adds up); ``imbalance`` replaces
     ``plan.expert_imbalance`` (1.0: balanced routing)."""
-    model, spec = build_meta_model(cfg.model), model_spec(cfg.model)
     micro = cfg.trainer.grad_accum_steps
     rows = cfg.trainer.global_batch_size * cfg.model.seq_len / (dims.dp * dims.cp * micro)
-    again = recompute_share(cfg)
-    blocks = block_prefix(model) + "."
-    moe = _moe_prefixes(model)
+    runs: Counter = Counter()
+    _linears(runs, cfg, dims, rows)
+    load = cfg.plan.expert_imbalance if imbalance is None else imbalance
+    _experts(runs, cfg, dims, rows / dims.tp, load if dims.ep > 1 else 1.0)
+    return [Gemm(m, n, k, g, count, part, f8) for (m, n, k, g, part, f8), count in runs.items()]
+
+
+def _linears(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float) -> None:
+    """Add to ``runs`` ({(m, n, k, groups, part, float8): launches}) every linear's GEMMs, on
+    ``rows`` tokens a micro-batch (a MoE layer's on its 1/tp sequence shard)."""
+    model, spec, sp = (
+        build_meta_model(cfg.model),
+        model_spec(cfg.model),
+        cfg.parallel.sequence_parallel,
+    )
+    micro, again = cfg.trainer.grad_accum_steps, recompute_share(cfg)
+    blocks, moe = block_prefix(model) + ".", _moe_prefixes(model)
     converted = set()
     if float8.enabled(cfg.precision):
-        kept = float8.high_precision_linears(cfg.model, dims.tp, cfg.parallel.sequence_parallel)
+        kept = float8.high_precision_linears(cfg.model, dims.tp, sp)
         converted = {f for f, m in model.named_modules() if isinstance(m, nn.Linear)} - set(kept)
-    runs: Counter = Counter()
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         in_moe = any(fqn.startswith(prefix) for prefix in moe)
-        out, inn = _local(spec, fqn, module.weight.shape, dims.tp, cfg.parallel.sequence_parallel)
-        r = rows / dims.tp if in_moe else rows
+        out, inn = _local(spec, fqn, module.weight.shape, dims.tp, sp)
         f8 = fqn in converted
-        gemms = _linear_gemms(r, out, inn)
+        key = (1, FLOAT8 if f8 else MATMUL, f8)
+        gemms = _linear_gemms(rows / dims.tp if in_moe else rows, out, inn)
         for shape in gemms:
-            runs[(*shape, 1, FLOAT8 if f8 else MATMUL, f8)] += micro
+            runs[(*shape, *key)] += micro
         if again and fqn.startswith(blocks):
-            runs[(*gemms[0], 1, FLOAT8 if f8 else MATMUL, f8)] += micro * again
-    load = cfg.plan.expert_imbalance if imbalance is None else imbalance
-    for layer in moe.values():
-        copies = rows / dims.tp * layer.top_k * (load if dims.ep > 1 else 1.0)
+            runs[(*gemms[0], *key)] += micro * again
+
+
+def _experts(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float, load: float) -> None:
+    """Add to ``runs`` the experts' grouped GEMMs of every MoE layer: the layer's ``rows``
+    tokens a micro-batch, top_k copies each, x ``load`` on this rank, over its local experts."""
+    model, micro, again = (
+        build_meta_model(cfg.model),
+        cfg.trainer.grad_accum_steps,
+        recompute_share(cfg),
+    )
+    for layer in moe_layers(model):
+        copies = rows * layer.top_k * load
         for name, weight in layer.named_parameters():
             if weight.dim() != 3:
                 continue
@@ -128,4 +149,3 @@ def step_gemms(cfg: RunConfig, dims: ParallelDims, imbalance: float | None = Non
                 runs[(*shape, groups, EXPERTS, False)] += micro * launches
             if again:
                 runs[(*gemms[0], groups, EXPERTS, False)] += micro * launches * again
-    return [Gemm(m, n, k, g, count, part, f8) for (m, n, k, g, part, f8), count in runs.items()]
