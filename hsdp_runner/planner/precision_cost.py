@@ -1,16 +1,22 @@
-"""The compute part of a step's time, split by what limits each part: float8 and bf16 matmuls
-at their tensor-core peaks, the work between matmuls at memory bandwidth; eager or compiled.
+"""The compute part of a step's time, split by what limits each part: the matmuls by their
+shapes (float8 ones at the float8 peak), attention at peak, the work between matmuls at memory
+bandwidth; eager or compiled.
 
 ``planner.step_time`` once priced every hardware FLOP at ``peak x compute_efficiency``, one
 efficiency standing in for everything a step does on the device. Here (``compute_seconds``):
 
-- **Matmuls.** The FLOPs of the linears ``precision.float8`` converts (``float8``'s module
-  filter: not the output layer, not a layer with a dim that is not a multiple of 16) run at the
-  device's float8 peak (``Cluster.float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the
-  datasheet table, dense FP8); every other FLOP (output layer, attention, high-precision linears, and all
-  of them without float8) at the compute dtype's peak. Both x ``cluster.compute_efficiency``:
-  assumed, float8 kernels reach the same fraction of their peak as bf16 ones. What AC
-  recomputes is split the same way (the recomputed block linears are float8 ones).
+- **Matmuls.** Every GEMM a rank runs in the step (``matmul_shapes.step_gemms``: each linear's
+  forward and two backward GEMMs at its TP-local shape, the experts' grouped GEMMs, what AC
+  recomputes) is priced from its shape (``matmul_time``: output tiles in waves over the SMs
+  at peak x ``cluster.compute_efficiency``, or its bytes at memory bandwidth when those take
+  longer). The linears ``precision.float8`` converts (``float8``'s module filter: not the
+  output layer, not a layer with a dim that is not a multiple of 16) run at the device's
+  float8 peak (``Cluster.float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the datasheet
+  table, dense FP8) x the same efficiency (assumed, float8 kernels reach the same fraction of
+  their peak as bf16 ones); the rest at the compute dtype's peak.
+- **Attention** (flash: QK^T and AV, forward, backward and full AC's recompute): the FLOPs of
+  the runner's count (``step_time.step_flops``) that are not the linears', at the compute
+  dtype's peak x ``cluster.compute_efficiency``, as before.
 - **Memory-bound work** (norms, activations, RoPE, residual adds, the loss, and under float8
   torchao's amax and casts) at ``cluster.memory_gbps``. Its bytes come from the model's own
   code (``traffic``): the model with one and with two blocks, at two token counts, runs forward,
@@ -47,7 +53,9 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
-from hsdp_runner.models.base import ModelConfig, build_meta_model, model_fields, model_spec  # noqa: F401
+from hsdp_runner.models.base import ModelConfig, model_fields, model_spec
+from hsdp_runner.models.params import torch_dtype
+from hsdp_runner.planner import matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
 
 _aten = torch.ops.aten
@@ -291,42 +299,39 @@ def float8_peak_tflops(cfg: RunConfig, cluster: Cluster) -> float:
     return cluster.float8_peak_tflops
 
 
-def float8_flop_share(model_cfg: ModelConfig, precision: PrecisionConfig, tp: int) -> float:
-    """The fraction of the blocks' linear FLOPs that run in float8 (0 without float8): the
-    converted linears' weights over every block linear's (at TP degree ``tp``)."""
-    if not float8.enabled(precision):
-        return 0.0
-    kept = float8.high_precision_linears(model_cfg, tp, sequence_parallel=True)
-    total = converted = 0
-    for fqn, module in build_meta_model(model_cfg).named_modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.shape[0] != model_cfg.vocab_size:
-            total += module.weight.numel()
-            converted += 0 if fqn in kept else module.weight.numel()
-    return converted / total if total else 0.0
-
-
 def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flops: float) -> dict:
-    """Seconds of one step's device work on one rank, by part: 'float8_matmul', 'matmul' (every
-    other FLOP of ``hw_flops``, the rank's hardware FLOPs incl. recompute) and 'memory' (the
-    work between matmuls, float8 casts included). Returns {part: seconds}."""
-    spec, trainer, parallel = model_spec(cfg.model), cfg.trainer, cfg.parallel
-    tokens = trainer.global_batch_size * cfg.model.seq_len / dims.world_size  # per rank, x tp
-    share = float8_flop_share(cfg.model, cfg.precision, dims.tp)
-    f8_flops = 0.0
-    if share:
-        block_linear = spec.block_forward_flops_per_token() - (
-            4.0 * cfg.model.n_layers * cfg.model.dim * cfg.model.seq_len
+    """Seconds of one step's device work on one rank, by part: 'matmul', 'float8_matmul' and
+    'expert_matmul' (the linears in the compute dtype, those ``precision.float8`` converts, and
+    the experts' grouped matmuls: each GEMM priced from its shape, ``matmul_shapes`` and
+    ``matmul_time``), 'attention' (the FLOPs of ``hw_flops``, the rank's hardware FLOPs incl.
+    recompute as ``step_time.step_flops`` counts them, that are not the linears' at balanced
+    routing, at peak x ``cluster.compute_efficiency``) and 'memory' (the work between
+    matmuls, float8 casts included). Returns {part: seconds}; the float8 parts only under
+    float8, the experts' only for a model with experts."""
+    gemms = matmul_shapes.step_gemms(cfg, dims)
+    f8_peak = float8_peak_tflops(cfg, cluster) if any(g.float8 for g in gemms) else None
+    width = torch_dtype(cfg.precision.param_dtype).itemsize
+    parts = matmul_time.seconds_by_part(gemms, matmul_time.device_of(cluster, width, f8_peak))
+    balanced = gemms
+    if dims.ep > 1 and cfg.plan.expert_imbalance != 1.0:
+        balanced = matmul_shapes.step_gemms(cfg, dims, imbalance=1.0)
+    linear = sum(g.flops for g in balanced)
+    if hw_flops < linear * (1 - 1e-9):
+        raise ValueError(
+            f"hw_flops={hw_flops:.6g} is below the FLOPs of the rank's linears ({linear:.6g}): "
+            "pass step_time.step_flops' hardware count for this config and layout"
         )
-        recompute = {
-            AC.full: block_linear,
-            AC.selective: spec.selective_recompute_flops_per_token(),
-        }.get(AC(parallel.ac), 0.0)
-        f8_flops = share * (3 * block_linear + recompute) * tokens
-    peak = cluster.peak_tflops * 1e12 * cluster.compute_efficiency
-    parts = {"matmul": (hw_flops - f8_flops) / peak}
-    if f8_flops:
-        f8_peak = float8_peak_tflops(cfg, cluster) * 1e12 * cluster.compute_efficiency
-        parts["float8_matmul"] = f8_flops / f8_peak
+    parts["attention"] = max(hw_flops - linear, 0.0) / (
+        cluster.peak_tflops * 1e12 * cluster.compute_efficiency
+    )
+    parts["memory"] = memory_seconds(cfg, dims, cluster)
+    return parts
+
+
+def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> float:
+    """Seconds one rank's step spends on the work between matmuls (``traffic``: eager or
+    compiled, float8 casts included, AC's recompute once more) at ``cluster.memory_gbps``."""
+    trainer, parallel = cfg.trainer, cfg.parallel
     # Only inductor generates fused kernels; the debugging backends run the blocks' ops as eager.
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
     t = traffic(cfg.model, cfg.precision, fused)
@@ -339,5 +344,4 @@ def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flo
         + t.bytes("block_backward", micro_tokens)
         + t.bytes("rest", micro_tokens)
     ) / dims.tp
-    parts["memory"] = per_micro * trainer.grad_accum_steps / (cluster.memory_gbps * 1e9)
-    return parts
+    return per_micro * trainer.grad_accum_steps / (cluster.memory_gbps * 1e9)

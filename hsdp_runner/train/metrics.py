@@ -100,6 +100,35 @@ def lookup_peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
+# Streaming multiprocessors (SMs) per device and the architecture of its tensor cores: the
+# planner's matmul time (planner/matmul_time.py) runs a matmul's output tiles in waves over the
+# SMs. From NVIDIA's architecture whitepapers: "NVIDIA A100 Tensor Core GPU Architecture"
+# (A100, every memory size and form factor: 108 SMs) and "NVIDIA H100 Tensor Core GPU
+# Architecture" (H100 SXM5: 132, H100 PCIe: 114). H800 SXM: the H100 SXM with less NVLink
+# bandwidth (H800 datasheet), 132. H200 and GH200: the same GH100 part as H100 SXM5, 132 SMs
+# (NVIDIA H200 datasheet; "NVIDIA Grace Hopper Superchip Architecture" whitepaper). Same name
+# patterns as PEAK_TFLOPS; a device not listed (the CPU, an AMD part) has no SM figure and the
+# planner prices its matmuls by the roofline alone.
+SM_COUNT = (
+    (r"NVIDIA H100( 80GB HBM3)?", 132, "sm90"),
+    (r"NVIDIA H100 PCIe", 114, "sm90"),
+    (r"NVIDIA H800( 80GB HBM3)?", 132, "sm90"),
+    (r"NVIDIA H200( 141GB HBM3e)?", 132, "sm90"),
+    (r"NVIDIA GH200( \d+GB( HBM3e?)?)?", 132, "sm90"),
+    (r"NVIDIA A100([- ](SXM4|PCIE)?-?\d+GB( PCIe)?)?", 108, "sm80"),
+)
+
+
+def lookup_sm_count(device_name: str) -> tuple[int, str] | None:
+    """(SMs, architecture such as 'sm90') of ``device_name`` (as ``torch.cuda.
+    get_device_name()`` says it) from ``SM_COUNT``, or None for a device it does not list."""
+    name = " ".join(device_name.split())
+    for pattern, sms, arch in SM_COUNT:
+        if re.fullmatch(pattern, name, flags=re.IGNORECASE):
+            return sms, arch
+    return None
+
+
 class Peak:
     """What one rank's MFU divides by: ``tflops`` (None: no honest figure, MFU null), where it
     came from (``source``), and for a figure measured on this CPU ``remeasure``, which measures
