@@ -12,7 +12,8 @@ and sharding under a fake process group (``planner.memory``) and step time
 ``plan.write_sweep=<file>`` writes a sweep of the ``plan.top_k`` best layouts that fit;
 ``--calibrate <sweep dir>`` fits the cluster's figures to such a sweep's measurements
 (``planner.calibrate``). Exit 2 on bad input: unknown cluster, key or axis value, no valid
-layout, a model that fits nowhere. Never imports the trainer.
+layout, a model that fits nowhere (at once, before anything is measured, where its training
+state alone exceeds every layout's memory: ``planner.state_bound``). Never imports the trainer.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from hsdp_runner.planner.layouts import (
     plan_layouts,
 )
 from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
+from hsdp_runner.planner.state_bound import check_state_fits
 from hsdp_runner.runtime import forkserver
 
 AXES_PREFIX = "plan.axes."
@@ -111,6 +113,7 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     run = to_run_config(cfg)
     check_plan_options(run.plan, run.model)
     cluster = resolve(run.cluster, run.precision.param_dtype)
+    check_state_fits(run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib)
     degrees = pp_degrees(
         run.plan.pp_degrees, cluster.nodes, run.model.n_layers, cluster.gpus_per_node
     )

@@ -322,6 +322,15 @@ def auto_env(tmp_path_factory) -> dict:
     return this_machine_cache(tmp_path_factory.mktemp("cache"))
 
 
+def _state_bound_gib() -> float:
+    """GiB per rank llama3_tiny's one-block training state needs at least on 2 ranks."""
+    from hsdp_runner.config.compose import compose, to_run_config
+    from hsdp_runner.planner.state_bound import state_lower_bound_gib
+
+    run = to_run_config(compose(["model=llama3_tiny", "model.n_layers=1"]))
+    return state_lower_bound_gib(run, 2, 0.0)
+
+
 @pytest.mark.multiprocess
 def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env, tmp_path):
     """(An explicit degree no layout has, and CPU without ranks: tests/test_bad_input.py.)"""
@@ -332,7 +341,8 @@ def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env
         "parallel.cp=1",  # fewer layouts to measure, for the job and each remedy
         "parallel.tp=1",
         "cluster=this_machine",
-        "cluster.device_memory_gib=0.0001",
+        # Above what the training state alone needs (planner.state_bound), below any peak.
+        f"cluster.device_memory_gib={_state_bound_gib() * 1.01}",
         env=auto_env,
         timeout=600,
     )
@@ -346,10 +356,11 @@ def test_an_auto_job_that_fits_nowhere_exits_2_before_any_worker_starts(auto_env
 
 @pytest.mark.multiprocess
 def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto_env, tmp_path):
-    """Two models, each planned in the launching process on this machine (2 ranks), run with
-    the chosen degrees; summary.json, W&B and compare hold the prediction next to the run.
-    cp and tp are kept at 1 (a constraint) so that each plan measures two layouts, not four:
-    the choice among every degree is test_the_fastest_fitting_layout_wins_..."""
+    """Three models, each planned in the launching process on this machine (2 ranks), run with
+    the chosen degrees; summary.json, W&B and compare hold the prediction next to the run. The
+    mixture of experts plans ep too (FSDP 2 with ep 1 or 2, DDP). cp and tp are kept at 1 (a
+    constraint) so that each plan measures two or three layouts, not four or more: the choice
+    among every degree is test_the_fastest_fitting_layout_wins_..."""
     from wandb_records import read_run
 
     from hsdp_runner import compare
@@ -358,7 +369,7 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
     result = run_cli(
         sweep,
         "-m",
-        "model=llama3_tiny,gpt2_tiny",
+        "model=llama3_tiny,gpt2_tiny,moe_tiny",
         *[o for o in AUTO if not o.startswith("model=")],
         "trainer.steps=3",
         "parallel.cp=1",
@@ -370,10 +381,10 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("hsdp_runner: parallel=auto chose ") == 2
-    assert result.stdout.count("runner-up dp_replicate=") == 2
+    assert result.stdout.count("hsdp_runner: parallel=auto chose ") == 3
+    assert result.stdout.count("runner-up dp_replicate=") == 3
     jobs = sorted(d for d in sweep.iterdir() if (d / "summary.json").exists())
-    assert len(jobs) == 2
+    assert len(jobs) == 3
     for job in jobs:
         summary = json.loads((job / "summary.json").read_text())
         config = OmegaConf.load(job / "config_resolved.yaml")
@@ -382,6 +393,12 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         assert [summary[k] for k in ("dp_replicate", "dp_shard", "tp")] == [
             chosen["overrides"][f"parallel.{k}"] for k in ("dp_replicate", "dp_shard", "tp")
         ]
+        # ep is planned (and run) for the model with experts alone.
+        experts = config.model.name == "moe_tiny"
+        assert summary["ep"] == chosen["overrides"].get("parallel.ep", 1)
+        assert experts == ("parallel.ep" in chosen["overrides"])
+        if experts:
+            assert {e["overrides"].get("parallel.ep") for e in plan["layouts"]} == {1, 2}
         assert config.plan.source == str(job / "plan" / "plan.json")
         assert config.cluster.name == "this_machine" and config.cluster.gpus_per_node == 2
         pred = summary["prediction"]
@@ -395,4 +412,4 @@ def test_multirun_of_auto_jobs_records_the_choice_and_predicted_vs_measured(auto
         assert run["summary"]["prediction/step_time_s/predicted"] == chosen["step_time_s"]
     assert compare.main([str(sweep)]) == 0
     text = (sweep / "compare.md").read_text()
-    assert "## Predicted vs measured" in text and "2 completed jobs with a prediction" in text
+    assert "## Predicted vs measured" in text and "3 completed jobs with a prediction" in text

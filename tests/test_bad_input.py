@@ -152,9 +152,10 @@ BAD_INPUTS = [
         "parallel=auto: parallel.tp=3: no layout of 2 ranks has that degree",
         None,
     ),  # none meets
-    (
-        ["parallel=auto", "launcher.nproc_per_node=2", "model=moe_tiny"],
-        "model=moe_tiny has routed experts (model.n_experts=8), which the planner does not",
+    (  # its training state alone fits nowhere: refused before any layout is measured
+        ["parallel=auto", "launcher.nproc_per_node=4", "model=llama3_70b", "cluster=h100_sxm"],
+        "parallel=auto: model llama3_70b fits on no layout of 4 x 79.2 GiB devices: its "
+        "parameters, gradients and AdamW state alone",
         None,
     ),
     (

@@ -403,6 +403,26 @@ def test_calibrate_recovers_efficiency_and_link_scale(planned, tmp_path):
     assert code == 0 and again["cluster"]["link_scale"] == pytest.approx(1 / 3, rel=1e-4)
 
 
+def test_a_model_whose_training_state_fits_nowhere_is_refused_before_any_measurement(
+    monkeypatch, capsys
+):
+    """Dense or with experts: parameters, gradients and AdamW moments spread over every rank
+    already exceed a device, so no layout is measured (70B on one node of H100s; Qwen3-235B
+    on one; 235B passes the bound on 8 nodes and is measured from there on)."""
+
+    def measured(requests, use_disk_cache=True):
+        raise AssertionError("a layout was measured")
+
+    monkeypatch.setattr(plan_memory, "measure", measured)
+    for model, ranks in (("llama3_70b", 14), ("qwen3_235b_a22b", 46)):
+        assert plan.main([f"model={model}", "cluster=h100_sxm"]) == 2
+        err = capsys.readouterr().err
+        assert f"model {model} fits on no layout of 8 x 79.2 GiB devices" in err
+        assert f"use at least {ranks} ranks" in err and err.count("\n") == 1
+    with pytest.raises(AssertionError, match="a layout was measured"):
+        plan.main(["model=qwen3_235b_a22b", "cluster=h100_sxm", "cluster.nodes=8"])
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -499,7 +519,12 @@ def test_a_plan_over_earlier_files_exits_2_before_measuring_and_keeps_them(
 
 
 def test_model_that_fits_nowhere_is_listed_and_exits_2(monkeypatch_module, tmp_path, capsys):
-    code = plan.main(TINY + [f"plan.out_dir={tmp_path}", "cluster.device_memory_gib=0.0001"])
+    from hsdp_runner.planner.state_bound import state_lower_bound_gib
+
+    # Above what the training state alone needs (refused before measuring), below any peak.
+    bound = state_lower_bound_gib(to_run_config(plan.compose(TINY)), 4, 0.0)
+    memory = [f"cluster.device_memory_gib={bound * 1.01}", "cluster.memory_reserve_gib=0"]
+    code = plan.main(TINY + [f"plan.out_dir={tmp_path}", *memory])
     captured = capsys.readouterr()
     assert code == 2 and "fits on no layout" in captured.err
     assert "does not fit" in captured.out

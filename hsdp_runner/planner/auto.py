@@ -51,6 +51,7 @@ from hsdp_runner.planner.layouts import (
     with_degrees,
 )
 from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
+from hsdp_runner.planner.state_bound import check_state_fits
 
 CPU_PRESET = "this_machine"
 PLAN_DIR = "plan"  # the job's plan.md and plan.json, inside its output dir
@@ -147,6 +148,12 @@ def plan_job(
         raise ConfigError(f"parallel=auto: {err}") from None
     node = cluster_node(run.cluster, world_size, ranks_per_node, device_name)
     cluster = resolve(node, run.precision.param_dtype)
+    try:  # a model whose training state alone fits nowhere: said before anything is measured
+        check_state_fits(
+            run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib
+        )
+    except ConfigError as err:
+        raise ConfigError(f"parallel=auto: {err}") from None
     axes = planned_axes(run, overrides)
     try:
         try:
