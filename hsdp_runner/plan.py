@@ -31,12 +31,9 @@ from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
 from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.axes import check_axis_keys, check_plan_options
 from hsdp_runner.planner.cluster import resolve
-from hsdp_runner.planner.layouts import (
-    check_axis_keys,
-    check_plan_options,
-    plan_layouts,
-)
+from hsdp_runner.planner.layouts import plan_layouts
 from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
 from hsdp_runner.planner.state_bound import check_state_fits
 from hsdp_runner.runtime import forkserver

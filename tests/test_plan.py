@@ -15,6 +15,7 @@ from hsdp_runner.config.schema import ClusterConfig
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import view_sizes
 from hsdp_runner.planner import calibrate as plan_calibrate
+from hsdp_runner.planner import layout_memory
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner.cluster import Cluster
 from hsdp_runner.planner.step_time import step_time
@@ -149,7 +150,7 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
         )
         measured = plan_memory.measure([req])[0]["peak"]
         dims = _dims(*shape[:2], shape[3], 4, 4, cp=shape[2])
-        exact = plan_memory.state_bytes(view_sizes(cfg.model, dims), dims, 4)
+        exact = layout_memory.state_bytes(view_sizes(cfg.model, dims), dims, 4)
         assert measured["sharded_param"] == exact["params"], shape
     # TP alone in fp32 has no data-parallel wrapper: measured by the plain MemTracker.
     req = plan_memory.request(
@@ -167,7 +168,7 @@ def test_tracked_sharded_params_equal_exact_arithmetic(planned):
     )
     measured = plan_memory.measure([req])[0]["peak"]
     dims = _dims(1, 1, 2, 2, 2)
-    exact = plan_memory.state_bytes(view_sizes(cfg.model, dims), dims, 4)
+    exact = layout_memory.state_bytes(view_sizes(cfg.model, dims), dims, 4)
     assert measured["sharded_param"] == exact["params"] and measured["act"] > 0
 
 
@@ -199,7 +200,7 @@ def test_tracked_expert_params_are_sharded_over_ep_and_the_experts_fsdp_dim():
     for (shape, ep), got in zip(cases, plan_memory.measure(requests, use_disk_cache=False)):
         degrees = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), shape))
         dims = ParallelDims(**degrees, world_size=4, ranks_per_node=4, ep=ep, moe=True)
-        exact = plan_memory.state_bytes(view_sizes(to_run_config(cfg).model, dims), dims, 4)
+        exact = layout_memory.state_bytes(view_sizes(to_run_config(cfg).model, dims), dims, 4)
         assert got["peak"]["sharded_param"] == exact["params"], (shape, ep)
         assert got["peak"]["act"] > 0
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from hsdp_runner import plan
 from hsdp_runner.distributed.comm_model import unit_sizes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.planner import mem_phases
+from hsdp_runner.planner import layout_memory, mem_phases
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner.layouts import plan_layouts
 
@@ -94,7 +94,7 @@ def _pipeline_parts(phases: dict) -> tuple[float, float, float]:
     """(what a micro-batch leaves held through the blocks, and through its loss; the largest
     phase but the output layer's and the loss's) of a measurement's phases, as
     ``layout_memory`` reads them."""
-    skip = set(plan_memory.HEAD_PHASES) | set(mem_phases.MOMENTS)
+    skip = set(layout_memory.HEAD_PHASES) | set(mem_phases.MOMENTS)
     rest = max(c["total"] for k, c in phases.items() if k.split("/")[1] not in skip)
     return phases["0/at:blocks_end"]["act"], phases["0/at:loss_end"]["act"], rest
 

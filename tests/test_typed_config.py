@@ -43,11 +43,11 @@ ALLOWED = {
     "runtime/prelaunch.py::check_before_submit(sweep_config)": "Hydra's sweep config",
     "runtime/launch.py::_record_skipped(cfg)": "a sweep job's composed config",
     # The planner: axes are dotted-key overrides of the composed config; each candidate is
-    # converted once (planner/layouts.axis_configs) and planned typed from there.
+    # converted once (planner/axes.axis_configs) and planned typed from there.
     "plan.py::check_axes(cfg)": "axis values composed as overrides",
     "plan.py::predict(cfg)": "varies the composed config by axis",
-    "planner/layouts.py::check_axis_keys(cfg)": "axis keys are keys of the composed config",
-    "planner/layouts.py::axis_configs(cfg)": "applies the axes, converts each candidate",
+    "planner/axes.py::check_axis_keys(cfg)": "axis keys are keys of the composed config",
+    "planner/axes.py::axis_configs(cfg)": "applies the axes, converts each candidate",
     "planner/layouts.py::plan_layouts(cfg)": "a Scenario of the composed config",
     "planner/pipeline.py::pipeline_entries(cfg)": "a stage's copy of the composed config",
     "planner/auto.py::plan_job(cfg)": "writes the plan's choice into the composed config",

@@ -40,11 +40,11 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.axes import check_plan_options
 from hsdp_runner.planner.cluster import Cluster, resolve
 from hsdp_runner.planner.degrees import PLANNED_DIMS
 from hsdp_runner.planner.layouts import (
     Scenario,
-    check_plan_options,
     enumerate_layouts,
     plan_layouts,
     plan_scenarios,

@@ -11,35 +11,32 @@ predicts step time (``planner.step_time``) and returns one ranked list of rows p
 scenario (``planner.report.rank``; row format: plan.json's ``layouts``).
 
 A scenario's config is the composed one (a DictConfig): each axis combination is applied to it
-as a dotted-key override would be (``axis_configs``), then converted once to the typed
+as a dotted-key override would be (``axes.axis_configs``), then converted once to the typed
 ``RunConfig`` (``config.compose.to_run_config``), which is all the rest of the planning reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
-from hsdp_runner.config.checks import validate_batch, validate_config
-from hsdp_runner.config.compose import plain_config, to_run_config
-from hsdp_runner.config.schema import PlanConfig, RunConfig
+from hsdp_runner.config.checks import validate_batch
+from hsdp_runner.config.compose import plain_config
+from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import view_sizes
 from hsdp_runner.models.base import model_spec, routed_experts
 from hsdp_runner.models.params import torch_dtype
-from hsdp_runner.planner import mem_phases, pipeline
+from hsdp_runner.planner import layout_memory, mem_phases, pipeline
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
+from hsdp_runner.planner.axes import axis_configs, plain_value, typed_value
 from hsdp_runner.planner.cluster import Cluster
-from hsdp_runner.planner.degrees import PLANNED_DIMS, check_ep_degrees, cp_degrees, degree_shapes
+from hsdp_runner.planner.degrees import PLANNED_DIMS, cp_degrees, degree_shapes
 
 
 @dataclass
@@ -55,65 +52,6 @@ class Scenario:
     axes: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)
     pipeline_stage: bool = False
-
-
-def check_plan_options(plan: PlanConfig, model=None) -> None:
-    """Raise ConfigError for ``plan.*`` options the planner cannot work with (for ``model``, the
-    job's model config, where given: expert-parallel degrees for a model without experts)."""
-    layers = list(plan.layers_measured)
-    if len(set(layers)) < 2 or min(layers) < 1:
-        raise ConfigError(
-            f"plan.layers_measured={layers} needs two different block counts >= 1 "
-            "to extrapolate per block, e.g. plan.layers_measured=[1,2]"
-        )
-    if plan.top_k < 1:
-        raise ConfigError(f"plan.top_k={plan.top_k} must be >= 1")
-    if plan.expert_imbalance < 1:
-        raise ConfigError(
-            f"plan.expert_imbalance={plan.expert_imbalance} must be >= 1: the busiest ep "
-            "rank's routed tokens over the mean (1.0 = uniform routing)"
-        )
-    if model is not None:
-        check_ep_degrees(plan.ep_degrees, routed_experts(model))
-
-
-def check_axis_keys(cfg: DictConfig, axes: dict) -> None:
-    """Raise ConfigError for an axis key that is not a key of the job config, or a degree."""
-    for key in axes:
-        if (
-            key.split(".")[0] in ("cluster", "plan")
-            or OmegaConf.select(cfg, key, default="<absent>") == "<absent>"
-        ):
-            raise ConfigError(
-                f"plan.axes.{key}: {key} is not a key of the job config; "
-                "axes take dotted keys such as plan.axes.parallel.ac=none,selective"
-            )
-        if key.split(".")[-1] in PLANNED_DIMS:
-            raise ConfigError(f"plan.axes.{key}: the degrees are always enumerated; drop it")
-
-
-def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, RunConfig]]:
-    """One (axis values, typed config) per combination of the axes; each config validated.
-
-    A value that is a string is typed as YAML types it (``true`` -> bool, ``2`` -> int);
-    ``plan.check_axes`` hands over values already typed by composing them as overrides.
-    """
-    check_axis_keys(cfg, axes)
-    out = []
-    for values in itertools.product(*axes.values()) if axes else [()]:
-        variant = cfg.copy()
-        chosen = dict(zip(axes, values))
-        for key, value in chosen.items():
-            if isinstance(value, str):
-                value = OmegaConf.create({"v": value}).v  # YAML typing: true -> bool, 2 -> int
-            try:
-                OmegaConf.update(variant, key, value, merge=False)
-            except OmegaConfBaseException as err:
-                raise ConfigError(f"plan.axes.{key}={value}: {str(err).splitlines()[0]}") from None
-        typed = to_run_config(variant)  # the one conversion of this candidate
-        validate_config(typed)
-        out.append((chosen, typed))
-    return out
 
 
 def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[dict]:
@@ -139,7 +77,21 @@ def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[d
         except ConfigError as err:
             entry["reason"] = str(err)
         out.append(entry)
-    return out
+    return _one_row_per_refusal(out)
+
+
+def _one_row_per_refusal(entries: list[dict]) -> list[dict]:
+    """``entries`` less the ep variants of a degree tuple refused for the same reason as its
+    first (a tp that does not divide the heads is refused at every ep: one row says it)."""
+    first: dict[tuple, str | None] = {}
+    kept = []
+    for entry in entries:
+        base = entry["shape"][:-1]
+        if base in first and entry["dims"] is None and entry["reason"] == first[base]:
+            continue
+        first.setdefault(base, entry["reason"])
+        kept.append(entry)
+    return kept
 
 
 def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
@@ -295,7 +247,7 @@ def _memory_requests(
                     cluster.world_size,
                     cluster.gpus_per_node,
                     depth,
-                    accum_reduce=_plain(cfg.trainer.accum_reduce),
+                    accum_reduce=plain_value(cfg.trainer.accum_reduce),
                     experts=(
                         {"ep": group["shape"][-1], "imbalance": cfg.plan.expert_imbalance}
                         if routed_experts(cfg.model)
@@ -313,14 +265,14 @@ def _dense_blocks(cfg: RunConfig) -> int | None:
 
 
 def _state(cfg: RunConfig, dims: ParallelDims, cache: dict | None = None) -> dict:
-    """Exact per-rank state bytes of ``dims`` (``plan_memory.state_bytes``); ``cache`` keeps
+    """Exact per-rank state bytes of ``dims`` (``layout_memory.state_bytes``); ``cache`` keeps
     them per (config, degrees): counting a big model's parameters builds it on the meta
     device."""
     key = (id(cfg), dims.shape, dims.ep)
     if cache is not None and key in cache:
         return cache[key]
     master = torch_dtype(cfg.precision.master_dtype).itemsize
-    state = plan_memory.state_bytes(
+    state = layout_memory.state_bytes(
         view_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel),
         dims,
         master,
@@ -328,16 +280,6 @@ def _state(cfg: RunConfig, dims: ParallelDims, cache: dict | None = None) -> dic
     if cache is not None:
         cache[key] = state
     return state
-
-
-def _plain(value):
-    """A config value as YAML and JSON write it: a choice (an Enum) as its string."""
-    return value.value if isinstance(value, Enum) else value
-
-
-def _at(cfg: RunConfig, dotted: str):
-    """The typed config's value at a dotted key (an axis, e.g. ``parallel.ac``)."""
-    return functools.reduce(getattr, dotted.split("."), cfg)
 
 
 def _entry(
@@ -353,7 +295,7 @@ def _entry(
     # ep only for a model with experts: a dense model's plan names the degrees it always did.
     names = PLANNED_DIMS if routed_experts(cfg.model) else PLANNED_DIMS[:-1]
     overrides = {f"parallel.{name}": degree for name, degree in zip(names, layout["shape"])}
-    overrides.update({k: _plain(_at(cfg, k)) for k in chosen})
+    overrides.update({k: plain_value(typed_value(cfg, k)) for k in chosen})
     dims = layout["dims"]
     if dims is None:
         return {
@@ -379,7 +321,7 @@ def _entry(
         ranks_per_node=dims.ranks_per_node,
         moe=dims.moe,
     )
-    memory = plan_memory.layout_memory(
+    memory = layout_memory.layout_memory(
         phases,
         _state(cfg, ref, group.setdefault("states", {})),
         _state(cfg, dims, group["states"]),
