@@ -54,6 +54,7 @@ from __future__ import annotations
 from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
+from hsdp_runner.distributed.moe_comm import planned_routing
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.param_sizes import expert_wraps, moe_blocks, unit_sizes, view_sizes
 from hsdp_runner.distributed.step_passes import stage_passes
@@ -190,8 +191,18 @@ def step_time(
     compute_parts = precision_cost.compute_seconds(cfg, dims, cluster, hw_flops)
     compute = sum(compute_parts.values())
     fwd, bwd = compute / 3, 2 * compute / 3
+    # The busiest ep rank's exchange: its rows received are plan.expert_imbalance x the mean.
+    routing = planned_routing(
+        cfg.model, dims, cfg.trainer, dims.local_stages(0), cfg.plan.expert_imbalance
+    )
     comm = analytic_comm(
-        cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer, pipeline_stage=pipeline_stage
+        cfg.model,
+        dims,
+        cfg.parallel,
+        cfg.precision,
+        cfg.trainer,
+        pipeline_stage=pipeline_stage,
+        routing=routing if dims.moe else None,
     )
     kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     prices = comm_prices(_without(comm, kv), dims, cluster)

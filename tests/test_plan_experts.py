@@ -1,0 +1,91 @@
+"""The planner's step time for a model with experts, without processes: the token exchange's
+all-to-all priced by where its group sits, the expert split's groups placed on the nodes, the
+busiest rank's imbalance, and the experts' FSDP gathers hidden behind compute as the blocks'
+are."""
+
+import pytest
+from clusters import fake_cluster
+
+from hsdp_runner import plan
+from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.distributed.topology import Placement
+from hsdp_runner.planner.step_time import fsdp_groups, placement_of, step_time
+
+GB = 1e9
+
+
+def test_an_all_to_all_across_nodes_sends_each_ranks_off_node_bytes_through_its_own_nic():
+    """fake_cluster: NVLink 100 GB/s, 10 GB/s of NIC per GPU, 4 GPUs a node. Inside a node an
+    all-to-all keeps 1/n of its input (like a ring's (n-1)/n, over NVLink); across 2 nodes with 4
+    ranks of the group on each, half of a rank's bytes leave the node through its own NIC share
+    (not 4 GPUs' as a ring's would), 3/8 go to its node's peers over NVLink at the same time."""
+    cluster = fake_cluster()
+    inside = cluster.price("all_to_all", Placement(4, 4, 1, 1), 1, 8 * GB)
+    assert inside.link_s == {"nvlink": pytest.approx(6.0 / 100)}
+    across = cluster.price("all_to_all", Placement(8, 4, 1, 2), 2, 8 * GB)
+    assert across.link_s == {"nic": pytest.approx(4.0 / 10), "nvlink": pytest.approx(3.0 / 100)}
+    assert across.latency_s == pytest.approx(2 * 20e-6) and across.algorithm == "all_to_all"
+    ring = cluster.price("all_gather", Placement(8, 4, 1, 2), 2, 8 * GB)
+    assert across.bandwidth_s > 2 * ring.bandwidth_s  # a ring spreads over 4 GPUs' NICs
+
+
+def test_the_expert_split_sits_innermost_of_the_ranks_it_borrows():
+    """16 ranks on 2 nodes of 8, FSDP 16 with ep 8: each ep group is 8 consecutive ranks (one
+    node), each efsdp group 2 ranks 8 apart (one per node); with ep 16 the exchange crosses."""
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=16, cp=1, tp=1, world_size=16, ranks_per_node=8, ep=8, moe=True
+    )
+    assert placement_of(dims, "ep") == Placement(8, 8, 1, 1)
+    assert placement_of(dims, "efsdp") == Placement(2, 1, 8, 2)
+    wide = ParallelDims(
+        dp_replicate=1, dp_shard=16, cp=1, tp=1, world_size=16, ranks_per_node=8, ep=16, moe=True
+    )
+    assert placement_of(wide, "ep") == Placement(16, 8, 1, 2)
+    # Router and shared experts: over every rank of the replica, as the blocks are.
+    assert placement_of(dims, "dp_shard_cp_tp") == placement_of(dims, "dp_shard")
+
+
+MOE = ["model=moe_tiny", "model.dim=512", "model.expert_ffn_dim=512", "model.seq_len=256"]
+MOE += ["model.n_experts=16", "trainer.global_batch_size=32", "precision=bf16"]
+
+
+def _time(overrides: list[str], ep: int, shard: int = 8, **cluster) -> dict:
+    cfg = to_run_config(plan.compose(MOE + overrides))
+    dims = ParallelDims.from_config(
+        cfg.parallel.__class__(dp_shard=shard, dp_replicate=8 // shard, ep=ep), cfg.model, 8, 4
+    )
+    return step_time(cfg, dims, fake_cluster(**cluster))
+
+
+def test_the_busiest_ranks_imbalance_slows_its_experts_and_its_exchange():
+    """plan.expert_imbalance = 2: the busiest ep rank receives twice the mean rows, so its
+    exchange moves (1 + 2) / 2 of the balanced bytes and its experts' matmuls run twice the
+    rows; without ep every expert is local and nothing changes."""
+    even, busy = _time([], ep=4), _time(["plan.expert_imbalance=2.0"], ep=4)
+    rows = even["comm"]["all_to_all/ep"]["bytes"]
+    assert busy["comm"]["all_to_all/ep"]["bytes"] == pytest.approx(1.5 * rows, rel=1e-3)
+    parts, busy_parts = even["compute_parts_s"], busy["compute_parts_s"]
+    assert busy_parts["expert_matmul"] > 1.5 * parts["expert_matmul"]
+    assert busy_parts["matmul"] == pytest.approx(parts["matmul"])
+    local = _time(["plan.expert_imbalance=2.0"], ep=1)
+    assert local["step_time_s"] == pytest.approx(_time([], ep=1)["step_time_s"])
+
+
+def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
+    """FSDP 8 with ep 2: the experts' own FSDP group (efsdp, 4 ranks) gathers and reduces
+    beside the blocks' group; with full overlap and slow compute only the first unit's gather
+    of each pass is exposed, so its exposed time is a small part of what it sends, while the
+    token exchange (never hidden) is exposed whole."""
+    result = _time([], ep=2, peak_tflops=0.5)
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=8, cp=1, tp=1, world_size=8, ranks_per_node=4, ep=2, moe=True
+    )
+    assert fsdp_groups(dims) == ["dp_shard", "efsdp"]
+    links = result["comm_links"]
+    gathered = links["all_gather/efsdp"]["seconds"] + links["reduce_scatter/efsdp"]["seconds"]
+    assert 0 < result["exposed_comm_s"]["efsdp"] < 0.5 * gathered
+    # The exchange and the clip's norm over ep: exposed whole.
+    on_ep = sum(link["seconds"] for key, link in links.items() if key.endswith("/ep"))
+    assert result["exposed_comm_s"]["ep"] == pytest.approx(on_ep, rel=1e-9)
+    assert links["all_to_all/ep"]["seconds"] > 0.5 * on_ep
