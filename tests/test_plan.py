@@ -450,6 +450,10 @@ def test_a_model_whose_training_state_fits_nowhere_is_refused_before_any_measure
         (["plan.ep_degrees=[1,2]"], "plan.ep_degrees=[1, 2]: the model has no routed experts"),
         (["model=moe_tiny", "plan.ep_degrees=[0]"], "plan.ep_degrees=[0]: each expert-parallel"),
         (["model=moe_tiny", "plan.expert_imbalance=0.5"], "plan.expert_imbalance=0.5 must be >= 1"),
+        (  # what a job refuses is not planned
+            ["model=moe_tiny", "precision=float8"],
+            "precision.float8=tensorwise with a model with experts (model.n_experts=8)",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args, message, capsys):

@@ -37,6 +37,7 @@ from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
@@ -152,6 +153,8 @@ def plan_job(
         check_state_fits(
             run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib
         )
+        # What a job with these settings would refuse, the plan does not offer.
+        float8.check_experts(run.precision, run.model, gpus=0 if cluster.measured_links else 1)
     except ConfigError as err:
         raise ConfigError(f"parallel=auto: {err}") from None
     axes = planned_axes(run, overrides)
