@@ -192,8 +192,12 @@ def step_time(
     compute = sum(compute_parts.values())
     fwd, bwd = compute / 3, 2 * compute / 3
     # The busiest ep rank's exchange: its rows received are plan.expert_imbalance x the mean.
-    routing = planned_routing(
-        cfg.model, dims, cfg.trainer, dims.local_stages(0), cfg.plan.expert_imbalance
+    routing = (
+        planned_routing(
+            cfg.model, dims, cfg.trainer, dims.local_stages(0), cfg.plan.expert_imbalance
+        )
+        if dims.moe
+        else None
     )
     comm = analytic_comm(
         cfg.model,
@@ -202,7 +206,7 @@ def step_time(
         cfg.precision,
         cfg.trainer,
         pipeline_stage=pipeline_stage,
-        routing=routing if dims.moe else None,
+        routing=routing,
     )
     kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
     prices = comm_prices(_without(comm, kv), dims, cluster)
