@@ -60,7 +60,17 @@ from hsdp_runner.planner.cluster import Cluster
 
 _aten = torch.ops.aten
 # Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls and attention.
-_MATMUL_NAMES = ("mm", "addmm", "bmm", "_scaled_mm", *SDPA_FORWARD_OPS)
+# The experts' grouped matmuls too: else their weights (every expert's) would be counted as
+# bytes the work between matmuls moves.
+_MATMUL_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_mm",
+    "_grouped_mm",
+    "_scaled_grouped_mm",
+    *SDPA_FORWARD_OPS,
+)
 _BOUNDARY_PACKETS = {getattr(_aten, n) for n in _MATMUL_NAMES if hasattr(_aten, n)} | {
     getattr(_aten, f"{n}_backward") for n in SDPA_FORWARD_OPS if hasattr(_aten, f"{n}_backward")
 }
