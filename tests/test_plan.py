@@ -177,24 +177,12 @@ def test_tracked_expert_params_are_sharded_over_ep_and_the_experts_fsdp_dim():
     experts over ep x efsdp and the rest over dp_shard x cp (moe_tiny, one dense and two MoE
     blocks, 4 ranks): FSDP 4 with ep 1, 2, 4 and FSDP 2 x TP 2 with ep 2 (experts over
     dp_shard x tp)."""
+    from test_plan_memory import one_request
+
     cfg = plan.compose(["model=moe_tiny"])
-    plain = OmegaConf.to_container(cfg, resolve=True)
     cases = [((1, 4, 1, 1), ep) for ep in (1, 2, 4)] + [((1, 2, 1, 2), 2)]
     requests = [
-        plan_memory.request(
-            plain["model"],
-            plain["parallel"],
-            plain["precision"],
-            [],
-            shape,
-            2,
-            1,
-            4,
-            4,
-            (1, 2),
-            accum_reduce="every",
-            experts={"ep": ep, "imbalance": 1.0},
-        )
+        one_request(["model=moe_tiny"], shape, 2, 4, (1, 2), experts={"ep": ep, "imbalance": 1.0})
         for shape, ep in cases
     ]
     for (shape, ep), got in zip(cases, plan_memory.measure(requests, use_disk_cache=False)):

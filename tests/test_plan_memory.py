@@ -171,10 +171,13 @@ def test_accumulation_saves_memory_when_every_micro_batch_is_reduced(cache):
         assert got["marks"]["1/start"]["unsharded_grad"] == whole
 
 
-def one_request(overrides: list[str], shape=(1, 1, 1, 1), rows=2, world=1, n_layers=None) -> dict:
+def one_request(
+    overrides: list[str], shape=(1, 1, 1, 1), rows=2, world=1, n_layers=None, experts=None
+) -> dict:
     """The measuring child's request for ``plan.compose(overrides)`` on ``shape``
     (dp_replicate, dp_shard, cp, tp) of ``world`` ranks: one micro-batch of ``rows`` rows,
-    ``n_layers`` blocks (default the model's)."""
+    ``n_layers`` blocks (default the model's; (dense, MoE) blocks for a model with experts),
+    ``experts`` ({'ep', 'imbalance'}) for a model with experts."""
     cfg = plan.compose(overrides)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return plan_memory.request(
@@ -189,6 +192,7 @@ def one_request(overrides: list[str], shape=(1, 1, 1, 1), rows=2, world=1, n_lay
         world,
         n_layers or cfg.model.n_layers,
         accum_reduce="every",
+        experts=experts,
     )
 
 
@@ -384,22 +388,8 @@ MOE += ["cluster.gpus_per_node=4"]
 
 
 def _moe_request(depth, ep: int, imbalance: float = 1.0, shape=(1, 4, 1, 1)) -> dict:
-    cfg = plan.compose(MOE)
-    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    return plan_memory.request(
-        plain["model"],
-        plain["parallel"],
-        plain["precision"],
-        [],
-        shape,
-        2,
-        1,
-        4,
-        4,
-        depth,
-        accum_reduce="every",
-        experts={"ep": ep, "imbalance": imbalance},
-    )
+    experts = {"ep": ep, "imbalance": imbalance}
+    return one_request(MOE, shape, rows=2, world=4, n_layers=depth, experts=experts)
 
 
 def _expert_rows(req: dict) -> tuple[dict, dict, list]:
