@@ -154,6 +154,10 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     m = run.parallel.pp_microbatches or 2 * pp
     stage_cfg = cfg.copy()
     stage_cfg.model.n_layers = busiest_stage_blocks(run, pp)
+    if "n_dense_layers" in stage_cfg.model:
+        # A model with experts: its dense blocks lead the first stage; the busiest stage is
+        # one of MoE blocks alone (more weights, the all-to-alls).
+        stage_cfg.model.n_dense_layers = 0
     stage_cfg.trainer.grad_accum_steps = m
     # torch's PipelineStage turns FSDP's gradient sync off until the last micro-batch's
     # backward: the stage holds unsharded gradients and reduces once, as accum_reduce=last.
@@ -321,4 +325,6 @@ def _flops_ratio(run: RunConfig, pp: int) -> float:
 
     whole = model_spec(run.model).flops_per_token()
     stage_model = dataclasses.replace(run.model, n_layers=busiest_stage_blocks(run, pp))
+    if hasattr(stage_model, "n_dense_layers"):  # as pipeline_entries plans the stage
+        stage_model = dataclasses.replace(stage_model, n_dense_layers=0)
     return whole / (pp * model_spec(stage_model).flops_per_token())
