@@ -194,7 +194,11 @@ def runner_refusal(run: RunConfig, overrides: dict, cluster: Cluster) -> str | N
     degrees and the pipeline's settings (``ParallelDims.from_config``, which raises
     ``pipeline_settings.layout_refusal``) and the rest of the job's pipeline checks
     (``pipeline_settings.job_refusal``: precision, batch split, checkpoint settings)."""
-    job = with_overrides(run, overrides)
+    # An auto job's ep left to the planner (-1) is 1 where the row does not set it (a dense
+    # model: ``auto.apply_choice`` writes it so).
+    job = with_overrides(
+        run, {"parallel.ep": 1, **overrides} if run.parallel.ep == -1 else overrides
+    )
     try:
         dims = ParallelDims.from_config(
             job.parallel, job.model, cluster.world_size, cluster.gpus_per_node
