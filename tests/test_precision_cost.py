@@ -118,3 +118,16 @@ def test_float8_on_a_device_without_a_float8_peak_names_the_key():
     cluster = fake_cluster(**{**H100, "float8_peak_tflops": None, "device": "NVIDIA A100"})
     with pytest.raises(ConfigError, match="cluster.float8_peak_tflops"):
         precision_cost.compute_seconds(_cfg("precision=float8"), FSDP8, cluster, 1e12)
+
+
+def test_grouped_expert_matmuls_move_no_bytes_between_matmuls():
+    """The experts' grouped matmuls (``torch._grouped_mm``) are priced as FLOPs
+    (``expert_matmul``), so the work between matmuls must not count their operands: moe_tiny's
+    MoE block (the second block: the first is dense) would otherwise read its experts' weights
+    (3 x 8 experts x 32 x 64 in bf16) in every forward and twice in every backward."""
+    cfg = plan.compose(["model=moe_tiny", "precision=bf16"])
+    traffic = precision_cost.traffic(cfg.model, cfg.precision, compiled=False)
+    experts = 3 * cfg.model.n_experts * cfg.model.expert_ffn_dim * cfg.model.dim * 2
+    per_forward = traffic.block_forward[1] / cfg.model.n_layers
+    per_backward = traffic.block_backward[1] / cfg.model.n_layers
+    assert per_forward < experts / 10 and per_backward < experts / 10, (per_forward, experts)

@@ -59,8 +59,9 @@ from hsdp_runner.planner import matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
 
 _aten = torch.ops.aten
-# Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls and attention.
-_MATMUL_NAMES = ("mm", "addmm", "bmm", "_scaled_mm", *SDPA_FORWARD_OPS)
+# Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls (the experts'
+# grouped ones too: ``expert_matmul``) and attention.
+_MATMUL_NAMES = ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", *SDPA_FORWARD_OPS)
 _BOUNDARY_PACKETS = {getattr(_aten, n) for n in _MATMUL_NAMES if hasattr(_aten, n)} | {
     getattr(_aten, f"{n}_backward") for n in SDPA_FORWARD_OPS if hasattr(_aten, f"{n}_backward")
 }
