@@ -131,3 +131,17 @@ def test_grouped_expert_matmuls_move_no_bytes_between_matmuls():
     per_forward = traffic.block_forward[1] / cfg.model.n_layers
     per_backward = traffic.block_backward[1] / cfg.model.n_layers
     assert per_forward < experts / 10 and per_backward < experts / 10, (per_forward, experts)
+
+
+@pytest.mark.parametrize("dense", [0, 1, 2, 3])
+def test_traffic_of_a_model_with_dense_and_moe_blocks_counts_each_kind(dense):
+    """A model of 4 blocks, the first ``dense`` of them dense and the rest MoE: the per-block
+    traffic fitted from short traces (blocks + the rest, at two token counts) equals what the
+    whole model's own trace moves at a third count, whichever kind its first blocks are."""
+    cfg = plan.compose(["model=moe_tiny", "model.n_layers=4", f"model.n_dense_layers={dense}"])
+    traffic = precision_cost.traffic(cfg.model, cfg.precision, compiled=False)
+    fields = precision_cost.model_fields(cfg.model)
+    key = precision_cost.json.dumps({**fields, "seq_len": 1}, sort_keys=True, default=str)
+    whole = precision_cost._trace_model(key, "none", 4, 48, False)
+    fitted = sum(traffic.bytes(part, 48) for part in ("block_forward", "block_backward", "rest"))
+    assert fitted == pytest.approx(sum(whole.values()), rel=1e-6)
