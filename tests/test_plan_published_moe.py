@@ -55,9 +55,7 @@ def test_published_moe_figures_are_all_held_out(bench):
 def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, capsys):
     """Three figures: two planned (errors -10% and +30%), one refused: the median is that of
     the two (20%), the refused one named with its reason, the fit count over the planned."""
-    cases = [
-        {"id": i, "role": "held_out", "tokens_per_s_per_gpu": 1000.0} for i in ("a", "b", "c")
-    ]
+    cases = [{"id": i, "role": "held_out", "tokens_per_s_per_gpu": 1000.0} for i in ("a", "b", "c")]
     rows = {
         "a": {"tps_per_device": 900.0, "fits": True, "mem_gib": 70.0},
         "b": {"tps_per_device": 1300.0, "fits": False, "mem_gib": 90.0},
