@@ -1,6 +1,6 @@
 """The planner against published figures, fitted and held out, and its own speed at 1,024 ranks.
 
-    python benchmarks/plan_published.py [--skip-speed] [--skip-memory]
+    python benchmarks/plan_published.py [--skip-dense] [--skip-memory] [--skip-moe] [--skip-speed]
 
 Every figure comes from ``benchmarks/published_figures.yaml`` (source, table, date read), each
 marked **fitted** (used to choose one constant) or **held out** (never used to choose anything).
@@ -18,7 +18,17 @@ multi-node figure, the ones the topology model decides, is held out; the links'
 4. the memory table (``memory`` figures: published GiB per GPU, or only whether the run fit;
    then every throughput figure as a run that fit where it ran), all held out: the median
    error of the published GiB and how many runs the plan says fit where they ran;
-5. the wall time of cold plans on 1,024 ranks.
+5. the mixture-of-experts table (``moe_throughput``, all held out: no constant is chosen from
+   them, the cluster presets are as they are): per figure the plan row of its published layout
+   (degrees and ep fixed; ``ep_layout`` where the published layout cannot hold its ep), its
+   tokens/s/GPU against the published, whether it fits where it ran, the dominant term and the
+   step's terms; the held-out median |error| (target <= 15%), how many runs are predicted to
+   fit (target: all), and the ``moe_pairs`` ratios. Figures the runner refuses (ConfigError)
+   are listed with the reason and left out of the median;
+6. the wall time of cold plans on 1,024 ranks.
+
+``--skip-dense`` skips 1-3 (the dense figures), ``--skip-memory`` 4, ``--skip-moe`` 5 and
+``--skip-speed`` 6.
 """
 
 from __future__ import annotations
@@ -38,17 +48,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hsdp_runner import plan  # noqa: E402
 from hsdp_runner.config.compose import to_run_config  # noqa: E402
+from hsdp_runner.core.errors import ConfigError  # noqa: E402
 from hsdp_runner.distributed.hardware import CACHE_ENV  # noqa: E402
 from hsdp_runner.distributed.parallel_dims import ParallelDims  # noqa: E402
 from hsdp_runner.distributed.topology import Placement  # noqa: E402
 from hsdp_runner.planner import memory as plan_memory  # noqa: E402
 from hsdp_runner.planner.cluster import resolve  # noqa: E402
 from hsdp_runner.planner.layouts import plan_layouts  # noqa: E402
-from hsdp_runner.planner.pipeline import pipeline_entries  # noqa: E402
+from hsdp_runner.planner.pipeline import PRICED, pipeline_entries, runner_refusal  # noqa: E402
 from hsdp_runner.planner.step_time import step_time  # noqa: E402
 
 DATA = Path(__file__).with_name("published_figures.yaml")
 TARGET_MEDIAN, TARGET_RATIO = 0.20, 0.15
+TARGET_MOE_MEDIAN = 0.15  # the held-out median |error| of the mixture-of-experts figures
 
 
 def load() -> dict:
@@ -81,20 +93,40 @@ def predict_tps(case: dict, efficiency: float | None = None) -> dict:
 
 
 def pipeline_row(case: dict, cfg, cluster) -> dict:
-    """The plan row of a pipeline figure: its stage layout (``layout``: dp_replicate, dp_shard,
-    tp of each stage; ``cp``) planned as a stage of ``pp`` (``pipeline.pipeline_entries``), under
-    its ``pp_schedule`` with the stages per rank the planner prices for it."""
+    """The plan row of a pipeline figure: its stage layout (``_fixed_degrees``) planned as a
+    stage of ``pp`` (``pipeline.pipeline_entries``), under its ``pp_schedule`` with the stages
+    per rank the planner prices for it (``pipeline.PRICED``). ConfigError with the runner's
+    reason when the runner refuses that pipeline (``pipeline.runner_refusal``)."""
     fixed = _fixed_degrees(case)
     rows = pipeline_entries(
         cfg, cluster, case["pp"], lambda c, cl, **kw: plan_layouts(c, cl, {}, fixed, **kw)
     )
-    return next(r for r in rows if r["overrides"]["parallel.pp_schedule"] == case["pp_schedule"])
+    for row in rows:
+        if row["overrides"]["parallel.pp_schedule"] == case["pp_schedule"]:
+            return row
+    run = to_run_config(cfg)
+    overrides = {
+        "parallel.pp": case["pp"],
+        **{f"parallel.{name}": degree for name, degree in fixed.items()},
+        "parallel.pp_schedule": case["pp_schedule"],
+        "parallel.pp_stages_per_rank": PRICED[case["pp_schedule"]],
+        "parallel.pp_microbatches": run.parallel.pp_microbatches or 2 * case["pp"],
+    }
+    raise ConfigError(
+        runner_refusal(run, overrides, cluster)
+        or f"no {case['pp_schedule']} row of pp {case['pp']} for {fixed}"
+    )
 
 
 def _fixed_degrees(case: dict) -> dict:
-    """The degrees a figure's ``layout`` (dp_replicate, dp_shard, tp) and ``cp`` hold fixed."""
-    rep, shard, tp = case["layout"]
-    return {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
+    """The degrees a figure holds fixed: its ``layout`` (dp_replicate, dp_shard, tp), or its
+    ``ep_layout`` where it has one (a mixture-of-experts figure whose ``layout`` cannot hold
+    its ep: the runner layout to plan), ``cp``, and ``ep`` where it has one."""
+    rep, shard, tp = case.get("ep_layout") or case["layout"]
+    fixed = {"dp_replicate": rep, "dp_shard": shard, "cp": case.get("cp", 1), "tp": tp}
+    if "ep" in case:
+        fixed["ep"] = case["ep"]
+    return fixed
 
 
 def fit_efficiency(cases: list[dict]) -> float:
@@ -237,9 +269,10 @@ def _scaling(data: dict, results: dict) -> None:
             )
 
 
-def predict_memory(case: dict, cluster_name: str | None = None) -> dict:
-    """The plan's row of the published layout of ``case`` (memory per rank and its phase), on
-    the GPUs it ran on (``device_gib`` where they differ from the cluster preset)."""
+def plan_row(case: dict, cluster_name: str | None = None) -> dict:
+    """The plan's row of the published layout of ``case`` (degrees fixed: ``_fixed_degrees``;
+    a pipeline figure's ``pipeline_row``), on the GPUs it ran on (``device_gib`` where they
+    differ from the cluster preset); ConfigError where the runner refuses the layout."""
     cfg = plan.compose(
         case["overrides"]
         + [f"cluster={cluster_name or case['cluster']}", f"cluster.nodes={case['nodes']}"]
@@ -278,7 +311,7 @@ def memory(data: dict) -> None:
         if case["id"] in seen:
             continue
         seen.add(case["id"])
-        row = predict_memory(case)
+        row = plan_row(case)
         mem, breakdown = row["mem_gib"], row["memory"]
         pub = case["published_gib"]
         error = "" if pub is None else f"{mem / pub - 1:+.0%}"
@@ -301,6 +334,133 @@ def memory(data: dict) -> None:
         f"reserve against torchtitan's max reserved). Fits where it was run: {fit_right} of "
         f"{fit_all} agree with what the source reports."
     )
+
+
+def moe_published(data: dict) -> None:
+    """Print the mixture-of-experts table (``moe_throughput``: every figure held out, no
+    constant chosen from any; the cluster presets as they are): per figure the plan row of its
+    published layout (``plan_row``: degrees and ep fixed, ``ep_layout`` where the figure has
+    one), its tokens/s/GPU against the published, whether it fits where it ran, the dominant
+    term and the step's terms; then the held-out median |error|, the fit count and the
+    ``moe_pairs`` ratios. A figure the runner refuses (ConfigError) is listed with its reason
+    and left out of the median."""
+    print(
+        f"\nMixture-of-experts figures ({len(data['moe_throughput'])}, all held out; presets "
+        "as they are):\n\n| figure | setup | role | published tok/s/GPU | predicted | error | "
+        "fits where it ran: published / predicted (GiB) | dominant | step terms (s) | plan (s) "
+        "|\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows, refused = {}, {}
+    for case in data["moe_throughput"]:
+        start = time.perf_counter()
+        try:
+            rows[case["id"]] = row = plan_row(case)
+        except ConfigError as err:
+            refused[case["id"]] = str(err)
+            print(
+                f"| {case['id']} | {case['setup']} | {_role(case)} | "
+                f"{case['tokens_per_s_per_gpu']:,} | refused | - | yes / - | - | runner refuses: "
+                f"{err} | {time.perf_counter() - start:.0f} |",
+                flush=True,
+            )
+            continue
+        error = row["tps_per_device"] / case["tokens_per_s_per_gpu"] - 1
+        print(
+            f"| {case['id']} | {case['setup']} | {_role(case)} | "
+            f"{case['tokens_per_s_per_gpu']:,} | {row['tps_per_device']:,.0f} | {error:+.0%} | "
+            f"yes / {'yes' if row['fits'] else 'NO'} ({row['mem_gib']:.1f}) | "
+            f"{row['dominant']} | {_terms(row)} | {time.perf_counter() - start:.0f} |",
+            flush=True,
+        )
+    _moe_summary(data, rows, refused)
+    _moe_pairs(data, rows, refused)
+
+
+def _terms(row: dict) -> str:
+    """A plan row's step as its terms: compute, each mesh dim's exposed communication (``pp``:
+    the stage-to-stage sends) and a pipeline's bubble, in seconds."""
+    terms = [f"compute {row['compute_s']:.3g}"]
+    terms += [f"{d} {s:.3g}" for d, s in row["exposed_comm_s"].items() if s > 1e-3]
+    if row.get("bubble_s"):
+        terms.append(f"bubble {row['bubble_s']:.3g}")
+    return " + ".join(terms) + f" = {row['step_time_s']:.3g}"
+
+
+def _moe_summary(data: dict, rows: dict, refused: dict) -> None:
+    """Print the held-out median |error| of the planned MoE figures (the refused ones named and
+    left out) and how many of them the plan says fit where they ran."""
+    errors = {
+        c["id"]: abs(rows[c["id"]]["tps_per_device"] / c["tokens_per_s_per_gpu"] - 1)
+        for c in data["moe_throughput"]
+        if c["id"] in rows and c["role"] == "held_out"
+    }
+    median = statistics.median(errors.values())
+    worst = max(errors, key=errors.get)
+    print(
+        f"\nHeld-out MoE throughput: {len(errors)} figures planned, median |error| "
+        f"{median:.1%} (target <= {TARGET_MOE_MEDIAN:.0%}: "
+        f"{'met' if median <= TARGET_MOE_MEDIAN else 'MISSED'}), largest {errors[worst]:.1%} "
+        f"({worst})."
+    )
+    by_reason: dict[str, list[str]] = {}
+    for figure, reason in refused.items():
+        by_reason.setdefault(reason, []).append(figure)
+    for reason, figures in by_reason.items():
+        print(f"Refused by the runner, left out of the median: {', '.join(figures)}: {reason}")
+    fit = sum(row["fits"] for row in rows.values())
+    print(
+        f"Fits where it ran: {fit} of {len(rows)} planned runs predicted to fit (target: all)"
+        + (
+            "; predicted not to fit: "
+            + ", ".join(f"{i} ({r['mem_gib']:.1f} GiB)" for i, r in rows.items() if not r["fits"])
+            if fit < len(rows)
+            else ""
+        )
+        + "."
+    )
+
+
+def _moe_pairs(data: dict, rows: dict, refused: dict) -> None:
+    """Per ``moe_pairs`` entry: each figure against its pair's first as a ratio of tokens/s/GPU,
+    published vs predicted (the rows ``moe_published`` planned; a figure not among them planned
+    here), and whether the faster one is predicted faster."""
+    print(
+        "\n| MoE pair | figure / base | published ratio | predicted ratio | error | faster "
+        "predicted faster |\n|---|---|---|---|---|---|"
+    )
+    total, kept, refused_pairs = 0, 0, 0
+    for pair in data["moe_pairs"]:
+        base, *others = pair["figures"]
+        for fig in others:
+            total += 1
+            pub = fig["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+            try:
+                pred = _moe_tps(fig, pair, rows, refused) / _moe_tps(base, pair, rows, refused)
+            except ConfigError:
+                refused_pairs += 1
+                print(
+                    f"| {pair['id']} | {fig['id']} / {base['id']} | {pub:.3f} | refused | - | - |"
+                )
+                continue
+            same_side = (pub > 1) == (pred > 1)
+            kept += same_side and abs(pred / pub - 1) <= TARGET_RATIO
+            print(
+                f"| {pair['id']} | {fig['id']} / {base['id']} | {pub:.3f} | {pred:.3f} | "
+                f"{pred / pub - 1:+.0%} | {'yes' if same_side else 'NO'} |"
+            )
+    print(
+        f"\nMoE pairs: {kept} of {total} within {TARGET_RATIO:.0%} of the published ratio with "
+        f"the faster one predicted faster ({refused_pairs} with a figure the runner refuses)."
+    )
+
+
+def _moe_tps(fig: dict, pair: dict, rows: dict, refused: dict) -> float:
+    """Predicted tokens/s/GPU of pair figure ``fig`` (its cluster the pair's)."""
+    if fig["id"] in refused:
+        raise ConfigError(refused[fig["id"]])
+    if fig["id"] not in rows:
+        rows[fig["id"]] = plan_row({**fig, "cluster": pair["cluster"]})
+    return rows[fig["id"]]["tps_per_device"]
 
 
 def resolve_capacity(case: dict) -> float:
@@ -362,8 +522,13 @@ if __name__ == "__main__":
     )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-dense", action="store_true", help="skip the dense figures")
+    parser.add_argument("--skip-moe", action="store_true", help="skip the MoE figures")
     args = parser.parse_args()
-    published()
+    if not args.skip_dense:
+        published()
+    if not args.skip_moe:
+        moe_published(load())
     if not args.skip_memory:
         memory(load())
     if not args.skip_speed:

@@ -450,3 +450,16 @@ def test_expert_model_peak_is_the_same_from_any_two_depths_and_equals_the_whole_
             _pipeline_parts(phases), _pipeline_parts(got[whole_depth]["phases"])
         ):
             assert abs(got_part / want_part - 1) <= 0.05, depths_of
+
+
+def test_expert_model_with_one_moe_block_extrapolates_its_interior_blocks(cache):
+    """A model (or a pipeline stage) of dense blocks and a single MoE block, e.g. 3 dense and
+    1 MoE: its interior blocks' backward is composed from both kinds' growth, so the MoE
+    growth is measured although the model holds one MoE block; the largest phase equals the
+    tracker's own peak of the 4-block model measured whole, within 5%."""
+    whole_depth = (3, 1)
+    depths_of = mem_phases.measured_depths([1, 2], 4, 3)
+    depths = sorted(set(depths_of) | {whole_depth})
+    got = dict(zip(depths, plan_memory.measure([_moe_request(d, ep=2) for d in depths])))
+    phases = mem_phases.extrapolate({d: got[d] for d in depths_of}, whole_depth)
+    assert abs(_largest_phase(phases) / got[whole_depth]["peak"]["total"] - 1) <= 0.05

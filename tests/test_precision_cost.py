@@ -118,3 +118,30 @@ def test_float8_on_a_device_without_a_float8_peak_names_the_key():
     cluster = fake_cluster(**{**H100, "float8_peak_tflops": None, "device": "NVIDIA A100"})
     with pytest.raises(ConfigError, match="cluster.float8_peak_tflops"):
         precision_cost.compute_seconds(_cfg("precision=float8"), FSDP8, cluster, 1e12)
+
+
+def test_grouped_expert_matmuls_move_no_bytes_between_matmuls():
+    """The experts' grouped matmuls (``torch._grouped_mm``) are priced as FLOPs
+    (``expert_matmul``), so the work between matmuls must not count their operands: moe_tiny's
+    MoE block (the second block: the first is dense) would otherwise read its experts' weights
+    (3 x 8 experts x 32 x 64 in bf16) in every forward and twice in every backward."""
+    cfg = plan.compose(["model=moe_tiny", "precision=bf16"])
+    traffic = precision_cost.traffic(cfg.model, cfg.precision, compiled=False)
+    experts = 3 * cfg.model.n_experts * cfg.model.expert_ffn_dim * cfg.model.dim * 2
+    per_forward = traffic.block_forward[1] / cfg.model.n_layers
+    per_backward = traffic.block_backward[1] / cfg.model.n_layers
+    assert per_forward < experts / 10 and per_backward < experts / 10, (per_forward, experts)
+
+
+@pytest.mark.parametrize("dense", [0, 1, 2, 3])
+def test_traffic_of_a_model_with_dense_and_moe_blocks_counts_each_kind(dense):
+    """A model of 4 blocks, the first ``dense`` of them dense and the rest MoE: the per-block
+    traffic fitted from short traces (blocks + the rest, at two token counts) equals what the
+    whole model's own trace moves at a third count, whichever kind its first blocks are."""
+    cfg = plan.compose(["model=moe_tiny", "model.n_layers=4", f"model.n_dense_layers={dense}"])
+    traffic = precision_cost.traffic(cfg.model, cfg.precision, compiled=False)
+    fields = precision_cost.model_fields(cfg.model)
+    key = precision_cost.json.dumps({**fields, "seq_len": 1}, sort_keys=True, default=str)
+    whole = precision_cost._trace_model(key, "none", 4, 48, False)
+    fitted = sum(traffic.bytes(part, 48) for part in ("block_forward", "block_backward", "rest"))
+    assert fitted == pytest.approx(sum(whole.values()), rel=1e-6)

@@ -175,11 +175,14 @@ def measured_depths(layers: list[int], n_layers: int, n_dense: int | None) -> li
     at each count of ``layers`` after one dense block (none when the model has none), and,
     with two or more dense blocks, dense blocks at each count before one MoE block. The
     deepest MoE measurement is the one extrapolated: its first block is dense as the model's
-    is, its last an MoE block."""
+    is, its last an MoE block. A model of three blocks or more with a single MoE block (a
+    pipeline stage of dense blocks and one MoE block) still has the MoE growth measured, at
+    one and two MoE blocks: its interior blocks' backward is composed from both kinds'."""
     if n_dense is None:
         return sorted({min(n, n_layers) for n in layers})
     moe_blocks, dense = n_layers - n_dense, min(n_dense, 1)
-    keys = {(dense, m) for m in _counts(layers, moe_blocks)}
+    most = 2 if moe_blocks == 1 and n_layers >= 3 else moe_blocks
+    keys = {(dense, m) for m in _counts(layers, most)}
     if n_dense >= 2:
         keys |= {(d, 1) for d in _counts(layers, n_dense)}
     return sorted(keys)

@@ -53,15 +53,15 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
-from hsdp_runner.models.base import ModelConfig, model_fields, model_spec
+from hsdp_runner.models.base import ModelConfig, model_fields, model_spec, routed_experts
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
 
 _aten = torch.ops.aten
-# Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls and attention.
-# The experts' grouped matmuls too: else their weights (every expert's) would be counted as
-# bytes the work between matmuls moves.
+# Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls (the experts'
+# grouped ones too, ``expert_matmul``: else every expert's weights would be counted as bytes
+# the work between matmuls moves) and attention.
 _MATMUL_NAMES = (
     "mm",
     "addmm",
@@ -257,12 +257,12 @@ def _forward_backward(model, tokens_in, trace: _Trace) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _traffic(fields: str, recipe: str, compiled: bool) -> Traffic:
+def _traffic(fields: str, recipe: str, compiled: bool, n_dense: int | None = None) -> Traffic:
+    """The traffic of the model ``fields`` (JSON): each kind of block traced apart (a model
+    with experts, ``n_dense`` its dense blocks before the MoE ones: ``_block_kinds``; None: a
+    dense model) and counted as often as the model holds it; the rest from one- and two-block
+    traces of one kind."""
     a, b = TRACE_TOKENS
-    one = {n: _trace_model(fields, recipe, 1, n, compiled) for n in TRACE_TOKENS}
-    two = {n: _trace_model(fields, recipe, 2, n, compiled) for n in TRACE_TOKENS}
-    eager_one = {n: _trace_model(fields, recipe, 1, n, False) for n in TRACE_TOKENS}
-    eager_two = {n: _trace_model(fields, recipe, 2, n, False) for n in TRACE_TOKENS}
     n_layers = json.loads(fields)["n_layers"]
 
     def fit(values: dict) -> tuple[float, float]:
@@ -272,17 +272,39 @@ def _traffic(fields: str, recipe: str, compiled: bool) -> Traffic:
     def block(runs_one, runs_two, phase):
         return fit({n: runs_two[n][phase] - runs_one[n][phase] for n in TRACE_TOKENS})
 
-    fwd = block(one, two, "forward")
-    bwd = block(one, two, "backward")
-    # Outside the blocks: the one-block model less one block, eager (not compiled).
+    fwd, bwd = (0.0, 0.0), (0.0, 0.0)
+    kinds = _block_kinds(fields, n_layers, n_dense)
+    for kind, count in kinds:
+        one = {n: _trace_model(kind, recipe, 1, n, compiled) for n in TRACE_TOKENS}
+        two = {n: _trace_model(kind, recipe, 2, n, compiled) for n in TRACE_TOKENS}
+        f, w = block(one, two, "forward"), block(one, two, "backward")
+        fwd = (fwd[0] + f[0] * count, fwd[1] + f[1] * count)
+        bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
+    eager_one = {n: _trace_model(kinds[0][0], recipe, 1, n, False) for n in TRACE_TOKENS}
+    eager_two = {n: _trace_model(kinds[0][0], recipe, 2, n, False) for n in TRACE_TOKENS}
+    # Outside the blocks: the one-block model less one block of the same kind, eager.
     rest = fit(
         {n: 2 * sum(eager_one[n].values()) - sum(eager_two[n].values()) for n in TRACE_TOKENS}
     )
-    return Traffic(
-        block_forward=(fwd[0] * n_layers, fwd[1] * n_layers),
-        block_backward=(bwd[0] * n_layers, bwd[1] * n_layers),
-        rest=rest,
-    )
+    return Traffic(block_forward=fwd, block_backward=bwd, rest=rest)
+
+
+def _block_kinds(fields: str, n_layers: int, n_dense: int | None) -> list[tuple[str, int]]:
+    """(model fields whose one- and two-block traces differ by one block of a kind, blocks of
+    that kind in the model): a dense model's own fields, all ``n_layers``; for a model with
+    experts, its MoE blocks (traced with no dense block) and its ``n_dense`` dense ones
+    (traced with two dense blocks: both traced blocks dense). The traced model's first
+    ``model.n_dense_layers`` blocks are dense, so tracing the model as it is would price every
+    block as its first ones."""
+    if n_dense is None:
+        return [(fields, n_layers)]
+    plain = json.loads(fields)
+    kinds = ((0, n_layers - n_dense), (2, n_dense))
+    return [
+        (json.dumps({**plain, "n_dense_layers": dense}, sort_keys=True), count)
+        for dense, count in kinds
+        if count
+    ]
 
 
 def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) -> Traffic:
@@ -291,8 +313,9 @@ def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) 
     fields = model_fields(model_cfg)
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
+    n_dense = getattr(model_cfg, "n_dense_layers", 0) if routed_experts(model_cfg) else None
     return _traffic(
-        json.dumps(fields, sort_keys=True, default=str), str(precision.float8), compiled
+        json.dumps(fields, sort_keys=True, default=str), str(precision.float8), compiled, n_dense
     )
 
 

@@ -1,0 +1,67 @@
+"""benchmarks/plan_published.py's mixture-of-experts section: each published MoE figure is
+planned at its own degrees and ep (the runner layout of ``ep_layout`` where the published one
+cannot hold its ep), none chose a constant, and a figure the runner refuses stays out of the
+median."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "plan_published", ROOT / "benchmarks" / "plan_published.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_published_moe_figures_fix_their_degrees_and_ep(bench):
+    """Every ``moe_throughput`` figure is planned with its ep and the layout that holds it:
+    ``ep_layout`` where given, else ``layout``; the degrees times pp fill the GPUs it ran on,
+    and ep divides the ranks it borrows from (dp_shard x cp x tp)."""
+    for case in bench.load()["moe_throughput"]:
+        fixed = bench._fixed_degrees(case)
+        rep, shard, tp = case.get("ep_layout") or case["layout"]
+        assert fixed == {
+            "dp_replicate": rep,
+            "dp_shard": shard,
+            "cp": case.get("cp", 1),
+            "tp": tp,
+            "ep": case["ep"],
+        }, case["id"]
+        world = rep * shard * fixed["cp"] * tp * case.get("pp", 1)
+        assert world == case["nodes"] * 8, case["id"]
+        assert (shard * fixed["cp"] * tp) % case["ep"] == 0, case["id"]
+
+
+def test_published_moe_figures_are_all_held_out(bench):
+    """No MoE figure chose a constant, and every pair's figure is one of the table's."""
+    data = bench.load()
+    figures = {c["id"]: c for c in data["moe_throughput"]}
+    for case in data["moe_throughput"]:
+        assert case["role"] == "held_out" and "fits" not in case, case["id"]
+        assert case["source"] and case["table"] and case["setup"], case["id"]
+    for pair in data["moe_pairs"]:
+        for fig in pair["figures"]:
+            assert fig["id"] in figures, fig["id"]
+
+
+def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, capsys):
+    """Three figures: two planned (errors -10% and +30%), one refused: the median is that of
+    the two (20%), the refused one named with its reason, the fit count over the planned."""
+    cases = [{"id": i, "role": "held_out", "tokens_per_s_per_gpu": 1000.0} for i in ("a", "b", "c")]
+    rows = {
+        "a": {"tps_per_device": 900.0, "fits": True, "mem_gib": 70.0},
+        "b": {"tps_per_device": 1300.0, "fits": False, "mem_gib": 90.0},
+    }
+    bench._moe_summary({"moe_throughput": cases}, rows, {"c": "parallel.pp=9: no"})
+    out = capsys.readouterr().out
+    assert "2 figures planned, median |error| 20.0%" in out
+    assert "left out of the median: c: parallel.pp=9: no" in out
+    assert "Fits where it ran: 1 of 2" in out and "b (90.0 GiB)" in out
