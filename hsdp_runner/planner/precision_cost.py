@@ -314,6 +314,10 @@ def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) 
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
     n_dense = getattr(model_cfg, "n_dense_layers", 0) if routed_experts(model_cfg) else None
+    if n_dense is not None:
+        # The per-expert loop splits its rows by host values, which meta tensors do not have;
+        # between matmuls it does what the grouped path does (its slices are views).
+        fields["grouped_mm"] = True
     return _traffic(
         json.dumps(fields, sort_keys=True, default=str), str(precision.float8), compiled, n_dense
     )
