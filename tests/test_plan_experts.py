@@ -91,7 +91,6 @@ def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
     assert links["all_to_all/ep"]["seconds"] > 0.5 * on_ep
 
 
-
 def test_a_model_whose_experts_run_in_a_loop_is_priced_as_the_grouped_one():
     """``model.grouped_mm=false`` (the per-expert loop) splits rows by host values the traced
     meta model does not have; its work between matmuls is the grouped path's."""
