@@ -64,6 +64,7 @@ class PlannedTokenExchange(TokenExchange):
     sources and its local experts."""
 
     def __init__(self, exchange: TokenExchange, imbalance: float):
+        # The built model's exchange gives its group (TokenExchange's own init takes a mesh).
         self.group, self.ep, self.routing = exchange.group, exchange.ep, None
         self.imbalance = imbalance
         self._planned: list[list[int]] = []  # [sent, received] (ep x L, row-major)
