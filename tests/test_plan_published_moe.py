@@ -1,4 +1,4 @@
-"""benchmarks/plan_published.py's mixture-of-experts section: each published MoE figure is
+"""benchmarks/plan_published.py's mixture-of-experts section (benchmarks/plan_published_moe.py): each published MoE figure is
 planned at its own degrees and ep (the runner layout of ``ep_layout`` where the published one
 cannot hold its ep), none chose a constant, and a figure the runner refuses stays out of the
 median."""
@@ -11,14 +11,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "plan_published", ROOT / "benchmarks" / "plan_published.py"
-    )
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("plan_published")
+
+
+@pytest.fixture(scope="module")
+def moe_bench():
+    return _load("plan_published_moe")
 
 
 def test_published_moe_figures_fix_their_degrees_and_ep(bench):
@@ -52,7 +59,7 @@ def test_published_moe_figures_are_all_held_out(bench):
             assert fig["id"] in figures, fig["id"]
 
 
-def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, capsys):
+def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, moe_bench, capsys):
     """Three figures: two planned (errors -10% and +30%), one refused: the median is that of
     the two (20%), the refused one named with its reason, the fit count over the planned."""
     cases = [{"id": i, "role": "held_out", "tokens_per_s_per_gpu": 1000.0} for i in ("a", "b", "c")]
@@ -60,7 +67,7 @@ def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, c
         "a": {"tps_per_device": 900.0, "fits": True, "mem_gib": 70.0},
         "b": {"tps_per_device": 1300.0, "fits": False, "mem_gib": 90.0},
     }
-    bench._moe_summary({"moe_throughput": cases}, rows, {"c": "parallel.pp=9: no"})
+    moe_bench._moe_summary({"moe_throughput": cases}, rows, {"c": "parallel.pp=9: no"})
     out = capsys.readouterr().out
     assert "2 figures planned, median |error| 20.0%" in out
     assert "left out of the median: c: parallel.pp=9: no" in out
