@@ -442,6 +442,10 @@ def test_a_model_whose_training_state_fits_nowhere_is_refused_before_any_measure
             ["model=moe_tiny", "precision=float8"],
             "precision.float8=tensorwise with a model with experts (model.n_experts=8)",
         ),
+        (
+            ["model=moe_tiny", "parallel.compile=true"],
+            "torch 2.13 compiles the experts' grouped matmul for bfloat16 only",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(args, message, capsys):

@@ -20,6 +20,7 @@ from hsdp_runner.config.checks import validate_config
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import PlanConfig, RunConfig
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.expert_parallel import compile_refusal
 from hsdp_runner.models.base import routed_experts
 from hsdp_runner.planner.degrees import PLANNED_DIMS, check_ep_degrees
 
@@ -79,6 +80,10 @@ def axis_configs(cfg: DictConfig, axes: dict[str, list]) -> list[tuple[dict, Run
                 raise ConfigError(f"plan.axes.{key}={value}: {str(err).splitlines()[0]}") from None
         typed = to_run_config(variant)  # the one conversion of this candidate
         validate_config(typed)
+        # What a job refuses before its workers start, whatever its degrees, is not planned.
+        refusal = compile_refusal(typed.parallel, typed.precision, typed.model)
+        if refusal:
+            raise ConfigError(refusal)
         out.append((chosen, typed))
     return out
 
