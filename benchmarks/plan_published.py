@@ -55,7 +55,11 @@ from hsdp_runner.distributed.topology import Placement  # noqa: E402
 from hsdp_runner.planner import memory as plan_memory  # noqa: E402
 from hsdp_runner.planner.cluster import resolve  # noqa: E402
 from hsdp_runner.planner.layouts import plan_layouts  # noqa: E402
-from hsdp_runner.planner.pipeline import PRICED, pipeline_entries, runner_refusal  # noqa: E402
+from hsdp_runner.planner.pipeline import (  # noqa: E402
+    pipeline_entries,
+    runner_refusal,
+    stages_per_rank,
+)
 from hsdp_runner.planner.step_time import step_time  # noqa: E402
 
 DATA = Path(__file__).with_name("published_figures.yaml")
@@ -94,22 +98,30 @@ def predict_tps(case: dict, efficiency: float | None = None) -> dict:
 
 def pipeline_row(case: dict, cfg, cluster) -> dict:
     """The plan row of a pipeline figure: its stage layout (``_fixed_degrees``) planned as a
-    stage of ``pp`` (``pipeline.pipeline_entries``), under its ``pp_schedule`` with the stages
-    per rank the planner prices for it (``pipeline.PRICED``). ConfigError with the runner's
-    reason when the runner refuses that pipeline (``pipeline.runner_refusal``)."""
+    stage of ``pp`` (``pipeline.pipeline_entries``), under its ``pp_schedule`` at the stages
+    per rank the job sets (``pipeline.stages_per_rank``: the figure's ``vpp``, which its
+    overrides carry as ``parallel.pp_stages_per_rank``). ConfigError with the runner's reason
+    when the runner refuses that pipeline (``pipeline.runner_refusal``); ValueError when the
+    figure's ``vpp`` did not reach the plan."""
     fixed = _fixed_degrees(case)
+    run = to_run_config(cfg)
+    v = stages_per_rank(run, case["pp_schedule"])
+    if v != case.get("vpp", v):
+        raise ValueError(
+            f"{case['id']}: vpp {case['vpp']} is planned at {v} stages per rank; add "
+            f"parallel.pp_stages_per_rank={case['vpp']} to its overrides"
+        )
     rows = pipeline_entries(
         cfg, cluster, case["pp"], lambda c, cl, **kw: plan_layouts(c, cl, {}, fixed, **kw)
     )
     for row in rows:
         if row["overrides"]["parallel.pp_schedule"] == case["pp_schedule"]:
             return row
-    run = to_run_config(cfg)
     overrides = {
         "parallel.pp": case["pp"],
         **{f"parallel.{name}": degree for name, degree in fixed.items()},
         "parallel.pp_schedule": case["pp_schedule"],
-        "parallel.pp_stages_per_rank": PRICED[case["pp_schedule"]],
+        "parallel.pp_stages_per_rank": v,
         "parallel.pp_microbatches": run.parallel.pp_microbatches or 2 * case["pp"],
     }
     raise ConfigError(

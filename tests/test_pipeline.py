@@ -344,6 +344,87 @@ def test_bubble_of_each_schedule_and_the_activations_the_first_stage_holds():
         check_pp_degrees([1, 3], nodes=4, n_layers=8)
 
 
+def _faked_pipeline_rows(pp: int, overrides: list[str], planned: list[int]) -> dict:
+    """Pipeline rows of ``pp`` stages on ``pp`` nodes of 4 GPUs for ``model=llama3_tiny`` with
+    ``overrides`` and 8 micro-batches, each stage plan faked as one FSDP 4 row: 2.5 s busy a
+    block + 0.5 s step end; 30 GiB at its measured peak, 28 without the output layer and
+    loss, 1 GiB of saved activations a micro-batch. The blocks each stage plan got are
+    appended to ``planned``. Returns {schedule: row}."""
+    from clusters import fake_cluster
+
+    from hsdp_runner import plan
+    from hsdp_runner.planner.pipeline import pipeline_entries
+
+    def plan_stage(stage_cfg, stage_cluster, **kw):
+        blocks = stage_cfg.model.n_layers
+        planned.append(blocks)
+        memory = {"peak_gib": 30.0, "peak_without_head_gib": 28.0}
+        memory |= {"saved_activations_gib": 1.0, "forward_held_gib": 1.5}
+        fsdp = {"parallel.dp_replicate": 1, "parallel.dp_shard": 4, "parallel.tp": 1}
+        row = {"valid": True, "overrides": {**fsdp, "parallel.cp": 1}, "memory": memory}
+        row |= {"step_time_s": 2.5 * blocks + 0.5, "step_end_s": 0.5, "compute_s": 2.0 * blocks}
+        row |= {"exposed_comm_s": {"dp_shard": 0.5 * blocks}, "mfu": 0.4, "layout": "fsdp"}
+        return [row | {"dims_across_nodes": []}]
+
+    base = ["model=llama3_tiny", "trainer.global_batch_size=32", "parallel.pp_microbatches=8"]
+    cfg = plan.compose(base + overrides)
+    rows = pipeline_entries(cfg, fake_cluster(nodes=pp, gpus_per_node=4), pp, plan_stage)
+    return {r["overrides"]["parallel.pp_schedule"]: r for r in rows}
+
+
+def test_interleaved_schedules_are_priced_at_the_jobs_stages_per_rank():
+    """pp 4, 8 micro-batches, 16 blocks (4 a rank, 10 s busy): a job that sets
+    ``parallel.pp_stages_per_rank=4`` has its interleaved rows priced at 4, one that leaves it
+    at 1 at the default 2. Interleaved 1F1B's bubble is (pp - 1) / (v m) of the busy step
+    (Narayanan et al.): 3/16 at v = 2, 3/32 at v = 4: 1.875 and 0.9375 s; the first stage
+    holds pp + (pp - 1) / v micro-batches' activations after the warm-up (5.5 and 4.75 of
+    1 GiB each on its 28 GiB without the output layer and loss: 32.5 and 31.75 GiB, above
+    the last stage's 30); the stage-to-stage sends are v times as many. GPipe and 1F1B run
+    one stage per rank either way."""
+    planned: list[int] = []
+    two = _faked_pipeline_rows(4, ["model.n_layers=16"], planned)
+    four = _faked_pipeline_rows(4, ["model.n_layers=16", "parallel.pp_stages_per_rank=4"], planned)
+    assert planned == [4, 4]  # 16 blocks: 4 a rank whether cut into 4, 8 or 16 stages
+    for rows, v in ((two, 2), (four, 4)):
+        row = rows["interleaved_1f1b"]
+        assert row["overrides"]["parallel.pp_stages_per_rank"] == v
+        assert row["bubble_s"] == pytest.approx(10.0 * 3 / (v * 8))
+        assert row["mem_gib"] == pytest.approx(28.0 + (4 + 3 / v - 1) * 1.0)
+        assert row["memory"]["pipeline_held_activations_gib"] == pytest.approx(row["mem_gib"] - 30)
+        assert rows["1f1b"]["overrides"]["parallel.pp_stages_per_rank"] == 1
+        assert rows["1f1b"]["bubble_s"] == pytest.approx(10.0 * 3 / 8)
+    assert two["interleaved_1f1b"]["bubble_s"] == pytest.approx(1.875)
+    assert four["interleaved_1f1b"]["bubble_s"] == pytest.approx(0.9375)
+    assert two["interleaved_1f1b"]["mem_gib"] == pytest.approx(32.5)
+    assert four["interleaved_1f1b"]["mem_gib"] == pytest.approx(31.75)
+    sends = [rows["interleaved_1f1b"]["exposed_comm_s"]["pp"] for rows in (two, four)]
+    assert sends[1] == pytest.approx(2 * sends[0])
+    assert four["1f1b"]["step_time_s"] == pytest.approx(two["1f1b"]["step_time_s"])
+
+
+def test_the_busiest_rank_of_an_interleaved_pipeline_holds_its_stages_blocks():
+    """8 blocks on pp 2 with the first stage one block lighter: cut in 2 stages each rank
+    holds 4; cut in 4 (2 a rank) the stages hold 1, 3, 2, 2 and rank 1 holds 5. The
+    interleaved rows are priced from a stage of 5 blocks, planned apart from the 4-block
+    stage GPipe and 1F1B are priced from. A cut that leaves a stage without a block raises,
+    naming the keys."""
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.planner.pipeline import busiest_stage_blocks
+
+    lighter = ["model.n_layers=8", "parallel.pp_first_stage_less_blocks=1"]
+    run = to_run_config(compose(lighter))
+    assert busiest_stage_blocks(run, 2) == 4 and busiest_stage_blocks(run, 2, 2) == 5
+    planned: list[int] = []
+    rows = _faked_pipeline_rows(2, lighter, planned)
+    assert planned == [4, 5]
+    assert rows["1f1b"]["stage_step_time_s"] == 2.5 * 4 + 0.5
+    assert rows["interleaved_1f1b"]["stage_step_time_s"] == 2.5 * 5 + 0.5
+    ends = ["model.n_layers=4", "parallel.pp_first_stage_less_blocks=1"]
+    ends += ["parallel.pp_last_stage_less_blocks=1"]
+    with pytest.raises(ConfigError, match="leave an end stage of 4 without a block"):
+        busiest_stage_blocks(to_run_config(compose(ends)), 2, 2)
+
+
 @pytest.mark.multiprocess  # the planner measures memory in child processes
 def test_plan_prices_pipeline_layouts_from_one_stage(tmp_path, monkeypatch):
     from clusters import fake_cluster
@@ -532,7 +613,7 @@ def test_the_planner_writes_exactly_the_pipeline_rows_the_runner_accepts(tmp_pat
     from hsdp_runner.planner import mem_phases
     from hsdp_runner.planner import memory as plan_memory
     from hsdp_runner.planner.layouts import plan_layouts
-    from hsdp_runner.planner.pipeline import PRICED, pipeline_entries
+    from hsdp_runner.planner.pipeline import SCHEDULES, pipeline_entries, stages_per_rank
     from hsdp_runner.runtime import prelaunch
 
     monkeypatch.setattr(plan_memory, "measure", lambda requests: [{} for _ in requests])
@@ -572,7 +653,8 @@ def test_the_planner_writes_exactly_the_pipeline_rows_the_runner_accepts(tmp_pat
         rows = pipeline_entries(cfg, cluster, pp, plan_stage)
         written |= {tuple(sorted(r["overrides"].items())) for r in rows}
         for stage in (s for s in stages[-1] if s["valid"]):
-            for schedule, v in PRICED.items():
+            for schedule in SCHEDULES:
+                v = stages_per_rank(to_run_config(cfg), schedule)
                 piped = {"parallel.pp": pp, "parallel.pp_schedule": schedule}
                 piped |= {"parallel.pp_stages_per_rank": v, "parallel.pp_microbatches": 2 * pp}
                 candidates.add(tuple(sorted({**stage["overrides"], **piped}.items())))

@@ -50,6 +50,7 @@ ALLOWED = {
     "planner/axes.py::axis_configs(cfg)": "applies the axes, converts each candidate",
     "planner/layouts.py::plan_layouts(cfg)": "a Scenario of the composed config",
     "planner/pipeline.py::pipeline_entries(cfg)": "a stage's copy of the composed config",
+    "planner/pipeline.py::_stage_config(cfg)": "makes the stage's copy of the composed config",
     "planner/auto.py::plan_job(cfg)": "writes the plan's choice into the composed config",
     "planner/auto.py::plan_with_pipelines(cfg)": "copies of the composed config: a flat one and its stages",
     "planner/auto.py::apply_choice(cfg)": "writes the plan's choice into the composed config",

@@ -14,7 +14,9 @@ stage:
 - **Bubble**: with pp stages and m micro-batches, GPipe and 1F1B idle a fraction
   (pp - 1) / (m + pp - 1) of the step (pp - 1 slots of the m + pp - 1 a stage passes through);
   interleaving v stages per rank makes each slot 1/v as long: (pp - 1) / (v m + pp - 1)
-  (Narayanan et al. 2021). The zero-bubble schedule splits each backward into its input- and
+  of the step, (pp - 1) / (v m) of the busy time (Narayanan et al. 2021). v is the job's
+  ``parallel.pp_stages_per_rank`` where it sets one, else ``DEFAULT_STAGES_PER_RANK``
+  (``stages_per_rank``); the busiest rank's blocks are its v stages' (``busiest_stage_blocks``). The zero-bubble schedule splits each backward into its input- and
   weight-gradient halves and fills the bubble with the weight halves: with forward, input
   backward and weight backward equally long (each a third of a micro-batch's forward and
   backward) a third of the interleaved bubble is left (Qi et al. 2024, ZB-H1).
@@ -47,7 +49,7 @@ from omegaconf import DictConfig
 
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.config.schema import RunConfig
-from hsdp_runner.core.choices import AccumReduce, PPSchedule
+from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import stage_send_bytes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -59,8 +61,17 @@ from hsdp_runner.models.base import stage_blocks
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner.cluster import Cluster
 
-# The schedules the planner prices, with the stages per rank each runs.
-PRICED = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2}
+# The schedules the planner prices (every one, whatever ``parallel.pp_schedule`` says).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
+# Stages per rank an interleaved schedule is offered at when the job leaves
+# ``parallel.pp_stages_per_rank`` at 1 (``stages_per_rank``). Only 2: a larger v shrinks the
+# bubble (1/v) and the warm-up's held activations (pp + (pp - 1) / v micro-batches), and of
+# its costs the planner prices only the v-fold stage-to-stage sends; what each further chunk
+# costs on a GPU (a send/receive pair waited for on the critical path, each chunk's FSDP
+# gathers and kernels on fewer blocks, the schedule's per-chunk work on the host) is not
+# modelled, so offered larger v the ranking would always take the most chunks the blocks
+# allow, on grounds it does not price. A job that knows its v sets it and is priced at it.
+DEFAULT_STAGES_PER_RANK = 2
 # The fewest blocks a stage gets among the degrees planned by default (``default_pp_degrees``):
 # below it the first stage's embedding and the last one's output layer weigh like blocks of
 # their own (Llama 3 8B's output layer is 2.4 blocks' parameters and matmul FLOPs), so the
@@ -145,46 +156,77 @@ def check_pp_degrees(degrees: list, nodes: int, n_layers: int, gpus_per_node: in
             )
 
 
+def stages_per_rank(run: RunConfig, schedule: str) -> int:
+    """The stages per rank ``schedule`` is priced at for the job ``run``: 1 for GPipe and
+    1F1B; for an interleaved schedule the job's ``parallel.pp_stages_per_rank`` where it sets
+    more than 1 (a fixed layout, a published figure's VP, a plan or ``parallel=auto`` job that
+    names it), else ``DEFAULT_STAGES_PER_RANK``."""
+    if PPSchedule[schedule] not in INTERLEAVED_SCHEDULES:
+        return 1
+    given = run.parallel.pp_stages_per_rank
+    return given if given > 1 else DEFAULT_STAGES_PER_RANK
+
+
 def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> list[dict]:
     """Plan rows of every ``pp``-stage layout of ``cfg`` on ``cluster``, one per stage layout
-    and priced schedule. ``plan_stage(cfg, cluster, pipeline_stage=True) -> rows`` plans a
-    stage (the planner's ``plan_layouts``). Rows carry the pipeline's overrides, its terms (``bubble_s``, exposed
-    ``pp`` sends) and the stage row they came from (``stage``)."""
+    and priced schedule (``SCHEDULES``, each at ``stages_per_rank``). ``plan_stage(cfg,
+    cluster, pipeline_stage=True) -> rows`` plans a stage (the planner's ``plan_layouts``),
+    once per distinct busiest rank's blocks among the schedules (``busiest_stage_blocks``;
+    nearly always one). Rows carry the pipeline's overrides, its terms (``bubble_s``, exposed
+    ``pp`` sends) and the stage row they came from (``stage``). ConfigError when no schedule's
+    stages can be cut from the model's blocks."""
     run = to_run_config(cfg)
     m = run.parallel.pp_microbatches or 2 * pp
-    stage_cfg = cfg.copy()
-    stage_cfg.model.n_layers = busiest_stage_blocks(run, pp)
-    if "n_dense_layers" in stage_cfg.model:
-        # A model with experts: its dense blocks lead the first stage; the busiest stage is
-        # one of MoE blocks alone (more weights, the all-to-alls).
-        stage_cfg.model.n_dense_layers = 0
-    stage_cfg.trainer.grad_accum_steps = m
-    # torch's PipelineStage turns FSDP's gradient sync off until the last micro-batch's
-    # backward: the stage holds unsharded gradients and reduces once, as accum_reduce=last.
-    stage_cfg.trainer.accum_reduce = AccumReduce.last.value
+    by_blocks: dict[int, list[tuple[str, int]]] = {}
+    cuts = []
+    for schedule in SCHEDULES:
+        v = stages_per_rank(run, schedule)
+        try:
+            by_blocks.setdefault(busiest_stage_blocks(run, pp, v), []).append((schedule, v))
+        except ConfigError as err:  # the runner refuses that cut too (``runner_refusal``)
+            cuts.append(err)
+    if not by_blocks:
+        raise cuts[0]
     stage_cluster = (
         dataclasses.replace(cluster, nodes=cluster.nodes // pp)
         if cluster.nodes % pp == 0
         # On one node (``check_pp_degrees``) a stage is a share of its GPUs.
         else dataclasses.replace(cluster, gpus_per_node=cluster.gpus_per_node // pp)
     )
-    stage_rows = plan_stage(stage_cfg, stage_cluster, pipeline_stage=True)
-    stage_rows = [row for row in stage_rows if row["valid"]]
     out = []
-    for row in stage_rows:
-        o = row["overrides"]
-        tp, cp = o.get("parallel.tp", 1), o.get("parallel.cp", 1)
-        dp = o.get("parallel.dp_replicate", 1) * o.get("parallel.dp_shard", 1)
-        rows = run.trainer.global_batch_size // dp // m  # a micro-batch's
-        sp = run.parallel.sequence_parallel
-        hidden = stage_send_bytes(run.model, run.precision, sp, rows, cp, tp)
-        shape = (pp, *(o.get(f"parallel.{d}", 1) for d in DIM_NAMES[1:]))
-        pair = dataclasses.replace(placement(shape, DIM_NAMES, "pp", cluster.gpus_per_node), size=2)
-        for schedule, v in PRICED.items():
-            if runner_refusal(run, _overrides(row, pp, schedule, v, m), cluster):
-                continue  # a job the runner would refuse before its workers start
-            out.append(_entry(row, run, cluster, pp, m, v, schedule, hidden, pair))
+    for blocks, schedules in by_blocks.items():
+        stage_rows = plan_stage(_stage_config(cfg, blocks, m), stage_cluster, pipeline_stage=True)
+        for row in (row for row in stage_rows if row["valid"]):
+            o = row["overrides"]
+            tp, cp = o.get("parallel.tp", 1), o.get("parallel.cp", 1)
+            dp = o.get("parallel.dp_replicate", 1) * o.get("parallel.dp_shard", 1)
+            rows = run.trainer.global_batch_size // dp // m  # a micro-batch's
+            sp = run.parallel.sequence_parallel
+            hidden = stage_send_bytes(run.model, run.precision, sp, rows, cp, tp)
+            shape = (pp, *(o.get(f"parallel.{d}", 1) for d in DIM_NAMES[1:]))
+            pair = placement(shape, DIM_NAMES, "pp", cluster.gpus_per_node)
+            pair = dataclasses.replace(pair, size=2)
+            for schedule, v in schedules:
+                if runner_refusal(run, _overrides(row, pp, schedule, v, m), cluster):
+                    continue  # a job the runner would refuse before its workers start
+                out.append(_entry(row, run, cluster, pp, m, v, schedule, hidden, pair))
     return out
+
+
+def _stage_config(cfg: DictConfig, blocks: int, m: int) -> DictConfig:
+    """``cfg`` as the job one pipeline stage runs: ``blocks`` blocks (MoE blocks alone for a
+    model with experts: its dense blocks lead the first stage, the busiest is one of MoE
+    blocks, with more weights and the all-to-alls), ``m`` micro-batches accumulated, the
+    gradients reduced after the last (torch's PipelineStage turns FSDP's gradient sync off
+    until the last micro-batch's backward: the stage holds unsharded gradients and reduces
+    once, as ``trainer.accum_reduce=last``)."""
+    stage_cfg = cfg.copy()
+    stage_cfg.model.n_layers = blocks
+    if "n_dense_layers" in stage_cfg.model:
+        stage_cfg.model.n_dense_layers = 0
+    stage_cfg.trainer.grad_accum_steps = m
+    stage_cfg.trainer.accum_reduce = AccumReduce.last.value
+    return stage_cfg
 
 
 def runner_refusal(run: RunConfig, overrides: dict, cluster: Cluster) -> str | None:
@@ -279,7 +321,7 @@ def _entry(
         "step_time_s": step,
         "tps_per_device": tokens / step / world,
         # The stage's model FLOPs are its blocks' share; the whole model's over all stages.
-        "mfu": stage_flops / step * _flops_ratio(run, pp),
+        "mfu": stage_flops / step * _flops_ratio(run, pp, v),
         "bubble_s": bubble_s,
         "bubble_fraction": bubble,
         "stage_step_time_s": row["step_time_s"],
@@ -309,26 +351,29 @@ def gathered_blocks_gib(run: RunConfig, dims: ParallelDims) -> float:
     return blocks * itemsize * (1 - 1 / dims.dp_shard_cp) / 2**30
 
 
-def busiest_stage_blocks(run: RunConfig, pp: int) -> int:
-    """The most blocks one of ``pp`` stages holds (``stage_blocks``, with the end stages'
-    weights: then a middle stage). The stage is planned with these and both ends' modules:
-    the busiest stage, priced high rather than low."""
+def busiest_stage_blocks(run: RunConfig, pp: int, v: int = 1) -> int:
+    """The most blocks one of ``pp`` ranks holds with ``v`` stages each: the model cut into
+    pp x v stages (``stage_blocks``, with the end stages' weights), rank r holding stages r,
+    r + pp, ... (``ParallelDims.local_stages``). The stage is planned with these and both
+    ends' modules: the busiest rank, priced high rather than low. ConfigError when a stage
+    would get no block."""
     split = stage_blocks(
         run.model.n_layers,
-        pp,
+        pp * v,
         run.parallel.pp_first_stage_less_blocks,
         run.parallel.pp_last_stage_less_blocks,
     )
-    return max(len(blocks) for blocks in split)
+    return max(sum(len(split[s]) for s in range(rank, pp * v, pp)) for rank in range(pp))
 
 
-def _flops_ratio(run: RunConfig, pp: int) -> float:
-    """The whole model's FLOPs per token over pp x the busiest stage's (MFU counts the model's
-    useful work once; the stage planned carries the embedding and output in full)."""
+def _flops_ratio(run: RunConfig, pp: int, v: int) -> float:
+    """The whole model's FLOPs per token over pp x the busiest rank's (``v`` stages each; MFU
+    counts the model's useful work once; the stage planned carries the embedding and output in
+    full)."""
     from hsdp_runner.models.base import model_spec
 
     whole = model_spec(run.model).flops_per_token()
-    stage_model = dataclasses.replace(run.model, n_layers=busiest_stage_blocks(run, pp))
+    stage_model = dataclasses.replace(run.model, n_layers=busiest_stage_blocks(run, pp, v))
     if hasattr(stage_model, "n_dense_layers"):  # as pipeline_entries plans the stage
         stage_model = dataclasses.replace(stage_model, n_dense_layers=0)
     return whole / (pp * model_spec(stage_model).flops_per_token())
