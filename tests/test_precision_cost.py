@@ -10,7 +10,8 @@ from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import model_spec
-from hsdp_runner.planner import precision_cost
+from hsdp_runner.planner import matmul_shapes, precision_cost
+from hsdp_runner.planner.matmul_time import causal_attention_share
 from hsdp_runner.planner.step_time import step_flops, step_time
 
 H100 = dict(gpus_per_node=8, nodes=1, peak_tflops=1000.0, float8_peak_tflops=2000.0)
@@ -76,6 +77,27 @@ def test_compile_cuts_the_memory_bound_time_and_not_the_matmuls():
     for part in ("block_forward", "block_backward"):
         assert 0 < fused.bytes(part, 1024) < unfused.bytes(part, 1024) / 2, part
     assert fused.rest == unfused.rest
+
+
+def test_causal_attention_is_priced_at_the_tiles_a_gpu_kernel_computes():
+    """At 32,768 tokens a GPU's flash kernel computes the 256 x 257 / 2 tiles of 128 x 128 on
+    or below the causal diagonal: (256 + 1) / (2 x 256) = 0.502 of the full-square count the
+    runner's FLOPs hold, so attention takes about half the time that count would at peak x
+    efficiency. A CPU cluster (``cluster=this_machine``'s device, 'cpu') is priced at the
+    whole count, as before; the linears do not move."""
+    assert causal_attention_share(8192, skips_masked_tiles=True) == 65 / 128
+    assert causal_attention_share(100, skips_masked_tiles=True) == 1.0  # one tile
+    assert causal_attention_share(8192, skips_masked_tiles=False) == 1.0
+    cfg = _cfg("precision=bf16", "model.seq_len=32768")
+    hw = _hw(cfg)
+    gpu = precision_cost.compute_seconds(cfg, FSDP8, fake_cluster(**H100), hw)
+    cpu = precision_cost.compute_seconds(cfg, FSDP8, fake_cluster(**H100, device="cpu"), hw)
+    counted = hw - sum(g.flops for g in matmul_shapes.step_gemms(cfg, FSDP8))
+    assert counted > 0.5 * hw  # long sequences: attention is most of the count
+    full = counted / (1000e12 * 0.5)  # peak 1,000 TFLOP/s x efficiency 0.5
+    assert cpu["attention"] == pytest.approx(full)
+    assert gpu["attention"] == pytest.approx(full * 257 / 512)
+    assert gpu["matmul"] == cpu["matmul"] and gpu["memory"] == cpu["memory"]
 
 
 def test_float8_runs_the_block_linears_at_the_float8_peak():
