@@ -13,6 +13,8 @@ load-balance statistics, read top to bottom in the order a token meets them.
   sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
   of ``torch._grouped_mm``) or, as the reference, in a loop over experts
   (``model.grouped_mm``).
+- ``WeightedCombine``: each token's expert outputs weighed by the router and summed in fp32,
+  as one autograd function that saves the outputs in their own dtype (no fp32 copy of them).
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
   reads and sets: ``Router.tokens_per_expert`` (counts of the step's forwards),
   ``MoE.aux_loss_sum`` (the sequence-wise auxiliary loss' value), ``MoE.sequence_sum`` (sums
