@@ -114,7 +114,7 @@ LAYOUTS = {
 # ranks, with the MoE layers' own FSDP units, the token exchange and its recomputation.
 MOE = ["model=moe_tiny"]
 LAYOUTS |= {
-    # ep splits dp_shard 4: new efsdp and ep groups (the clip all-reduces over each apart).
+    # ep splits dp_shard 4: new efsdp and ep groups.
     "moe_fsdp_ep2": [*MOE, "parallel=fsdp", "parallel.ep=2"],
     # HSDP, ep = dp_shard 2: the experts' shards all-reduced over dp_replicate; bf16 and two
     # micro-batches, each reduce-scattering and exchanging its own tokens.
@@ -128,7 +128,7 @@ LAYOUTS |= {
         "trainer.accum_reduce=every",
     ],
     # ep = tp: an MoE block has attention's TP collectives alone; full AC recomputes the
-    # exchange and the auxiliary loss's count all-reduce; the clip joins dp_shard and tp.
+    # exchange and the auxiliary loss's count all-reduce.
     "moe_fsdp_tp_ep2_full_ac": [*MOE, "parallel=fsdp_tp", "parallel.ep=2", "parallel.ac=full"],
     # TP alone (no data-parallel wrap), ep splitting tp, no sequence parallel: the MoE's
     # output and input gradient all-gathered, the q/k norms' partial gradients; selective AC
@@ -188,7 +188,7 @@ def _measure_layouts(configs):
         # A job has its process to itself. Here DTensor's sharding caches (Python's and the
         # C++ fast path's) would hand this layout the output specs of an earlier one whose
         # meshes compare equal (DeviceMesh equality ignores the root mesh), and with them that
-        # world's meshes: a clip's norm would miss this world's views to merge its reductions.
+        # world's meshes, and with them collectives over another world's groups.
         _clear_sharding_prop_cache()
         trainer, _ = rank_trainer(cfg)
         trainer.fit()
@@ -235,7 +235,7 @@ def facts():
 def test_measured_comm_bytes_match_the_analytic_model(facts, layout):
     for rank, f in facts[layout].items():
         assert round(f["comm_ratio"], 4) == 1.0, (rank, f)
-        # Every (kind, mesh dim): the same calls and bytes, the clip's scalar reductions too.
+        # Every (kind, mesh dim): the same calls and bytes, the step's stats too.
         assert f["comm_measured"] == f["comm_analytic"], (rank, f)
 
 
@@ -266,9 +266,8 @@ def test_analytic_fsdp_bytes_match_a_hand_count():
     from hsdp_runner.distributed.step_stats import STATS_BYTES
 
     # llama3_tiny: a block holds wq 64x64, wk and wv 32x64, wo 64x64, w1/w3 192x64, w2 64x192
-    # and two norms of 64 = 49,280 parameters; the root 2 x 256x64 + 64 = 32,832. The clip
-    # all-reduces one fp32 norm per gradient over the shard group: 2 x 9 + 3 = 21, 84 bytes,
-    # in the same key as the step's stats (dp_shard spans both ranks).
+    # and two norms of 64 = 49,280 parameters; the root 2 x 256x64 + 64 = 32,832. The clip's
+    # norm rides in the step's stats (dp_shard spans both ranks): no all-reduce of its own.
     blocks, root = 2 * 49_280, 32_832
     for reshard, gathers in ((True, 5), (False, 3)):
         cfg = compose(
@@ -281,7 +280,7 @@ def test_analytic_fsdp_bytes_match_a_hand_count():
         assert got == {
             "all_gather/dp_shard": {"calls": gathers, "bytes": gathered},
             "reduce_scatter/dp_shard": {"calls": 3, "bytes": (blocks + root) * 4},
-            "all_reduce/dp_shard": {"calls": 2, "bytes": 21 * 4 + STATS_BYTES},
+            "all_reduce/dp_shard": {"calls": 1, "bytes": STATS_BYTES},
         }
 
 
@@ -290,7 +289,7 @@ def test_analytic_cp_bytes_match_a_hand_count():
     dp rank reads 8 / 2 = 4 sequences of 32 tokens; fp32. Per block, forward gathers
     2 x 4 x 32 x 32 x 4 bytes = 32,768 over cp, full AC gathers them again, and backward
     reduce-scatters their gradients once; FSDP's collectives run over dp_shard x cp, and so
-    do the clip's 21 fp32 norms (one all-reduce) and the step's stats (it spans all 4)."""
+    does the step's stats (it spans all 4; the clip's norm rides in it)."""
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.step_stats import STATS_BYTES
@@ -301,16 +300,15 @@ def test_analytic_cp_bytes_match_a_hand_count():
     assert got["all_gather/cp"] == {"calls": 4, "bytes": 4 * 32_768}
     assert got["reduce_scatter/cp"] == {"calls": 2, "bytes": 2 * 32_768}
     assert {"all_gather/dp_shard_cp", "reduce_scatter/dp_shard_cp"} <= set(got)
-    assert got["all_reduce/dp_shard_cp"] == {"calls": 2, "bytes": 21 * 4 + STATS_BYTES}
+    assert got["all_reduce/dp_shard_cp"] == {"calls": 1, "bytes": STATS_BYTES}
 
 
 def test_analytic_accumulation_reduce_scatters_every_micro_batch_and_all_reduces_once():
     """llama3_tiny (131,392 parameters in 3 units, see above), fp32, 2 micro-batches. HSDP
     2 x 2: with ``every`` the whole gradients are reduce-scattered in each micro-batch, with
     ``last`` once; the replicate all-reduce of the half-size shard runs once either way. DDP
-    (4 replicas) all-reduces the whole gradients once either way. The clip all-reduces its 21
-    fp32 norms over HSDP's shard group (replicated over dp_replicate: nothing there), and
-    nothing under DDP, whose gradients are whole."""
+    (4 replicas) all-reduces the whole gradients once either way. The clip's norm rides in
+    the step's stats, which span all ranks: under HSDP no group of the mesh does."""
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.distributed.parallel_dims import ParallelDims
     from hsdp_runner.distributed.step_stats import STATS_BYTES
@@ -344,7 +342,7 @@ def test_analytic_accumulation_reduce_scatters_every_micro_batch_and_all_reduces
                     "calls": 3 * reductions,
                     "bytes": whole * reductions,
                 }, choice
-                assert got["all_reduce/dp_shard"] == {"calls": 1, "bytes": 21 * 4}
+                assert "all_reduce/dp_shard" not in got
             else:
                 assert "reduce_scatter/dp_shard" not in got
                 assert "all_reduce/dp_shard" not in got
@@ -362,8 +360,8 @@ def _tp_comm(*overrides, world=2):
 def test_analytic_tp_all_reduces_match_a_hand_count():
     """llama3_tiny (5 norms of 64: 2 a block and the final one; 21 gradients), 8 sequences of
     32 tokens. TP 2 alone in fp32 (no data-parallel wrapper): per sequence-parallel norm its
-    partial gradient twice (the clip's norm, then AdamW: 2 x 64 x 4 bytes), the clip's stack
-    of 21 fp32 norms once, the loss's 3 x 256 fp32 and the step's stats (tp spans both ranks).
+    partial gradient twice (the clip's norm, then AdamW: 2 x 64 x 4 bytes), the loss's 3 x 256
+    fp32 and the step's stats (tp spans both ranks; the clip's norm rides in them).
     Freezing the output layer and block 1's attention (4 linears) leaves 16 gradients, the
     5 norms among them; freezing block 0 too leaves 7, 3 norms (the model's count: under
     sequence parallel torch 2.13's ``SequenceParallel`` re-creates the norms' parameters with
@@ -371,26 +369,23 @@ def test_analytic_tp_all_reduces_match_a_hand_count():
     from hsdp_runner.distributed.step_stats import STATS_BYTES
 
     loss, stats = {"calls": 3, "bytes": 3 * 256 * 4}, {"calls": 1, "bytes": STATS_BYTES}
-    for freeze, grads, norms in (
-        ("[]", 21, 5),
-        ("[output.*,layers.1.attention.*]", 16, 5),
-        ("[output.*,layers.1.attention.*,layers.0.*]", 7, 3),
+    for freeze, norms in (
+        ("[]", 5),
+        ("[output.*,layers.1.attention.*]", 5),
+        ("[output.*,layers.1.attention.*,layers.0.*]", 3),
     ):
         got = _tp_comm("parallel=tp", "parallel.tp=2", f"trainer.freeze={freeze}")
         partial = {"calls": 2 * norms, "bytes": 2 * norms * 64 * 4}
-        clip = {"calls": 1, "bytes": grads * 4}
-        assert got["all_reduce/tp"] == {
-            k: partial[k] + clip[k] + loss[k] + stats[k] for k in clip
-        }, freeze
+        assert got["all_reduce/tp"] == {k: partial[k] + loss[k] + stats[k] for k in loss}, freeze
 
 
 def test_analytic_partial_norm_gradients_take_the_dtype_fsdp_holds_them_in():
     """fsdp_tp 2 x 2 in bf16 (fp32 reduction), 2 micro-batches: with ``every`` FSDP reduces
     each micro-batch's bf16 gradients, the 5 norms' partial ones over tp too (2 x 5 x 64 x 2
     bytes); with ``last`` it accumulates the first micro-batch's in fp32 and reduces them once
-    (5 x 64 x 4). The clip adds its 21 fp32 norms over tp, and the loss 2 x 3 x 64 fp32 (4
-    sequences of 32 tokens a rank, 2 passes)."""
-    clip, loss = 21 * 4, 3 * 128 * 4
+    (5 x 64 x 4). The loss adds 2 x 3 x 64 fp32 (4 sequences of 32 tokens a rank, 2 passes);
+    the clip's norm rides in the step's stats, over all 4 ranks."""
+    loss = 3 * 128 * 4
     for choice, partial in (
         ("every", {"calls": 10, "bytes": 1280}),
         ("last", {"calls": 5, "bytes": 1280}),
@@ -403,8 +398,8 @@ def test_analytic_partial_norm_gradients_take_the_dtype_fsdp_holds_them_in():
             world=4,
         )
         assert got["all_reduce/tp"] == {
-            "calls": partial["calls"] + 1 + 6,
-            "bytes": partial["bytes"] + clip + loss,
+            "calls": partial["calls"] + 6,
+            "bytes": partial["bytes"] + loss,
         }, choice
 
 

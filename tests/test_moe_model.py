@@ -15,7 +15,7 @@ from hsdp_runner.config.compose import compose
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import build_meta_model, model_spec, moe_layers
 from hsdp_runner.models.common import clean_name, initial_value
-from hsdp_runner.models.moe_routing import GroupedExperts, Router
+from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, WeightedCombine
 
 
 def tiny_spec(*overrides: str):
@@ -135,6 +135,98 @@ def test_every_token_reaches_its_k_experts_and_the_shared_ones():
     torch.testing.assert_close(out.reshape(-1, 64), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(counted, torch.bincount(chosen.flatten(), minlength=4).float())
     assert counted.sum() == 2 * 32 * spec.top_k
+
+
+def routed_copies(dtype: torch.dtype, n_tokens: int = 6, top_k: int = 3, dim: int = 16):
+    """(routed (M, dim), weight (M,) fp32, token (M,)) of ``n_tokens`` tokens' ``top_k`` copies
+    each, shuffled as the experts' order leaves them; the last token has no copy."""
+    gen = torch.Generator().manual_seed(3)
+    m = (n_tokens - 1) * top_k
+    token = torch.arange(n_tokens - 1).repeat_interleave(top_k)[torch.randperm(m, generator=gen)]
+    routed = torch.randn(m, dim, generator=gen).to(dtype)
+    return routed, torch.rand(m, generator=gen), token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_combine_sums_each_tokens_weighted_copies_in_fp32(dtype):
+    """Value and both gradients of ``WeightedCombine`` equal the autograd of the expression it
+    replaces, ``zeros.index_add(token, routed.float() * weight).to(dtype)`` (fp32 products
+    and sums, one rounding to ``dtype``), and the float64 sum within that rounding; a token
+    without copies gets zeros."""
+    routed, weight, token = routed_copies(dtype)
+    grad_out = torch.randn(6, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    results = []
+    for combine in (
+        lambda r, w: WeightedCombine.apply(r, w, token, 6, dtype),
+        lambda r, w: torch.zeros(6, 16).index_add(0, token, r.float() * w[:, None]).to(dtype),
+    ):
+        r, w = routed.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = combine(r, w)
+        out.backward(grad_out)
+        results.append((out, r.grad, w.grad))
+    (out, grad_routed, grad_weight), (want, want_routed, want_weight) = results
+    assert out.dtype == grad_routed.dtype == dtype and grad_weight.dtype == torch.float32
+    assert torch.equal(out, want) and torch.equal(grad_routed, want_routed)
+    torch.testing.assert_close(grad_weight, want_weight, rtol=1e-6, atol=1e-6)
+    assert out[5].abs().max() == 0
+    exact = torch.zeros(6, 16, dtype=torch.float64)
+    exact.index_add_(0, token, routed.double() * weight.double()[:, None])
+    torch.testing.assert_close(out.double(), exact, **TOL[dtype])
+    exact_weight = (grad_out.double()[token] * routed.double()).sum(-1)
+    torch.testing.assert_close(grad_weight.double(), exact_weight, rtol=1e-5, atol=1e-5)
+
+
+TOL = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 8e-3, "atol": 8e-3}}
+
+
+def test_weighted_combine_gradients_pass_gradcheck():
+    """Backward against finite differences, in float64."""
+    routed, weight, token = routed_copies(torch.float64, n_tokens=4, top_k=2, dim=5)
+    inputs = (routed.requires_grad_(), weight.double().requires_grad_(), token, 4, torch.float64)
+    assert torch.autograd.gradcheck(WeightedCombine.apply, inputs)
+
+
+def test_bf16_layer_saves_no_fp32_copy_of_the_routed_outputs():
+    """What a bf16 MoE layer keeps for backward (autograd's saved tensors, each storage once,
+    its weights and input aside): the routed copies' inputs and outputs and the experts' four
+    SwiGLU intermediates in bf16, plus the router's fp32 scores, the copies' weights and the
+    int64 indices (about 100 bytes a token here); no fp32 tensor as large as the routed rows."""
+    dim, k, ffn, n_experts, tokens = 64, 2, 32, 8, 64
+    moe = MoE(
+        dim,
+        n_experts,
+        k,
+        ffn,
+        0,
+        score_func="softmax",
+        norm_topk_prob=True,
+        route_scale=1.0,
+        grouped_mm=True,
+        aux_loss_coef=0.0,
+        seq_len=tokens,
+    )
+    moe = moe.to(torch.bfloat16)
+    moe.router.expert_bias = moe.router.expert_bias.float()
+    x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in [x, *moe.parameters()]}
+    saved = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = moe(x)
+    out.float().square().sum().backward()  # backward runs on what was saved
+    routed_rows = tokens * k * dim
+    assert not [t for t in saved.values() if t.dtype == torch.float32 and t.numel() >= routed_rows]
+    held = sum(t.untyped_storage().nbytes() for t in saved.values())
+    needed = tokens * k * (2 * dim + 4 * ffn) * 2  # bf16: inputs, outputs, SwiGLU
+    # fp32: the scores (n_experts), the chosen ones (k) and their sum (1), the routed copies'
+    # weights (k); int64: the choice, the sort order, each copy's token (k each); int32 offsets.
+    small = tokens * (4 * (n_experts + 1) + k * (4 + 4 + 3 * 8)) + 4 * n_experts
+    assert needed <= held <= needed + small
 
 
 def explicit_aux_loss(moe, x: torch.Tensor, coef: float) -> torch.Tensor:

@@ -8,9 +8,9 @@ over groups of one rank move nothing and are in neither.
 One counter, ``_stage``, counts what a rank of one pipeline stage sends in a step: its
 stage-to-stage sends, the FSDP/HSDP/DDP collectives of the stage's parameters, and the context
 and tensor parallel collectives of its blocks and ends. ``analytic_comm`` sums it over the
-rank's stages and adds what the rank reduces once a step over all of them: the grad norm's
-reductions (``grad_clip_comm``), a mixture of experts' balance step and the step's stats. A job without pipeline parallel is
-one stage holding both ends (embedding and output layer), with no sends; its micro-batches are
+rank's stages and adds what the rank reduces once a step over all of them: a mixture of
+experts' balance step and the step's stats (which carry the grad norm's squares). A job
+without pipeline parallel is one stage holding both ends (embedding and output layer), with no sends; its micro-batches are
 ``trainer.grad_accum_steps``. How the stage's step passes (micro-batches, FSDP's gathers and
 gradient reductions) is ``step_passes.stage_passes``: the accumulation loop's, or a pipeline
 schedule's (pp > 1, or a pp = 1 job the planner prices as one stage of a pipeline,
@@ -80,16 +80,15 @@ follows what the runner builds (``parallelize.py``):
   root once (``fsdp_gathers``). TP and CP collectives run per micro-batch. Under float8
   all-gather each stage chunk gathers its float8 weights at one byte per element and
   precomputes their scales with one all-reduce of its own (``float8.after_update`` runs per
-  chunk). The grad norm's squares are summed over ``pp`` (one fp32). The first step also runs
+  chunk). The first step also runs
   torch's runtime shape inference (metadata sends and a forward that gathers FSDP's units
   once more), so a pipeline job counts a later one (``metrics.comm_step=1``, the default,
   counts step 2 there). The zero-bubble schedule's split backward (input, then weights)
   gathers and reduces as the others do: measured so with FSDP inside the stages.
-- Gradient clipping (``train/grad_clip.clip_grad_norm``; ``grad_clip_comm``): per mesh the
-  rank's gradients live on, the stack of their norms (master dtype) all-reduced once over
-  each dim they are sharded on (FSDP's shard group, ``tp`` when a trainable parameter is split
-  over it), or once over a flattened view joining those dims exactly: in a dense job's world
-  none joins ``tp``, so none does.
+- Gradient clipping (``train/grad_clip``): no collective of its own. Each rank's share of
+  the squared norm rides in the step's stats vector; a ``Partial`` gradient (the
+  sequence-parallel norms' without a data-parallel wrapper) is summed for its norm, counted
+  above with TP.
 - A mixture of experts (``moe_comm``): with its MoE layers' own FSDP units (expert parallel
   or TP: experts over ``efsdp``, router and shared experts over ``dp_shard_cp_tp``, HSDP
   adding ``dp_replicate``; ``param_sizes.unit_views``) gathered and reduced as the blocks are
@@ -99,8 +98,8 @@ follows what the runner builds (``parallelize.py``):
   step's all-reduce; an MoE block's TP collectives are attention's alone (the MoE runs on
   the rank's part of the sequence; without sequence parallel its output and its input's
   gradient are all-gathered).
-- The trainer's own all-reduce over all ranks: loss sum, non-finite flag and stop request in
-  one small fp32 vector (``step_stats.STATS_BYTES``).
+- The trainer's own all-reduce over all ranks: loss sum, non-finite flag, the grad norm's
+  squares and stop request in one small fp32 vector (``step_stats.STATS_BYTES``).
 
 What a step measures equals this count, per (kind, mesh dim), calls and bytes, in every layout
 ``tests/test_comm.py`` and ``tests/test_pipeline.py`` run (FSDP, HSDP, DDP, TP with and without
@@ -123,7 +122,6 @@ from collections import defaultdict
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed import float8
-from hsdp_runner.distributed.grad_clip_comm import clip_norm_comm
 from hsdp_runner.distributed.moe_comm import balance_bytes, routed_rows, stage_moe_comm
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import (
@@ -188,8 +186,8 @@ def analytic_comm(
     ParallelDims and, under pipeline parallel, the rank's ``pp`` coordinate. Sums the stage
     counter (``_stage``) over the rank's stages (``ParallelDims.local_stages``; without pipeline
     parallel the one stage, holding both ends), then adds the step's reductions over them
-    all: the grad norm's (``grad_clip_comm``, and over ``pp``), a mixture of experts' balance
-    step and the step's stats. ``pipeline_stage``: the job (pp = 1) is one stage of a
+    all: a mixture of experts' balance step and the step's stats (the grad norm's squares
+    among them). ``pipeline_stage``: the job (pp = 1) is one stage of a
     pipeline, as the planner prices a stage, with ``trainer.grad_accum_steps`` its
     micro-batches (``stage_passes``). ``routing``: under expert parallel, the rows the rank's
     token exchange sent and received in each forward dispatch of the counted step
@@ -205,10 +203,6 @@ def analytic_comm(
         model_cfg, dims, parallel, precision, trainer, stages, routing
     ).items():
         tally.add_bytes(key, nbytes)
-    for key, nbytes in clip_norm_comm(model_cfg, dims, parallel, precision, trainer.freeze, stages):
-        tally.add(key, 1, nbytes)
-    if dims.pp > 1:
-        tally.add("all_reduce/pp", 1, 4)  # the grad norm's squares, summed over the stages
     if dims.world_size > 1:
         tally.add(f"all_reduce/{world_dim(dims)}", 1, balance_bytes(model_cfg))
         tally.add(f"all_reduce/{world_dim(dims)}", 1, STATS_BYTES)

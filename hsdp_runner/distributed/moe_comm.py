@@ -20,8 +20,8 @@ input, an all-reduce by its tensor):
   over all ranks of every MoE layer's counts and loss value, (``n_experts`` + 1) fp32 each.
 
 The experts' weights' data-parallel collectives (their own FSDP units over ``efsdp`` and
-``dp_shard_cp_tp``) are ``param_sizes``' units; the clip's norms over their meshes
-``param_sizes.clip_groups``; the TP collectives of an MoE block (attention's, and without
+``dp_shard_cp_tp``) are ``param_sizes``' units (their gradient norm rides in the step's
+stats, ``train/grad_clip``); the TP collectives of an MoE block (attention's, and without
 sequence parallel the MoE's output all-gather and its input gradient's) ``comm_model``'s.
 """
 

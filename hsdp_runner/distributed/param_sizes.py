@@ -5,7 +5,7 @@ model without building a mesh: per FSDP unit, the elements of one rank's TP part
 parameter (dim 0 padded as FSDP pads it), trainable or frozen (``unit_sizes``), and the group
 each unit is sharded over (``unit_views``); the weights a float8 all-gather sends at one byte
 per element (``float8_weight_sizes``); the parameters a rank holds as it holds them
-(``local_params``: what ``grad_clip_comm`` groups the clipped gradients by) and those whose
+(``local_params``) and those whose
 gradients TP leaves partial (``tp_partial_grads``). Each takes an optional pipeline stage and
 then counts only the parameters ``models/base.keep_stage`` leaves there.
 

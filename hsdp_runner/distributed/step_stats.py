@@ -6,14 +6,15 @@ over all ranks:
 - ``[LOSS]``: the sum of the data-parallel ranks' losses. Each dp rank's loss is counted
   once: only the rank at coordinate 0 of every non-dp dim (``tp``) adds it, the others add 0
   (TP ranks hold the same loss), so the sum is the one a dp-only all-reduce gives.
-- ``[NONFINITE]``: how many ranks saw a NaN/inf local loss or grad norm. Computed on the
+- ``[NONFINITE]``: how many ranks saw a NaN/inf local loss or gradient. Computed on the
   device, so the optimizer can skip the step's update without the host looking.
+- ``[NORM_SQ]``: the squared total gradient norm: each rank adds its weighted share
+  (``train/grad_clip.local_norm_square``), so the clip needs no reduction of its own.
 - ``[SIGNALS + s]``: how many ranks had received signal ``s`` (their ``StopRequest``) when
   the step was issued. The agreed signal is the largest such ``s``.
 
-After the optimizer step the grad norm (the same on every rank) and the step's figures
-(``figures``: 0-dim device tensors, e.g. the experts' load, ``expert_balance``) are appended and
-the vector is copied to the host, on CUDA into pinned memory with ``non_blocking=True`` behind an event;
+After the optimizer step the step's figures (``figures``: 0-dim device tensors, e.g. the
+experts' load, ``expert_balance``) are appended and the vector is copied to the host, on CUDA into pinned memory with ``non_blocking=True`` behind an event;
 ``PendingStep.read()`` is the step's single host read and is done one step later, once the
 next step's forward and backward are queued. ``comm_model`` counts the all-reduce
 (``STATS_BYTES``).
@@ -27,24 +28,26 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS, NONFINITE, SIGNALS = 0, 1, 2
+LOSS, NONFINITE, NORM_SQ, SIGNALS = 0, 1, 2, 3
 STATS_FLOATS = SIGNALS + signal.NSIG
 STATS_BYTES = 4 * STATS_FLOATS
 
 
 def pack(
-    local_loss: torch.Tensor, grad_norm: torch.Tensor, counts_loss: bool, signum: int | None
+    local_loss: torch.Tensor, norm_square: torch.Tensor, counts_loss: bool, signum: int | None
 ) -> torch.Tensor:
     """Return this rank's fp32 stats vector (see the module docstring) on the loss's device.
 
-    ``local_loss``: the rank's loss (0-dim tensor); ``grad_norm``: the clipped-gradient norm
-    (0-dim, plain tensor); ``counts_loss``: whether this rank adds its loss; ``signum``: the
-    signal this rank received, if any. Queues device work only (no host read).
+    ``local_loss``: the rank's loss (0-dim tensor); ``norm_square``: the rank's share of the
+    squared gradient norm (0-dim fp32, ``grad_clip.local_norm_square``); ``counts_loss``:
+    whether this rank adds its loss; ``signum``: the signal this rank received, if any.
+    Queues device work only (no host read).
     """
     stats = torch.zeros(STATS_FLOATS, device=local_loss.device)
     if counts_loss:
         stats[LOSS] = local_loss.float()
-    stats[NONFINITE] = (~(torch.isfinite(local_loss) & torch.isfinite(grad_norm))).float()
+    stats[NORM_SQ] = norm_square
+    stats[NONFINITE] = (~(torch.isfinite(local_loss) & torch.isfinite(norm_square))).float()
     if signum:
         stats[SIGNALS + signum] = 1.0
     return stats
@@ -79,7 +82,7 @@ def _span(start, end) -> float:
 class PendingStep:
     """A step whose results are queued but not read yet.
 
-    Takes the step (0-based), its LR, the all-reduced stats vector, its grad norm, the four
+    Takes the step (0-based), its LR, the all-reduced stats vector (its grad norm included), the four
     ``mark``s around its two halves (forward/backward/all-reduce, then the optimizer), the
     comm counter that watched it (or None), the number of ranks whose losses the stats sum
     and the step's ``figures`` ({name: 0-dim device tensor}, read with the rest). Starts the
@@ -91,7 +94,6 @@ class PendingStep:
         step: int,
         lr: float,
         stats: torch.Tensor,
-        grad_norm: torch.Tensor,
         marks: list,
         counter,
         dp: int,
@@ -101,7 +103,7 @@ class PendingStep:
         self.step, self.lr, self.marks, self.counter, self.dp = step, lr, marks, counter, dp
         self.names = list(figures or {})
         extra = [figures[name].reshape(1).float() for name in self.names]
-        values = torch.cat([stats, grad_norm.reshape(1).float(), *extra])
+        values = torch.cat([stats, *extra])
         self.ready = None
         if values.device.type == "cuda":
             # non_blocking to the CPU allocates the destination in pinned memory.
@@ -118,10 +120,10 @@ class PendingStep:
         signals = [s for s, count in enumerate(v[SIGNALS : SIGNALS + signal.NSIG]) if count > 0]
         return StepValues(
             loss=v[LOSS] / self.dp,
-            grad_norm=v[STATS_FLOATS],
+            grad_norm=v[NORM_SQ] ** 0.5,
             nonfinite=v[NONFINITE] > 0,
             signum=max(signals) if signals else None,
-            figures=dict(zip(self.names, v[STATS_FLOATS + 1 :])),
+            figures=dict(zip(self.names, v[STATS_FLOATS:])),
         )
 
     def seconds(self) -> float:

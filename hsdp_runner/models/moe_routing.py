@@ -13,6 +13,8 @@ load-balance statistics, read top to bottom in the order a token meets them.
   sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
   of ``torch._grouped_mm``) or, as the reference, in a loop over experts
   (``model.grouped_mm``).
+- ``WeightedCombine``: each token's expert outputs weighed by the router and summed in fp32,
+  as one autograd function that saves the outputs in their own dtype (no fp32 copy of them).
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
   reads and sets: ``Router.tokens_per_expert`` (counts of the step's forwards),
   ``MoE.aux_loss_sum`` (the sequence-wise auxiliary loss' value), ``MoE.sequence_sum`` (sums
@@ -180,6 +182,46 @@ class AuxLossScaler(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
+class WeightedCombine(torch.autograd.Function):
+    """Each token's routed outputs, weighed and summed: ``out[t] = sum_i weight[i] *
+    routed[i]`` over the copies ``i`` of token ``t`` (``token[i] == t``), products and sum in
+    fp32, returned in ``dtype``. ``apply(routed (M, dim), weight (M,) fp32, token (M,) int64,
+    n_tokens, dtype)`` -> (n_tokens, dim).
+
+    Our own function, not ``zeros.index_add(0, token, routed.float() * weight)``: autograd
+    would save two fp32 copies of every routed row (the product's input for the weight's
+    gradient, and index_add's source), 16 bytes an element against routed's own 2 under bf16,
+    and backward would write and read more fp32 copies. This one saves what backward reads,
+    in the dtype it came in: ``routed`` (the experts' outputs, which nothing else keeps),
+    ``weight`` and ``token``. Backward: ``grad_routed[i] = weight[i] * grad_out[token[i]]``
+    computed in fp32 and rounded once to routed's dtype, ``grad_weight[i] = <grad_out[token[i]],
+    routed[i]>`` with fp32 products and sum: the same arithmetic as the autograd of the
+    expression above, without its fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, routed, weight, token, n_tokens: int, dtype: torch.dtype):
+        ctx.save_for_backward(routed, weight, token)
+        # routed x fp32 weight promotes to fp32: exact products of bf16 rows, summed in fp32
+        # (in float64 where the weights are: the gradient check).
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        out = torch.zeros((n_tokens, routed.shape[1]), dtype=acc, device=routed.device)
+        return out.index_add_(0, token, routed * weight[:, None]).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        routed, weight, token = ctx.saved_tensors
+        grad = grad_out.index_select(0, token)  # (M, dim): each copy's token's gradient
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # addcmul with an fp32 operand computes in fp32 (type promotion): the products of
+            # the two rows without an fp32 copy of either.
+            zero = torch.zeros((1, 1), dtype=weight.dtype, device=grad.device)
+            grad_weight = torch.addcmul(zero, grad, routed).sum(dim=-1)
+        # In place with an fp32 factor: computed in fp32, rounded once to grad's dtype.
+        grad_routed = grad.mul_(weight[:, None]).to(routed.dtype)
+        return grad_routed, grad_weight, None, None, None
+
+
 def sum_over_nothing(counts: torch.Tensor) -> torch.Tensor:
     """``MoE.sequence_sum`` of one process (each sequence whole on it): ``counts`` itself."""
     return counts
@@ -230,13 +272,12 @@ class MoE(nn.Module):
         # Each token's k copies, sorted (stably) by expert: the order the experts read.
         order = chosen.flatten().argsort(stable=True)
         counts = expert_counts(chosen, self.n_experts)
-        local, local_counts, state = self.exchange.dispatch(tokens[order // self.top_k], counts)
+        # One index tensor for the gather and the combine: autograd keeps it once for both.
+        token = order // self.top_k
+        local, local_counts, state = self.exchange.dispatch(tokens[token], counts)
         routed = self.exchange.combine(self.experts(local, local_counts), state)
-        # Weighted after the experts and summed per token in fp32.
-        routed = routed.float() * weights.flatten()[order, None]
-        out = torch.zeros(tokens.shape, dtype=routed.dtype, device=x.device)
-        out = out.index_add(0, order // self.top_k, routed)
-        out = out.to(x.dtype)
+        # Weighted after the experts and summed per token in fp32, returned in x's dtype.
+        out = WeightedCombine.apply(routed, weights.flatten()[order], token, len(tokens), x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(bsz, seq, dim)

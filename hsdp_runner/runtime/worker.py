@@ -73,7 +73,7 @@ def setup_logging(output_dir: Path, rank: int) -> None:
         handler.setFormatter(fmt)
         root.addHandler(handler)
     root.setLevel(logging.INFO)
-    # clip_grad_norm_ over a 3-D mesh warns on every step that two all-reduces are used.
+    # DTensor warns on every redistribution over a multi-dim mesh that several all-reduces run.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 

@@ -9,8 +9,8 @@ training loop.
 """
 
 # Reads and writes of each trainable shard element at the end of a step (the trainer's
-# clipping, then its optimizer step): ``clip_grad_norm`` reads every gradient for the norm,
-# then reads and writes it to scale it (3); fused AdamW reads the parameter, its gradient and
-# both moments and writes the parameter and the moments (7). Gradients and moments have the
-# parameter's (master) dtype.
+# clipping, then its optimizer step): ``local_norm_square`` reads every gradient for the norm,
+# then ``scale_to_norm`` reads and writes it (3); fused AdamW reads the parameter, its gradient
+# and both moments and writes the parameter and the moments (7). Gradients and moments have
+# the parameter's (master) dtype.
 STEP_END_ACCESSES = 3 + 7

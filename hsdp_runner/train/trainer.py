@@ -34,7 +34,7 @@ from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
-from hsdp_runner.train.grad_clip import clip_grad_norm
+from hsdp_runner.train.grad_clip import local_norm_square, scale_to_norm
 from hsdp_runner.train.hf_batches import HFBatches, LaneLoader
 from hsdp_runner.train.loss import loss_context
 from hsdp_runner.train.sinks import Tracker
@@ -173,20 +173,22 @@ class Trainer:
         self, step: int, data: Prefetcher | LaneLoader, signum: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue step ``step``'s forward and backward (the schedule's micro-batches), the
-        clipping over every stage's gradients and the stats all-reduce.
+        stats all-reduce (which sums the gradient norm's squares too) and the clipping over
+        every stage's gradients.
 
-        Returns (all-reduced stats vector, grad norm), both on the device; nothing is read.
+        Returns the all-reduced stats vector, on the device; nothing is read.
         """
         poison = inject_fault(self.fault, self.rank, step + 1)
         waited = time.perf_counter()
         inputs, targets = data.get(step)
         self._data_wait[step] = time.perf_counter() - waited
         loss = self.schedule.step(inputs, targets, poison)
-        params = [p for part in self.parts for p in part.parameters() if p.grad is not None]
-        grad_norm = clip_grad_norm(params, self.grad_clip, self.schedule.pp_group)
-        stats = step_stats.pack(loss, grad_norm, self.counts_loss, signum)
+        grads = [p.grad for part in self.parts for p in part.parameters() if p.grad is not None]
+        square = local_norm_square(grads, self.dims.world_size // self.dims.pp)
+        stats = step_stats.pack(loss, square, self.counts_loss, signum)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        return stats, grad_norm
+        scale_to_norm(grads, stats[step_stats.NORM_SQ].sqrt(), self.grad_clip)
+        return stats
 
     def _update(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
         """Queue the optimizer step, skipped on the device when any rank saw a non-finite
@@ -273,7 +275,7 @@ class Trainer:
                     loss_context(self.loss_parallel),
                     recording_routing(self.parts, counter is not None) as routing,
                 ):
-                    stats, grad_norm = self._forward_backward(
+                    stats = self._forward_backward(
                         step, data, stop.signum if stop is not None else None
                     )
                 if routing is not None:
@@ -289,7 +291,7 @@ class Trainer:
                     figures = self._update(stats)
                 marks.append(step_stats.mark(self.device))
                 pending = step_stats.PendingStep(
-                    step, lr, stats, grad_norm, marks, counter, self.dims.dp_cp, figures
+                    step, lr, stats, marks, counter, self.dims.dp_cp, figures
                 )
             if pending is not None:
                 self._validate(pending.step + 1)
