@@ -50,15 +50,16 @@ class TokenExchange:
     ``TokenExchange`` protocol): this rank holds local experts ``[r L, (r+1) L)`` of ep rank
     r, L = n_experts / ep."""
 
+    # Set under compiled blocks (``keep_out_of_compiled_code``): the rows that arrived are
+    # marked a dynamic dim for the compiled code they enter.
+    rows_dynamic = False
+
     def __init__(self, ep_mesh):
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
         # While a list (``recording_routing``): (rows sent, rows received) of each dispatch of
         # a forward, recomputations left out; what the comm model's token-exchange bytes read.
         self.routing: list[tuple[int, int]] | None = None
-        # Under compiled blocks (``keep_out_of_compiled_code``): the rows that arrived are
-        # marked a dynamic dim for the compiled code they enter.
-        self.rows_dynamic = False
 
     def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
         """Send ``tokens`` (N, dim: this rank's routed copies sorted by global expert) to the
