@@ -8,8 +8,8 @@ backward per token, and what a whole block costs as the planner measures it.
   ``ffn_norm`` over ``dim``; ``q_norm`` / ``k_norm`` over each head's channels of q and k
   where the model has them; RoPE on q and on k), run on a few real CPU tokens in the
   precision's compute dtype under ``saved_tensors_hooks``: the bytes of every storage autograd
-  keeps, once each, the layer's weight and the RoPE tables aside (they are not activations),
-  per token.
+  keeps, once each (the layer's input too where it keeps it), its weight and the RoPE tables
+  aside (they are not activations), per token, and how much of it is fp32.
 - **Per block**: the planner's memory child (``planner/memory.py``, FSDP over ``--world``
   ranks, one ``--seq``-token sequence, no AC) at one and at two blocks, the growth of the
   activations at the end of forward per token; and ``precision_cost.traffic`` (the work
@@ -44,46 +44,52 @@ from hsdp_runner.models.params import torch_dtype  # noqa: E402
 from hsdp_runner.planner import memory, precision_cost  # noqa: E402
 
 
-def saved_bytes(fn, x: torch.Tensor, skip: list[torch.Tensor]) -> int:
-    """Bytes of the storages autograd keeps for backward while ``fn(x)`` runs, each once,
-    those of ``skip`` (weights, tables) aside; backward runs once on them."""
+def saved_bytes(fn, x: torch.Tensor, skip: list[torch.Tensor]) -> tuple[int, int]:
+    """(all, fp32) bytes of the storages autograd keeps for backward while ``fn(x)`` runs,
+    each once, those of ``skip`` (weights, tables) aside; backward runs once on them."""
     ignore = {t.untyped_storage().data_ptr() for t in skip}
     kept = {}
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in ignore:
-            kept[ptr] = t.untyped_storage().nbytes()
+            kept[ptr] = (t.untyped_storage().nbytes(), t.dtype == torch.float32)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         out = fn(x)
     out.float().sum().backward()
-    return sum(kept.values())
+    return sum(n for n, _ in kept.values()), sum(n for n, fp32 in kept.values() if fp32)
 
 
 def layer_figures(model_cfg, dtype: torch.dtype, tokens: int = 16) -> dict[str, float]:
-    """{layer: saved bytes per token} of one block of ``model_cfg`` in ``dtype``."""
+    """{layer: (saved bytes, of which fp32) per token} of one block of ``model_cfg`` in
+    ``dtype``."""
     dim = model_cfg.dim
     head_dim = getattr(model_cfg, "head_dim", None) or dim // model_cfg.n_heads
     heads, kv_heads = model_cfg.n_heads, model_cfg.n_kv_heads or model_cfg.n_heads
     cos, sin = common.rope_tables(head_dim, tokens, model_cfg.rope_theta)
     out = {}
 
-    def norm_bytes(width: int, shape: tuple) -> float:
+    def norm_bytes(width: int, shape: tuple) -> tuple[float, float]:
         norm = common.RMSNorm(width, model_cfg.norm_eps).to(dtype)
         x = torch.randn(shape, dtype=dtype, requires_grad=True)
-        return saved_bytes(norm, x, [x, norm.weight]) / tokens
+        return tuple(n / tokens for n in saved_bytes(norm, x, [norm.weight]))
 
-    def rope_bytes(n: int) -> float:
+    def rope_bytes(n: int) -> tuple[float, float]:
         x = torch.randn(1, tokens, n, head_dim, dtype=dtype, requires_grad=True)
-        return saved_bytes(lambda t: common.apply_rope(t, cos, sin), x, [x, cos, sin]) / tokens
+        rope = lambda t: common.apply_rope(t, cos, sin)  # noqa: E731
+        return tuple(n / tokens for n in saved_bytes(rope, x, [cos, sin]))
 
-    out["attention_norm + ffn_norm"] = 2 * norm_bytes(dim, (1, tokens, dim))
+    def add(a: tuple, b: tuple) -> tuple:
+        return tuple(i + j for i, j in zip(a, b))
+
+    both = norm_bytes(dim, (1, tokens, dim))
+    out["attention_norm + ffn_norm"] = add(both, both)
     if getattr(model_cfg, "qk_norm", False):
         out["q_norm"] = norm_bytes(head_dim, (1, tokens, heads, head_dim))
         out["k_norm"] = norm_bytes(head_dim, (1, tokens, kv_heads, head_dim))
-    out["rope (q and k)"] = rope_bytes(heads) + rope_bytes(kv_heads)
+    out["rope (q and k)"] = add(rope_bytes(heads), rope_bytes(kv_heads))
     return out
 
 
@@ -147,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             for model in args.model:
                 f = block_figures(model, args.precision, args.seq, args.world)
                 print(f"{model}, {args.precision}, per token and block (FSDP {args.world}):")
-                for layer, size in f["layers"].items():
-                    print(f"  {layer}: saves {size:,.0f} bytes ({size / 1024:.1f} KiB)")
+                for layer, (size, fp32) in f["layers"].items():
+                    print(f"  {layer}: saves {size:,.0f} bytes, {fp32:,.0f} of them fp32")
                 print(f"  block, planner's saved activations: {f['act']:,.0f} bytes")
                 for suffix, name in (("", "eager"), ("_compiled", "compiled")):
                     fwd, bwd = f[f"forward{suffix}"], f[f"backward{suffix}"]
