@@ -78,6 +78,12 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the norms and RoPE compute in for input ``x``: fp32 for bf16, fp16 and fp32
+    (float64 stays float64, so gradcheck can check them)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``(x * rsqrt(mean(x^2) + eps)).type_as(x) * weight`` over the last dim, the norm in fp32,
     keeping for backward only ``x`` (in its own dtype), the fp32 ``rstd`` of each row and the
@@ -96,7 +102,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The normalised ``x`` times ``weight`` (class docstring)."""
-        xf = x.float()
+        xf = x.to(compute_dtype(x))
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return (xf * rstd).type_as(x) * weight
@@ -105,15 +111,16 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         """Gradients of ``x`` and ``weight`` in fp32 from the saved ``x`` and ``rstd``."""
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
+        compute = compute_dtype(x)
+        normed = x.to(compute) * rstd
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_normed = grad_out.float() * weight.float()
+            grad_normed = grad_out.to(compute) * weight.to(compute)
             dot = (grad_normed * normed).mean(-1, keepdim=True)
             grad_x = ((grad_normed - normed * dot) * rstd).to(x.dtype)
         if ctx.needs_input_grad[1]:
             rows = tuple(range(x.dim() - 1))
-            grad_w = (grad_out.float() * normed.type_as(x)).sum(rows).to(weight.dtype)
+            grad_w = (grad_out.to(compute) * normed.type_as(x)).sum(rows).to(weight.dtype)
         return grad_x, grad_w, None
 
 
@@ -178,9 +185,11 @@ class RopeFunction(torch.autograd.Function):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles
-    (``RopeFunction``): in fp32, rounded to x's dtype. The tables are taken in fp32 whatever
-    their dtype (a model cast whole to bf16 casts its buffers too)."""
-    cos, sin = cos[None, : x.shape[1], None, :].float(), sin[None, : x.shape[1], None, :].float()
+    (``RopeFunction``): in fp32 (``compute_dtype``), rounded to x's dtype. The tables are taken
+    in fp32 whatever their dtype (a model cast whole to bf16 casts its buffers too)."""
+    compute = compute_dtype(x)
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    cos, sin = cos.to(compute), sin.to(compute)
     return RopeFunction.apply(x, cos, sin)
 
 
