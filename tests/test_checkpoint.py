@@ -232,8 +232,11 @@ def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
 def test_moe_checkpoint_resumes_exactly_under_ep_and_reshards_across_ep_degrees(tmp_path):
     """moe_tiny saved under ep 4 (fsdp, dp_shard 4: each rank holds 2 of the 8 experts) resumes
     under ep 4 with the uninterrupted run's losses, bit for bit; then each job's checkpoint
-    continues under the next layout with the reference's losses (fp32, 1e-5 rel): ep 2 x tp 2
-    (the experts sharded over the tp ranks, FSDP over dp_shard), ep 1 (fsdp 2), one process.
+    continues under another layout with the reference's losses (fp32, 1e-5 rel), along two
+    chains from there: ep 2 x tp 2 (the experts sharded over the tp ranks, FSDP over
+    dp_shard) -> ep 1 (fsdp 2) -> one process, and HSDP x ep 2 (dp_replicate 2 x dp_shard 2:
+    the experts' shards replicated over dp_replicate) -> pp 2 x ep 2 (pp_fsdp: each stage
+    holds one MoE block, its experts over the stage's two ranks) -> one process.
 
     A fast loss-free bias (``bias_update_speed``) makes the routing depend on the restored
     ``expert_bias`` buffer: each hop starts after an odd number of updates of +-speed, where
@@ -247,16 +250,23 @@ def test_moe_checkpoint_resumes_exactly_under_ep_and_reshards_across_ep_degrees(
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "ep4")
-    source = tmp_path / "ep4" / "checkpoints" / "step-1"
-    chain = (
-        ("ep4_resumed", ["parallel=fsdp", "parallel.ep=4"], 2),
-        ("ep2_tp2", ["parallel=fsdp_tp", "parallel.ep=2"], 4),
-        ("ep1_fsdp2", ["parallel=fsdp", "parallel.dp_shard=2"], 6),
-        ("single", ["parallel=single"], 8),
+    hops = (  # (name, layout, the job whose checkpoint of the step before `first` it loads, first)
+        ("ep4_resumed", ["parallel=fsdp", "parallel.ep=4"], "ep4", 2),
+        ("ep2_tp2", ["parallel=fsdp_tp", "parallel.ep=2"], "ep4_resumed", 4),
+        ("ep1_fsdp2", ["parallel=fsdp", "parallel.dp_shard=2"], "ep2_tp2", 6),
+        ("single", ["parallel=single"], "ep1_fsdp2", 8),
+        ("hsdp_ep2", ["parallel=hsdp", "parallel.ep=2"], "ep4_resumed", 4),
+        ("pp_ep2", ["parallel=pp_fsdp", "parallel.ep=2"], "hsdp_ep2", 6),
+        ("single_after_pp", ["parallel=single"], "pp_ep2", 8),
     )
-    for name, layout, first in chain:
+    for name, layout, loads, first in hops:
+        source = tmp_path / loads / "checkpoints" / f"step-{first - 1}"
         biases = _expert_biases(source)
         assert len(biases) == 2 and all(b.count_nonzero() for b in biases.values()), source
+        if loads != "ep4":  # saved by a hop: its bias as the reference's at that step
+            reference_biases = _expert_biases(tmp_path / "ep4" / "checkpoints" / source.name)
+            for key, bias in biases.items():
+                assert torch.equal(bias, reference_biases[key]), (loads, key)
         result = run_forked(
             tmp_path / name,
             *job,
@@ -271,11 +281,6 @@ def test_moe_checkpoint_resumes_exactly_under_ep_and_reshards_across_ep_degrees(
             assert [r["loss"] for r in records] == [r["loss"] for r in reference[1:]]
         for r in records:  # the later steps check the optimizer state too
             assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), name
-        source = tmp_path / name / "checkpoints" / f"step-{first + 1}"
-        if name != "single":
-            reference_biases = _expert_biases(tmp_path / "ep4" / "checkpoints" / source.name)
-            for key, bias in _expert_biases(source).items():
-                assert torch.equal(bias, reference_biases[key]), (name, key)
 
 
 def _expert_biases(checkpoint) -> dict:

@@ -390,37 +390,61 @@ EP_CASES = {
     "grad_accum_steps=2": ["parallel=fsdp", "parallel.ep=2", "trainer.grad_accum_steps=2"],
     # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
     # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only
-    # (expert_parallel.compile_refusal). Three steps: the first compiles (20 of the pool's
-    # 60 s), each later one meets new token counts and recompiles (10 s more for six).
+    # (expert_parallel.compile_refusal). The first step compiles (about 20 of the pool's
+    # 60 s); the later ones meet new token counts as a dynamic dim, compiling nothing more.
     "compile": [
         "parallel=fsdp",
         "parallel.ep=2",
         "parallel.compile=true",
         "parallel.compile_backend=aot_eager",
         "model.grouped_mm=false",
-        "trainer.steps=3",
     ],
 }
 
 
 def _ep_cases(configs: dict) -> dict:
     """Train each ``{name: typed config}`` case on these ranks; return {name: (step records,
-    ParallelDims.describe(), {MoE block index: its expert_bias after training})}."""
+    ParallelDims.describe(), {MoE block index: its expert_bias after training}, what Dynamo
+    compiled: the graphs it had made after each step and the reason of every recompile)}."""
     from rank_job import rank_trainer
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
     from hsdp_runner.distributed.expert_parallel import moe_modules
 
     out = {}
     for name, cfg in configs.items():
         trainer, dims = rank_trainer(cfg)
-        records = trainer.fit(0)
+        clear_compilation_metrics()
+        graphs = _GraphCount()
+        records = trainer.fit(0, after_step=graphs.after_step)
+        compiled = {
+            "graphs_after_step": graphs.seen,
+            "recompiles": [
+                m.recompile_reason for m in get_compilation_metrics() if m.recompile_reason
+            ],
+        }
         bias = {
             layer: moe.router.expert_bias.clone()
             for part in trainer.parts
             for layer, moe in moe_modules(part).items()
         }
-        out[name] = (records, dims.describe(), bias)
+        out[name] = (records, dims.describe(), bias, compiled)
     return out
+
+
+class _GraphCount:
+    """Graphs Dynamo made since this was created, as each step is reported (``after_step``;
+    step s is reported once step s + 1's forward and backward ran)."""
+
+    def __init__(self):
+        from torch._dynamo.utils import counters
+
+        self.stats, self.seen = counters["stats"], []
+        self.start = self.stats["unique_graphs"]
+
+    def after_step(self, step: int) -> None:
+        """Note the graphs made until step ``step`` is reported."""
+        self.seen.append(self.stats["unique_graphs"] - self.start)
 
 
 @pytest.fixture(scope="module")
@@ -442,14 +466,31 @@ def test_expert_parallel_matches_single_process_within_1e5(parity, ep_runs, case
     loss) as one process computes them."""
     out, _, _ = parity
     base, _ = read_job(out / "single")
-    records, facts, _ = ep_runs[0][case]
+    records, facts = ep_runs[0][case][:2]
     assert facts["ep"] > 1 and facts["layout"].endswith("_ep"), facts
-    assert len(records) == (3 if case == "compile" else STEPS)
+    assert len(records) == STEPS
     assert max(rel_diffs(records, base)) <= 1e-5, case
     assert max(rel_diffs(records, base, "grad_norm")) <= 1e-5, case
     assert max(rel_diffs(records, base, "moe/aux_loss")) <= 1e-5, case
     for key in ("moe/load_max_over_mean", "moe/load_max_over_mean/layer_2"):
         assert [r[key] for r in records] == [r[key] for r in base[: len(records)]], (case, key)
+
+
+@pytest.mark.multiprocess
+def test_compiled_expert_parallel_compiles_nothing_after_the_first_steps(ep_runs):
+    """Compiled blocks under ep 2: each step's tokens arrive in new numbers (the all-to-all's
+    uneven splits), yet the graphs Dynamo made by the time step 1 is reported (after step 2's
+    forward and backward) are all it makes in the run, and no frame is compiled again for a
+    size (the exchange runs between the compiled parts and hands the arrived rows over as a
+    dynamic dim). The one recompile on each rank is the MoE blocks' forward after the dense
+    block's: one code, guarded on ``dense``."""
+    for rank, result in ep_runs.items():
+        compiled = result["compile"][3]
+        graphs = compiled["graphs_after_step"]
+        assert len(graphs) == STEPS and graphs[0] > 0, (rank, graphs)
+        assert graphs == graphs[:1] * STEPS, (rank, graphs)
+        assert len(compiled["recompiles"]) == 1, (rank, compiled["recompiles"])
+        assert "self.dense" in compiled["recompiles"][0], (rank, compiled["recompiles"])
 
 
 @pytest.mark.multiprocess

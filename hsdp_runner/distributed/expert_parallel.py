@@ -50,6 +50,10 @@ class TokenExchange:
     ``TokenExchange`` protocol): this rank holds local experts ``[r L, (r+1) L)`` of ep rank
     r, L = n_experts / ep."""
 
+    # Set under compiled blocks (``keep_out_of_compiled_code``): the rows that arrived are
+    # marked a dynamic dim for the compiled code they enter.
+    rows_dynamic = False
+
     def __init__(self, ep_mesh):
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
@@ -73,7 +77,11 @@ class TokenExchange:
         order = _by_local_expert(received, sum(splits[1]))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return arrived.index_select(0, order), received.sum(0), (inverse, splits)
+        local = arrived.index_select(0, order)
+        if self.rows_dynamic:
+            for rows in (local, inverse):
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
+        return local, received.sum(0), (inverse, splits)
 
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sent, received): (ep, L) int64 rows this rank sends to [destination rank, its local
@@ -169,14 +177,16 @@ def apply_expert_parallel(
     world: WorldMesh,
     mp_policy,
     reshard_after_forward: bool,
+    compiled: bool = False,
 ) -> None:
     """Set the MoE hooks of ``model`` (a stage, on the meta device) and shard its experts over
     the ``ep``, ``efsdp`` and ``dp_shard_cp_tp`` meshes of ``world`` (see the module
     docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``) and
-    ``reshard_after_forward``. Nothing to do for a dense model. The MoE's own ``fully_shard``
-    wraps come only where a rank's MoE gradients are pieces that the dense blocks' wrapping
-    would not sum (tp > 1) or its experts differ from its peers' (ep > 1); otherwise they stay
-    in their block's unit."""
+    ``reshard_after_forward``; with ``compiled`` (``parallel.compile``: the blocks were
+    compiled), ``keep_out_of_compiled_code``. Nothing to do for a dense model. The MoE's own
+    ``fully_shard`` wraps come only where a rank's MoE gradients are pieces that the dense
+    blocks' wrapping would not sum (tp > 1) or its experts differ from its peers' (ep > 1);
+    otherwise they stay in their block's unit."""
     moes = moe_modules(model)
     if not moes:
         return
@@ -187,13 +197,49 @@ def apply_expert_parallel(
             moe.exchange = exchange
         if sequence_sum is not None:
             moe.sequence_sum = sequence_sum
-    if dims.ep == 1 and dims.tp == 1:
-        return
-    for moe in moes.values():
-        if dims.ep > 1:
-            _distribute_experts(moe.experts, world["ep"])
-        _shard(moe.experts, world, dims, "efsdp", mp_policy, reshard_after_forward)
-        _shard(moe, world, dims, "dp_shard_cp_tp", mp_policy, reshard_after_forward)
+    if dims.ep > 1 or dims.tp > 1:
+        for moe in moes.values():
+            if dims.ep > 1:
+                _distribute_experts(moe.experts, world["ep"])
+            _shard(moe.experts, world, dims, "efsdp", mp_policy, reshard_after_forward)
+            _shard(moe, world, dims, "dp_shard_cp_tp", mp_policy, reshard_after_forward)
+    if compiled:
+        keep_out_of_compiled_code(list(moes.values()), exchange)
+
+
+def keep_out_of_compiled_code(moes: list[nn.Module], exchange: TokenExchange | None) -> None:
+    """Compiled blocks with experts: what depends on the step's routing as host values runs
+    eagerly between the compiled parts, and the row counts it hands them are dynamic dims, so
+    a block compiles once however the tokens are routed (docs/moe.md, "Compile").
+
+    - ``exchange`` (ep > 1): ``dispatch`` and ``combine`` never compiled (their split sizes
+      are read on the host each step; a compiled all-to-all would guard on them), the arrived
+      rows (M, a new count every step) and their order marked dynamic on dim 0;
+    - the experts' inputs and outputs (ep > 1) marked again by a forward pre-hook and hook
+      registered after FSDP's: FSDP's pre-forward hook hands the experts new tensors (its
+      post-backward autograd function), which lose the exchange's marking;
+    - the per-expert loop (``model.grouped_mm=false``, the reference) never compiled: it
+      splits the rows by counts read on the host, and Dynamo specialises a count of 0 or 1,
+      so a compiled loop recompiles whenever an expert gets 0 or 1 rows.
+
+    Called after the MoE's ``fully_shard`` wraps (the hooks' order); ``torch._dynamo`` is
+    imported only here, by a compiled job."""
+    mark_rows = torch.compiler.disable(_rows_dynamic)
+    for moe in moes:
+        moe.experts._loop = torch.compiler.disable(moe.experts._loop)
+        if exchange is not None:
+            moe.experts.register_forward_pre_hook(mark_rows)
+            moe.experts.register_forward_hook(mark_rows)
+    if exchange is not None:
+        exchange.rows_dynamic = True
+        exchange.dispatch = torch.compiler.disable(exchange.dispatch)
+        exchange.combine = torch.compiler.disable(exchange.combine)
+
+
+def _rows_dynamic(experts: nn.Module, args: tuple, output: torch.Tensor | None = None) -> None:
+    """Forward pre-hook (``args[0]``: the rows the experts receive) and hook (``output``: the
+    rows they return) of the experts: mark dim 0 dynamic for the compiled code around them."""
+    torch._dynamo.maybe_mark_dynamic(args[0] if output is None else output, 0)
 
 
 def _distribute_experts(experts: nn.Module, ep_mesh) -> None:

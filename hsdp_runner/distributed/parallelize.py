@@ -311,7 +311,12 @@ def parallelize(
     if parallel.compile:
         apply_compile(model, dims.tp, parallel.compile_backend)
     apply_expert_parallel(
-        model, dims, world, mixed_precision_policy(precision), parallel.reshard_after_forward
+        model,
+        dims,
+        world,
+        mixed_precision_policy(precision),
+        parallel.reshard_after_forward,
+        compiled=parallel.compile,
     )
     apply_data_parallel(
         model, dims, world, precision, parallel.reshard_after_forward, parallel.ddp_impl

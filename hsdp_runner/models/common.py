@@ -78,8 +78,55 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the norms and RoPE compute in for input ``x``: fp32 for bf16, fp16 and fp32
+    (float64 stays float64, so gradcheck can check them)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``(x * rsqrt(mean(x^2) + eps)).type_as(x) * weight`` over the last dim, the norm in fp32,
+    keeping for backward only ``x`` (in its own dtype), the fp32 ``rstd`` of each row and the
+    weight.
+
+    Why not autograd over torch ops: that expression (and torch 2.13's ``F.rms_norm`` on CPU
+    and meta, a composite of the same ops) saves two fp32 copies of ``x`` and the rounded
+    normalised value, 10 bytes an element under bf16 against 2 here. Why not
+    ``F.rms_norm`` either: it multiplies by the weight before rounding, so bf16 values would
+    change. The forward runs the same ops as the expression (bit-identical values); backward
+    recomputes the normalised value from ``x`` and ``rstd`` and computes in fp32, rounding
+    each gradient once to its input's dtype. DTensor inputs (sequence-parallel or per-head
+    norms under TP) run through the same ops; the weight's gradient, a sum over the rows, is
+    then ``Partial`` over the mesh, as autograd's was."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The normalised ``x`` times ``weight`` (class docstring)."""
+        xf = x.to(compute_dtype(x))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        """Gradients of ``x`` and ``weight`` in fp32 from the saved ``x`` and ``rstd``."""
+        x, weight, rstd = ctx.saved_tensors
+        compute = compute_dtype(x)
+        normed = x.to(compute) * rstd
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad_out.to(compute) * weight.to(compute)
+            dot = (grad_normed * normed).mean(-1, keepdim=True)
+            grad_x = ((grad_normed - normed * dot) * rstd).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            rows = tuple(range(x.dim() - 1))
+            grad_w = (grad_out.to(compute) * normed.type_as(x)).sum(rows).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in fp32, times a learned weight."""
+    """Root-mean-square norm over the last dim, computed in fp32, rounded to the input's
+    dtype, times a learned weight (``RMSNormFunction``: saves ``x`` and a per-row fp32 rstd)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -87,8 +134,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -101,12 +147,50 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Each channel pair (2i, 2i+1) of ``x`` rotated by the angle of (cos, sin), in fp32 (the
+    tables' dtype: ``x``'s halves are promoted element by element, no fp32 copy of ``x``),
+    rounded to ``x``'s dtype."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    return torch.stack((first.to(x.dtype), second.to(x.dtype)), dim=-1).flatten(-2)
+
+
+class RopeFunction(torch.autograd.Function):
+    """RoPE's rotation, saving no activation: it is linear in ``x``, so the gradient is the
+    gradient rotated back (by -angle), from the tables alone.
+
+    Why not autograd over torch ops: it saved nothing per token either (each product saves
+    its table), but its forward copied ``x`` to fp32 first and its backward formed the fp32
+    gradient, a negation and a stack of fp32 halves; here the products read ``x`` (and in
+    backward the gradient) in their own dtype and round each half before stacking. The
+    values are the same: bf16 to fp32 is exact, so every product and sum is the fp32 one of
+    the expression, rounded once to the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated (``_rotate``)."""
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """The gradient rotated back: (g1 cos + g2 sin, g2 cos - g1 sin) per pair."""
+        cos, sin = ctx.saved_tensors
+        g1, g2 = grad.unflatten(-1, (-1, 2)).unbind(-1)
+        first, second = g1 * cos + g2 * sin, g2 * cos - g1 * sin
+        grad_x = torch.stack((first.to(grad.dtype), second.to(grad.dtype)), dim=-1)
+        return grad_x.flatten(-2), None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles
+    (``RopeFunction``): in fp32 (``compute_dtype``), rounded to x's dtype. The tables are taken
+    in fp32 whatever their dtype (a model cast whole to bf16 casts its buffers too)."""
+    compute = compute_dtype(x)
     cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return rotated.type_as(x)
+    cos, sin = cos.to(compute), sin.to(compute)
+    return RopeFunction.apply(x, cos, sin)
 
 
 class FeedForward(nn.Module):

@@ -158,6 +158,11 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
             hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
             return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
+        return self._loop(x, counts, w1, w2, w3)
+
+    def _loop(self, x, counts, w1, w2, w3) -> torch.Tensor:
+        """The reference: one SwiGLU per local expert on its rows (``counts`` read on the
+        host; compiled blocks keep it out of their graphs: ``expert_parallel``)."""
         outputs = []
         for expert, part in enumerate(torch.split(x, counts.tolist())):
             hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)

@@ -1,0 +1,150 @@
+"""The shared dense layers of ``models/common.py``: RMSNorm (``RMSNormFunction``) and RoPE
+(``RopeFunction``) compute what the plain torch expressions they replaced computed, forward
+bit for bit, and keep for backward only the input in its own dtype and a per-row fp32 rstd
+(RMSNorm) or nothing but the tables (RoPE): a bf16 block saves no fp32 copy of an activation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsdp_runner.models.common import RMSNorm, RMSNormFunction, apply_rope, rope_tables
+from hsdp_runner.models.llama import LlamaConfig, TransformerBlock
+from hsdp_runner.models.moe import Attention
+
+EPS = 1e-6
+
+
+def expression_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm as the plain torch expression it was (autograd over its ops)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
+    return normed.type_as(x) * weight
+
+
+def expression_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the plain torch expression it was (autograd over its ops)."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+def value_and_grads(fn, *inputs: torch.Tensor, grad_out: torch.Tensor):
+    """``fn(*inputs)`` and the gradients of ``<fn(*inputs), grad_out>`` for each input."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def norm_inputs(dtype: torch.dtype):
+    """(x, weight, grad_out) of a per-head norm: (batch, seq, heads, head_dim), rows of
+    varied scale, a weight away from 1."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 3, 32, generator=gen) * torch.rand(2, 8, 3, 1, generator=gen) * 4
+    weight = 1 + 0.5 * torch.randn(32, generator=gen)
+    grad_out = torch.randn(2, 8, 3, 32, generator=gen)
+    return x.to(dtype), weight.to(dtype), grad_out.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_forward_is_the_expression_bit_for_bit(dtype):
+    x, weight, _ = norm_inputs(dtype)
+    norm = RMSNorm(32, EPS).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    out = norm(x)
+    assert out.dtype == dtype
+    assert torch.equal(out, expression_norm(x, weight))
+    # An fp32 weight on a bf16 input (no cast of the model): fp32 out, as the expression's.
+    assert torch.equal(RMSNorm(32, EPS)(x), expression_norm(x, torch.ones(32)))
+
+
+def test_rms_norm_fp32_gradients_are_the_expressions_to_rounding():
+    x, weight, grad_out = norm_inputs(torch.float32)
+    fn = lambda x, w: RMSNormFunction.apply(x, w, EPS)  # noqa: E731
+    _, (gx, gw) = value_and_grads(fn, x, weight, grad_out=grad_out)
+    _, (ex, ew) = value_and_grads(expression_norm, x, weight, grad_out=grad_out)
+    torch.testing.assert_close(gx, ex, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, ew, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_bf16_gradients_are_fp32_ones_rounded_once():
+    """Backward in fp32 from the bf16 input and the fp32 rstd, each gradient rounded once:
+    within one bf16 rounding of the float64 gradient (the expression, which rounded the
+    normalised value's gradient and each of the input's two paths to bf16, is not)."""
+    x, weight, grad_out = norm_inputs(torch.bfloat16)
+    fn = lambda x, w: RMSNormFunction.apply(x, w, EPS)  # noqa: E731
+    _, (gx, gw) = value_and_grads(fn, x, weight, grad_out=grad_out)
+    _, (rx, rw) = value_and_grads(
+        expression_norm, x.double(), weight.double(), grad_out=grad_out.double()
+    )
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    # One bf16 rounding (2^-9 relative), plus the reference's own difference: the forward
+    # rounds the normalised value to bf16 before the weight, float64 does not.
+    torch.testing.assert_close(gx.double(), rx, rtol=2**-8, atol=1e-2 * rx.abs().max().item())
+    torch.testing.assert_close(gw.double(), rw, rtol=2**-7, atol=1e-2 * rw.abs().max().item())
+
+
+def test_rms_norm_passes_gradcheck_in_float64():
+    x, weight, _ = norm_inputs(torch.float64)
+    x, weight = x[:1, :3].requires_grad_(), weight.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, EPS), (x, weight))
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_forward_and_gradient_are_the_expressions_bit_for_bit(dtype, table_dtype):
+    """Also with tables cast to bf16 (a model cast whole): the rotation stays in fp32."""
+    x, _, grad_out = norm_inputs(dtype)
+    cos, sin = (t.to(table_dtype) for t in rope_tables(32, 16, 10000.0))
+    ours, (gx,) = value_and_grads(lambda t: apply_rope(t, cos, sin), x, grad_out=grad_out)
+    theirs, (ex,) = value_and_grads(lambda t: expression_rope(t, cos, sin), x, grad_out=grad_out)
+    assert ours.dtype == gx.dtype == dtype
+    assert torch.equal(ours, theirs)
+    assert torch.equal(gx, ex)
+
+
+def test_rope_passes_gradcheck_in_float64():
+    x, _, _ = norm_inputs(torch.float64)
+    cos, sin = (t.double() for t in rope_tables(32, 8, 10000.0))
+    x = x[:1, :, :2].requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
+
+
+def saved_by(module: torch.nn.Module, *inputs) -> list[torch.Tensor]:
+    """The tensors autograd keeps for backward while ``module(*inputs)`` runs, each storage
+    once, the module's parameters and buffers and the inputs aside; backward then runs."""
+    skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *inputs]}
+    saved = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = module(*inputs)
+    out.float().square().sum().backward()
+    return list(saved.values())
+
+
+def test_bf16_blocks_save_no_fp32_copy_of_an_activation():
+    """A bf16 Llama block and a Qwen3-style attention (q/k norms): the fp32 tensors they keep
+    are per-row statistics (each norm's rstd, attention's log-sum-exp), none as large as the
+    narrowest activation through the norms and RoPE (k: kv_heads x head_dim per token)."""
+    tokens, dim, heads, kv_heads = 16, 64, 4, 2
+    head_dim = dim // heads
+    cos, sin = rope_tables(head_dim, tokens, 10000.0)
+    cfg = LlamaConfig(
+        name="t", dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, vocab_size=256
+    )
+    cfg.ffn_hidden_dim, cfg.seq_len, cfg.norm_eps = 96, tokens, EPS
+    llama = TransformerBlock(cfg).to(torch.bfloat16)
+    qwen = Attention(dim, heads, kv_heads, head_dim, EPS).to(torch.bfloat16)
+    x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
+    narrowest = tokens * kv_heads * head_dim
+    for module in (llama, qwen):
+        fp32 = [t for t in saved_by(module, x, cos, sin) if t.dtype == torch.float32]
+        assert all(t.numel() <= tokens * heads for t in fp32), [t.shape for t in fp32]
+        assert tokens * heads < narrowest
