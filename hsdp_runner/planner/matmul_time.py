@@ -61,27 +61,6 @@ from hsdp_runner.train.metrics import lookup_sm_count
 # and by 64 on sm90.
 TILES = {"sm80": (128, 128, 32), "sm90": (128, 128, 64)}
 PARTIAL_BYTES = 4  # a split-K partial output element: fp32 accumulators
-# Causal attention on a GPU: torch's flash and memory-efficient SDPA kernels (the runner's
-# ``is_causal=True``, and context parallel's lower-right causal bias) cut the scores into tiles
-# and skip every tile wholly above the diagonal. FlashAttention-2 steps over 128 queries a
-# block in forward and 128 keys a block in backward at head dims 64-128 (the other side's
-# block, 64 or 128, divides it), so the diagonal costs whole 128-wide tiles.
-CAUSAL_TILE = 128
-
-
-def causal_attention_share(seq_len: int, skips_masked_tiles: bool) -> float:
-    """The share of attention's full-square FLOPs (the runner's count: every query of a
-    sequence of ``seq_len`` tokens against every key, QK^T and AV) that its kernel computes
-    under the causal mask: with ``skips_masked_tiles`` (a GPU's kernels) the n (n + 1) / 2
-    tiles on or below the diagonal of n x n, n = ceil(seq_len / ``CAUSAL_TILE``), so
-    1/2 + 1/(2 n) (0.508 at 8,192 tokens, 1 at 128 or fewer); without it (every score
-    computed) 1. Context parallel splits each sequence into 2 cp chunks that attend to the keys
-    up to their end, causally in their own chunk: their diagonal tiles add up to the
-    sequence's, the same share."""
-    if not skips_masked_tiles:
-        return 1.0
-    n = _blocks(seq_len, CAUSAL_TILE)
-    return (n + 1) / (2 * n)
 
 
 @dataclass(frozen=True)
