@@ -2,7 +2,7 @@
 backward per token, and what a whole block costs as the planner measures it.
 
     python benchmarks/norm_rope_cost.py [--model llama3_8b qwen3_30b_a3b] [--precision bf16]
-        [--seq 4096] [--world 8] [--main PATH]
+        [--seq 4096] [--world 8] [--ep EP] [--main PATH]
 
 - **Per layer**: each layer of one block at the model's widths (``attention_norm`` and
   ``ffn_norm`` over ``dim``; ``q_norm`` / ``k_norm`` over each head's channels of q and k
@@ -14,7 +14,8 @@ backward per token, and what a whole block costs as the planner measures it.
   ranks, one ``--seq``-token sequence, no AC) at one and at two blocks, the growth of the
   activations at the end of forward per token; and ``precision_cost.traffic`` (the work
   between matmuls, eager and compiled) per token and block. A model with experts is measured
-  with all blocks MoE (``model.n_dense_layers=0``), expert parallel over the world.
+  with all blocks MoE (``model.n_dense_layers=0``), expert parallel over ``--ep`` ranks
+  (default: the world): an MoE block's figures, the experts' layer included.
 
 ``--main PATH`` measures with the package at PATH instead (another checkout, for a
 before/after table). Measurements are cached in a temporary directory (none is reused).
@@ -93,10 +94,10 @@ def layer_figures(model_cfg, dtype: torch.dtype, tokens: int = 16) -> dict[str, 
     return out
 
 
-def block_figures(model: str, precision: str, seq: int, world: int) -> dict:
+def block_figures(model: str, precision: str, seq: int, world: int, ep: int | None = None) -> dict:
     """{'act': saved activation bytes, 'forward'/'backward': eager traffic bytes,
-    'forward_compiled'/'backward_compiled'}, each per token and block of ``model``, and
-    'layers': ``layer_figures``."""
+    'forward_compiled'/'backward_compiled'}, each per token and block of ``model`` (its
+    experts, if any, over ``ep`` ranks, default ``world``), and 'layers': ``layer_figures``."""
     cfg = plan.compose(
         [f"model={model}", f"precision={precision}", f"model.seq_len={seq}"]
         + [f"cluster.gpus_per_node={world}"]
@@ -123,7 +124,7 @@ def block_figures(model: str, precision: str, seq: int, world: int) -> dict:
             world,
             (0, blocks) if experts else blocks,
             accum_reduce="every",
-            experts={"ep": world, "imbalance": 1.0} if experts else None,
+            experts={"ep": ep or world, "imbalance": 1.0} if experts else None,
         )
         for blocks in (1, 2)
     ]
@@ -145,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--ep", type=int, help="a model with experts: ep degree (default: world)")
     parser.add_argument("--main", help="measure the package at this path instead")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as cache:
         os.environ[CACHE_ENV] = cache
         try:
             for model in args.model:
-                f = block_figures(model, args.precision, args.seq, args.world)
+                f = block_figures(model, args.precision, args.seq, args.world, args.ep)
                 print(f"{model}, {args.precision}, per token and block (FSDP {args.world}):")
                 for layer, (size, fp32) in f["layers"].items():
                     print(f"  {layer}: saves {size:,.0f} bytes, {fp32:,.0f} of them fp32")

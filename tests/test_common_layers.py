@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from saved_tensors import saved_by
 
 from hsdp_runner.models.common import RMSNorm, RMSNormFunction, apply_rope, rope_tables
 from hsdp_runner.models.llama import LlamaConfig, TransformerBlock
@@ -110,23 +111,6 @@ def test_rope_passes_gradcheck_in_float64():
     cos, sin = (t.double() for t in rope_tables(32, 8, 10000.0))
     x = x[:1, :, :2].requires_grad_()
     assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
-
-
-def saved_by(module: torch.nn.Module, *inputs) -> list[torch.Tensor]:
-    """The tensors autograd keeps for backward while ``module(*inputs)`` runs, each storage
-    once, the module's parameters and buffers and the inputs aside; backward then runs."""
-    skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *inputs]}
-    saved = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        out = module(*inputs)
-    out.float().square().sum().backward()
-    return list(saved.values())
 
 
 def test_bf16_blocks_save_no_fp32_copy_of_an_activation():

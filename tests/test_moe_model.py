@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from saved_tensors import saved_by
 
 from hsdp_runner.config.compose import compose
 from hsdp_runner.core.errors import ConfigError
@@ -208,20 +209,10 @@ def test_bf16_layer_saves_no_fp32_copy_of_the_routed_outputs():
     moe = moe.to(torch.bfloat16)
     moe.router.expert_bias = moe.router.expert_bias.float()
     x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
-    skip = {t.untyped_storage().data_ptr() for t in [x, *moe.parameters()]}
-    saved = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        out = moe(x)
-    out.float().square().sum().backward()  # backward runs on what was saved
+    saved = saved_by(moe, x)  # backward runs on what was saved
     routed_rows = tokens * k * dim
-    assert not [t for t in saved.values() if t.dtype == torch.float32 and t.numel() >= routed_rows]
-    held = sum(t.untyped_storage().nbytes() for t in saved.values())
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= routed_rows]
+    held = sum(t.untyped_storage().nbytes() for t in saved)
     needed = tokens * k * (2 * dim + 4 * ffn) * 2  # bf16: inputs, outputs, SwiGLU
     # fp32: the scores (n_experts), the chosen ones (k) and their sum (1), the routed copies'
     # weights (k); int64: the choice, the sort order, each copy's token (k each); int32 offsets.
