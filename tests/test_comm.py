@@ -156,8 +156,13 @@ LAYOUTS |= {
     "moe_pp_tp_ep2": [*MOE, "parallel=pp", "parallel.tp=2", "parallel.ep=2", "trainer.steps=2"],
     # HSDP x cp x TP on 8 ranks, ep = cp x tp over dp_shard_cp_tp.
     "moe_hsdp_cp_tp_ep4": [*MOE, "parallel=hsdp_cp_tp", "parallel.ep=4"],
+    # ep 4 over two "nodes" of 2 ranks (RANKS_PER_NODE): the token exchange by node, over
+    # ep_inter (a rank of each node) and ep_intra (a node's ranks); full AC recomputes both.
+    "moe_fsdp_ep4_2_nodes_full_ac": [*MOE, "parallel=fsdp", "parallel.ep=4", "parallel.ac=full"],
 }
 EIGHT_RANKS = ("hsdp_tp", "gpt2_hsdp_tp", "fsdp_cp_tp", "moe_hsdp_cp_tp_ep4")
+# Layouts whose ranks are told they sit on nodes of this many (a launch's LOCAL_WORLD_SIZE).
+RANKS_PER_NODE = {"moe_fsdp_ep4_2_nodes_full_ac": 2}
 
 
 def _layout_configs(names):
@@ -190,7 +195,7 @@ def _measure_layouts(configs):
         # meshes compare equal (DeviceMesh equality ignores the root mesh), and with them that
         # world's meshes, and with them collectives over another world's groups.
         _clear_sharding_prop_cache()
-        trainer, _ = rank_trainer(cfg)
+        trainer, _ = rank_trainer(cfg, ranks_per_node=RANKS_PER_NODE.get(name))
         trainer.fit()
         out[name] = trainer.comm_facts | {"comm_balanced": trainer.figures.analytic_comm()}
     out["c10d_all_to_all"] = _c10d_all_to_all()
@@ -252,6 +257,15 @@ def test_token_exchange_bytes_follow_the_counted_steps_routing(facts, layout):
         == {k: v["calls"] for k, v in f["comm_measured"].items()}
     ]
     assert uneven, facts[layout]
+
+
+@pytest.mark.multiprocess
+def test_an_ep_group_across_nodes_exchanges_over_its_two_stages_alone(facts):
+    """ep 4 over 2 nodes of 2: the token exchange's all-to-alls run over ep_inter and
+    ep_intra, none over the whole ep group (here dp_shard)."""
+    for rank, f in facts["moe_fsdp_ep4_2_nodes_full_ac"].items():
+        kinds = {key for key in f["comm_measured"] if key.startswith("all_to_all/")}
+        assert kinds == {"all_to_all/ep_inter", "all_to_all/ep_intra"}, (rank, kinds)
 
 
 @pytest.mark.multiprocess
@@ -441,3 +455,44 @@ def test_analytic_token_exchange_matches_a_hand_count():
         }, ac
         balanced = analytic_comm(*args)["all_to_all/ep"]["bytes"]
         assert balanced == 2 * passes * counts + (passes + 1) * 4 * 128 * row, ac
+
+
+def test_analytic_token_exchange_by_node_matches_a_hand_count():
+    """moe_tiny (2 MoE blocks of 8 experts, top 2, dim 64, fp32) under FSDP 4 with ep 4 over
+    2 nodes of 2. Per block and dispatch the rank sends D rows (its distinct (node, token)
+    pairs) and N = 128 copies' slots (int64) and weights (fp32) over ep_inter and gets D'
+    rows and C' copies; its node's relay forwards C' rows over ep_intra and its experts get
+    M. Forward over ep_inter: the counts (8 + 2 int64), D rows, N slots, N weights, D' summed
+    rows; backward D', C' weights' gradients, D. Over ep_intra: the counts (8 int64), C', M;
+    backward M, C'. Full AC repeats each forward."""
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.distributed.moe_comm import expected_nodes
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+
+    row = 64 * 4
+    routing = [(100, 97, 128, 131, 125), (90, 95, 128, 120, 133)]
+    for ac, passes in (("none", 1), ("full", 2)):
+        cfg = compose(BASE + [*MOE, "parallel=fsdp", "parallel.ep=4", f"parallel.ac={ac}"])
+        dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4, 2)
+        assert (dims.ep_nodes, dims.group_size("ep_inter"), dims.group_size("ep_intra")) == (
+            2,
+            2,
+            2,
+        )
+        args = (cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+        comm = analytic_comm(*args, routing=routing)
+        assert "all_to_all/dp_shard" not in comm and "all_to_all/ep" not in comm
+        inter = sum(
+            passes * (10 * 8 + d * row + n * 8 + n * 4 + d_in * row) + (d_in + d) * row + c_in * 4
+            for d, d_in, n, c_in, _ in routing
+        )
+        assert comm["all_to_all/ep_inter"] == {"calls": 2 * (5 * passes + 3), "bytes": inter}, ac
+        intra = sum(
+            passes * (8 * 8 + (c_in + m) * row) + (m + c_in) * row for *_, c_in, m in routing
+        )
+        assert comm["all_to_all/ep_intra"] == {"calls": 2 * (3 * passes + 2), "bytes": intra}, ac
+        # Balanced: 2 sequences of 32 tokens, each on 2 x (1 - C(4, 2) / C(8, 2)) nodes.
+        pairs = round(64 * expected_nodes(8, 2, 2))
+        assert pairs == round(64 * 2 * (1 - 6 / 28)) == 101
+        balanced = analytic_comm(*args)["all_to_all/ep_intra"]["bytes"]
+        assert balanced == 2 * (passes * 8 * 8 + (passes + 1) * 2 * 128 * row), ac

@@ -110,47 +110,66 @@ def _meshes() -> dict:
     return out
 
 
-def _exchange(ep: int, dtype) -> dict:
-    """On 4 ranks, ep groups of ``ep`` (innermost): each rank routes random token copies to 8
-    experts (uneven, some experts empty); dispatch, an expert-dependent map, combine, backward.
-    Returns the largest differences from the reference computed from every rank's inputs."""
+def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2) -> dict:
+    """On 4 ranks, ep groups of ``ep`` (innermost) on nodes of ``ranks_per_node`` (None: one
+    node; an ep group spanning nodes exchanges by node): each rank routes 6 tokens to
+    ``top_k`` of 8 experts (random: some experts get none), weighed at random; dispatch, an
+    expert-dependent map, combine, backward. Returns the largest differences from the rows
+    every peer routed (dispatch) and from the same routing summed in this process (combine,
+    the tokens' and weights' gradients)."""
     import torch.distributed as dist
 
-    from hsdp_runner.distributed.expert_parallel import TokenExchange
+    from hsdp_runner.distributed.expert_parallel import make_exchange
+    from hsdp_runner.models.moe_routing import LocalExchange, expert_counts
 
-    d = dims(s=4, ep=ep)
+    d = ParallelDims.from_config(ParallelConfig(dp_shard=4, tp=1, ep=ep), MOE, 4, ranks_per_node)
     world = d.build_mesh("cpu")
-    rank, n_experts, dim = dist.get_rank(), 8, 16
+    exchange = make_exchange(d, world)
+    rank, n_experts, dim, n_tokens = dist.get_rank(), 8, 16, 6
     gen = torch.Generator().manual_seed(10 + rank)
-    counts = torch.randint(0, 4, (n_experts,), generator=gen) * (torch.rand(8, generator=gen) > 0.3)
-    tokens = torch.randn(int(counts.sum()), dim, generator=gen).to(dtype)
+    chosen = torch.stack([torch.randperm(n_experts, generator=gen)[:top_k] for _ in range(6)])
+    tokens = torch.randn(n_tokens, dim, generator=gen).to(dtype)
+    weight = torch.rand(n_tokens * top_k, generator=gen)
+    upstream = torch.randn(n_tokens, dim, generator=gen).to(dtype)
+    order = chosen.flatten().argsort(stable=True)
+    token, counts = order // top_k, expert_counts(chosen, n_experts)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (counts, tokens))
+    dist.all_gather_object(every, (counts, tokens[token]))
     peers = _group_ranks(world["ep"])  # in ep order
     me, local = peers.index(rank), n_experts // ep
-    # The reference: each local expert's rows from every ep peer in ep order.
-    expected = []
-    for expert in range(me * local, (me + 1) * local):
-        for peer in peers:
-            c, x = every[peer]
-            start = int(c[:expert].sum())
-            expected.append(x[start : start + int(c[expert])])
-    expected = torch.cat(expected)
-    x = tokens.clone().requires_grad_()
-    exchange = TokenExchange(world["ep"])
-    got, local_counts, state = exchange.dispatch(x, counts)
+    x, w = tokens.clone().requires_grad_(), weight.clone().requires_grad_()
+    got, local_counts, state = exchange.dispatch(x, token, counts)
     expert_of_row = torch.repeat_interleave(torch.arange(local) + me * local, local_counts)
-    out = exchange.combine(got * (expert_of_row + 1).to(dtype)[:, None], state)
-    weights = torch.randn(out.shape, generator=gen).to(dtype)
-    (out * weights).sum().backward()
-    scale = (torch.repeat_interleave(torch.arange(n_experts), counts) + 1).to(dtype)[:, None]
+    out = exchange.combine(got * (expert_of_row + 1).to(dtype)[:, None], w[order], state)
+    (out * upstream).sum().backward()
+    # The reference: each local expert's rows from every ep peer (in any order within the
+    # expert: the by-node exchange brings them by relay, then source node).
+    dispatch, start = 0.0, 0
+    for expert in range(me * local, (me + 1) * local):
+        rows = []
+        for peer in peers:
+            c, copies = every[peer]
+            first = int(c[:expert].sum())
+            rows.append(copies[first : first + int(c[expert])])
+        want = torch.cat(rows)
+        have = got[start : start + want.shape[0]].detach()
+        start += want.shape[0]
+        if want.numel():
+            by_value = lambda t: t[t[:, 0].float().argsort()]  # noqa: E731
+            dispatch = max(dispatch, (by_value(have) - by_value(want)).abs().max().item())
+    xr, wr = tokens.clone().requires_grad_(), weight.clone().requires_grad_()
+    scale = (chosen.flatten()[order] + 1).to(dtype)[:, None]
+    ref = LocalExchange().combine(xr[token] * scale, wr[order], (token, n_tokens, dtype))
+    (ref * upstream).sum().backward()
     return {
-        "dispatch": (got - expected).abs().max().item() if got.numel() else 0.0,
+        "kind": type(exchange).__name__,
+        "dispatch": dispatch,
         "counts": local_counts.tolist()
         == [sum(int(every[p][0][e]) for p in peers) for e in range(me * local, (me + 1) * local)],
-        "combine": (out - tokens * scale).abs().max().item() if out.numel() else 0.0,
-        "grad": (x.grad - weights * scale).abs().max().item() if out.numel() else 0.0,
-        "rows": (tokens.shape[0], got.shape[0]),
+        "combine": (out - ref).abs().max().item(),
+        "grad": (x.grad - xr.grad).abs().max().item(),
+        "weight_grad": (w.grad - wr.grad).abs().max().item(),
+        "rows": (token.numel(), got.shape[0]),
     }
 
 
@@ -197,6 +216,78 @@ def _skipped_step_bias() -> dict:
     return {"skipped": skipped.abs().max().item(), "applied": router.expert_bias.tolist()}
 
 
+class _CrossNodeBytes:
+    """A dispatch mode that adds up what the all-to-alls under it send to ranks of other
+    nodes (rank r on node r // ``ranks_per_node``), from each call's input and split sizes:
+    {'rows': bytes of 2-D inputs (token rows), 'routing': of 1-D ones (counts, copies'
+    slots, weights)}."""
+
+    def __new__(cls, ranks_per_node: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.sent = {"rows": 0, "routing": 0}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch.distributed as dist
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                if func._overloadpacket == torch.ops._c10d_functional.all_to_all_single:
+                    rows, _, splits, group = args
+                    ranks = dist.get_process_group_ranks(_resolve_process_group(group))
+                    splits = splits or [rows.shape[0] // len(ranks)] * len(ranks)
+                    row = rows[:1].numel() * rows.element_size()
+                    mine = dist.get_rank() // ranks_per_node
+                    crossing = sum(n for r, n in zip(ranks, splits) if r // ranks_per_node != mine)
+                    self.sent["rows" if rows.dim() == 2 else "routing"] += crossing * row
+                return func(*args, **(kwargs or {}))
+
+        return Mode()
+
+
+def _cross_node_bytes() -> dict:
+    """ep 4 over 2 nodes of 2 (ep rank r holds experts 2r, 2r + 1): each rank's 5 tokens go
+    to one expert of every ep rank, two per node. What the flat exchange and the by-node one
+    send across nodes in one dispatch, combine and backward ({exchange: _CrossNodeBytes})."""
+    from hsdp_runner.distributed.expert_parallel import TokenExchange, make_exchange
+    from hsdp_runner.models.moe_routing import expert_counts
+
+    d = ParallelDims.from_config(ParallelConfig(dp_shard=4, tp=1, ep=4), MOE, 4, 2)
+    world = d.build_mesh("cpu")
+    n_tokens, dim, top_k = 5, 16, 4
+    gen = torch.Generator().manual_seed(0)
+    chosen = torch.tensor([[2 * r + (t + r) % 2 for r in range(4)] for t in range(n_tokens)])
+    order = chosen.flatten().argsort(stable=True)
+    token, counts = order // top_k, expert_counts(chosen, 8)
+    out = {}
+    for exchange in (TokenExchange(world["ep"]), make_exchange(d, world)):
+        x = torch.randn(n_tokens, dim, generator=gen, requires_grad=True)
+        w = torch.rand(n_tokens * top_k, generator=gen, requires_grad=True)
+        with _CrossNodeBytes(2) as mode:
+            local, local_counts, state = exchange.dispatch(x, token, counts)
+            exchange.combine(local * 2.0, w[order], state).sum().backward()
+        out[type(exchange).__name__] = mode.sent
+    return out
+
+
+def _train(ep: int, ranks_per_node: int | None) -> list[dict]:
+    """moe_tiny under FSDP 4 with ``ep`` (the ranks told they sit on nodes of
+    ``ranks_per_node``), 3 steps: the step records."""
+    from rank_job import rank_trainer
+    from test_config import compose
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from hsdp_runner.config.compose import to_run_config
+
+    overrides = ["model=moe_tiny", "parallel=fsdp", f"parallel.ep={ep}", "logger=none"]
+    cfg = to_run_config(compose([*overrides, "trainer.steps=3", "metrics.peak_tflops=1"]))
+    _clear_sharding_prop_cache()  # a second world in this process (tests/test_comm.py)
+    trainer, _ = rank_trainer(cfg, ranks_per_node=ranks_per_node)
+    return trainer.fit()
+
+
 def _four_rank_cases() -> dict:
     return {
         "skipped_step_bias": _skipped_step_bias(),
@@ -205,6 +296,16 @@ def _four_rank_cases() -> dict:
         "exchange_ep4": _exchange(4, torch.float32),
         "exchange_ep2": _exchange(2, torch.float32),
         "exchange_ep2_bf16": _exchange(2, torch.bfloat16),
+        # By node: ep 4 over 2 nodes of 2; over 4 nodes of 1 (no second stage), top 3 (two
+        # copies of a token on one node); ep 2 over 2 nodes of 1; bf16.
+        "exchange_ep4_2_nodes": _exchange(4, torch.float32, 2),
+        "exchange_ep4_4_nodes_top3": _exchange(4, torch.float32, 1, top_k=3),
+        "exchange_ep2_2_nodes": _exchange(2, torch.float32, 1),
+        "exchange_ep4_2_nodes_bf16": _exchange(4, torch.bfloat16, 2),
+        "cross_node_bytes": _cross_node_bytes(),
+        "train_ep1": _train(1, None),
+        "train_ep4_flat": _train(4, None),
+        "train_ep4_2_nodes": _train(4, 2),
     }
 
 
@@ -231,22 +332,71 @@ def test_expert_meshes_group_ranks_with_ep_innermost(four_ranks):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["exchange_ep4", "exchange_ep2"])
-def test_token_exchange_matches_routing_in_one_process(four_ranks, case):
+@pytest.mark.parametrize(
+    "case, kind",
+    [
+        ("exchange_ep4", "TokenExchange"),
+        ("exchange_ep2", "TokenExchange"),
+        ("exchange_ep4_2_nodes", "NodeExchange"),
+        ("exchange_ep4_4_nodes_top3", "NodeExchange"),
+        ("exchange_ep2_2_nodes", "NodeExchange"),
+    ],
+)
+def test_token_exchange_matches_routing_in_one_process(four_ranks, case, kind):
+    """Flat within a node, by node across nodes: every expert gets its rows from every peer,
+    and each token's weighted sum and the gradients of the tokens and the weights are one
+    process's. The flat exchange sums a token's copies in one process's order (bit for bit);
+    the by-node one sums a node's copies there first (equal to rounding)."""
     for rank, result in four_ranks.items():
         got = result[case]
-        assert got["counts"], (rank, got)
-        assert got["dispatch"] == 0.0 and got["combine"] == 0.0, (rank, got)
-        assert got["grad"] <= 1e-6, (rank, got)
+        assert got["kind"] == kind and got["counts"], (rank, got)
+        assert got["dispatch"] == 0.0, (rank, got)
+        exact = kind == "TokenExchange"
+        for key in ("combine", "grad", "weight_grad"):
+            assert got[key] == 0.0 if exact else got[key] <= 1e-5, (rank, key, got)
     # Uneven: the ranks send and receive different numbers of rows.
     assert len({result[case]["rows"] for result in four_ranks.values()}) > 1
 
 
 @pytest.mark.multiprocess
-def test_token_exchange_carries_bf16(four_ranks):
+@pytest.mark.parametrize("case", ["exchange_ep2_bf16", "exchange_ep4_2_nodes_bf16"])
+def test_token_exchange_carries_bf16(four_ranks, case):
+    """bf16 rows; the by-node exchange rounds each node's partial sum to bf16 once more
+    before it crosses back (values up to ~20 here: a bf16 ulp is 0.125)."""
     for result in four_ranks.values():
-        got = result["exchange_ep2_bf16"]
-        assert got["dispatch"] == 0.0 and got["combine"] == 0.0 and got["grad"] <= 1e-2
+        got = result[case]
+        assert got["dispatch"] == 0.0 and got["grad"] <= 1e-2, got
+        assert got["combine"] <= (0.0 if case == "exchange_ep2_bf16" else 0.125), got
+
+
+@pytest.mark.multiprocess
+def test_by_node_exchange_sends_a_token_across_nodes_once_per_node(four_ranks):
+    """Each token has two experts on the other node: the flat exchange sends both copies
+    across (and both outputs back, and their gradients), the by-node one a single row each
+    way, plus per copy an int64 slot and an fp32 weight (its gradient back) and the counts."""
+    for rank, result in four_ranks.items():
+        sent = result["cross_node_bytes"]
+        flat, by_node = sent["TokenExchange"], sent["NodeExchange"]
+        rows = 5 * 16 * 4  # the rank's 5 tokens, 16 fp32 wide
+        # Dispatch, combine, their two gradients: 2 copies a token across (flat), 1 (by node).
+        assert flat["rows"] == 4 * 2 * rows and by_node["rows"] == 4 * rows, (rank, sent)
+        # Flat: half its 8 int64 counts; by node: a node's 4 counts and 1 row count, the 10
+        # copies' slots (int64) and weights (fp32) and the weights' gradients.
+        assert flat["routing"] == 4 * 8 and by_node["routing"] == 5 * 8 + 10 * (8 + 4 + 4)
+
+
+@pytest.mark.multiprocess
+def test_by_node_exchange_trains_as_the_flat_one_and_as_ep_1(four_ranks):
+    """moe_tiny, FSDP 4, 3 steps: ep 4 with the ranks on 2 nodes of 2 (the by-node exchange)
+    against ep 4 on one node (flat) and ep 1: the same losses and gradient norms (1e-6
+    relative) and the same experts' load."""
+    runs = {key: four_ranks[0][key] for key in ("train_ep1", "train_ep4_flat", "train_ep4_2_nodes")}
+    by_node = runs["train_ep4_2_nodes"]
+    for other in ("train_ep1", "train_ep4_flat"):
+        for mine, theirs in zip(by_node, runs[other], strict=True):
+            for key in ("loss", "grad_norm", "moe/aux_loss"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-6), (other, key)
+            assert mine["moe/load_max_over_mean"] == theirs["moe/load_max_over_mean"], other
 
 
 @pytest.mark.multiprocess

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hsdp_runner.distributed.world_mesh import GROUP_ORDER, group_order
+from hsdp_runner.distributed.world_mesh import EP_STAGES, GROUP_ORDER, group_order
 
 # Mesh dims first, then the flattened views: a group two names share is reported by the first.
 # A world with experts names its expert groups after these (``world_mesh.group_order``).
@@ -100,7 +100,12 @@ class CommCounter(TorchDispatchMode):
     def __init__(self, world):
         super().__init__()
         self._names = group_names(world)
-        self._dims: dict[str, str] = {}  # group name -> reported name
+        # Process group name -> reported name. The by-node token exchange's stage groups
+        # (``world_mesh.EP_STAGES``) are its own, made anew whatever their ranks: named by
+        # the group, as the comm model names them, even where another group has their ranks.
+        self._dims: dict[str, str] = {
+            world[name].get_group().group_name: name for name in EP_STAGES if name in world
+        }
         self.totals: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
 
     def _dim_of(self, group: dist.ProcessGroup) -> str:

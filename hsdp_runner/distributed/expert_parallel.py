@@ -41,8 +41,11 @@ from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import Dtype
+from hsdp_runner.distributed.node_exchange import NodeExchange, permute_blocks
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.world_mesh import EP_STAGES
 from hsdp_runner.models.base import ModelConfig, moe_layers, routed_experts
+from hsdp_runner.models.moe_routing import WeightedCombine
 
 
 class TokenExchange:
@@ -53,6 +56,9 @@ class TokenExchange:
     # Set under compiled blocks (``keep_out_of_compiled_code``): the rows that arrived are
     # marked a dynamic dim for the compiled code they enter.
     rows_dynamic = False
+    # The methods a compiled block runs eagerly (``keep_out_of_compiled_code``): the
+    # all-to-alls and their host reads; the copies' gather and the weighted sum compile.
+    EAGER = ("send", "send_back")
 
     def __init__(self, ep_mesh):
         self.group = ep_mesh.get_group()
@@ -61,11 +67,24 @@ class TokenExchange:
         # a forward, recomputations left out; what the comm model's token-exchange bytes read.
         self.routing: list[tuple[int, int]] | None = None
 
-    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
-        """Send ``tokens`` (N, dim: this rank's routed copies sorted by global expert) to the
-        ranks holding their experts (``counts``: (n_experts,) int64 copies per expert).
-        Returns (local tokens (M, dim) sorted by local expert, local counts (L,) int64,
-        the state ``combine`` needs)."""
+    def dispatch(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
+        """Send the routed copies ``tokens[token]`` (N, dim: this rank's, sorted by global
+        expert) to the ranks holding their experts (``counts``: (n_experts,) int64 copies per
+        expert). Returns (local tokens (M, dim) sorted by local expert, local counts (L,)
+        int64, the state ``combine`` needs)."""
+        local, local_counts, state = self.send(tokens[token], counts)
+        return local, local_counts, (state, token, tokens.shape[0], tokens.dtype)
+
+    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state) -> torch.Tensor:
+        """Send the local experts' ``outputs`` (M, dim, dispatch's order) back to the ranks
+        the tokens came from, where each token's copies are weighed by ``weight`` (N,) and
+        summed (``WeightedCombine``); returns (T, dim) in the tokens' dtype."""
+        sent, token, n_tokens, dtype = state
+        return WeightedCombine.apply(self.send_back(outputs, sent), weight, token, n_tokens, dtype)
+
+    def send(self, tokens: torch.Tensor, counts: torch.Tensor):
+        """The all-to-alls of ``dispatch`` (its copies ``tokens``, N rows): (local tokens,
+        local counts, the state ``send_back`` needs)."""
         from torch.distributed._functional_collectives import all_to_all_single
 
         sent, received = self.exchange_counts(counts)
@@ -97,9 +116,9 @@ class TokenExchange:
         device-to-host read per layer and pass."""
         return torch.stack([sent.sum(1), received.sum(1)]).tolist()
 
-    def combine(self, outputs: torch.Tensor, state) -> torch.Tensor:
+    def send_back(self, outputs: torch.Tensor, state) -> torch.Tensor:
         """Send the local experts' ``outputs`` (M, dim, dispatch's order) back to the ranks
-        the tokens came from; returns (N, dim) in the order of dispatch's input."""
+        the tokens came from; returns (N, dim) in the order of the copies ``send`` took."""
         from torch.distributed._functional_collectives import all_to_all_single
 
         inverse, (sent, received) = state
@@ -117,7 +136,7 @@ def recording_routing(parts: list[nn.Module], record: bool):
         id(moe.exchange): moe.exchange
         for part in parts
         for moe in moe_modules(part).values()
-        if isinstance(moe.exchange, TokenExchange)
+        if isinstance(moe.exchange, (TokenExchange, NodeExchange))
     }
     if not record or not exchanges:
         yield None
@@ -136,12 +155,7 @@ def _by_local_expert(received: torch.Tensor, total: int) -> torch.Tensor:
     """The gather index that reorders ``total`` rows arrived as blocks of
     ``received[source, local expert]`` rows (source-major, each source's rows sorted by
     expert) into local-expert-major order (each expert's rows by source)."""
-    sizes = received.flatten()
-    starts = (torch.cumsum(sizes, 0) - sizes).view_as(received).t().flatten()
-    per_expert = received.t().flatten()
-    new_starts = torch.cumsum(per_expert, 0) - per_expert
-    shift = torch.repeat_interleave(starts - new_starts, per_expert, output_size=total)
-    return torch.arange(total, device=received.device) + shift
+    return permute_blocks(received, (1, 0), total)
 
 
 class SequenceSum:
@@ -190,7 +204,7 @@ def apply_expert_parallel(
     moes = moe_modules(model)
     if not moes:
         return
-    exchange = TokenExchange(world["ep"]) if dims.ep > 1 else None
+    exchange = make_exchange(dims, world)
     sequence_sum = SequenceSum(world["cp_tp"]) if dims.cp * dims.tp > 1 else None
     for moe in moes.values():
         if exchange is not None:
@@ -207,14 +221,28 @@ def apply_expert_parallel(
         keep_out_of_compiled_code(list(moes.values()), exchange)
 
 
-def keep_out_of_compiled_code(moes: list[nn.Module], exchange: TokenExchange | None) -> None:
+def make_exchange(dims: ParallelDims, world: WorldMesh) -> TokenExchange | NodeExchange | None:
+    """The token exchange of ``dims``: by node (``NodeExchange``: each token crosses to a node
+    once) where an ep group spans nodes (``ParallelDims.ep_nodes``: the ranks per node the
+    launcher gave, ranks placed on nodes contiguously, as the planner and the node checks
+    take them), one all-to-all over ``ep`` inside a node; None without expert parallel."""
+    if dims.ep_nodes > 1:
+        return NodeExchange(world["ep"], *(world[name] for name in EP_STAGES))
+    return TokenExchange(world["ep"]) if dims.ep > 1 else None
+
+
+def keep_out_of_compiled_code(
+    moes: list[nn.Module], exchange: TokenExchange | NodeExchange | None
+) -> None:
     """Compiled blocks with experts: what depends on the step's routing as host values runs
     eagerly between the compiled parts, and the row counts it hands them are dynamic dims, so
     a block compiles once however the tokens are routed (docs/moe.md, "Compile").
 
-    - ``exchange`` (ep > 1): ``dispatch`` and ``combine`` never compiled (their split sizes
-      are read on the host each step; a compiled all-to-all would guard on them), the arrived
-      rows (M, a new count every step) and their order marked dynamic on dim 0;
+    - ``exchange`` (ep > 1): its all-to-alls never compiled (``EAGER``: their split sizes
+      are read on the host each step; a compiled all-to-all would guard on them; the flat
+      exchange's gather of the copies and its weighted sum compile, the by-node exchange runs
+      whole), the arrived rows (M, a new count every step) and their order marked dynamic on
+      dim 0;
     - the experts' inputs and outputs (ep > 1) marked again by a forward pre-hook and hook
       registered after FSDP's: FSDP's pre-forward hook hands the experts new tensors (its
       post-backward autograd function), which lose the exchange's marking;
@@ -232,8 +260,8 @@ def keep_out_of_compiled_code(moes: list[nn.Module], exchange: TokenExchange | N
             moe.experts.register_forward_hook(mark_rows)
     if exchange is not None:
         exchange.rows_dynamic = True
-        exchange.dispatch = torch.compiler.disable(exchange.dispatch)
-        exchange.combine = torch.compiler.disable(exchange.combine)
+        for name in exchange.EAGER:
+            setattr(exchange, name, torch.compiler.disable(getattr(exchange, name)))
 
 
 def _rows_dynamic(experts: nn.Module, args: tuple, output: torch.Tensor | None = None) -> None:

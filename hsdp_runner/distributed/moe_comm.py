@@ -13,6 +13,15 @@ input, an all-reduce by its tensor):
   activations); ``selective`` saves their outputs. N and M are the counted step's routing
   (``expert_parallel.recording_routing``: the rows each forward dispatch sent and received on
   this rank); without it a rank is taken to receive what it sends (balanced experts).
+- **Token exchange by node** (an ep group spanning ``ParallelDims.ep_nodes`` > 1 nodes of k
+  ranks, ``node_exchange.NodeExchange``): over ``ep_inter`` per MoE layer and micro-batch,
+  forward the counts ((n_experts + nodes) int64), the D rows of the rank's distinct (node,
+  token) pairs, the N copies' slots (int64) and, in combine, their weights (fp32) and the
+  D' rows of summed outputs for the pairs it received; backward the D' rows' gradients, the
+  weights' (C' fp32: the copies it received) and the D rows'. Over ``ep_intra`` (k > 1):
+  forward the counts (n_experts int64), the C' copies it forwards and the M outputs of its
+  experts; backward M, then C'. Full AC repeats every forward call; selective saves them.
+  The routing a dispatch records is (D, D', N, C', M).
 - **Auxiliary loss** (``model.aux_loss_coef`` > 0 with ``cp x tp`` > 1): per MoE layer and
   micro-batch, ``MoE.sequence_sum`` all-reduces the (rows, ``n_experts``) fp32 counts of the
   rank's sequences over ``cp_tp`` (again under full AC; selective saves it).
@@ -28,6 +37,7 @@ sequence parallel the MoE's output all-gather and its input gradient's) ``comm_m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import comb
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
@@ -36,7 +46,8 @@ from hsdp_runner.distributed.param_sizes import moe_blocks
 from hsdp_runner.models.base import ModelConfig, routed_experts
 from hsdp_runner.models.params import torch_dtype
 
-COUNT_BYTES = 8  # the exchange's counts: int64
+COUNT_BYTES = 8  # the exchange's counts (and the by-node exchange's copies' slots): int64
+WEIGHT_BYTES = 4  # the by-node exchange's router weight of a copy: fp32
 STAT_BYTES = 4  # the auxiliary loss's counts and the balance step's vector: fp32
 
 
@@ -57,8 +68,19 @@ def stage_moe_comm(
         return
     again = 2 if AC(parallel.ac) is AC.full else 1  # full AC runs the forward's again
     passes = layers * micro_batches
-    if dims.ep > 1:
-        experts = routed_experts(model_cfg)
+    experts = routed_experts(model_cfg)
+    if dims.ep_nodes > 1:
+        nodes, header = dims.ep_nodes, experts + dims.ep_nodes
+        tally.add(
+            "all_to_all/ep_inter", passes * (5 * again + 3), passes * again * header * COUNT_BYTES
+        )
+        if dims.ep > nodes:  # more than one rank a node: the second stage
+            tally.add(
+                "all_to_all/ep_intra",
+                passes * (3 * again + 2),
+                passes * again * experts * COUNT_BYTES,
+            )
+    elif dims.ep > 1:
         key = f"all_to_all/{dims.same_group('ep')}"
         tally.add(key, passes * (3 * again + 2), passes * again * experts * COUNT_BYTES)
     if dims.cp * dims.tp > 1 and getattr(model_cfg, "aux_loss_coef", 0) > 0:
@@ -85,10 +107,29 @@ def routed_rows(
         return {}
     if routing is None:
         routing = planned_routing(model_cfg, dims, trainer, stages)
-    rows = sum(sent + received for sent, received in routing)
     again = 2 if AC(parallel.ac) is AC.full else 1
     row_bytes = model_cfg.dim * torch_dtype(precision.param_dtype).itemsize
+    if dims.ep_nodes > 1:
+        return _by_node_rows(routing, again, row_bytes, dims.ep > dims.ep_nodes)
+    rows = sum(sent + received for sent, received in routing)
     return {f"all_to_all/{dims.same_group('ep')}": (again + 1) * rows * row_bytes}
+
+
+def _by_node_rows(routing, again: int, row_bytes: int, intra: bool) -> dict[str, int]:
+    """The by-node exchange's routed bytes (module docstring) of ``routing``'s (D, D', N, C',
+    M) per dispatch: ``again`` forwards (2 under full AC) and one backward; ``intra``: k > 1
+    (a second stage)."""
+    inter = sum(
+        (again + 1) * (pairs + pairs_in) * row_bytes
+        + again * copies * (COUNT_BYTES + WEIGHT_BYTES)
+        + copies_in * WEIGHT_BYTES
+        for pairs, pairs_in, copies, copies_in, _ in routing
+    )
+    out = {"all_to_all/ep_inter": inter}
+    if intra:
+        rows = sum(copies_in + mine for _, _, _, copies_in, mine in routing)
+        out["all_to_all/ep_intra"] = (again + 1) * rows * row_bytes
+    return out
 
 
 def planned_routing(
@@ -101,11 +142,29 @@ def planned_routing(
     """(rows sent, rows received) per MoE layer of pipeline ``stages`` over a step, as
     ``routed_rows`` reads a recorded routing: the rank's tokens of the step x ``top_k`` sent,
     ``imbalance`` x as many received (1.0: balanced experts; the planner prices the busiest
-    ep rank with ``plan.expert_imbalance``)."""
+    ep rank with ``plan.expert_imbalance``). By node (``ParallelDims.ep_nodes`` > 1): (D, D',
+    N, C', M) with D = tokens x ``expected_nodes`` (uniform routing), N = tokens x
+    ``top_k``, and the received D', C', M ``imbalance`` x D, N, N."""
     layers = sum(len(moe_blocks(model_cfg, dims, stage)) for stage in stages)
     tokens = trainer.global_batch_size // dims.dp * model_cfg.seq_len // (dims.cp * dims.tp)
     sent = tokens * model_cfg.top_k
+    if dims.ep_nodes > 1:
+        nodes = expected_nodes(routed_experts(model_cfg), model_cfg.top_k, dims.ep_nodes)
+        pairs = round(tokens * nodes)
+        received = round(sent * imbalance)
+        return [(pairs, round(pairs * imbalance), sent, received, received)] * layers
     return [(sent, round(sent * imbalance))] * layers
+
+
+def expected_nodes(experts: int, top_k: int, nodes: int) -> float:
+    """The expected number of distinct nodes a token's ``top_k`` experts sit on, its experts
+    drawn uniformly without replacement from ``experts`` spread evenly over ``nodes``: by
+    linearity of expectation, ``nodes`` x P(a node is hit), and a node's ``experts / nodes``
+    are all missed with probability C(experts - experts / nodes, top_k) / C(experts, top_k).
+    A node other than the token's own is hit with the same probability, so ``(nodes - 1) /
+    nodes`` of it is what crosses nodes."""
+    missed = comb(experts - experts // nodes, top_k) / comb(experts, top_k)
+    return nodes * (1 - missed)
 
 
 def balance_bytes(model_cfg: ModelConfig) -> int:

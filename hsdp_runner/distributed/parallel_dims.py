@@ -46,6 +46,7 @@ from hsdp_runner.distributed.pipeline_settings import (
 # from here, beside the degrees they name.
 from hsdp_runner.distributed.world_mesh import (
     DIM_NAMES,
+    EP_STAGES,
     EXPERT_SPLIT,
     EXPERT_VIEWS,
     GROUP_ORDER,
@@ -267,6 +268,17 @@ class ParallelDims:
         return warnings
 
     @property
+    def ep_nodes(self) -> int:
+        """Nodes one ep group spans, when it holds whole nodes' worth of ranks on each (ep a
+        multiple of the ranks per node: ep groups are runs of ep contiguous ranks); 1
+        otherwise, an ep group inside one node or (ep not a multiple of the ranks per node,
+        nor dividing them) one straddling a node boundary unevenly, which keeps the single
+        all-to-all. Above 1 the token exchange runs by node (``expert_parallel``)."""
+        if not self.moe or self.ep % self.node_size:
+            return 1
+        return self.ep // self.node_size
+
+    @property
     def dp(self) -> int:
         """Data-parallel size: the number of distinct batch slices per step."""
         return self.dp_replicate * self.dp_shard
@@ -341,6 +353,8 @@ class ParallelDims:
         or of the expert split (``efsdp``, ``ep``)."""
         if name in EXPERT_SPLIT:
             return getattr(self, name)
+        if name in EP_STAGES:
+            return self.ep_nodes if name == EP_STAGES[0] else self.ep // self.ep_nodes
         return prod(getattr(self, dim) for dim in _VIEW_DIMS.get(name, (name,)))
 
     def same_group(self, name: str) -> str:
@@ -372,6 +386,7 @@ class ParallelDims:
             "layout": self.layout,
             **self.degrees,
             "ep": self.ep,
+            **({"ep_nodes": self.ep_nodes} if self.ep_nodes > 1 else {}),
             "nodes": self.nodes,
             "ranks_per_node": self.node_size,
             "dims_across_nodes": self.dims_across_nodes(),
@@ -386,7 +401,8 @@ class ParallelDims:
         names = tuple(VIEWS) + ((*EXPERT_VIEWS, *EXPERT_SPLIT) if self.moe else ())
         same = {name: self.same_group(name) for name in names}
         split = (self.efsdp, self.ep) if self.moe else None
-        return build_world_mesh(device_type, self.shape, same, timeout_s, split)
+        stages = (self.ep_nodes, self.ep // self.ep_nodes) if self.ep_nodes > 1 else None
+        return build_world_mesh(device_type, self.shape, same, timeout_s, split, stages)
 
 
 def _group_spans_nodes(shape: tuple[int, ...], dim: int, node_size: int) -> bool:

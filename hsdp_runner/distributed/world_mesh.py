@@ -17,6 +17,13 @@ and ``dp_shard_cp_tp`` split row-major into ``efsdp`` x ``ep`` (``EXPERT_SPLIT``
 the experts are shared out over ``ep`` and each share sharded over ``efsdp``). A dense job's
 mesh is unchanged. Every mesh here derives from the one root, which FSDP2 needs to shard a
 parameter that is already a DTensor over another of them.
+
+When an ep group spans nodes (``ParallelDims.ep_nodes`` > 1), the ``ep`` mesh is unflattened
+once more into ``EP_STAGES``: ``ep_inter`` (the ep ranks with this rank's place on their node,
+one per node: the by-node exchange's first stage) x ``ep_intra`` (the ep ranks of this rank's
+node: its second stage), row-major as the ranks sit on nodes. ``_unflatten`` always makes new
+process groups, so these two are the token exchange's own even where their ranks are another
+group's (the communication counter names them by their group, ``comm_counting``).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ GROUP_ORDER = DIM_NAMES + tuple(VIEWS)
 # the split of ``dp_shard_cp_tp`` into (efsdp, ep), ep innermost.
 EXPERT_VIEWS = {"dp_shard_cp_tp": ("dp_shard", "cp", "tp"), "cp_tp": ("cp", "tp")}
 EXPERT_SPLIT = ("efsdp", "ep")
+# The by-node token exchange's two stages (an ep group spanning nodes only; module docstring).
+EP_STAGES = ("ep_inter", "ep_intra")
 
 
 def group_order(experts: bool) -> tuple[str, ...]:
@@ -68,6 +77,7 @@ def build_world_mesh(
     same_group: dict[str, str],
     timeout_s: float | None,
     expert_split: tuple[int, int] | None = None,
+    ep_stages: tuple[int, int] | None = None,
 ) -> WorldMesh:
     """Build the world mesh of ``shape`` (``DIM_NAMES`` order) and its flattened views once
     (all ranks must call this together); return a WorldMesh.
@@ -78,7 +88,8 @@ def build_world_mesh(
     collective on the mesh's groups: DeviceMesh creates its groups with torch's 30-minute
     default unless their backend options carry a timeout, whatever the default process group
     was given. None: the default group's timeout. ``expert_split``: (efsdp, ep) sizes for a
-    model with experts (the expert meshes are built), None for a dense one.
+    model with experts (the expert meshes are built), None for a dense one. ``ep_stages``:
+    (nodes, ranks per node) of an ep group spanning nodes (``EP_STAGES`` built), else None.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -104,6 +115,12 @@ def build_world_mesh(
             )
     if expert_split:
         views.update(_expert_split(views, mesh, same_group, expert_split, device_type, timeout_s))
+    if ep_stages:
+        options = {name: _backend_with_timeout(device_type, timeout_s) for name in EP_STAGES}
+        stages = views["ep"]._unflatten(
+            0, ep_stages, EP_STAGES, backend_override=options if timeout_s is not None else None
+        )
+        views.update({name: stages[name] for name in EP_STAGES})
     return WorldMesh(mesh, views)
 
 
@@ -176,6 +193,11 @@ class WorldMesh:
     def has_experts(self) -> bool:
         """Whether the expert meshes were built (a model with experts)."""
         return EXPERT_SPLIT[-1] in self._flattened
+
+    def __contains__(self, name: str) -> bool:
+        """Whether the view ``name`` was built (``EP_STAGES`` only for an ep group spanning
+        nodes)."""
+        return name in self._flattened or name in DIM_NAMES
 
     def local_rank_in(self, name: str) -> int:
         """This rank's coordinate along the named (possibly flattened) dim."""

@@ -6,9 +6,12 @@ load-balance statistics, read top to bottom in the order a token meets them.
   changes the choice, never the weights) and weighs them by their scores (renormalised to sum
   1 if asked, times ``route_scale``). Dropless: every token reaches all k of its experts.
 - ``TokenExchange`` / ``LocalExchange``: the seam expert parallel enters through (as
-  ``attend`` is context parallel's): the layer hands its token copies, sorted by expert, to
-  ``exchange.dispatch`` and takes the experts' outputs back from ``exchange.combine``. The
-  default keeps every expert on this process; the runtime installs one that all-to-alls.
+  ``attend`` is context parallel's): the layer hands its tokens and their copies' order
+  (sorted by expert) to ``exchange.dispatch`` and takes each token's weighted sum of its
+  experts' outputs back from ``exchange.combine`` (which weighs the copies with
+  ``WeightedCombine``: where the sum is taken is the exchange's choice, so one that sends a
+  token to a node once can sum its copies there). The default keeps every expert on this
+  process; the runtime installs one that all-to-alls.
 - ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
   sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
   of ``torch._grouped_mm``) or, as the reference, in a loop over experts
@@ -104,28 +107,31 @@ class TokenExchange(Protocol):
     """Moves routed token copies to the ranks holding their experts and the outputs back."""
 
     def dispatch(
-        self, tokens: torch.Tensor, counts: torch.Tensor
+        self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """tokens: (N, dim) this rank's routed token copies sorted by global expert id
-        (stable); counts: (n_experts,) int64 copies per global expert. Returns
-        (local_tokens (M, dim) sorted by LOCAL expert, local_counts (n_local_experts,) int64,
-        state) where the rank holds experts [r*E/ep, (r+1)*E/ep) of ep rank r."""
+        """tokens: (T, dim) this rank's tokens; token: (N,) int64 the token of each routed
+        copy, the copies sorted by global expert id (stable); counts: (n_experts,) int64
+        copies per global expert. Returns (local_tokens (M, dim) sorted by LOCAL expert,
+        local_counts (n_local_experts,) int64, state) where the rank holds experts
+        [r*E/ep, (r+1)*E/ep) of ep rank r."""
 
-    def combine(self, outputs: torch.Tensor, state: Any) -> torch.Tensor:
-        """outputs: (M, dim) the local experts' outputs in dispatch's order. Returns (N, dim)
-        in the order of dispatch's input tokens."""
+    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state: Any) -> torch.Tensor:
+        """outputs: (M, dim) the local experts' outputs in dispatch's order; weight: (N,) fp32
+        the router's weight of each copy (dispatch's copy order). Returns (T, dim) in the
+        tokens' dtype: each token's copies weighed and summed (``WeightedCombine``)."""
 
 
 class LocalExchange:
-    """Every expert on this process: dispatch and combine hand the tokens through."""
+    """Every expert on this process: dispatch gathers the copies, combine weighs and sums
+    them."""
 
-    def dispatch(self, tokens, counts):
-        """Returns (tokens, counts, None) unchanged."""
-        return tokens, counts, None
+    def dispatch(self, tokens, token, counts):
+        """Returns (the copies ``tokens[token]``, counts, what combine sums by)."""
+        return tokens[token], counts, (token, tokens.shape[0], tokens.dtype)
 
-    def combine(self, outputs, state):
-        """Returns ``outputs`` unchanged."""
-        return outputs
+    def combine(self, outputs, weight, state):
+        """Each token's copies of ``outputs`` weighed and summed."""
+        return WeightedCombine.apply(outputs, weight, *state)
 
 
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -279,10 +285,11 @@ class MoE(nn.Module):
         counts = expert_counts(chosen, self.n_experts)
         # One index tensor for the gather and the combine: autograd keeps it once for both.
         token = order // self.top_k
-        local, local_counts, state = self.exchange.dispatch(tokens[token], counts)
-        routed = self.exchange.combine(self.experts(local, local_counts), state)
+        local, local_counts, state = self.exchange.dispatch(tokens, token, counts)
         # Weighted after the experts and summed per token in fp32, returned in x's dtype.
-        out = WeightedCombine.apply(routed, weights.flatten()[order], token, len(tokens), x.dtype)
+        out = self.exchange.combine(
+            self.experts(local, local_counts), weights.flatten()[order], state
+        )
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(bsz, seq, dim)

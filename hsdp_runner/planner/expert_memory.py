@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from hsdp_runner.distributed.expert_parallel import TokenExchange, moe_modules
+from hsdp_runner.distributed.node_exchange import NodeExchange
+from hsdp_runner.models.moe_routing import LocalExchange
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -42,20 +44,17 @@ def _host(values: list[int], shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).view(shape)
 
 
-class PlannedLocalExchange:
-    """Every expert on this rank (no expert parallel): the rows pass through, ``n_experts``
-    equal counts."""
+class PlannedLocalExchange(LocalExchange):
+    """Every expert on this rank (no expert parallel): the copies gathered and summed as the
+    job's ``LocalExchange`` does, ``n_experts`` equal counts."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
 
-    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
-        """Returns (tokens, planned counts (n_experts,), None)."""
-        return tokens, _host(even_split(tokens.shape[0], self.n_experts), (-1,)), None
-
-    def combine(self, outputs: torch.Tensor, state) -> torch.Tensor:
-        """Returns ``outputs`` unchanged."""
-        return outputs
+    def dispatch(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
+        """Returns (the copies, planned counts (n_experts,), what combine sums by)."""
+        copies, _, state = super().dispatch(tokens, token, counts)
+        return copies, _host(even_split(copies.shape[0], self.n_experts), (-1,)), state
 
 
 class PlannedTokenExchange(TokenExchange):
@@ -69,13 +68,13 @@ class PlannedTokenExchange(TokenExchange):
         self.imbalance = imbalance
         self._planned: list[list[int]] = []  # [sent, received] (ep x L, row-major)
 
-    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
-        """The job's dispatch of ``tokens`` (N, dim), with the planned counts; the local
-        experts' counts returned as host values (the per-expert loop reads them)."""
+    def send(self, tokens: torch.Tensor, counts: torch.Tensor):
+        """The job's all-to-alls of the copies ``tokens`` (N, dim), with the planned counts;
+        the local experts' counts returned as host values (the per-expert loop reads them)."""
         experts = counts.numel()
         received = round(tokens.shape[0] * self.imbalance)
         self._planned = [even_split(tokens.shape[0], experts), even_split(received, experts)]
-        local, _, state = super().dispatch(tokens, counts)
+        local, _, state = super().send(tokens, counts)
         per_expert = [
             sum(self._planned[1][r * (experts // self.ep) + e] for r in range(self.ep))
             for e in range(experts // self.ep)
@@ -98,9 +97,11 @@ class PlannedTokenExchange(TokenExchange):
 
 def plan_routing(model: nn.Module, imbalance: float) -> None:
     """Give every MoE layer of ``model`` (built by the job's build: a ``TokenExchange`` under
-    expert parallel) its planned exchange (module docstring)."""
+    expert parallel) its planned exchange (module docstring). An ep group spanning nodes
+    (``NodeExchange``) is measured with the flat exchange over it: its buffers (a node's
+    distinct tokens on the relay besides the copies) are not measured."""
     for moe in moe_modules(model).values():
-        if isinstance(moe.exchange, TokenExchange):
+        if isinstance(moe.exchange, (TokenExchange, NodeExchange)):
             moe.exchange = PlannedTokenExchange(moe.exchange, imbalance)
         else:
             moe.exchange = PlannedLocalExchange(moe.n_experts)
