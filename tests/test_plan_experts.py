@@ -8,6 +8,7 @@ from clusters import fake_cluster
 
 from hsdp_runner import plan
 from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.distributed.moe_comm import expected_nodes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.topology import Placement
 from hsdp_runner.planner.step_time import fsdp_groups, placement_of, step_time
@@ -101,3 +102,50 @@ def test_a_model_whose_experts_run_in_a_loop_is_priced_as_the_grouped_one():
         return traffic(cfg.model, cfg.precision, False)
 
     assert traced("false") == traced("true")
+
+
+@pytest.mark.parametrize("experts, top_k, nodes", [(8, 2, 2), (8, 3, 4), (16, 4, 4), (12, 5, 3)])
+def test_expected_nodes_is_the_mean_over_every_choice_of_experts(experts, top_k, nodes):
+    """``moe_comm.expected_nodes`` (derived: nodes x (1 - C(E - E/n, k) / C(E, k))) against
+    the count of distinct nodes over every set of ``top_k`` experts, equally likely."""
+    from itertools import combinations
+
+    sets = list(combinations(range(experts), top_k))
+    mean = sum(len({e // (experts // nodes) for e in s}) for s in sets) / len(sets)
+    assert expected_nodes(experts, top_k, nodes) == pytest.approx(mean, rel=1e-12)
+
+
+def test_an_ep_group_across_nodes_is_priced_by_node():
+    """8 ranks on 2 nodes of 4 (fake_cluster), FSDP 8 with ep 8: the exchange runs by node,
+    ep_inter (one rank a node: half its bytes leave through the rank's own NIC share) and
+    ep_intra (a node's 4 ranks, NVLink). A token's 2 of 16 experts sit on 2 (1 - C(8, 2) /
+    C(16, 2)) = 1.53 nodes on average, so the rows crossing the NICs are 1.53 / 2 of the flat
+    exchange's (its 2 copies a token, half of them off the node), the copies' slots and
+    weights (12 bytes a copy against a 1,024-byte row) aside."""
+    cfg = to_run_config(plan.compose(MOE))
+    parallel = cfg.parallel.__class__(dp_shard=8, dp_replicate=1, ep=8)
+    dims = ParallelDims.from_config(parallel, cfg.model, 8, 4)
+    assert dims.ep_nodes == 2
+    assert placement_of(dims, "ep_inter") == Placement(2, 1, 4, 2)
+    assert placement_of(dims, "ep_intra") == Placement(4, 4, 1, 1)
+    cluster = fake_cluster()
+    result = step_time(cfg, dims, cluster)
+    comm, links = result["comm"], result["comm_links"]
+    exchanged = {key for key in comm if key.startswith("all_to_all/")}
+    assert exchanged == {"all_to_all/ep_inter", "all_to_all/ep_intra"}
+    assert (links["all_to_all/ep_inter"]["link"], links["all_to_all/ep_intra"]["link"]) == (
+        "nic",
+        "nvlink",
+    )
+    # A rank's 4 sequences of 256 tokens, 2 MoE blocks, rows of 512 bf16; forward and
+    # backward move each row twice, the copies' slots and weights and the counts once.
+    tokens, row, layers = 4 * 256, 512 * 2, 2
+    pairs, copies = round(tokens * expected_nodes(16, 2, 2)), tokens * 2
+    inter = comm["all_to_all/ep_inter"]
+    assert inter["bytes"] == layers * (4 * pairs * row + copies * (8 + 4 + 4) + (16 + 2) * 8)
+    nic = cluster.price(
+        "all_to_all", placement_of(dims, "ep_inter"), inter["calls"], inter["bytes"]
+    )
+    flat_nic = layers * 4 * copies * row / 2 / (10 * GB)
+    assert nic.link_s["nic"] / flat_nic == pytest.approx(expected_nodes(16, 2, 2) / 2, rel=0.01)
+    assert result["exposed_comm_s"]["ep_inter"] > result["exposed_comm_s"]["ep_intra"] > 0

@@ -15,7 +15,9 @@
   its groups use: ``topology.placement`` says, from the node-aware mesh layout, how many ranks
   of one group share a node (k) and how many groups of the dim share it; NVLink inside a node,
   k GPUs' share of the node's NICs (capped by NVLink) across nodes; ring factors, per-call
-  latency.
+  latency. An ep group spanning nodes exchanges tokens by node (``node_exchange``): its
+  ``ep_inter`` stage (one rank a node) crosses the NICs, its ``ep_intra`` stage stays on
+  NVLink.
 - **Overlap**, as torch 2.13's FSDP2 schedules it: all-gathers run ahead of the unit that needs
   them, so only the first unit's all-gather of each pass is exposed (the root in forward, the
   last block in backward); each unit's reduce-scatter (and HSDP/DDP all-reduce over
@@ -59,7 +61,7 @@ from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.param_sizes import expert_wraps, moe_blocks, unit_sizes, view_sizes
 from hsdp_runner.distributed.step_passes import stage_passes
 from hsdp_runner.distributed.topology import Placement, placement
-from hsdp_runner.distributed.world_mesh import EXPERT_SPLIT
+from hsdp_runner.distributed.world_mesh import EP_STAGES, EXPERT_SPLIT
 from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import precision_cost
@@ -86,10 +88,16 @@ def placement_of(dims: ParallelDims, dim: str) -> Placement:
     trainer's step-statistics all-reduce when no one dim spans every rank, or a group of the
     experts' split 'efsdp' / 'ep') sit on the nodes of ``dims``. The split cuts ``dp_shard x
     cp x tp``, the innermost ranks, row-major into ``efsdp x ep``: the same placement as a
-    mesh whose innermost dims are those two."""
+    mesh whose innermost dims are those two. The by-node exchange's stages (``EP_STAGES``,
+    an ep group spanning nodes) split ep once more into (nodes, ranks per node): ``ep_inter``
+    one rank a node, ``ep_intra`` a node's ranks."""
     if dim in EXPERT_SPLIT:
         shape = (dims.pp, dims.dp_replicate, dims.efsdp, dims.ep)
         return placement(shape, (*DIM_NAMES[:2], *EXPERT_SPLIT), dim, dims.node_size)
+    if dim in EP_STAGES:
+        stages = (dims.ep_nodes, dims.ep // dims.ep_nodes)
+        shape = (dims.pp, dims.dp_replicate, dims.efsdp, *stages)
+        return placement(shape, (*DIM_NAMES[:2], "efsdp", *EP_STAGES), dim, dims.node_size)
     return placement(dims.shape, DIM_NAMES, dim, dims.node_size)
 
 
