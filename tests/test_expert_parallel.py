@@ -120,7 +120,7 @@ def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2)
     import torch.distributed as dist
 
     from hsdp_runner.distributed.expert_parallel import make_exchange
-    from hsdp_runner.models.moe_routing import LocalExchange, expert_counts
+    from hsdp_runner.models.moe_routing import LocalExchange, WeightedCombine, expert_counts
 
     d = ParallelDims.from_config(ParallelConfig(dp_shard=4, tp=1, ep=ep), MOE, 4, ranks_per_node)
     world = d.build_mesh("cpu")
@@ -140,7 +140,9 @@ def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2)
     x, w = tokens.clone().requires_grad_(), weight.clone().requires_grad_()
     got, local_counts, state = exchange.dispatch(x, token, counts)
     expert_of_row = torch.repeat_interleave(torch.arange(local) + me * local, local_counts)
-    out = exchange.combine(got * (expert_of_row + 1).to(dtype)[:, None], w[order], state)
+    out = exchange.combine(
+        got * (expert_of_row + 1).to(dtype)[:, None], w[order], state, WeightedCombine.apply
+    )
     (out * upstream).sum().backward()
     # The reference: each local expert's rows from every ep peer (in any order within the
     # expert: the by-node exchange brings them by relay, then source node).
@@ -159,7 +161,8 @@ def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2)
             dispatch = max(dispatch, (by_value(have) - by_value(want)).abs().max().item())
     xr, wr = tokens.clone().requires_grad_(), weight.clone().requires_grad_()
     scale = (chosen.flatten()[order] + 1).to(dtype)[:, None]
-    ref = LocalExchange().combine(xr[token] * scale, wr[order], (token, n_tokens, dtype))
+    state = (token, n_tokens, dtype)
+    ref = LocalExchange().combine(xr[token] * scale, wr[order], state, WeightedCombine.apply)
     (ref * upstream).sum().backward()
     return {
         "kind": type(exchange).__name__,
@@ -252,7 +255,7 @@ def _cross_node_bytes() -> dict:
     to one expert of every ep rank, two per node. What the flat exchange and the by-node one
     send across nodes in one dispatch, combine and backward ({exchange: _CrossNodeBytes})."""
     from hsdp_runner.distributed.expert_parallel import TokenExchange, make_exchange
-    from hsdp_runner.models.moe_routing import expert_counts
+    from hsdp_runner.models.moe_routing import WeightedCombine, expert_counts
 
     d = ParallelDims.from_config(ParallelConfig(dp_shard=4, tp=1, ep=4), MOE, 4, 2)
     world = d.build_mesh("cpu")
@@ -267,7 +270,8 @@ def _cross_node_bytes() -> dict:
         w = torch.rand(n_tokens * top_k, generator=gen, requires_grad=True)
         with _CrossNodeBytes(2) as mode:
             local, local_counts, state = exchange.dispatch(x, token, counts)
-            exchange.combine(local * 2.0, w[order], state).sum().backward()
+            summed = exchange.combine(local * 2.0, w[order], state, WeightedCombine.apply)
+            summed.sum().backward()
         out[type(exchange).__name__] = mode.sent
     return out
 

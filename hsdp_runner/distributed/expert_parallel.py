@@ -45,7 +45,6 @@ from hsdp_runner.distributed.node_exchange import NodeExchange, permute_blocks
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.world_mesh import EP_STAGES
 from hsdp_runner.models.base import ModelConfig, moe_layers, routed_experts
-from hsdp_runner.models.moe_routing import WeightedCombine
 
 
 class TokenExchange:
@@ -75,12 +74,13 @@ class TokenExchange:
         local, local_counts, state = self.send(tokens[token], counts)
         return local, local_counts, (state, token, tokens.shape[0], tokens.dtype)
 
-    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state) -> torch.Tensor:
+    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state, weighted_sum):
         """Send the local experts' ``outputs`` (M, dim, dispatch's order) back to the ranks
         the tokens came from, where each token's copies are weighed by ``weight`` (N,) and
-        summed (``WeightedCombine``); returns (T, dim) in the tokens' dtype."""
+        summed (``weighted_sum``: the layer's ``WeightedCombine.apply``); returns (T, dim) in
+        the tokens' dtype."""
         sent, token, n_tokens, dtype = state
-        return WeightedCombine.apply(self.send_back(outputs, sent), weight, token, n_tokens, dtype)
+        return weighted_sum(self.send_back(outputs, sent), weight, token, n_tokens, dtype)
 
     def send(self, tokens: torch.Tensor, counts: torch.Tensor):
         """The all-to-alls of ``dispatch`` (its copies ``tokens``, N rows): (local tokens,

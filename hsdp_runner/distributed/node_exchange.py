@@ -15,7 +15,8 @@ nodes; ep rank r = (node r // k, place r % k) holds experts [r L, (r+1) L)):
   node): each distinct (destination node, token) pair once, to the peer with this rank's
   place on that node (the *relay*; a rank is its own relay for its own node), with, per
   routed copy, the index of its token among those sent to that node (int64) and, in
-  combine, its router weight (fp32, differentiable: the weighted sum happens on the relay);
+  combine, its router weight (fp32, differentiable: the weighted sum happens on the relay,
+  with the layer's own ``WeightedCombine``, which ``combine`` is handed);
   first the counts: per destination node its experts' copy counts and the distinct tokens;
 - **stage 2, ``ep_intra``** (the ep ranks of this node): the relay forwards one row per
   copy to the rank holding its expert, ordered (destination place, source node, local
@@ -40,8 +41,6 @@ its first.
 from __future__ import annotations
 
 import torch
-
-from hsdp_runner.models.moe_routing import WeightedCombine
 
 
 def permute_blocks(sizes: torch.Tensor, perm: tuple[int, ...], total: int) -> torch.Tensor:
@@ -173,11 +172,11 @@ class NodeExchange:
         state = (splits, (places_out, places_in), order, relay_order, slot_in, pairs, shape)
         return mine, landed.sum((0, 1)), state
 
-    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state) -> torch.Tensor:
+    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state, weighted_sum):
         """The local experts' ``outputs`` (M, dim, dispatch's order) back to the relays, there
-        weighed by their copies' ``weight`` (N,) and summed per token, one row per (node,
-        token) back to the source, which sums its tokens' rows; returns (T, dim) in the
-        tokens' dtype."""
+        weighed by their copies' ``weight`` (N,) and summed per token (``weighted_sum``: the
+        layer's ``WeightedCombine.apply``), one row per (node, token) back to the source,
+        which sums its tokens' rows; returns (T, dim) in the tokens' dtype."""
         splits, (places_out, places_in), order, relay_order, slot_in, pairs, shape = state
         (n_tokens, dim), dtype = shape
         back = _all_to_all(
@@ -191,7 +190,7 @@ class NodeExchange:
         weight_in = _all_to_all(
             weight, splits["copies_in"], splits["copies_out"], self.inter, self.nodes
         )
-        partial = WeightedCombine.apply(copies, weight_in, slot_in, sum(splits["rows_in"]), dtype)
+        partial = weighted_sum(copies, weight_in, slot_in, sum(splits["rows_in"]), dtype)
         rows = _all_to_all(partial, splits["rows_out"], splits["rows_in"], self.inter, self.nodes)
         total = torch.zeros((n_tokens, dim), dtype=torch.float32, device=rows.device)
         return total.index_add(0, pairs % n_tokens, rows.float()).to(dtype)

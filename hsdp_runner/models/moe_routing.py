@@ -8,9 +8,9 @@ load-balance statistics, read top to bottom in the order a token meets them.
 - ``TokenExchange`` / ``LocalExchange``: the seam expert parallel enters through (as
   ``attend`` is context parallel's): the layer hands its tokens and their copies' order
   (sorted by expert) to ``exchange.dispatch`` and takes each token's weighted sum of its
-  experts' outputs back from ``exchange.combine`` (which weighs the copies with
-  ``WeightedCombine``: where the sum is taken is the exchange's choice, so one that sends a
-  token to a node once can sum its copies there). The default keeps every expert on this
+  experts' outputs back from ``exchange.combine``, to which it hands how to sum
+  (``WeightedCombine.apply``): where the sum is taken is the exchange's choice, so one that
+  sends a token to a node once can sum its copies there. The default keeps every expert on this
   process; the runtime installs one that all-to-alls.
 - ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
   sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
@@ -115,10 +115,13 @@ class TokenExchange(Protocol):
         local_counts (n_local_experts,) int64, state) where the rank holds experts
         [r*E/ep, (r+1)*E/ep) of ep rank r."""
 
-    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state: Any) -> torch.Tensor:
+    def combine(
+        self, outputs: torch.Tensor, weight: torch.Tensor, state: Any, weighted_sum: Callable
+    ) -> torch.Tensor:
         """outputs: (M, dim) the local experts' outputs in dispatch's order; weight: (N,) fp32
-        the router's weight of each copy (dispatch's copy order). Returns (T, dim) in the
-        tokens' dtype: each token's copies weighed and summed (``WeightedCombine``)."""
+        the router's weight of each copy (dispatch's copy order); weighted_sum: the layer's
+        ``WeightedCombine.apply`` (rows, weights, token index, tokens, dtype). Returns (T, dim)
+        in the tokens' dtype: each token's copies weighed and summed with it."""
 
 
 class LocalExchange:
@@ -129,9 +132,9 @@ class LocalExchange:
         """Returns (the copies ``tokens[token]``, counts, what combine sums by)."""
         return tokens[token], counts, (token, tokens.shape[0], tokens.dtype)
 
-    def combine(self, outputs, weight, state):
+    def combine(self, outputs, weight, state, weighted_sum):
         """Each token's copies of ``outputs`` weighed and summed."""
-        return WeightedCombine.apply(outputs, weight, *state)
+        return weighted_sum(outputs, weight, *state)
 
 
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -288,7 +291,10 @@ class MoE(nn.Module):
         local, local_counts, state = self.exchange.dispatch(tokens, token, counts)
         # Weighted after the experts and summed per token in fp32, returned in x's dtype.
         out = self.exchange.combine(
-            self.experts(local, local_counts), weights.flatten()[order], state
+            self.experts(local, local_counts),
+            weights.flatten()[order],
+            state,
+            WeightedCombine.apply,
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

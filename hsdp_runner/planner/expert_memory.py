@@ -26,7 +26,6 @@ from torch import nn
 
 from hsdp_runner.distributed.expert_parallel import TokenExchange, moe_modules
 from hsdp_runner.distributed.node_exchange import NodeExchange
-from hsdp_runner.models.moe_routing import LocalExchange
 
 
 def even_split(total: int, parts: int) -> list[int]:
@@ -44,7 +43,7 @@ def _host(values: list[int], shape: tuple[int, ...]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).view(shape)
 
 
-class PlannedLocalExchange(LocalExchange):
+class PlannedLocalExchange:
     """Every expert on this rank (no expert parallel): the copies gathered and summed as the
     job's ``LocalExchange`` does, ``n_experts`` equal counts."""
 
@@ -52,9 +51,14 @@ class PlannedLocalExchange(LocalExchange):
         self.n_experts = n_experts
 
     def dispatch(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
-        """Returns (the copies, planned counts (n_experts,), what combine sums by)."""
-        copies, _, state = super().dispatch(tokens, token, counts)
-        return copies, _host(even_split(copies.shape[0], self.n_experts), (-1,)), state
+        """Returns (the copies ``tokens[token]``, planned counts (n_experts,), what combine
+        sums by)."""
+        planned = _host(even_split(token.shape[0], self.n_experts), (-1,))
+        return tokens[token], planned, (token, tokens.shape[0], tokens.dtype)
+
+    def combine(self, outputs, weight, state, weighted_sum) -> torch.Tensor:
+        """Each token's copies of ``outputs`` weighed and summed (``weighted_sum``)."""
+        return weighted_sum(outputs, weight, *state)
 
 
 class PlannedTokenExchange(TokenExchange):
