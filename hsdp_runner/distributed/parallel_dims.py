@@ -386,7 +386,6 @@ class ParallelDims:
             "layout": self.layout,
             **self.degrees,
             "ep": self.ep,
-            **({"ep_nodes": self.ep_nodes} if self.ep_nodes > 1 else {}),
             "nodes": self.nodes,
             "ranks_per_node": self.node_size,
             "dims_across_nodes": self.dims_across_nodes(),
