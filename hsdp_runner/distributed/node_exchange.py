@@ -96,81 +96,79 @@ class NodeExchange:
         (n_experts,) int64 copies per expert), then on to the ranks of those experts.
         Returns (local tokens (M, dim) sorted by local expert, local counts (L,), the state
         ``combine`` needs)."""
+        rows, slot_in, by_source, splits, pairs = self._to_nodes(tokens, token, counts)
+        mine, landed, relay_order, order, places = self._to_experts(rows, slot_in, by_source)
+        if self.rows_dynamic:
+            torch._dynamo.maybe_mark_dynamic(mine, 0)
+        if self.routing is not None and torch._C._current_graph_task_id() == -1:
+            sent, received = sum(splits["rows_out"]), sum(splits["rows_in"])
+            self.routing.append((sent, received, token.numel(), slot_in.numel(), mine.shape[0]))
+        shape = (tokens.shape, tokens.dtype)
+        state = (splits, places, order, relay_order, slot_in, pairs, shape)
+        return mine, landed.sum((0, 1)), state
+
+    def _to_nodes(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
+        """Stage 1 over ``ep_inter``: the counts, then each distinct (node, token) pair's row
+        and each copy's slot among its node's rows. Returns (the rows arrived, source node by
+        source node; each arrived copy's row among them, in (source node, node expert) order;
+        the arrived copies per (source node, place, local expert); the split sizes; the
+        pairs sent, node-major)."""
         from torch.distributed._functional_collectives import all_to_all_single
 
-        nodes, per_node, n_tokens = self.nodes, self.per_node, tokens.shape[0]
+        nodes, n_tokens, device = self.nodes, tokens.shape[0], counts.device
         node_experts = counts.numel() // nodes
-        local = node_experts // per_node
         expert = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=counts.device), counts, output_size=token.numel()
+            torch.arange(counts.numel(), device=device), counts, output_size=token.numel()
         )
         node = expert // node_experts
         # Distinct (node, token) pairs, node-major: what crosses to each node, and per copy
         # its pair (the slot its token takes among the rows sent to its node).
         pairs, slot = torch.unique(node * n_tokens + token, return_inverse=True)
-        rows_out = torch.zeros(nodes, dtype=torch.int64, device=counts.device)
+        rows_out = torch.zeros(nodes, dtype=torch.int64, device=device)
         rows_out.scatter_add_(0, pairs // n_tokens, torch.ones_like(pairs))
         header = torch.cat([counts.view(nodes, node_experts), rows_out[:, None]], 1)
         arrived = all_to_all_single(header.flatten(), None, None, self.inter).view(nodes, -1)
         sent_host, arrived_host = torch.stack([header, arrived]).tolist()
-        splits = {  # stage 1's split sizes, host values
+        splits = {  # host values
             "rows_out": [row[-1] for row in sent_host],
             "rows_in": [row[-1] for row in arrived_host],
             "copies_out": [sum(row[:-1]) for row in sent_host],
             "copies_in": [sum(row[:-1]) for row in arrived_host],
         }
         first = torch.cumsum(rows_out, 0) - rows_out
-        rows = _all_to_all(
-            tokens.index_select(0, pairs % n_tokens),
-            splits["rows_in"],
-            splits["rows_out"],
-            self.inter,
-            nodes,
-        )
+        picked = tokens.index_select(0, pairs % n_tokens)
+        rows = _all_to_all(picked, splits["rows_in"], splits["rows_out"], self.inter, nodes)
         slot_in = _all_to_all(
             slot - first[node], splits["copies_in"], splits["copies_out"], self.inter, nodes
         )
-        # On the relay: each copy's row among those arrived (its source node's block first).
-        rows_in = torch.tensor(splits["rows_in"], device=counts.device)
+        # Each copy's row among those arrived: its source node's block first.
+        rows_in = torch.tensor(splits["rows_in"], device=device)
         source = torch.repeat_interleave(
-            torch.arange(nodes, device=counts.device),
-            torch.tensor(splits["copies_in"], device=counts.device),
+            torch.arange(nodes, device=device),
+            torch.tensor(splits["copies_in"], device=device),
             output_size=slot_in.numel(),
         )
         slot_in = slot_in + (torch.cumsum(rows_in, 0) - rows_in)[source]
-        # Stage 2: copies from (source node, node expert) order to (place, source node, local
-        # expert), one row each, to the ranks of their experts.
-        by_source = arrived[:, :-1].reshape(nodes, per_node, local)
+        by_source = arrived[:, :-1].reshape(nodes, self.per_node, -1)
+        return rows, slot_in, by_source, splits, pairs
+
+    def _to_experts(self, rows: torch.Tensor, slot_in: torch.Tensor, by_source: torch.Tensor):
+        """Stage 2 over ``ep_intra``: the relay's copies, from (source node, node expert) order
+        to (place, source node, local expert), one row each, to the ranks of their experts,
+        counts first; there reordered to local-expert-major. Returns (the rows, the counts
+        arrived per (relay, source node, local expert), the relay's order and the expert
+        rank's, the split sizes (sent to each place, received from each relay))."""
+        per_node = self.per_node
         relay_order = permute_blocks(by_source, (1, 0, 2), slot_in.numel())
         onward = by_source.permute(1, 0, 2).contiguous()
         landed = _all_to_all(onward.flatten(), None, None, self.intra, per_node)
-        landed = landed.view(per_node, nodes, local)
-        places_out = [
-            sum(sum(row[p * local : (p + 1) * local]) for row in arrived_host)
-            for p in range(per_node)
-        ]
-        places_in = landed.sum((1, 2)).tolist()
+        landed = landed.view(per_node, self.nodes, -1)
+        places = torch.stack([onward.sum((1, 2)), landed.sum((1, 2))]).tolist()  # one read
         forwarded = _all_to_all(
-            rows.index_select(0, slot_in[relay_order]), places_in, places_out, self.intra, per_node
+            rows.index_select(0, slot_in[relay_order]), places[1], places[0], self.intra, per_node
         )
-        # On the expert rank: from (relay, source node, local expert) to local-expert-major.
         order = permute_blocks(landed, (2, 0, 1), forwarded.shape[0])
-        mine = forwarded.index_select(0, order)
-        if self.rows_dynamic:
-            torch._dynamo.maybe_mark_dynamic(mine, 0)
-        if self.routing is not None and torch._C._current_graph_task_id() == -1:
-            self.routing.append(
-                (
-                    sum(splits["rows_out"]),
-                    sum(splits["rows_in"]),
-                    token.numel(),
-                    slot_in.numel(),
-                    mine.shape[0],
-                )
-            )
-        shape = (tokens.shape, tokens.dtype)
-        state = (splits, (places_out, places_in), order, relay_order, slot_in, pairs, shape)
-        return mine, landed.sum((0, 1)), state
+        return forwarded.index_select(0, order), landed, relay_order, order, places
 
     def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state, weighted_sum):
         """The local experts' ``outputs`` (M, dim, dispatch's order) back to the relays, there
