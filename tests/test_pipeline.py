@@ -89,7 +89,7 @@ def compose_cases(cases: dict) -> dict:
 def _train_cases(configs: dict) -> dict:
     """Train each ``{name: typed config}`` case (``compose_cases``) on these ranks; return
     {name: (step records, measured vs analytic communication or {})}."""
-    from rank_job import rank_trainer
+    from hsdp_runner.runtime.rank_training import rank_trainer
 
     out = {}
     for name, cfg in configs.items():
