@@ -1,30 +1,36 @@
 """How much does the runner cost over a minimal hand-written FSDP2 loop?
 
-    .venv/bin/python benchmarks/overhead.py [--model llama3_debug] [--steps 12] [--warmup 4]
+    .venv/bin/python benchmarks/overhead.py [--model llama3_debug] [--steps 40] [--warmup 4]
+        [--repeats 3] [--layouts fsdp,fsdp_tp]
 
-For each layout (fsdp: dp_shard=2; fsdp_tp: dp_shard=2 x tp=2), side by side with the same
-model, mesh, global batch, steps and loss (under TP both compute it on the vocabulary-sharded
-logits with torch's ``loss_parallel``, the runner's default ``parallel.loss_parallel=true``):
-- ``python -m hsdp_runner`` (defaults, ``logger=none``), and
-- ``torchrun --standalone`` + ``benchmarks/minimal_fsdp.py``.
-Prints the steady-state (median after ``--warmup`` steps) step time of each and their ratio,
-and the wall time of each command and their ratio. The step time is the same region in both
-(train step through the loss on the host); what the runner does around it (metrics, console,
-start-up checks, W&B when on) shows in the wall time. The last line is
-``step_time_ratio=<x> wall_ratio=<y>``: the worst layout of each. Targets: <= 1.00 (both sides
-doing the same work), <= 1.15. Each pair runs ``--repeats`` times (default 5, at least 3 for a
-figure to report), alternating which command goes first; each repeat's step time is the median
-of its steps after warm-up. A layout's step-time ratio is the median of its pairs' ratios (a
-paired comparison: the machine's drift between pairs cancels within each), printed beside the
-ratio of the two sides' medians; the wall figures are medians over the repeats. Every pair also
-prints its own step-time ratio and the 1-minute load average before and after it: on a machine
-shared with other work a pair whose load moved is noise, not overhead.
+For each layout (fsdp: dp_shard=2; fsdp_tp: dp_shard=2 x tp=2), with the same model, mesh,
+global batch and loss (under TP both compute it on the vocabulary-sharded logits with torch's
+``loss_parallel``, the runner's default ``parallel.loss_parallel=true``):
+
+- **Step time**, the target's figure: ``benchmarks/interleaved_steps.py`` under ``torchrun``
+  steps the runner's own ``Trainer.fit`` and ``benchmarks/minimal_fsdp.py``'s loop in turn in
+  the same processes, ``--steps`` steps each (the two loops take turns a step at a time, so the
+  machine's drift reaches both alike). Each step's ratio pairs the runner's step with the
+  minimal loop's beside it; the layout's ratio is the median of the pairs after ``--warmup``,
+  printed with a 95% interval of that median (order statistics) and the ratio of the two
+  medians. The step is the same region in both: the train step through the loss on the host.
+- **Wall time**: ``python -m hsdp_runner`` (defaults, ``logger=none``) and ``torchrun
+  --standalone`` + ``benchmarks/minimal_fsdp.py`` as separate commands, ``--repeats`` pairs
+  alternating which goes first (medians over the repeats); what the runner does around the
+  steps (start-up checks, metrics, console, teardown) shows here. Each pair also prints the
+  step-time ratio of the two separate commands and the 1-minute load average around it (two
+  commands a minute apart are not the same machine: that figure is context, not the target).
+
+The last line is ``step_time_ratio=<x> step_time_ci=<lo>-<hi> wall_ratio=<y>``: the worst layout
+of each. Targets: step time <= 1.00 (both sides doing the same work), wall <= 1.15. Time it
+alone: the 2-core machine shared with a test run measures the test run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -33,6 +39,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.interleaved_steps import runner_overrides  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {"fsdp": (2, 1), "fsdp_tp": (2, 2)}  # name -> (dp_shard, tp)
@@ -47,9 +56,7 @@ def _timed(cmd: list[str], env: dict) -> float:
     return wall
 
 
-def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: bool) -> dict:
-    """Run the runner and the minimal loop for one layout; return their step medians and walls."""
-    world = dp_shard * tp
+def _env(world: int) -> dict:
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -58,35 +65,82 @@ def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: b
     }
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    out = tmp / f"{name}_minimal.json"
-    minimal = [
+    return env
+
+
+def _torchrun(world: int, script: str, *flags: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={world}",
-        "benchmarks/minimal_fsdp.py",
+        script,
+        *flags,
+    ]
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95% interval of the median of ``values`` from their order statistics (the normal
+    approximation of the binomial): (low, high); the whole range when there are too few."""
+    ranked = sorted(values)
+    n = len(ranked)
+    half = 0.98 * math.sqrt(n)
+    low, high = math.floor(n / 2 - half), math.ceil(n / 2 + half)
+    return ranked[max(low, 0)], ranked[min(high, n - 1)]
+
+
+def interleaved(name: str, dp_shard: int, tp: int, args, tmp: Path) -> dict:
+    """Step both loops in turn in one torchrun job (``interleaved_steps.py``); return the
+    layout's paired step-time figures."""
+    out = tmp / f"{name}_interleaved.json"
+    cmd = _torchrun(
+        dp_shard * tp,
+        "benchmarks/interleaved_steps.py",
         f"--dp-shard={dp_shard}",
         f"--tp={tp}",
         f"--model={args.model}",
         f"--steps={args.steps}",
         f"--batch={args.batch}",
         f"--out={out}",
-    ]
+    )
+    load_before = os.getloadavg()[0]
+    _timed(cmd, _env(dp_shard * tp))
+    times = json.loads(out.read_text())
+    runner, minimal = times["runner"][args.warmup :], times["minimal"][args.warmup :]
+    pairs = [r / m for r, m in zip(runner, minimal)]
+    return {
+        "runner_step": statistics.median(runner),
+        "minimal_step": statistics.median(minimal),
+        "ratio": statistics.median(pairs),
+        "interval": median_interval(pairs),
+        "load": (load_before, os.getloadavg()[0]),
+    }
+
+
+def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: bool) -> dict:
+    """Run the runner and the minimal loop as separate commands for one layout; return their
+    walls and step medians."""
+    world = dp_shard * tp
+    env = _env(world)
+    out = tmp / f"{name}_minimal.json"
+    minimal = _torchrun(
+        world,
+        "benchmarks/minimal_fsdp.py",
+        f"--dp-shard={dp_shard}",
+        f"--tp={tp}",
+        f"--model={args.model}",
+        f"--steps={args.wall_steps}",
+        f"--batch={args.batch}",
+        f"--out={out}",
+    )
     job = tmp / f"{name}_runner_{time.monotonic_ns()}"
     runner = [
         sys.executable,
         "-m",
         "hsdp_runner",
         f"hydra.run.dir={job}",
-        "parallel=fsdp_tp",
-        "parallel.dp_replicate=1",
-        f"parallel.dp_shard={dp_shard}",
-        f"parallel.tp={tp}",
-        f"model={args.model}",
-        f"trainer.steps={args.steps}",
-        f"trainer.global_batch_size={args.batch}",
-        "logger=none",
+        *runner_overrides(dp_shard, tp, args.model, args.wall_steps, args.batch),
     ]
     load_before = os.getloadavg()[0]
     if runner_first:
@@ -100,14 +154,13 @@ def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: b
     runner_step = statistics.median(run_times[args.warmup :])
     minimal_step = statistics.median(min_times[args.warmup :])
     print(
-        f"  {name} pair ({'runner' if runner_first else 'minimal'} first): step time runner "
-        f"{runner_step:.3f} s, minimal {minimal_step:.3f} s, ratio "
-        f"{runner_step / minimal_step:.3f}; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}",
+        f"  {name} wall pair ({'runner' if runner_first else 'minimal'} first): wall runner "
+        f"{wall_run:.1f} s, minimal {wall_min:.1f} s; step time as separate commands "
+        f"{runner_step:.3f} / {minimal_step:.3f} s = {runner_step / minimal_step:.3f}; "
+        f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     return {
-        "runner_step": runner_step,
-        "minimal_step": minimal_step,
         "runner_wall": wall_run,
         "minimal_wall": wall_min,
         # what the wall time spends outside the timed steps: start-up, teardown, reporting
@@ -119,47 +172,58 @@ def run_pair(name: str, dp_shard: int, tp: int, args, tmp: Path, runner_first: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3_debug")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40, help="interleaved steps of each loop")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    parser.add_argument("--wall-steps", type=int, default=12, help="steps of each wall-time run")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=5,
-        help="pairs per layout, alternating which goes first; each figure is "
-        "the median over the repeats",
+        "--repeats", type=int, default=3, help="wall-time pairs per layout (0: none)"
     )
     args = parser.parse_args()
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {platform.processor() or ''} "
         f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; model={args.model} "
-        f"steps={args.steps} (median of the last {args.steps - args.warmup}) batch={args.batch} "
-        f"repeats={args.repeats}"
+        f"interleaved steps={args.steps} (pairs after the first {args.warmup}) batch={args.batch}"
+        f" wall repeats={args.repeats} of {args.wall_steps} steps"
     )
-    step_ratios, wall_ratios = [], []
+    step_ratios, intervals, wall_ratios = [], [], []
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
         for name in args.layouts.split(","):
             dp_shard, tp = LAYOUTS[name]
+            steps = interleaved(name, dp_shard, tp, args, Path(tmp))
+            step_ratios.append(steps["ratio"])
+            intervals.append(steps["interval"])
+            low, high = steps["interval"]
+            print(
+                f"{name:8s} (dp_shard={dp_shard}, tp={tp}): interleaved step time runner "
+                f"{steps['runner_step']:.3f} s, minimal {steps['minimal_step']:.3f} s; ratio "
+                f"{steps['ratio']:.3f} (95% interval {low:.3f}-{high:.3f}; of the medians "
+                f"{steps['runner_step'] / steps['minimal_step']:.3f}); load "
+                f"{steps['load'][0]:.1f} -> {steps['load'][1]:.1f}",
+                flush=True,
+            )
+            if args.repeats == 0:
+                continue
             runs = [
                 run_pair(name, dp_shard, tp, args, Path(tmp), runner_first=i % 2 == 1)
                 for i in range(args.repeats)
             ]
             r = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            paired = statistics.median(run["runner_step"] / run["minimal_step"] for run in runs)
-            step_ratios.append(paired)
             wall_ratios.append(r["runner_wall"] / r["minimal_wall"])
             print(
-                f"{name:8s} (dp_shard={dp_shard}, tp={tp}): step time runner "
-                f"{r['runner_step']:.3f} s, minimal {r['minimal_step']:.3f} s, ratio "
-                f"{step_ratios[-1]:.3f} (of the medians {r['runner_step'] / r['minimal_step']:.3f})"
-                f" | wall python -m hsdp_runner {r['runner_wall']:.1f} s, "
-                f"torchrun + minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f} | "
-                f"outside the steps: runner {r['runner_outside']:.1f} s, minimal "
-                f"{r['minimal_outside']:.1f} s",
+                f"{name:8s} wall python -m hsdp_runner {r['runner_wall']:.1f} s, torchrun + "
+                f"minimal {r['minimal_wall']:.1f} s, ratio {wall_ratios[-1]:.3f} | outside the "
+                f"steps: runner {r['runner_outside']:.1f} s, minimal {r['minimal_outside']:.1f} s",
                 flush=True,
             )
-    print(f"step_time_ratio={max(step_ratios):.3f} wall_ratio={max(wall_ratios):.3f}")
+    worst = max(range(len(step_ratios)), key=step_ratios.__getitem__)
+    low, high = intervals[worst]
+    wall = f"{max(wall_ratios):.3f}" if wall_ratios else "n/a"
+    print(
+        f"step_time_ratio={step_ratios[worst]:.3f} step_time_ci={low:.3f}-{high:.3f} "
+        f"wall_ratio={wall}"
+    )
 
 
 if __name__ == "__main__":

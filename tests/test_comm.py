@@ -185,8 +185,9 @@ def _layout_configs(names):
 def _measure_layouts(configs):
     """{layout: the rank's comm facts, with the analytic figure of balanced experts
     (``comm_balanced``)}, then under 'c10d_all_to_all' what ``_c10d_all_to_all`` counts."""
-    from rank_job import rank_trainer
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from hsdp_runner.runtime.rank_training import rank_trainer
 
     out = {}
     for name, cfg in configs.items():

@@ -106,9 +106,9 @@ def _train_eval_frozen(cases):
     """Train, evaluate and check the frozen embedding for each of ``_eval_configs``."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from rank_job import rank_trainer
 
     from hsdp_runner.models.llama import Llama
+    from hsdp_runner.runtime.rank_training import rank_trainer
     from hsdp_runner.train.data import EVAL_STEP_OFFSET, TokenBatches
 
     results = {}

@@ -279,11 +279,11 @@ def _cross_node_bytes() -> dict:
 def _train(ep: int, ranks_per_node: int | None) -> list[dict]:
     """moe_tiny under FSDP 4 with ``ep`` (the ranks told they sit on nodes of
     ``ranks_per_node``), 3 steps: the step records."""
-    from rank_job import rank_trainer
     from test_config import compose
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.runtime.rank_training import rank_trainer
 
     overrides = ["model=moe_tiny", "parallel=fsdp", f"parallel.ep={ep}", "logger=none"]
     cfg = to_run_config(compose([*overrides, "trainer.steps=3", "metrics.peak_tflops=1"]))

@@ -142,10 +142,8 @@ def _checkpoint_legs(configs, root):
     """Run the legs of ``_leg_configs`` in turn through the job's own checkpointer; returns
     ({leg: records}, root)."""
 
-    from rank_job import rank_trainer
-
     from hsdp_runner.checkpoint import start as checkpoint_start
-    from hsdp_runner.runtime.rank_training import make_checkpointer
+    from hsdp_runner.runtime.rank_training import make_checkpointer, rank_trainer
 
     out = {}
     for name, run in configs.items():

@@ -415,11 +415,10 @@ def _save_while_rank0_prunes_slowly(out: str) -> list[str]:
     from pathlib import Path
 
     import torch.distributed as dist
-    from rank_job import rank_trainer
     from test_config import compose
 
     from hsdp_runner.config.compose import to_run_config
-    from hsdp_runner.runtime.rank_training import make_checkpointer
+    from hsdp_runner.runtime.rank_training import make_checkpointer, rank_trainer
 
     cfg = compose(
         [

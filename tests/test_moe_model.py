@@ -16,7 +16,7 @@ from hsdp_runner.config.compose import compose
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import build_meta_model, model_spec, moe_layers
 from hsdp_runner.models.common import clean_name, initial_value
-from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, WeightedCombine
+from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, SwiGLU, WeightedCombine
 
 
 def tiny_spec(*overrides: str):
@@ -189,8 +189,9 @@ def test_weighted_combine_gradients_pass_gradcheck():
 
 def test_bf16_layer_saves_no_fp32_copy_of_the_routed_outputs():
     """What a bf16 MoE layer keeps for backward (autograd's saved tensors, each storage once,
-    its weights and input aside): the routed copies' inputs and outputs and the experts' four
-    SwiGLU intermediates in bf16, plus the router's fp32 scores, the copies' weights and the
+    its weights and input aside): the routed copies' inputs and outputs and three of the
+    experts' SwiGLU tensors in bf16 (its two inputs and the product: ``SwiGLU`` recomputes the
+    SiLU), plus the router's fp32 scores, the copies' weights and the
     int64 indices (about 100 bytes a token here); no fp32 tensor as large as the routed rows."""
     dim, k, ffn, n_experts, tokens = 64, 2, 32, 8, 64
     moe = MoE(
@@ -213,11 +214,31 @@ def test_bf16_layer_saves_no_fp32_copy_of_the_routed_outputs():
     routed_rows = tokens * k * dim
     assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= routed_rows]
     held = sum(t.untyped_storage().nbytes() for t in saved)
-    needed = tokens * k * (2 * dim + 4 * ffn) * 2  # bf16: inputs, outputs, SwiGLU
+    needed = tokens * k * (2 * dim + 3 * ffn) * 2  # bf16: inputs, outputs, SwiGLU
     # fp32: the scores (n_experts), the chosen ones (k) and their sum (1), the routed copies'
     # weights (k); int64: the choice, the sort order, each copy's token (k each); int32 offsets.
     small = tokens * (4 * (n_experts + 1) + k * (4 + 4 + 3 * 8)) + 4 * n_experts
     assert needed <= held <= needed + small
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_is_bit_for_bit_the_expression_it_replaces(dtype):
+    """``SwiGLU`` (saving its two inputs, the SiLU recomputed in backward): value and both
+    gradients equal autograd's of ``silu(gate) * up``, bit for bit, and it keeps only the two
+    inputs for backward."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up, grad_out = (torch.randn(7, 12, generator=gen).to(dtype) for _ in range(3))
+    results = []
+    for fn in (SwiGLU.apply, lambda g, u: torch.nn.functional.silu(g) * u):
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        out = fn(g, u)
+        out.backward(grad_out)
+        results.append((out, g.grad, u.grad))
+    for got, want in zip(*results):
+        assert got.dtype == dtype and torch.equal(got, want)
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    saved = saved_by(lambda a, b: SwiGLU.apply(a, b), g, u)
+    assert saved == []  # only the inputs, which saved_by leaves aside
 
 
 def explicit_aux_loss(moe, x: torch.Tensor, coef: float) -> torch.Tensor:

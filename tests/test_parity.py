@@ -176,8 +176,8 @@ def _train_cases(configs):
     steps, as a job measures it) is measured only where the overrides set
     ``metrics.memory_steps``; it is None elsewhere."""
     import torch.distributed as dist
-    from rank_job import rank_trainer
 
+    from hsdp_runner.runtime.rank_training import rank_trainer
     from hsdp_runner.train.tensor_memory import TensorMemoryMeter
 
     out = {}
@@ -406,10 +406,10 @@ def _ep_cases(configs: dict) -> dict:
     """Train each ``{name: typed config}`` case on these ranks; return {name: (step records,
     ParallelDims.describe(), {MoE block index: its expert_bias after training}, what Dynamo
     compiled: the graphs it had made after each step and the reason of every recompile)}."""
-    from rank_job import rank_trainer
     from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 
     from hsdp_runner.distributed.expert_parallel import moe_modules
+    from hsdp_runner.runtime.rank_training import rank_trainer
 
     out = {}
     for name, cfg in configs.items():

@@ -89,7 +89,7 @@ def compose_cases(cases: dict) -> dict:
 def _train_cases(configs: dict) -> dict:
     """Train each ``{name: typed config}`` case (``compose_cases``) on these ranks; return
     {name: (step records, measured vs analytic communication or {})}."""
-    from rank_job import rank_trainer
+    from hsdp_runner.runtime.rank_training import rank_trainer
 
     out = {}
     for name, cfg in configs.items():
@@ -670,3 +670,27 @@ def test_the_planner_writes_exactly_the_pipeline_rows_the_runner_accepts(tmp_pat
     assert any("parallel.ac=selective fails" in r for r in refused)
     assert any("precision.param_dtype=bfloat16 != precision.master_dtype" in r for r in refused)
     assert any("parallel.reshard_after_forward=true computes wrong" in r for r in refused)
+
+
+def test_a_stage_keeps_each_weight_gathered_over_the_group_it_is_sharded_over():
+    """Between micro-batches a stage's blocks stay gathered, each weight over its own FSDP
+    group: with ep over every rank of the replica (efsdp 1) a rank's routed experts are whole
+    already, so only the rest of the blocks (attention, norms, router, shared experts: over
+    the 4 ranks) is gathered on top of the shards."""
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.planner.pipeline import gathered_blocks_gib
+
+    run = to_run_config(compose(["model=moe_tiny", "precision=bf16"]))
+    with torch.device("meta"):
+        model = model_spec(run.model).build()
+    blocks = {n: p.numel() for n, p in model.named_parameters() if n.startswith("layers.")}
+    experts = sum(n for name, n in blocks.items() if ".moe.experts." in name)
+    rest = sum(blocks.values()) - experts
+    assert experts > 0 and rest > 0
+    for ep, efsdp in ((4, 1), (2, 2)):
+        dims = ParallelDims(
+            dp_replicate=1, dp_shard=4, tp=1, ep=ep, world_size=4, ranks_per_node=4, moe=True
+        )
+        # bf16: 2 bytes; a weight sharded over g ranks has (1 - 1/g) of it gathered on top.
+        expected = (rest * 3 / 4 + experts / ep * (1 - 1 / efsdp)) * 2 / 2**30
+        assert gathered_blocks_gib(run, dims) == pytest.approx(expected)

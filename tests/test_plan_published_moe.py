@@ -72,3 +72,22 @@ def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, m
     assert "2 figures planned, median |error| 20.0%" in out
     assert "left out of the median: c: parallel.pp=9: no" in out
     assert "Fits where it ran: 1 of 2" in out and "b (90.0 GiB)" in out
+
+
+def test_zero1_pipeline_figures_shard_their_state_over_every_data_parallel_rank(bench):
+    """A ZeRO-1 figure under a pipeline is planned with FSDP over all its data-parallel ranks
+    (dp_replicate 1: the optimizer's fp32 state sharded over every DP rank, as ZeRO-1 shards
+    it) and its weights kept gathered through the step (``reshard_after_forward=false``, as
+    ZeRO-1 keeps its bf16 weights whole), not as HSDP whose replicas each hold the experts'
+    whole fp32 state."""
+    planned = 0
+    for case in bench.load()["moe_throughput"]:
+        if case.get("pp", 1) == 1 or "zero1" not in case["caveats"]:
+            continue
+        planned += 1
+        fixed = bench._fixed_degrees(case)
+        replicas, shard, tp = case["layout"]
+        assert fixed["dp_replicate"] == 1 and fixed["dp_shard"] == replicas * shard, case["id"]
+        assert fixed["tp"] == tp, case["id"]
+        assert "parallel.reshard_after_forward=false" in case["overrides"], case["id"]
+    assert planned >= 20

@@ -85,9 +85,8 @@ class Tally:
 
 
 def _trainer(overrides, device=None):
-    from rank_job import rank_trainer
-
     from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.runtime.rank_training import rank_trainer
 
     return rank_trainer(to_run_config(compose(BASE + overrides)), device)[0]
 
@@ -108,7 +107,26 @@ def _count_syncs():
             per_step.append((step, tally.reads, tally.collectives))
 
         trainer.fit(after_step=after_step)
-    return {"per_step": per_step, "reads": tally.reads, "collectives": tally.collectives}
+    return {
+        "per_step": per_step,
+        "reads": tally.reads,
+        "collectives": tally.collectives,
+        "losses": [r["loss"] for r in trainer.records],
+    }
+
+
+def _interleaved():
+    """The overhead benchmark's interleaved loop (benchmarks/interleaved_steps.py) on the
+    syncs case's job."""
+    from benchmarks.interleaved_steps import interleave
+    from benchmarks.minimal_fsdp import MinimalLoop
+
+    trainer = _trainer(FSDP + ["trainer.steps=4"])
+    minimal = MinimalLoop(2, 1, "llama3_tiny", 4)
+    runner_times, minimal_times = interleave(trainer, minimal)
+    losses = [r["loss"] for r in trainer.records]
+    minimal.close()
+    return {"runner": runner_times, "minimal": minimal_times, "losses": losses}
 
 
 def _nan_skip():
@@ -181,6 +199,7 @@ def _scenarios():
         "skip": _nan_skip(),
         "stop": _nan_stop(),
         "signal": _stop_request(),
+        "interleaved": _interleaved(),
     }
 
 
@@ -229,6 +248,19 @@ def test_stop_request_on_one_rank_stops_every_rank_after_the_same_step(outcomes)
         # Signalled during step 2, after its all-reduce: step 3's carries it; step 4 is dropped.
         assert s["stopped_by"] == signal.SIGTERM and s["last_step"] == 3, (rank, s)
         assert set(s["adam_steps"]) == {3.0}, (rank, s)
+
+
+@pytest.mark.multiprocess
+def test_the_overhead_benchmarks_interleaved_loop_times_both_and_changes_no_runner_result(
+    outcomes,
+):
+    for rank, out in outcomes.items():
+        s = out["interleaved"]
+        assert len(s["runner"]) == len(s["minimal"]) == 4, (rank, s)
+        assert all(t > 0 for t in s["runner"] + s["minimal"]), (rank, s)
+        # The minimal loop stepped between the runner's steps leaves the runner's job as it
+        # is alone: the same losses, bit for bit, as the syncs case's run of the same config.
+        assert s["losses"] == out["syncs"]["losses"], (rank, s["losses"])
 
 
 def _cuda_sync_warnings():

@@ -16,6 +16,8 @@ load-balance statistics, read top to bottom in the order a token meets them.
   sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
   of ``torch._grouped_mm``) or, as the reference, in a loop over experts
   (``model.grouped_mm``).
+- ``SwiGLU``: the experts' activation, saving its two inputs only (``silu`` recomputed in
+  backward).
 - ``WeightedCombine``: each token's expert outputs weighed by the router and summed in fp32,
   as one autograd function that saves the outputs in their own dtype (no fp32 copy of them).
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
@@ -164,8 +166,8 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm:
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-            hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+            gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            hidden = SwiGLU.apply(gate, F.grouped_mm(x, w3.transpose(-2, -1), offs=offs))
             return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
         return self._loop(x, counts, w1, w2, w3)
 
@@ -177,6 +179,25 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)
             outputs.append(hidden @ w2[expert].T)
         return torch.cat(outputs)
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up``, saving only ``gate`` and ``up``: backward recomputes ``silu(gate)``
+    (one elementwise op) instead of keeping it. Autograd of the plain expression keeps both
+    inputs and the SiLU's output (the product's other factor), a third (M, hidden) tensor per
+    routed copy. Forward and backward run the ops autograd would (``silu_backward`` on the
+    product's gradient), so values and gradients are bit for bit the expression's."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
+        return grad_gate, grad_out * F.silu(gate)
 
 
 class AuxLossScaler(torch.autograd.Function):

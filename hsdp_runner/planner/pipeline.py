@@ -53,7 +53,7 @@ from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce, PPSched
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import stage_send_bytes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.distributed.param_sizes import unit_sizes
+from hsdp_runner.distributed.param_sizes import local_params
 from hsdp_runner.distributed.pipeline_settings import job_refusal
 from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import DIM_NAMES
@@ -338,17 +338,22 @@ def gathered_blocks_gib(run: RunConfig, dims: ParallelDims) -> float:
     blocks gathered between micro-batches (``step_passes.fsdp_gathers``): after a micro-batch's
     backward every block stays unsharded until the next forward passes it, so the forward
     after a backward starts with all of them gathered (in ``precision.param_dtype``), next to
-    the activations the stage holds. Nothing when FSDP does not shard (``dp_shard x cp`` = 1)
-    or blocks are not resharded after forward (then one micro-batch's measured peak already
-    holds them all gathered). ``run`` is the stage's config (its blocks), ``dims`` its layout.
-    Counted on top of the measured peak, which holds up to two blocks gathered already: high
-    by at most those."""
-    if dims.dp_shard_cp == 1 or not run.parallel.reshard_after_forward:
+    the activations the stage holds. Each parameter is gathered over the group its FSDP unit
+    shards over (``param_sizes.local_params``' view): a block's over ``dp_shard x cp``, a
+    model with experts' routed experts over ``efsdp`` (nothing to gather where efsdp = 1: ep
+    takes every rank of the replica), its router and shared experts over ``dp_shard_cp_tp``.
+    Nothing when blocks are not resharded after forward (then one micro-batch's measured peak
+    already holds them all gathered). ``run`` is the stage's config (its blocks), ``dims`` its
+    layout. Counted on top of the measured peak, which holds up to two blocks gathered
+    already: high by at most those."""
+    if not run.parallel.reshard_after_forward:
         return 0.0
-    units = unit_sizes(run.model, dims, run.trainer.freeze, run.parallel.sequence_parallel)
-    blocks = sum(size for unit, (size, _) in units.items() if unit != "root")
-    itemsize = torch_dtype(run.precision.param_dtype).itemsize
-    return blocks * itemsize * (1 - 1 / dims.dp_shard_cp) / 2**30
+    held = sum(
+        param.numel * (1 - 1 / dims.group_size(param.view))
+        for param in local_params(run.model, dims, run.parallel.sequence_parallel)
+        if param.unit != "root"
+    )
+    return held * torch_dtype(run.precision.param_dtype).itemsize / 2**30
 
 
 def busiest_stage_blocks(run: RunConfig, pp: int, v: int = 1) -> int:

@@ -173,6 +173,27 @@ def build_rank_model(
     )
 
 
+def rank_trainer(
+    cfg: RunConfig,
+    device: torch.device | None = None,
+    timeout_s: float | None = None,
+    ranks_per_node: int | None = None,
+) -> tuple[Trainer, ParallelDims]:
+    """A rank's trainer built in a process whose process group is already up (tests, the
+    overhead benchmark's interleaved loop), as ``train_rank`` builds one: the world mesh of
+    ``cfg``'s degrees, the stage chunks and their schedule, the run's fixed figures, the
+    trainer without sinks. ``device``: the CPU by default; ``timeout_s``: the mesh's collective
+    timeout (None: the process group's); ``ranks_per_node``: the ranks per node the degrees
+    are told, as a launch's LOCAL_WORLD_SIZE tells a job (None: one node). Returns (trainer,
+    dims); ``trainer.parts`` holds the rank's stage chunks."""
+    device = device or torch.device("cpu")
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size(), ranks_per_node)
+    world = dims.build_mesh(device.type, timeout_s)
+    schedule = build_rank_model(cfg, dims, world, device)
+    figures = compute_run_figures(cfg, dims, schedule.parts, device)
+    return make_trainer(cfg, dims, world, schedule, device, figures, trackers=[]), dims
+
+
 def make_trainer(
     cfg: RunConfig,
     dims: ParallelDims,
