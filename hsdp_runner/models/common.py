@@ -1,7 +1,8 @@
 """What model families share: the seeded initial values, the parameter name without wrapper
 prefixes, the Llama-style building blocks (RMSNorm, rotary embeddings, the SwiGLU feed-forward),
 causal attention (grouped-query keys and values kept un-repeated in fp16/bf16), the TP style
-that keeps a module whole on the TP mesh, and the decoder skeleton of the Llama-style families (``RotaryDecoder``).
+that keeps a module whole on the TP mesh, and the decoder skeleton of the Llama-style families
+(``RotaryDecoder``).
 
 A family module (``llama.py``, ``moe.py``, ``gpt2.py``) imports these instead of another family's module,
 so each family reads on its own. Helpers the runner uses outside the models (dtype names,

@@ -1,5 +1,5 @@
 """Pipeline layouts priced from one stage: the bubble of each schedule, the stage-to-stage sends
-and the activations the first stage holds.
+and the activations the ranks hold through the warm-up.
 
 A pp layout runs ``pp`` stages of ``world / pp`` ranks each (whole nodes: stages are the
 outermost mesh dim). Each stage is planned as a job of its own (``layouts.plan_layouts``) on
@@ -131,8 +131,8 @@ def stage_peak_gib(
     ``peak_without_head_gib`` as ``planner.memory.layout_memory`` gives them): the rank holding
     the most (rank 0 without interleaving) holds what the blocks' forward leaves for as many
     micro-batches as ``held_microbatches`` says (``stage_sizes``: the blocks of each stage)
-    but is priced without the output layer and loss; the last runs them and, but under GPipe (every
-    stage holds all m, the last what its whole forward leaves, output layer and loss
+    but is priced without the output layer and loss; the last runs them and, but under GPipe
+    (every stage holds all m, the last what its whole forward leaves, output layer and loss
     included), holds one micro-batch. The stage planned carries both ends, so each is priced
     from it and the larger taken."""
     saved = memory["saved_activations_gib"]
