@@ -694,3 +694,53 @@ def test_a_stage_keeps_each_weight_gathered_over_the_group_it_is_sharded_over():
         # bf16: 2 bytes; a weight sharded over g ranks has (1 - 1/g) of it gathered on top.
         expected = (rest * 3 / 4 + experts / ep * (1 - 1 / efsdp)) * 2 / 2**30
         assert gathered_blocks_gib(run, dims) == pytest.approx(expected)
+
+
+def test_warm_up_is_counted_per_rank_from_the_schedule_order():
+    """Qwen3-235B's published pipeline (94 blocks over pp 8 x v 4 virtual stages of 3, the end
+    stages one block lighter; 512 micro-batches): at their peaks rank 0 holds 102 block-micro-
+    batches and rank 1 the most, 111, not rank 0's in-flight count (9.75 chunks) times the
+    busiest rank's 12 blocks (117). 1F1B on the same uneven cut: rank 0 holds 8 micro-batches
+    of 11 blocks (88). On even splits the count is Megatron's warm-up, as before."""
+    from hsdp_runner.models.base import stage_blocks
+    from hsdp_runner.planner.pipeline import held_microbatches
+    from hsdp_runner.planner.pipeline_schedule import held_blocks
+
+    sizes = tuple(len(s) for s in stage_blocks(94, 32, 1, 1))
+    assert held_blocks("interleaved_1f1b", 8, 512, 4, sizes) == (102, 111, 105, 99, 93, 87, 81, 75)
+    assert held_microbatches("interleaved_1f1b", 8, 512, 4, sizes) == 111 / 12
+    one = tuple(len(s) for s in stage_blocks(94, 8, 1, 1))
+    assert held_blocks("1f1b", 8, 512, 1, one) == (88, 84, 72, 60, 48, 36, 24, 11)
+    assert held_microbatches("1f1b", 8, 512, 1, one) == 88 / 12
+    # Even splits: the old figures.
+    assert held_microbatches("interleaved_1f1b", 4, 8, 2, (2,) * 8) == (6 + 4 + 1) / 2
+    assert held_microbatches("interleaved_1f1b", 8, 512, 4) == (14 + 24 + 1) / 4
+    assert held_microbatches("1f1b", 4, 8, 1, (3,) * 4) == 4
+    assert held_microbatches("gpipe", 4, 8, 1, (3,) * 4) == 8
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zb"])
+@pytest.mark.parametrize("pp, m, v", [(4, 8, 2), (4, 6, 3), (8, 16, 4), (4, 3, 2), (2, 4, 2)])
+def test_rank_order_is_torchs_schedule_order(schedule, pp, m, v):
+    """The planner's orders against torch's own (``_calculate_single_rank_operations``, run
+    on a schedule object given only the attributes it reads)."""
+    from torch.distributed.pipelining import schedules
+
+    from hsdp_runner.planner.pipeline_schedule import FORWARD, INPUT_BACKWARD, RELEASE, rank_order
+
+    cls = {
+        "interleaved_1f1b": schedules.ScheduleInterleaved1F1B,
+        "interleaved_zb": schedules.ScheduleInterleavedZeroBubble,
+    }[schedule]
+    kind = schedules._ComputationType
+    step = {kind.FORWARD: FORWARD, kind.FULL_BACKWARD: RELEASE}
+    step |= {kind.BACKWARD_INPUT: INPUT_BACKWARD, kind.BACKWARD_WEIGHT: RELEASE}
+    torch_schedule = object.__new__(cls)
+    torch_schedule.pp_group_size, torch_schedule.n_local_stages = pp, v
+    torch_schedule._n_microbatches = m
+    torch_schedule.number_of_rounds = max(1, m // pp)
+    torch_schedule.microbatches_per_round = m // torch_schedule.number_of_rounds
+    for rank in range(pp):
+        actions = torch_schedule._calculate_single_rank_operations(rank)
+        theirs = [(a.stage_index // pp, step[a.computation_type]) for a in actions if a]
+        assert rank_order(schedule, pp, m, v, rank) == theirs, rank

@@ -7,12 +7,13 @@ sees of a sequence follows this order: its input tokens and targets (``train/dat
 positions (RoPE angles or learned position vectors, through ``positions``) and its queries.
 
 Attention (``SequenceShard.attention``): the rank's keys and values are all-gathered over the
-cp group, one collective per layer holding both, before grouped-query heads are repeated (so
-the traffic is n_kv_heads wide: the approach of Llama 3's long-context training), and put in
-position order; each of the rank's two query chunks then attends to the keys up to its own
-end, causally within the chunk (a lower-right causal bias). The all-gather is torch's
-functional collective, whose autograd formula reduce-scatters the keys' and values'
-gradients back to the ranks that produced them in backward.
+cp group, one collective per layer holding both, n_kv_heads wide (the approach of Llama 3's
+long-context training; grouped-query heads are repeated after it only where plain attention
+repeats them, ``common.grouped_kv``), and put in position order; each of the rank's two query
+chunks then attends to the keys up to its own end, causally within the chunk (a lower-right
+causal bias). The all-gather is torch's functional collective, whose autograd formula
+reduce-scatters the keys' and values' gradients back to the ranks that produced them in
+backward.
 
 Why not torch's ``context_parallel``: on CPU it has no sharding rule for the CPU attention
 kernel, and flex attention (its all-gather mode) has no CPU backward; this one runs the same
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hsdp_runner.models.common import grouped_kv
 
 
 def head_tail_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -109,10 +112,12 @@ class SequenceShard:
             .index_select(2, order)
             for i in range(2)
         )
-        repeat = q.shape[1] // kv_heads
-        if repeat > 1:
-            k_all = k_all.repeat_interleave(repeat, dim=1)
-            v_all = v_all.repeat_interleave(repeat, dim=1)
+        # Grouped-query heads as plain attention takes them (``common.grouped_kv``): in bf16
+        # the gathered keys and values are saved un-repeated. torch 2.13's lower-right causal
+        # bias (``CausalBias._dispatch``) passes ``enable_gqa`` on: on CUDA it checks the flash
+        # kernel with it and calls ``_scaled_dot_product_flash_attention`` on the un-repeated
+        # keys (flash takes grouped heads); on CPU it runs SDPA with the bias as a mask.
+        k_all, v_all, gqa = grouped_kv(q, k_all, v_all)
         chunk = seq // 2
         return torch.cat(
             [
@@ -121,6 +126,7 @@ class SequenceShard:
                     k_all[:, :, :end],
                     v_all[:, :, :end],
                     attn_mask=bias,
+                    enable_gqa=gqa,
                 )
                 for start, end, bias in self._chunks
             ],

@@ -1,7 +1,8 @@
 """What model families share: the seeded initial values, the parameter name without wrapper
 prefixes, the Llama-style building blocks (RMSNorm, rotary embeddings, the SwiGLU feed-forward),
-causal attention (grouped-query heads repeated), the TP style that keeps a module whole on
-the TP mesh, and the decoder skeleton of the Llama-style families (``RotaryDecoder``).
+causal attention (grouped-query keys and values kept un-repeated in fp16/bf16), the TP style
+that keeps a module whole on the TP mesh, and the decoder skeleton of the Llama-style families
+(``RotaryDecoder``).
 
 A family module (``llama.py``, ``moe.py``, ``gpt2.py``) imports these instead of another family's module,
 so each family reads on its own. Helpers the runner uses outside the models (dtype names,
@@ -206,13 +207,38 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+# Where keys and values go to attention with their own heads, fewer than the queries' (SDPA's
+# ``enable_gqa``), so autograd saves them un-repeated: kv_heads / heads of the bytes (Qwen3-235B:
+# 2 KB per token and block where the repeated copies took 32 KB). In torch 2.13 the fused CUDA
+# kernels that take grouped heads, flash and cuDNN, run fp16 and bf16 only, flash with head_dim
+# up to 256 (on sm80 and later, the GPUs this runner targets); the memory-efficient kernel, which
+# runs the rest (fp32 above all), rejects grouped heads (its dense check is
+# ``check_batch_size_and_num_heads_dense<false>``: read in torch's sources, not run here), so
+# there SDPA would fall to the math backend and hold seq x seq scores: the heads are repeated
+# first, as before. The CPU kernel takes grouped heads in every dtype; the rule goes by dtype and
+# width alone so that the planner, measuring on CPU, holds what a GPU job holds.
+GROUPED_HEADS_DTYPES = (torch.float16, torch.bfloat16)
+GROUPED_HEADS_MAX_HEAD_DIM = 256
+
+
+def grouped_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(k, v, enable_gqa) to hand SDPA with (batch, heads, seq, head_dim) queries ``q``: k and v
+    as they are with ``enable_gqa`` where their heads are fewer, ``q``'s dtype is one of
+    ``GROUPED_HEADS_DTYPES`` and its head_dim at most ``GROUPED_HEADS_MAX_HEAD_DIM``, else
+    repeated to every query head (or already as many)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat == 1:
+        return k, v, False
+    if q.dtype in GROUPED_HEADS_DTYPES and q.shape[-1] <= GROUPED_HEADS_MAX_HEAD_DIM:
+        return k, v, True
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of (batch, heads, seq, head_dim) queries over keys and values with
-    ``kv_heads`` dividing ``heads`` (grouped-query heads are repeated here)."""
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ``kv_heads`` dividing ``heads`` (grouped-query heads: ``grouped_kv``)."""
+    k, v, gqa = grouped_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 class ReplicatedParams(ParallelStyle):

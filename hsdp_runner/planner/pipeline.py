@@ -1,5 +1,5 @@
 """Pipeline layouts priced from one stage: the bubble of each schedule, the stage-to-stage sends
-and the activations the first stage holds.
+and the activations the ranks hold through the warm-up.
 
 A pp layout runs ``pp`` stages of ``world / pp`` ranks each (whole nodes: stages are the
 outermost mesh dim). Each stage is planned as a job of its own (``layouts.plan_layouts``) on
@@ -27,13 +27,16 @@ stage:
   send each way, priced as a 2-rank exchange over the link between neighbouring stages
   (across nodes when a stage fills whole nodes); interleaving sends v times as often.
 - **Memory**: the stage's measured peak holds one micro-batch's activations, plus its blocks
-  gathered between micro-batches (``gathered_blocks_gib``); the first stage holds the saved
-  activations of more micro-batches before its first backward: GPipe all m, 1F1B min(m, pp),
-  interleaved 1F1B (2 (pp - 1) + (v - 1) pp + 1) / v of a rank's micro-batch (Megatron's
-  warm-up, each chunk 1/v of the rank's blocks), at most m; but it runs no output layer or
-  loss, whose transients make the measured peak of the stage planned (which carries both
-  ends). So the first stage is priced at the peak of its other phases plus the micro-batches
-  it holds beyond one, the last at the measured peak (plus m - 1 under GPipe), and the
+  gathered between micro-batches (``gathered_blocks_gib``); before their first backward ranks
+  hold the saved activations of more micro-batches, counted per rank from the schedule's
+  order (``pipeline_schedule.held_blocks``: each of the rank's stages' blocks times that
+  stage's micro-batches in flight at the rank's peak): GPipe all m, 1F1B min(m, pp - rank)
+  of the rank's stage, interleaved schedules per virtual stage (Megatron's warm-up, 2 (pp - 1)
+  + (v - 1) pp + 1 chunks on rank 0 of an even split). The most any rank holds, in micro-
+  batches of the busiest rank's blocks, is priced; that rank is priced without the output
+  layer and loss, whose transients make the measured peak of the stage planned (which
+  carries both ends). So it is priced at the peak of its other phases plus the micro-batches
+  it holds beyond one, the last stage at the measured peak (plus m - 1 under GPipe), and the
   larger taken (``stage_peak_gib``).
 
 Fitted nothing: every term is arithmetic on the stage's prediction, which ``planner.md``
@@ -60,6 +63,7 @@ from hsdp_runner.distributed.world_mesh import DIM_NAMES
 from hsdp_runner.models.base import stage_blocks
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.planner.pipeline_schedule import held_blocks
 
 # The schedules the planner prices (every one, whatever ``parallel.pp_schedule`` says).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
@@ -114,29 +118,42 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return bubble / 3 if schedule == "interleaved_zb" else bubble
 
 
-def stage_peak_gib(memory: dict, schedule: str, pp: int, m: int, v: int = 1) -> float:
+def stage_peak_gib(
+    memory: dict,
+    schedule: str,
+    pp: int,
+    m: int,
+    v: int = 1,
+    stage_sizes: tuple[int, ...] | None = None,
+) -> float:
     """The peak of the busiest rank of a pipeline from its stage's planned ``memory`` (one
     micro-batch in flight; ``saved_activations_gib``, ``forward_held_gib`` and
-    ``peak_without_head_gib`` as ``planner.memory.layout_memory`` gives them): the first stage
-    holds what the blocks' forward leaves for as many micro-batches as ``held_microbatches``
-    says but runs no output layer or loss; the last runs them and, but under GPipe (every
-    stage holds all m, the last what its whole forward leaves, output layer and loss
+    ``peak_without_head_gib`` as ``planner.memory.layout_memory`` gives them): the rank holding
+    the most (rank 0 without interleaving) holds what the blocks' forward leaves for as many
+    micro-batches as ``held_microbatches`` says (``stage_sizes``: the blocks of each stage)
+    but is priced without the output layer and loss; the last runs them and, but under GPipe
+    (every stage holds all m, the last what its whole forward leaves, output layer and loss
     included), holds one micro-batch. The stage planned carries both ends, so each is priced
     from it and the larger taken."""
     saved = memory["saved_activations_gib"]
     held = memory.get("forward_held_gib", saved)
-    first = memory["peak_without_head_gib"] + (held_microbatches(schedule, pp, m, v) - 1) * saved
+    held_mb = held_microbatches(schedule, pp, m, v, stage_sizes)
+    first = memory["peak_without_head_gib"] + (held_mb - 1) * saved
     last = memory["peak_gib"] + ((m if schedule == "gpipe" else 1) - 1) * held
     return max(first, last)
 
 
-def held_microbatches(schedule: str, pp: int, m: int, v: int = 1) -> float:
-    """Micro-batches' activations (a rank's blocks each) the first stage holds at its peak."""
-    if schedule == "gpipe":
-        return float(m)
-    if v == 1:
-        return float(min(m, pp))
-    return min(float(m), (2 * (pp - 1) + (v - 1) * pp + 1) / v)
+def held_microbatches(
+    schedule: str, pp: int, m: int, v: int = 1, stage_sizes: tuple[int, ...] | None = None
+) -> float:
+    """Micro-batches' activations, in units of the busiest rank's blocks, that the rank holding
+    the most holds at its peak: the largest over ranks of ``pipeline_schedule.held_blocks``
+    (each of its stages' blocks times that stage's micro-batches in flight, from the
+    schedule's order) over the most blocks a rank holds. ``stage_sizes``: the blocks of each
+    of the pp x v stages (``models.base.stage_blocks``); default an even split."""
+    sizes = tuple(stage_sizes) if stage_sizes is not None else (1,) * (pp * v)
+    busiest = max(sum(sizes[rank::pp]) for rank in range(pp))
+    return max(held_blocks(schedule, pp, m, v, sizes)) / busiest
 
 
 def check_pp_degrees(degrees: list, nodes: int, n_layers: int, gpus_per_node: int = 1) -> None:
@@ -302,7 +319,7 @@ def _entry(
     world = cluster.world_size
     tokens = run.trainer.global_batch_size * run.model.seq_len
     memory = dict(row["memory"])
-    peak = stage_peak_gib(memory, schedule, pp, m, v)
+    peak = stage_peak_gib(memory, schedule, pp, m, v, _stage_sizes(run, pp, v))
     memory.update(peak_gib=peak, pipeline_held_activations_gib=peak - memory["peak_gib"])
     exposed = {**row["exposed_comm_s"], "pp": sends.seconds}
     terms = {
@@ -356,19 +373,26 @@ def gathered_blocks_gib(run: RunConfig, dims: ParallelDims) -> float:
     return held * torch_dtype(run.precision.param_dtype).itemsize / 2**30
 
 
-def busiest_stage_blocks(run: RunConfig, pp: int, v: int = 1) -> int:
-    """The most blocks one of ``pp`` ranks holds with ``v`` stages each: the model cut into
-    pp x v stages (``stage_blocks``, with the end stages' weights), rank r holding stages r,
-    r + pp, ... (``ParallelDims.local_stages``). The stage is planned with these and both
-    ends' modules: the busiest rank, priced high rather than low. ConfigError when a stage
-    would get no block."""
+def _stage_sizes(run: RunConfig, pp: int, v: int) -> tuple[int, ...]:
+    """The blocks of each of the pp x v stages of ``run``'s model (``stage_blocks``, with the
+    end stages' weights); ConfigError when a stage would get no block."""
     split = stage_blocks(
         run.model.n_layers,
         pp * v,
         run.parallel.pp_first_stage_less_blocks,
         run.parallel.pp_last_stage_less_blocks,
     )
-    return max(sum(len(split[s]) for s in range(rank, pp * v, pp)) for rank in range(pp))
+    return tuple(len(blocks) for blocks in split)
+
+
+def busiest_stage_blocks(run: RunConfig, pp: int, v: int = 1) -> int:
+    """The most blocks one of ``pp`` ranks holds with ``v`` stages each: the model cut into
+    pp x v stages (``_stage_sizes``), rank r holding stages r, r + pp, ...
+    (``ParallelDims.local_stages``). The stage is planned with these and both ends' modules:
+    the busiest rank, priced high rather than low. ConfigError when a stage would get no
+    block."""
+    sizes = _stage_sizes(run, pp, v)
+    return max(sum(sizes[rank::pp]) for rank in range(pp))
 
 
 def _flops_ratio(run: RunConfig, pp: int, v: int) -> float:

@@ -156,12 +156,12 @@ class _Attention(torch.autograd.Function):
     sdpa = staticmethod(torch.nn.functional.scaled_dot_product_attention)
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal):
+    def forward(ctx, q, k, v, is_causal, enable_gqa):
         ctx.save_for_backward(q, k, v)
-        ctx.is_causal = is_causal
+        ctx.is_causal, ctx.enable_gqa = is_causal, enable_gqa
         _Attention.trace.in_attention = True
         try:
-            return _Attention.sdpa(q, k, v, is_causal=is_causal)
+            return _Attention.sdpa(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
         finally:
             _Attention.trace.in_attention = False
 
@@ -171,14 +171,16 @@ class _Attention(torch.autograd.Function):
         _Attention.trace.in_attention = True
         try:
             with torch.enable_grad():
-                out = _Attention.sdpa(q, k, v, is_causal=ctx.is_causal)
-            return (*torch.autograd.grad(out, (q, k, v), grad), None)
+                out = _Attention.sdpa(q, k, v, is_causal=ctx.is_causal, enable_gqa=ctx.enable_gqa)
+            return (*torch.autograd.grad(out, (q, k, v), grad), None, None)
         finally:
             _Attention.trace.in_attention = False
 
 
-def _opaque_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-    return _Attention.apply(q, k, v, is_causal)
+def _opaque_sdpa(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, **kwargs
+):
+    return _Attention.apply(q, k, v, is_causal, enable_gqa)
 
 
 @dataclass(frozen=True)
