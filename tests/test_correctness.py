@@ -48,10 +48,79 @@ def _reduced_gradients(precision):
     return out
 
 
+def _adamw_on_shards_against_torch() -> dict:
+    """Three AdamW steps (weight decay on) of the runner's ``ShardLocalAdamW`` and of torch's
+    fused AdamW over the same DTensors on a 2 x 2 mesh: FSDP x TP's strided shards, a 2-D
+    shard, and a replicated weight with a TP ``Partial`` gradient (summed over tp first). Returns {name: (parameters equal bit for bit, moments equal and DTensors
+    of the parameter's placements)}."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from hsdp_runner.train.optimizer import ShardLocalAdamW
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    cases = {
+        "strided": ([_StridedShard(0, split_factor=2), Shard(0)], None),
+        "2d_shard": ([Shard(0), Shard(1)], None),
+        "partial_grad": ([Replicate(), Replicate()], [Replicate(), Partial()]),
+    }
+
+    def tensors():
+        params, grads = {}, {}
+        for name, (placements, grad_placements) in cases.items():
+            local = torch.randn(4, 6, generator=torch.Generator().manual_seed(len(name)))
+            params[name] = nn.Parameter(DTensor.from_local(local, mesh, placements))
+            grads[name] = [
+                DTensor.from_local(
+                    torch.randn(4, 6, generator=gen), mesh, grad_placements or placements
+                )
+                for _ in range(3)
+            ]
+        return params, grads
+
+    results = []
+    for optimizer_class in (torch.optim.AdamW, ShardLocalAdamW):
+        gen.manual_seed(rank)
+        params, grads = tensors()
+        optimizer = optimizer_class(params.values(), lr=1e-2, weight_decay=0.1, fused=True)
+        for step in range(3):
+            for name, param in params.items():
+                param.grad = grads[name][step]
+            optimizer.step()
+        results.append((params, optimizer.state))
+    (torch_params, torch_state), (ours, our_state) = results
+
+    def local(tensor):
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    out = {}
+    for name, param in ours.items():
+        ref = torch_params[name]
+        moments = [(our_state[param][k], torch_state[ref][k]) for k in ("exp_avg", "exp_avg_sq")]
+        out[name] = (
+            torch.equal(local(param), local(ref)),
+            all(
+                torch.equal(local(a), local(b))
+                and type(a) is type(b)
+                and getattr(a, "placements", None) == getattr(param, "placements", None)
+                for a, b in moments
+            ),
+        )
+    return out
+
+
 def _four_rank_cases(precision, eval_cases):
-    """The gradient probe (the default ``precision``), then the eval/frozen cases: one set of
-    four workers serves both."""
-    return {"grads": _reduced_gradients(precision), "eval": _train_eval_frozen(eval_cases)}
+    """The gradient probe (the default ``precision``), the optimizer on local shards, then the
+    eval/frozen cases: one set of four workers serves all three."""
+    return {
+        "grads": _reduced_gradients(precision),
+        "adamw": _adamw_on_shards_against_torch(),
+        "eval": _train_eval_frozen(eval_cases),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +138,12 @@ def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
     for name, grad in grads.items():
         # mean over dp ranks of (1, 2, 3, 4) = 2.5; a missing division gives 10, a double one less.
         assert torch.equal(grad, torch.full((8, 4), 2.5)), (name, grad.flatten()[:4])
+
+
+def test_adamw_on_local_shards_equals_torchs_on_dtensors_bit_for_bit(four_ranks):
+    assert four_ranks["adamw"] == {
+        name: (True, True) for name in ("strided", "2d_shard", "partial_grad")
+    }
 
 
 # Frozen: the embedding, and a norm, which TP's sequence-parallel style replaces with a new

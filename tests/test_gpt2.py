@@ -153,7 +153,7 @@ def test_initial_weights_are_a_function_of_seed_and_name():
     ],
 )
 def test_the_model_spec_keeps_embeddings_norms_and_biases_out_of_weight_decay(model, no_decay):
-    from hsdp_runner.train.trainer import build_optimizer
+    from hsdp_runner.train.optimizer import build_optimizer
 
     cfg = to_run_config(compose([f"model={model}"]))
     spec = model_spec(cfg.model)

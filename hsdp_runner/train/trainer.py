@@ -30,41 +30,16 @@ from hsdp_runner.distributed.expert_parallel import recording_routing
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.pipeline import Schedule
 from hsdp_runner.models.base import ModelSpec
-from hsdp_runner.models.common import clean_name
 from hsdp_runner.train import metrics
 from hsdp_runner.train.data import Prefetcher, TokenBatches
 from hsdp_runner.train.figures import RunFigures
 from hsdp_runner.train.grad_clip import local_norm_square, scale_to_norm
 from hsdp_runner.train.hf_batches import HFBatches, LaneLoader
 from hsdp_runner.train.loss import loss_context
+from hsdp_runner.train.optimizer import build_optimizer
 from hsdp_runner.train.sinks import Tracker
 
 log = logging.getLogger(__name__)
-
-
-def build_optimizer(
-    parts: list[torch.nn.Module],
-    optim_cfg: OptimConfig,
-    no_weight_decay: Callable[[str], bool],
-) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters of a rank's ``parts`` (its stage chunks) with
-    ``optim_cfg``'s settings; the parameters ``no_weight_decay`` names (the model spec's rule,
-    called with clean names) get no weight decay."""
-    decay, no_decay = [], []
-    for part in parts:
-        for name, param in part.named_parameters():
-            if not param.requires_grad:
-                continue
-            (no_decay if no_weight_decay(clean_name(name)) else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": optim_cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # fused: one kernel per device and dtype, and it takes ``found_inf``, which lets the trainer
-    # skip a non-finite step's update on the device without reading anything on the host.
-    return torch.optim.AdamW(
-        groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, fused=True
-    )
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float):
