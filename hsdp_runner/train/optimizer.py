@@ -31,10 +31,12 @@ class ShardLocalAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose update kernel gets each DTensor's local shard.
 
     Measured on this machine's CPU (torch 2.13, 4 gloo ranks, one step of each of the
-    communication test's layouts of the tiny models): DTensor's sharding propagation for the
-    fused AdamW took ~0.28 s a call on a mesh it had not seen, most of it expanding the
-    foreach strategy per tensor; a job pays it on its first step, and every layout of a
-    test's shared worker pool pays it again. A gradient whose placements differ from its
+    communication test's layouts of the tiny models, the step the communication meter counts):
+    DTensor's sharding propagation for the fused AdamW took ~0.28 s a call, most of it
+    expanding the foreach strategy per tensor; the meter is a dispatch mode, which keeps ops
+    off DTensor's cached path, and a job's counted step pays it (``metrics.comm_step``).
+    Those layouts took 12.0 CPU-s a rank with this class against 23.8 with torch's AdamW.
+    A gradient whose placements differ from its
     parameter's (a TP ``Partial`` gradient without a data-parallel wrap) is redistributed to
     the parameter's placements first, the collective DTensor's dispatch would run.
     """
