@@ -33,12 +33,14 @@ class ShardLocalAdamW(torch.optim.AdamW):
     Measured on this machine's CPU (torch 2.13, 4 gloo ranks, one step of each of the
     communication test's layouts of the tiny models, the step the communication meter counts):
     DTensor's sharding propagation for the fused AdamW took ~0.28 s a call, most of it
-    expanding the foreach strategy per tensor; the meter is a dispatch mode, which keeps ops
-    off DTensor's cached path, and a job's counted step pays it (``metrics.comm_step``).
-    Those layouts took 12.0 CPU-s a rank with this class against 23.8 with torch's AdamW.
-    A gradient whose placements differ from its
-    parameter's (a TP ``Partial`` gradient without a data-parallel wrap) is redistributed to
-    the parameter's placements first, the collective DTensor's dispatch would run.
+    expanding the foreach strategy per tensor, on meshes its caches had not seen (the pool
+    clears them between layouts, as a job starts without them). Those layouts took 12.0 CPU-s
+    a rank with this class against 23.8 with torch's AdamW; jobs without the meter (the
+    parity test's six-step jobs) showed no difference above noise.
+
+    A gradient whose placements differ from its parameter's (a TP ``Partial`` gradient
+    without a data-parallel wrap) is redistributed to the parameter's placements first: the
+    collective DTensor's dispatch would run.
     """
 
     def _init_group(
