@@ -1,8 +1,10 @@
 """The runner's trainer and the minimal FSDP2 loop stepped in turn in the same processes, on
 the same ranks: the step-time comparison of ``benchmarks/overhead.py``. Run under torchrun:
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/interleaved_steps.py --dp-shard 2 \
-        --tp 2 --model llama3_debug --steps 30 --batch 8 --out times.json
+    PYTHONPATH=. torchrun --standalone --nproc-per-node 4 benchmarks/interleaved_steps.py \
+        --dp-shard 2 --tp 2 --model llama3_debug --steps 30 --batch 8 --out times.json
+
+(``PYTHONPATH``: it imports ``benchmarks.minimal_fsdp``; ``overhead.py`` sets it for its runs.)
 
 Two separate commands timed one after the other see this machine drift by 25-30% within
 minutes, more than the overhead being measured. Here both loops share the process, the mesh's
