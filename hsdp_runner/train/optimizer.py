@@ -2,13 +2,13 @@
 
 torch's AdamW hands its fused kernel the DTensor parameters, gradients and moments as they
 are, and DTensor then propagates a sharding for that one foreach op over every tensor of the
-call, expanding each tensor's strategy over the mesh: host work that on a small model costs
-more than the update (see ``ShardLocalAdamW``). The update is elementwise, so a rank's shard
+call, expanding each tensor's strategy over the mesh: host work on every mesh its caches have
+not seen (figures in ``ShardLocalAdamW``). The update is elementwise, so a rank's shard
 of every result depends on its shards alone: here the kernel is given the DTensors' local
 shards (their storage, updated in place), while the parameters, gradients and moments the
 optimizer holds stay DTensors. Its state dict, the checkpoint's resharding and everything
 else that reads them see what torch's AdamW holds, and the numbers are the same bit for bit
-(``tests/test_step_loop.py``).
+(``tests/test_correctness.py``).
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class ShardLocalAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose update kernel gets each DTensor's local shard.
 
-    Measured on this machine's CPU (torch 2.13, 4 gloo ranks, one step of each of the
-    communication test's layouts of the tiny models, the step the communication meter counts):
-    DTensor's sharding propagation for the fused AdamW took ~0.28 s a call, most of it
-    expanding the foreach strategy per tensor, on meshes its caches had not seen (the pool
-    clears them between layouts, as a job starts without them). Those layouts took 12.0 CPU-s
-    a rank with this class against 23.8 with torch's AdamW; jobs without the meter (the
-    parity test's six-step jobs) showed no difference above noise.
+    Measured on this machine's CPU (torch 2.13, 4 gloo ranks, the communication test's 16
+    four-rank layouts of the tiny models, a step or two each with the communication meter on
+    and DTensor's sharding caches cleared between layouts, as a job starts without them; two
+    alternating runs each, nothing else running): 9.4-9.8 CPU-s a rank with torch's AdamW,
+    7.2-8.0 with this class. Jobs without the meter (the parity test's six-step jobs) showed
+    no difference above noise.
 
     A gradient whose placements differ from its parameter's (a TP ``Partial`` gradient
     without a data-parallel wrap) is redistributed to the parameter's placements first: the
