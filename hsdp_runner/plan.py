@@ -34,8 +34,9 @@ from hsdp_runner.distributed import float8
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.axes import check_axis_keys, check_plan_options
 from hsdp_runner.planner.cluster import resolve
+from hsdp_runner.planner.degrees import pp_degrees
 from hsdp_runner.planner.layouts import plan_layouts
-from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
+from hsdp_runner.planner.pipeline import pipeline_entries
 from hsdp_runner.planner.state_bound import check_state_fits
 from hsdp_runner.runtime import forkserver
 

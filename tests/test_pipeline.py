@@ -319,12 +319,8 @@ def test_compare_table_shows_the_stages_before_the_stage_layout():
 
 
 def test_bubble_of_each_schedule_and_the_activations_the_first_stage_holds():
-    from hsdp_runner.planner.pipeline import (
-        bubble_fraction,
-        check_pp_degrees,
-        held_microbatches,
-        stage_peak_gib,
-    )
+    from hsdp_runner.planner.degrees import check_pp_degrees
+    from hsdp_runner.planner.pipeline import bubble_fraction, held_microbatches, stage_peak_gib
 
     assert bubble_fraction("1f1b", 4, 8) == bubble_fraction("gpipe", 4, 8) == 3 / 11
     assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == 3 / 19
@@ -526,7 +522,7 @@ def test_parity_skips_the_pipeline_layouts_a_model_is_too_shallow_for():
 
 
 def test_default_pp_degrees_are_powers_of_two_of_whole_nodes_and_four_blocks_or_more():
-    from hsdp_runner.planner.pipeline import default_pp_degrees, pp_degrees
+    from hsdp_runner.planner.degrees import default_pp_degrees, pp_degrees
 
     assert default_pp_degrees(nodes=32, n_layers=80) == [1, 2, 4, 8, 16]
     assert default_pp_degrees(nodes=32, n_layers=32) == [1, 2, 4, 8]

@@ -43,7 +43,7 @@ from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.axes import check_plan_options
 from hsdp_runner.planner.cluster import Cluster, resolve
-from hsdp_runner.planner.degrees import PLANNED_DIMS
+from hsdp_runner.planner.degrees import PLANNED_DIMS, pp_degrees
 from hsdp_runner.planner.layouts import (
     Scenario,
     enumerate_layouts,
@@ -51,7 +51,7 @@ from hsdp_runner.planner.layouts import (
     plan_scenarios,
     with_degrees,
 )
-from hsdp_runner.planner.pipeline import pipeline_entries, pp_degrees
+from hsdp_runner.planner.pipeline import pipeline_entries
 from hsdp_runner.planner.state_bound import check_state_fits
 
 CPU_PRESET = "this_machine"
@@ -177,7 +177,7 @@ def plan_job(
 def planned_pp(run: RunConfig, cluster: Cluster) -> list[int]:
     """The pipeline degrees an auto job plans: ``parallel.pp`` when the job sets it (a
     constraint; it must divide the nodes, as the planner prices stages of whole nodes), else
-    ``plan.pp_degrees`` (null: ``pipeline.default_pp_degrees``) less those the job's checkpoint
+    ``plan.pp_degrees`` (null: ``degrees.default_pp_degrees``) less those the job's checkpoint
     settings refuse (``pipeline_settings.checkpoint_refusal``: such a job plans pp = 1 only)."""
     pp = run.parallel.pp
     if pp != -1:

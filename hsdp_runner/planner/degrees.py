@@ -13,6 +13,10 @@ Expert parallel (a model with experts) multiplies nothing: it borrows ranks from
 cp x tp``, so each degree tuple of the other dims is tried with every ep of ``ep_degrees``
 that divides those ranks and the experts (``plan.ep_degrees``; null: the powers of two that
 do). A dense model plans ep = 1 alone.
+
+Pipeline degrees are chosen here too (``pp_degrees``: ``plan.pp_degrees``, checked, or the
+default powers of two of whole nodes with enough blocks a stage); ``planner.pipeline`` prices
+each one from its stage.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from __future__ import annotations
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.world_mesh import STAGE_DIMS
 
-# The degrees of a planned layout, in the order of its ``shape`` (pp is planned apart:
-# ``planner.pipeline``).
+# The degrees of a planned layout, in the order of its ``shape`` (pp is priced apart:
+# ``planner.pipeline``; its degrees are chosen here, ``pp_degrees``).
 PLANNED_DIMS = (*STAGE_DIMS, "ep")
 
 
@@ -108,3 +112,51 @@ def degree_shapes(
                 for ep in ep_degrees(eps, experts, shard * cp * tp):
                     out.append((world // tp // cp // shard, shard, cp, tp, ep))
     return out
+
+
+# The fewest blocks a stage gets among the degrees planned by default (``default_pp_degrees``):
+# below it the first stage's embedding and the last one's output layer weigh like blocks of
+# their own (Llama 3 8B's output layer is 2.4 blocks' parameters and matmul FLOPs), so the
+# stages are unbalanced, and the busiest stage the planner prices is far above a 1/pp share.
+MIN_BLOCKS_PER_STAGE = 4
+
+
+def default_pp_degrees(nodes: int, n_layers: int) -> list[int]:
+    """The pipeline degrees planned when ``plan.pp_degrees`` is null (the CLI and
+    ``parallel=auto``): 1 and every power of two that divides ``nodes`` (a stage is whole
+    nodes) and ``n_layers`` (stages of equal blocks) with ``MIN_BLOCKS_PER_STAGE`` blocks or
+    more a stage. A single node, or a model that shallow, plans no pipeline."""
+    out, pp = [1], 2
+    while pp <= nodes:
+        if nodes % pp == 0 and n_layers % pp == 0 and n_layers // pp >= MIN_BLOCKS_PER_STAGE:
+            out.append(pp)
+        pp *= 2
+    return out
+
+
+def pp_degrees(
+    plan_pp_degrees: list | None, nodes: int, n_layers: int, gpus_per_node: int = 1
+) -> list[int]:
+    """The pipeline degrees to plan: ``plan.pp_degrees`` as given (checked:
+    ``check_pp_degrees``), or ``default_pp_degrees`` when it is null."""
+    if plan_pp_degrees is None:
+        return default_pp_degrees(nodes, n_layers)
+    check_pp_degrees(list(plan_pp_degrees), nodes, n_layers, gpus_per_node)
+    return sorted(set(plan_pp_degrees))
+
+
+def check_pp_degrees(degrees: list, nodes: int, n_layers: int, gpus_per_node: int = 1) -> None:
+    """Raise ConfigError naming ``plan.pp_degrees`` for a degree that is not a positive
+    divisor of ``nodes`` (a stage is whole nodes) or, on one node, of its ``gpus_per_node``
+    (a stage is a share of them: asked for explicitly, never a default), or that exceeds the
+    model's ``n_layers``."""
+    for pp in degrees:
+        whole = isinstance(pp, int) and pp >= 1 and nodes % pp == 0
+        shared = isinstance(pp, int) and pp >= 1 and nodes == 1 and gpus_per_node % pp == 0
+        if not (whole or shared) or pp > n_layers:
+            raise ConfigError(
+                f"plan.pp_degrees={list(degrees)}: {pp} is not a pipeline degree for "
+                f"cluster.nodes={nodes} and model.n_layers={n_layers}; each must divide the "
+                "nodes (a stage is whole nodes; on one node, its GPUs) and be at most the "
+                "blocks, e.g. [1,2,4]"
+            )

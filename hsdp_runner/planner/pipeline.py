@@ -76,35 +76,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 # modelled, so offered larger v the ranking would always take the most chunks the blocks
 # allow, on grounds it does not price. A job that knows its v sets it and is priced at it.
 DEFAULT_STAGES_PER_RANK = 2
-# The fewest blocks a stage gets among the degrees planned by default (``default_pp_degrees``):
-# below it the first stage's embedding and the last one's output layer weigh like blocks of
-# their own (Llama 3 8B's output layer is 2.4 blocks' parameters and matmul FLOPs), so the
-# stages are unbalanced, and the busiest stage the planner prices is far above a 1/pp share.
-MIN_BLOCKS_PER_STAGE = 4
-
-
-def default_pp_degrees(nodes: int, n_layers: int) -> list[int]:
-    """The pipeline degrees planned when ``plan.pp_degrees`` is null (the CLI and
-    ``parallel=auto``): 1 and every power of two that divides ``nodes`` (a stage is whole
-    nodes) and ``n_layers`` (stages of equal blocks) with ``MIN_BLOCKS_PER_STAGE`` blocks or
-    more a stage. A single node, or a model that shallow, plans no pipeline."""
-    out, pp = [1], 2
-    while pp <= nodes:
-        if nodes % pp == 0 and n_layers % pp == 0 and n_layers // pp >= MIN_BLOCKS_PER_STAGE:
-            out.append(pp)
-        pp *= 2
-    return out
-
-
-def pp_degrees(
-    plan_pp_degrees: list | None, nodes: int, n_layers: int, gpus_per_node: int = 1
-) -> list[int]:
-    """The pipeline degrees to plan: ``plan.pp_degrees`` as given (checked:
-    ``check_pp_degrees``), or ``default_pp_degrees`` when it is null."""
-    if plan_pp_degrees is None:
-        return default_pp_degrees(nodes, n_layers)
-    check_pp_degrees(list(plan_pp_degrees), nodes, n_layers, gpus_per_node)
-    return sorted(set(plan_pp_degrees))
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -156,23 +127,6 @@ def held_microbatches(
     return max(held_blocks(schedule, pp, m, v, sizes)) / busiest
 
 
-def check_pp_degrees(degrees: list, nodes: int, n_layers: int, gpus_per_node: int = 1) -> None:
-    """Raise ConfigError naming ``plan.pp_degrees`` for a degree that is not a positive
-    divisor of ``nodes`` (a stage is whole nodes) or, on one node, of its ``gpus_per_node``
-    (a stage is a share of them: asked for explicitly, never a default), or that exceeds the
-    model's ``n_layers``."""
-    for pp in degrees:
-        whole = isinstance(pp, int) and pp >= 1 and nodes % pp == 0
-        shared = isinstance(pp, int) and pp >= 1 and nodes == 1 and gpus_per_node % pp == 0
-        if not (whole or shared) or pp > n_layers:
-            raise ConfigError(
-                f"plan.pp_degrees={list(degrees)}: {pp} is not a pipeline degree for "
-                f"cluster.nodes={nodes} and model.n_layers={n_layers}; each must divide the "
-                "nodes (a stage is whole nodes; on one node, its GPUs) and be at most the "
-                "blocks, e.g. [1,2,4]"
-            )
-
-
 def stages_per_rank(run: RunConfig, schedule: str) -> int:
     """The stages per rank ``schedule`` is priced at for the job ``run``: 1 for GPipe and
     1F1B; for an interleaved schedule the job's ``parallel.pp_stages_per_rank`` where it sets
@@ -207,7 +161,7 @@ def pipeline_entries(cfg: DictConfig, cluster: Cluster, pp: int, plan_stage) -> 
     stage_cluster = (
         dataclasses.replace(cluster, nodes=cluster.nodes // pp)
         if cluster.nodes % pp == 0
-        # On one node (``check_pp_degrees``) a stage is a share of its GPUs.
+        # On one node (``degrees.check_pp_degrees``) a stage is a share of its GPUs.
         else dataclasses.replace(cluster, gpus_per_node=cluster.gpus_per_node // pp)
     )
     out = []
