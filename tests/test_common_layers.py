@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from saved_tensors import saved_by
 
+from hsdp_runner.models import common
 from hsdp_runner.models.common import (
     RMSNorm,
     RMSNormFunction,
@@ -187,3 +188,26 @@ def test_bf16_attention_saves_keys_and_values_once_not_per_query_head():
     assert sum(t.untyped_storage().nbytes() for t in saved) == batch * heads * seq * (
         head_dim * 2 + 4
     ), [(t.shape, t.dtype) for t in saved]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_cuda_runs_torchs_fused_kernels_to_the_op_by_op_values(dtype, monkeypatch):
+    """On CUDA the norm runs as ``aten._fused_rms_norm`` and its backward (forward without the
+    weight, so the rounding before it stays): its values and gradients are the op-by-op
+    path's within one rounding of ``dtype``, and it saves the same tensors."""
+    x, weight, grad_out = (t.cuda() for t in norm_inputs(dtype))
+    calls = []
+    fused = common.fused_rms_norm
+    monkeypatch.setattr(common, "fused_rms_norm", lambda *a: calls.append(1) or fused(*a))
+    fn = lambda x, w: RMSNormFunction.apply(x, w, EPS)  # noqa: E731
+    out, grads = value_and_grads(fn, x, weight, grad_out=grad_out)
+    assert calls, "the fused forward did not run"
+    saved = [(t.shape, t.dtype) for t in saved_by(fn, x, weight)]
+    monkeypatch.setattr(common, "FUSED_NORM_DEVICES", set())
+    ref_out, ref_grads = value_and_grads(fn, x, weight, grad_out=grad_out)
+    assert saved == [(t.shape, t.dtype) for t in saved_by(fn, x, weight)]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out, ref_out, **tol)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, **tol)

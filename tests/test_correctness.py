@@ -113,12 +113,71 @@ def _adamw_on_shards_against_torch() -> dict:
     return out
 
 
+def _reference_fused_backward(grad, x, rstd, weight, needs):
+    """What torch's fused RMSNorm backward computes (fp32 inside; the weight's gradient from
+    the unrounded normalised value), in torch ops: this CPU build has no kernel for it."""
+    normed = x.float() * rstd
+    grad_x = grad_w = None
+    if needs[0]:
+        grad_normed = grad.float() * weight.float()
+        dot = (grad_normed * normed).mean(-1, keepdim=True)
+        grad_x = ((grad_normed - normed * dot) * rstd).to(x.dtype)
+    if needs[1]:
+        grad_w = (grad.float() * normed).sum(tuple(range(x.dim() - 1))).to(weight.dtype)
+    return grad_x, grad_w
+
+
+def _fused_norm_on_sequence_shards() -> dict:
+    """RMSNorm of a sequence-sharded DTensor (4 ranks, ``Shard(1)``, as sequence parallel
+    hands the norms) with a replicated weight, through the fused-kernel path (its kernels
+    run on each rank's rows; the backward's stood in by ``_reference_fused_backward``) and op
+    by op. Returns {what: equal bit for bit} for the output, both gradients (the weight's
+    summed over the ranks), and whether the fused path ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hsdp_runner.models import common
+
+    mesh = init_device_mesh("cpu", (4,))
+    gen = torch.Generator().manual_seed(0)
+    full_x, full_grad = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    full_weight = 1 + 0.5 * torch.randn(16, generator=gen)
+    calls, results = [], []
+    fused_backward = common.fused_rms_norm_backward
+    for fused in (True, False):
+        x = DTensor.from_local(full_x.chunk(4, dim=1)[mesh.get_local_rank()], mesh, [Shard(1)])
+        x.requires_grad_()
+        weight = nn.Parameter(DTensor.from_local(full_weight, mesh, [Replicate()]))
+        grad = DTensor.from_local(
+            full_grad.chunk(4, dim=1)[mesh.get_local_rank()], mesh, [Shard(1)]
+        )
+        if fused:
+            common.FUSED_NORM_DEVICES.add("cpu")
+            common.fused_rms_norm_backward = lambda *a: (
+                calls.append(1) or _reference_fused_backward(*a)
+            )
+        try:
+            out = common.RMSNormFunction.apply(x, weight, 1e-6)
+            out.backward(grad)
+        finally:
+            common.FUSED_NORM_DEVICES.discard("cpu")
+            common.fused_rms_norm_backward = fused_backward
+        results.append([out.full_tensor(), x.grad.full_tensor(), weight.grad.full_tensor()])
+    names = ("out", "grad_x", "grad_weight")
+    return {
+        **{n: torch.equal(a, b) for n, a, b in zip(names, *results)},
+        "fused_ran": bool(calls),
+    }
+
+
 def _four_rank_cases(precision, eval_cases):
-    """The gradient probe (the default ``precision``), the optimizer on local shards, then the
-    eval/frozen cases: one set of four workers serves all three."""
+    """The gradient probe (the default ``precision``), the optimizer on local shards, the norm's
+    fused path on sequence shards, then the eval/frozen cases: one set of four workers serves
+    all four."""
     return {
         "grads": _reduced_gradients(precision),
         "adamw": _adamw_on_shards_against_torch(),
+        "norm": _fused_norm_on_sequence_shards(),
         "eval": _train_eval_frozen(eval_cases),
     }
 
@@ -138,6 +197,15 @@ def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
     for name, grad in grads.items():
         # mean over dp ranks of (1, 2, 3, 4) = 2.5; a missing division gives 10, a double one less.
         assert torch.equal(grad, torch.full((8, 4), 2.5)), (name, grad.flatten()[:4])
+
+
+def test_fused_norm_kernels_on_sequence_shards_equal_the_op_by_op_norm(four_ranks):
+    assert four_ranks["norm"] == {
+        "out": True,
+        "grad_x": True,
+        "grad_weight": True,
+        "fused_ran": True,
+    }
 
 
 def test_adamw_on_local_shards_equals_torchs_on_dtensors_bit_for_bit(four_ranks):

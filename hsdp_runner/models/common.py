@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -85,6 +85,76 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+# Devices whose torch build has fused RMSNorm kernels (``aten._fused_rms_norm`` and its
+# backward; CUDA builds register them for CUDA; elsewhere the forward is a composite of the
+# same ops as ``RMSNormFunction``'s and the backward has no kernel). The planner's trace adds
+# "meta" while it prices a GPU's step.
+FUSED_NORM_DEVICES = {"cuda"}
+
+
+def fused_rms_norm(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused RMSNorm of ``x`` over its last dim without a weight: (the normalised
+    ``x`` in its dtype, computed in fp32 and rounded once; the fp32 rstd of each row, shape
+    ``x.shape[:-1] + (1,)``). One kernel reading ``x`` once; a module-level function so the
+    planner's trace can count it as that kernel."""
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)
+
+
+def fused_rms_norm_backward(
+    grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, needs: list
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """torch's fused RMSNorm backward of ``y = normalised(x) * weight`` (fp32 inside): the
+    gradients of ``x`` and ``weight`` from the output's ``grad``, each only where ``needs``
+    (two bools) asks, else None."""
+    return torch.ops.aten._fused_rms_norm_backward(
+        grad, x, [x.shape[-1]], rstd, weight, list(needs)
+    )
+
+
+def _rows_whole(x: DTensor) -> bool:
+    # Every rank holds whole rows (the last dim unsplit) and no pending sum: a row's norm
+    # needs nothing from another rank.
+    return not any(
+        p.is_partial() or (p.is_shard() and p.dim % x.ndim == x.ndim - 1) for p in x.placements
+    )
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm of ``x`` with ``weight`` runs as torch's fused kernels: on a device of
+    ``FUSED_NORM_DEVICES`` with the weight in x's dtype (else the output, and its gradient,
+    would not be the kernel's dtype); a DTensor ``x`` (sequence parallel) when its rows are
+    whole on each rank and the weight is replicated over its mesh."""
+    if x.device.type not in FUSED_NORM_DEVICES or weight.dtype != x.dtype:
+        return False
+    if not isinstance(x, DTensor):
+        return not isinstance(weight, DTensor)
+    return (
+        isinstance(weight, DTensor)
+        and weight.device_mesh == x.device_mesh
+        and all(p.is_replicate() for p in weight.placements)
+        and _rows_whole(x)
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(local: torch.Tensor, like: torch.Tensor, placements=None) -> torch.Tensor:
+    """``local`` as a DTensor laid out as ``like`` (``placements`` instead of its own where
+    given) when ``like`` is one, else ``local``."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        placements or like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
 class RMSNormFunction(torch.autograd.Function):
     """``(x * rsqrt(mean(x^2) + eps)).type_as(x) * weight`` over the last dim, the norm in fp32,
     keeping for backward only ``x`` (in its own dtype), the fp32 ``rstd`` of each row and the
@@ -98,20 +168,51 @@ class RMSNormFunction(torch.autograd.Function):
     recomputes the normalised value from ``x`` and ``rstd`` and computes in fp32, rounding
     each gradient once to its input's dtype. DTensor inputs (sequence-parallel or per-head
     norms under TP) run through the same ops; the weight's gradient, a sum over the rows, is
-    then ``Partial`` over the mesh, as autograd's was."""
+    then ``Partial`` over the mesh, as autograd's was.
+
+    On a device with torch's fused kernels (``_fused``: ``FUSED_NORM_DEVICES``; a DTensor's
+    rows on each rank, its weight's gradient then ``Partial`` as above) the norm runs as them
+    instead of about six eager kernels forward and ten backward: the forward
+    without the weight (so the rounding before the weight stays), the backward with it (the
+    input's gradient exactly as above, in fp32 and rounded once; the weight's from the fp32
+    normalised value rather than its rounded copy, within the compute dtype's rounding of
+    the op-by-op one). Saved tensors are the same."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The normalised ``x`` times ``weight`` (class docstring)."""
-        xf = x.to(compute_dtype(x))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if _fused(x, weight):
+            # rstd stays a local tensor: only this function's backward reads it.
+            normed, rstd = fused_rms_norm(_local(x), eps)
+            normed = _like(normed, x)
+        else:
+            xf = x.to(compute_dtype(x))
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            normed = (xf * rstd).type_as(x)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd).type_as(x) * weight
+        return normed * weight
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         """Gradients of ``x`` and ``weight`` in fp32 from the saved ``x`` and ``rstd``."""
         x, weight, rstd = ctx.saved_tensors
+        if _fused(x, weight):
+            if isinstance(x, DTensor) and grad_out.placements != x.placements:
+                grad_out = grad_out.redistribute(x.device_mesh, x.placements)
+            grad_x, grad_w = fused_rms_norm_backward(
+                _local(grad_out).contiguous(),
+                _local(x),
+                rstd,
+                _local(weight),
+                ctx.needs_input_grad[:2],
+            )
+            if grad_x is not None:
+                grad_x = _like(grad_x, x)
+            if grad_w is not None and isinstance(x, DTensor):
+                # Each rank summed its own rows: a pending sum over the dims x is split on.
+                partial = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+                grad_w = _like(grad_w, weight, partial)
+            return grad_x, grad_w, None
         compute = compute_dtype(x)
         normed = x.to(compute) * rstd
         grad_x = grad_w = None

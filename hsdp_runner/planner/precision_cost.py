@@ -45,6 +45,7 @@ efficiency standing in for everything a step does on the device. Here (``compute
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections import defaultdict
@@ -59,7 +60,9 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
+from hsdp_runner.models import common
 from hsdp_runner.models.base import ModelConfig, model_fields, model_spec, routed_experts
+from hsdp_runner.models.common import fused_rms_norm as _fused_rms_norm
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
@@ -112,12 +115,22 @@ class _Trace(TorchDispatchMode):
         super().__init__()
         self.ops, self.sizes, self.alias, self.phase = [], {}, {}, "forward"
         self.in_attention = False  # set by _Attention: its ops are attention's (FLOPs)
+        self.in_kernel = False  # set by _one_kernel_rms_norm: its ops are one kernel's
         self.scalars = set()  # tensors of one element (a reduction's result: torchao's amax)
         self.keep = []  # every output stays alive while tracing, so no id is reused
 
     def _id(self, t) -> int:
         key = id(t)
         return self.alias.get(key, key)
+
+    def one_kernel(self, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Record one element-wise kernel reading ``ins`` and writing ``outs`` (the ops that
+        computed them on meta were not recorded: ``in_kernel``)."""
+        for t in ins + outs:
+            self.sizes.setdefault(self._id(t), _nbytes(t))
+        self.ops.append(
+            (self.phase, "elementwise", [self._id(t) for t in ins], [self._id(o) for o in outs])
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -127,6 +140,8 @@ class _Trace(TorchDispatchMode):
         outs = [o for o in flat_out if isinstance(o, torch.Tensor)]
         packet = func.overloadpacket
         self.keep += outs
+        if self.in_kernel:
+            return out
         if func.is_view or packet in _FREE_PACKETS:
             for o in outs:
                 if ins:
@@ -175,6 +190,19 @@ class _Attention(torch.autograd.Function):
             return (*torch.autograd.grad(out, (q, k, v), grad), None, None)
         finally:
             _Attention.trace.in_attention = False
+
+
+def _one_kernel_rms_norm(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``common.fused_rms_norm`` as the GPU runs it, one kernel reading ``x`` and writing the
+    normalised value and rstd: on meta torch decomposes it into the op-by-op norm."""
+    trace = _Attention.trace
+    trace.in_kernel = True
+    try:
+        outs = _fused_rms_norm(x, eps)
+    finally:
+        trace.in_kernel = False
+    trace.one_kernel([x], list(outs))
+    return outs
 
 
 def _opaque_sdpa(
@@ -231,8 +259,11 @@ def _moved(trace: _Trace, compiled: bool) -> dict[str, int]:
     return moved
 
 
-def _trace_model(fields: str, recipe: str, layers: int, tokens: int, compiled: bool) -> dict:
-    """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens."""
+def _trace_model(
+    fields: str, recipe: str, layers: int, tokens: int, compiled: bool, device_type: str = "cuda"
+) -> dict:
+    """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens, the
+    kernels as a ``device_type`` job runs them."""
     cfg = dict(json.loads(fields), n_layers=layers, seq_len=tokens)
     spec = model_spec(cfg)
     with torch.device("meta"):
@@ -241,17 +272,34 @@ def _trace_model(fields: str, recipe: str, layers: int, tokens: int, compiled: b
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
     float8.convert(model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"])
     tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
+    with _kernels_of(device_type) as trace:
+        _forward_backward(model, tokens_in, trace)
+    return _moved(trace, compiled)
+
+
+@contextlib.contextmanager
+def _kernels_of(device_type: str):
+    """A ``_Trace`` entered with attention and the norms on meta seen as a ``device_type`` job
+    runs them: attention as one opaque step (``_Attention``); the norms as torch's fused
+    kernels where that device has them (``common.FUSED_NORM_DEVICES``, each forward one
+    kernel: ``_one_kernel_rms_norm``), else op by op."""
     trace = _Trace()
     _Attention.trace = trace
     functional = torch.nn.functional
     functional.scaled_dot_product_attention = _opaque_sdpa
+    fused_norms = device_type in common.FUSED_NORM_DEVICES
+    if fused_norms:
+        common.fused_rms_norm = _one_kernel_rms_norm
+        common.FUSED_NORM_DEVICES.add("meta")
     try:
         with trace:
-            _forward_backward(model, tokens_in, trace)
+            yield trace
     finally:
         functional.scaled_dot_product_attention = _Attention.sdpa
+        if fused_norms:
+            common.fused_rms_norm = _fused_rms_norm
+            common.FUSED_NORM_DEVICES.discard("meta")
         _Attention.trace = None
-    return _moved(trace, compiled)
 
 
 def _forward_backward(model, tokens_in, trace: _Trace) -> None:
@@ -265,7 +313,9 @@ def _forward_backward(model, tokens_in, trace: _Trace) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _traffic(fields: str, recipe: str, compiled: bool, n_dense: int | None = None) -> Traffic:
+def _traffic(
+    fields: str, recipe: str, compiled: bool, n_dense: int | None = None, device_type: str = "cuda"
+) -> Traffic:
     """The traffic of the model ``fields`` (JSON): each kind of block traced apart (a model
     with experts, ``n_dense`` its dense blocks before the MoE ones: ``_block_kinds``; None: a
     dense model) and counted as often as the model holds it; the rest from one- and two-block
@@ -283,13 +333,17 @@ def _traffic(fields: str, recipe: str, compiled: bool, n_dense: int | None = Non
     fwd, bwd = (0.0, 0.0), (0.0, 0.0)
     kinds = _block_kinds(fields, n_layers, n_dense)
     for kind, count in kinds:
-        one = {n: _trace_model(kind, recipe, 1, n, compiled) for n in TRACE_TOKENS}
-        two = {n: _trace_model(kind, recipe, 2, n, compiled) for n in TRACE_TOKENS}
+        one = {n: _trace_model(kind, recipe, 1, n, compiled, device_type) for n in TRACE_TOKENS}
+        two = {n: _trace_model(kind, recipe, 2, n, compiled, device_type) for n in TRACE_TOKENS}
         f, w = block(one, two, "forward"), block(one, two, "backward")
         fwd = (fwd[0] + f[0] * count, fwd[1] + f[1] * count)
         bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
-    eager_one = {n: _trace_model(kinds[0][0], recipe, 1, n, False) for n in TRACE_TOKENS}
-    eager_two = {n: _trace_model(kinds[0][0], recipe, 2, n, False) for n in TRACE_TOKENS}
+    eager_one = {
+        n: _trace_model(kinds[0][0], recipe, 1, n, False, device_type) for n in TRACE_TOKENS
+    }
+    eager_two = {
+        n: _trace_model(kinds[0][0], recipe, 2, n, False, device_type) for n in TRACE_TOKENS
+    }
     # Outside the blocks: the one-block model less one block of the same kind, eager.
     rest = fit(
         {n: 2 * sum(eager_one[n].values()) - sum(eager_two[n].values()) for n in TRACE_TOKENS}
@@ -315,9 +369,12 @@ def _block_kinds(fields: str, n_layers: int, n_dense: int | None) -> list[tuple[
     ]
 
 
-def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) -> Traffic:
+def traffic(
+    model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool, device_type: str = "cuda"
+) -> Traffic:
     """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
-    included), eager or ``compiled`` (module docstring); cached per shape."""
+    included), eager or ``compiled`` (module docstring), its kernels as a ``device_type``
+    ('cuda', 'cpu': ``device_type_of``) job runs them; cached per shape."""
     fields = model_fields(model_cfg)
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
@@ -327,8 +384,18 @@ def traffic(model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool) 
         # between matmuls it does what the grouped path does (its slices are views).
         fields["grouped_mm"] = True
     return _traffic(
-        json.dumps(fields, sort_keys=True, default=str), str(precision.float8), compiled, n_dense
+        json.dumps(fields, sort_keys=True, default=str),
+        str(precision.float8),
+        compiled,
+        n_dense,
+        device_type,
     )
+
+
+def device_type_of(cluster: Cluster) -> str:
+    """The torch device type ``cluster``'s jobs run on: 'cpu' for a CPU cluster
+    (``cluster.device`` 'cpu': ``this_machine``), else 'cuda'."""
+    return "cpu" if cluster.device.lower() == "cpu" else "cuda"
 
 
 def float8_peak_tflops(cfg: RunConfig, cluster: Cluster) -> float:
@@ -379,7 +446,7 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
     trainer, parallel = cfg.trainer, cfg.parallel
     # Only inductor generates fused kernels; the debugging backends run the blocks' ops as eager.
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
-    t = traffic(cfg.model, cfg.precision, fused)
+    t = traffic(cfg.model, cfg.precision, fused, device_type_of(cluster))
     # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).
     micro_tokens = trainer.global_batch_size * cfg.model.seq_len / dims.dp / dims.cp
     micro_tokens /= trainer.grad_accum_steps
