@@ -1,0 +1,173 @@
+"""The planner held out on one GPU: predicted against measured step time and tensor memory for
+a spread of single-GPU jobs, nothing fitted on them.
+
+    python benchmarks/planner_gpu_heldout.py plan [--cluster h200] [--dir benchmarks/out/gpu_plans]
+    python benchmarks/planner_gpu_heldout.py run  [--dir benchmarks/out/gpu_plans] [--steps 16] [--only NAME ...]
+        [--json PATH] [--timeout-s 150]
+
+``plan`` (no GPU needed; run it where you prepare): one ``python -m hsdp_runner.plan`` per job of
+``JOBS`` with ``cluster=<--cluster> cluster.gpus_per_node=1``, writing ``<dir>/<name>/plan.json``.
+``run`` (on the GPU): each job as ``python -m hsdp_runner ... plan.source=<its plan.json>``, so
+its summary.json holds ``prediction`` (report/prediction.job_prediction: predicted and measured
+steady-state step time, tokens/s/device, tensor memory per rank); prints the table and the
+median absolute errors. Without a CUDA GPU ``run`` says why and exits 0. A job that fails is a
+row with its error; the others still run.
+
+The jobs (``JOBS``) cover the single-GPU axes the planner prices: Llama-3 1B without AC,
+with selective AC and compile, with float8 (compiled, tensorwise) and full AC; Llama-3 8B cut
+to 8 blocks (its full vocabulary) with full AC; GPT-2 small; the Qwen3-30B-A3B preset cut to 2
+blocks (experts, grouped matmuls). Each is held out: the cluster preset's constants were
+chosen on published multi-GPU figures (``h100_sxm``: ``compute_efficiency``, carried to
+``h200`` unchanged), not on these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hsdp_runner.core.records import RunSummary  # noqa: E402
+from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
+
+JOBS = {
+    "llama1b_bf16_ac_none": ["model=llama3_1b", "precision=bf16", "trainer.global_batch_size=4"],
+    "llama1b_bf16_sel_compile": [
+        "model=llama3_1b",
+        "precision=bf16",
+        "trainer.global_batch_size=4",
+        "parallel.ac=selective",
+        "parallel.compile=true",
+    ],
+    "llama1b_float8_full_compile": [
+        "model=llama3_1b",
+        "precision=float8",
+        "trainer.global_batch_size=8",
+        "parallel.ac=full",
+        "parallel.compile=true",
+    ],
+    "llama8b_8blocks_bf16_full": [
+        "model=llama3_8b",
+        "model.n_layers=8",
+        "precision=bf16",
+        "trainer.global_batch_size=4",
+        "parallel.ac=full",
+    ],
+    "gpt2small_bf16": ["model=gpt2_small", "precision=bf16", "trainer.global_batch_size=16"],
+    "qwen3moe_2blocks_bf16": [
+        "model=qwen3_30b_a3b",
+        "model.n_layers=2",
+        "model.seq_len=2048",
+        "precision=bf16",
+        "trainer.global_batch_size=4",
+    ],
+}
+COMMON = ["parallel=single"]
+
+
+def plan_all(args) -> int:
+    """Write every job's plan.json under ``args.dir``; 1 if one failed."""
+    failed = 0
+    for name, overrides in JOBS.items():
+        out = args.dir / name
+        cmd = [sys.executable, "-m", "hsdp_runner.plan", *COMMON, *overrides]
+        cmd += [f"cluster={args.cluster}", "cluster.gpus_per_node=1", f"plan.out_dir={out}"]
+        print("$", " ".join(cmd[2:]), flush=True)
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if result.returncode:
+            failed = 1
+            print(result.stdout[-2000:], result.stderr[-2000:])
+        else:
+            print("\n".join(result.stdout.splitlines()[-3:]))
+    return failed
+
+
+def run_job(name: str, args) -> dict:
+    """Run job ``name`` against its plan; its summary's prediction (or the error)."""
+    source = (args.dir / name / "plan.json").resolve()
+    with tempfile.TemporaryDirectory(prefix=f"heldout-{name}-") as tmp:
+        cmd = [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={tmp}", *COMMON, *JOBS[name]]
+        cmd += [
+            "launcher.nproc_per_node=1",
+            "device=cuda",
+            f"trainer.steps={args.steps}",
+            "logger=none",
+            f"plan.source={source}",
+        ]
+        print("$", " ".join(cmd[2:]), flush=True)
+        env = {**os.environ, "WANDB_MODE": "disabled"}
+        try:
+            result = subprocess.run(
+                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            return {"job": name, "error": f"timed out after {args.timeout_s} s"}
+        if result.returncode:
+            return {"job": name, "error": (result.stdout + result.stderr)[-3000:]}
+        summary = RunSummary.read(Path(tmp))
+        row = {"job": name, "prediction": summary.prediction}
+        row["mfu"] = getattr(summary, "median_mfu", None)
+        row["mem_reserved_gib"] = getattr(summary, "mem_peak_gib_per_rank", None)
+        return row
+
+
+def run_all(args) -> int:
+    """Run the jobs on this GPU and print predicted against measured (module docstring)."""
+    if not cuda_available():
+        print(f"no CUDA GPU torch can use ({cuda_unusable_cause()}): nothing run")
+        return 0
+    rows, failed = [], 0
+    for name in args.only or list(JOBS):
+        row = run_job(name, args)
+        rows.append(row)
+        if "error" in row or not row.get("prediction"):
+            failed = 1
+            print(f"{name}: FAILED {row.get('error', 'no prediction in summary.json')}", flush=True)
+            continue
+        p = row["prediction"]
+        cells = [
+            f"{key} pred {p[key]['predicted']:.4g} meas {p[key]['measured']:.4g} "
+            f"({p[key]['error']:+.1%})"
+            for key in ("step_time_s", "mem_gib")
+            if p.get(key) and p[key].get("measured")
+        ]
+        print(f"{name}: " + "; ".join(cells), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1, default=str))
+    for key in ("step_time_s", "mem_gib"):
+        errors = [
+            abs(r["prediction"][key]["error"])
+            for r in rows
+            if r.get("prediction") and r["prediction"].get(key, {}).get("error") is not None
+        ]
+        if errors:
+            print(f"{key}: median |error| {statistics.median(errors):.1%} over {len(errors)} jobs")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=str))
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``plan`` or ``run`` (module docstring); the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["plan", "run"])
+    parser.add_argument("--cluster", default="h200")
+    parser.add_argument("--dir", type=Path, default=REPO / "benchmarks" / "out" / "gpu_plans")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--only", nargs="*", choices=list(JOBS))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--timeout-s", type=int, default=150)
+    args = parser.parse_args(argv)
+    return plan_all(args) if args.action == "plan" else run_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
