@@ -7,7 +7,7 @@ torchao, on PYTHONPATH as for any runner job):
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan .whl_titan/*.whl
     PYTHONPATH=/tmp/site python3 benchmarks/torchtitan_pair.py --out "$OUT/torchtitan_pair.json"
         [--titan-site /tmp/titan] [--compile both|off|on] [--rounds 1] [--layers 16]
-        [--seq-len 2048] [--batch 4] [--steps 20] [--warmup 3] [--timeout 300]
+        [--seq-len 2048] [--batch 4] [--steps 20] [--warmup 3] [--timeout 240]
         [--titan-mp fsdp|amp]
 
 Rows: eager and compiled (``--compile``); in each, the runner's job then torchtitan's, each a
@@ -16,8 +16,10 @@ as JSON: tokens/s per GPU, MFU and peak memory of each tool (medians of the step
 ``--warmup``; memory: the largest over all steps), with the ratios runner / torchtitan. A job
 that fails or passes ``--timeout`` seconds is recorded with its error (the tail of its output),
 printed and written, and the others still run. Without a CUDA GPU torch can use it says why and
-exits 0 having run nothing. Exit code 0 when every job ran, 1 when one failed. The defaults
-(4 jobs, 20 steps each) take about 2-3 minutes on an H100 (most of it start-up and compilation).
+exits 0 having run nothing. Exit code 0 when every job ran, 1 when one failed (or the two
+parameter counts differ). Not yet timed on a GPU: the defaults (4 jobs of 20 steps) are
+estimated at 2.5-4 minutes on an H100, most of it process start-up and the compiled jobs'
+compilation; ``--compile off`` about a minute.
 
 What is matched (the model: parameters counted by each tool, printed, must agree):
 - shape: Llama 3.2 1B (width 2048, 16 blocks, 32 heads, 8 KV heads, SwiGLU 8192, vocabulary
@@ -354,7 +356,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--batch", type=int, default=4, help="sequences per step (local = global)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per job")
     p.add_argument("--keep", type=Path, help="keep the jobs' folders (logs) here")
     return p.parse_args(argv)
 
