@@ -349,11 +349,14 @@ def convert(
 
 
 def _grouped_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: module} of ``model``'s routed experts that run grouped matmuls."""
-    from hsdp_runner.models.moe_routing import GroupedExperts
-
+    """{name: module} of ``model``'s routed experts that run grouped matmuls: the modules
+    with ``models/moe_routing.GroupedExperts``' ``group_rows`` and ``grouped_mm`` set (by
+    what they hold, not their class: the runner reaches model families only through
+    ``models.base``)."""
     return {
-        fqn: m for fqn, m in model.named_modules() if isinstance(m, GroupedExperts) and m.grouped_mm
+        fqn: m
+        for fqn, m in model.named_modules()
+        if hasattr(m, "group_rows") and getattr(m, "grouped_mm", False) is True
     }
 
 
