@@ -114,7 +114,12 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     cluster = resolve(run.cluster, run.precision.param_dtype)
     check_state_fits(run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib)
     # What a job with these settings would refuse, the plan does not offer.
-    float8.check_experts(run.precision, run.model, gpus=0 if cluster.measured_links else 1)
+    float8.check_experts(
+        run.precision,
+        run.model,
+        gpus=0 if cluster.measured_links else 1,
+        compile=run.parallel.compile,
+    )
     degrees = pp_degrees(
         run.plan.pp_degrees, cluster.nodes, run.model.n_layers, cluster.gpus_per_node
     )

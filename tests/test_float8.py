@@ -253,3 +253,169 @@ def test_float8_checkpoint_resumes_in_bf16_and_back_and_exports_the_same(four_ra
     for name, tensor in weights.items():
         assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
         assert torch.equal(tensor, exported[name]), name
+
+
+# --- Routed experts (float8 grouped matmuls: GPU only; conversion and wiring checked here) ---
+
+
+def _plain_grouped_mm(calls):
+    """A stand-in for torchao's float8 grouped matmul (its Triton kernels need a GPU) that
+    records each call and multiplies in the inputs' dtype, as ``torch._grouped_mm`` does."""
+
+    def run(A, B_t, config, offs=None, bias=None):
+        calls.append((tuple(A.shape), tuple(B_t.shape), offs.tolist()))
+        return torch._grouped_mm(A, B_t, offs=offs)
+
+    return run
+
+
+def test_routed_experts_convert_with_the_linears_router_gate_and_output_stay_high():
+    from hsdp_runner.core.choices import DPMode
+    from hsdp_runner.distributed import float8
+    from hsdp_runner.models.base import model_spec
+
+    cfg = compose(["model=moe_tiny", "precision=float8"])
+    with torch.device("meta"):
+        model = model_spec(cfg.model).build()
+    converted = float8.convert(
+        model, cfg.precision, torch.device("meta"), DPMode.fsdp, cfg.model.vocab_size
+    )
+    experts = [f"layers.{i}.moe.experts.w{p}" for i in (1, 2) for p in "132"]
+    assert [n for n in converted if ".experts." in n] == experts
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert kinds["layers.1.moe.router.gate"] == "Linear" and kinds["output"] == "Linear"
+    assert kinds["layers.1.moe.shared_experts.w1"] == "Float8Linear"
+    assert kinds["layers.0.feed_forward.w1"] == "Float8Linear"
+    params = dict(model.named_parameters())
+    wrapped = {n for n, p in params.items() if type(p.data).__name__.startswith("Float8Training")}
+    assert wrapped == set(experts)  # exactly the experts' stacked weights
+    assert model.layers["1"].moe.experts.group_rows == 16
+    # The per-expert loop is not converted (check_experts refuses float8 with it).
+    loop = compose(["model=moe_tiny", "precision=float8", "model.grouped_mm=false"])
+    with torch.device("meta"):
+        model = model_spec(loop.model).build()
+    names = float8.convert(model, loop.precision, torch.device("meta"), DPMode.fsdp, 256)
+    assert not [n for n in names if ".experts." in n]
+
+
+def test_float8_experts_run_their_grouped_matmuls_through_torchao_with_aligned_groups(
+    monkeypatch,
+):
+    """The wrapper catches the experts' ``torch._grouped_mm`` calls (here multiplied in fp32
+    by a stand-in: the float8 kernels need a GPU), each group padded to 16 rows; outputs and
+    gradients equal the unconverted experts'."""
+    import copy
+
+    import torchao.prototype.moe_training.tensor as ao_tensor
+
+    from hsdp_runner.distributed import float8
+    from hsdp_runner.models.moe_routing import GroupedExperts
+
+    calls = []
+    monkeypatch.setattr(ao_tensor, "_quantize_then_scaled_grouped_mm", _plain_grouped_mm(calls))
+    torch.manual_seed(0)
+    ref = torch.nn.Module()
+    ref.experts = GroupedExperts(32, 48, 4, grouped_mm=True)
+    for w in ref.experts.parameters():
+        torch.nn.init.normal_(w, std=0.1)
+    model = copy.deepcopy(ref)
+    assert float8.convert_experts(model, torch.device("cuda")) == [
+        "experts.w1",
+        "experts.w3",
+        "experts.w2",
+    ]
+    counts = torch.tensor([3, 0, 17, 5])
+    x = torch.randn(25, 32)
+    grad = torch.randn(25, 32)
+    results = []
+    for m in (ref, model):
+        xi = x.clone().requires_grad_(True)
+        m.experts(xi, counts).backward(grad)
+        results.append([xi.grad, *(p.grad for p in m.experts.parameters())])
+    assert len(calls) == 3  # the forward's three (backward: the stand-in's autograd)
+    assert calls[0][2] == [16, 16, 48, 96]  # 3 -> 16, 0, 17 -> 32, 5 -> 16 + the spare rows
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, kwargs, message",
+    [
+        ([], {"gpus": 0}, "torchao's float8 grouped matmul runs on GPUs only"),
+        (["model.grouped_mm=false"], {}, "set model.grouped_mm=true"),
+        (["model.expert_ffn_dim=40"], {}, "model.expert_ffn_dim=40 is not a multiple of 16"),
+        (["model.dim=72", "model.n_heads=4"], {}, "model.dim=72 is not a multiple of 16"),
+        ([], {"compile": True}, "set parallel.compile=false"),
+        ([], {"capability": (8, 9)}, "compute capability 9.0, 10.0 only (H100, H200, B200)"),
+        ([], {"capability": (12, 0)}, "this GPU is 12.0"),
+    ],
+)
+def test_float8_experts_refusals_name_the_key_and_the_fix(overrides, kwargs, message):
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.core.errors import ConfigError
+    from hsdp_runner.distributed.float8 import check_experts
+
+    run = to_run_config(compose(["model=moe_tiny", "precision=float8", *overrides]))
+    kwargs = {"gpus": 1, "capability": (9, 0), **kwargs}
+    with pytest.raises(ConfigError, match="with a model with experts") as err:
+        check_experts(run.precision, run.model, **kwargs)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("preset", ["moe_tiny", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("recipe", ["float8", "float8_rowwise"])
+def test_float8_experts_pass_on_hopper_and_blackwell(preset, recipe):
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed import float8
+
+    run = to_run_config(compose([f"model={preset}", f"precision={recipe}"]))
+    assert float8.converts_experts(run.precision, run.model)
+    for capability in float8.GROUPED_CAPABILITIES:
+        float8.check_experts(run.precision, run.model, 1, False, capability)
+    float8.check_experts(run.precision, run.model, 1)  # the planner: no capability to check
+    bf16 = to_run_config(compose([f"model={preset}", "precision=bf16"]))
+    float8.check_experts(bf16.precision, bf16.model, 0, True)  # no float8: nothing refused
+    assert not float8.converts_experts(bf16.precision, bf16.model)
+
+
+def test_float8_experts_stay_wrapped_under_expert_parallel_and_fsdp_and_save_plain(monkeypatch):
+    """On a fake 4-rank world (one process): the wrapper survives expert parallel's
+    ``distribute_tensor`` and FSDP2's sharding and all-gather (its hooks gather in
+    param_dtype), the sharded experts' forward and backward reach torchao's grouped matmul,
+    and ``plain_state`` saves the wrapped tensors."""
+    import torch.distributed as dist
+    import torchao.prototype.moe_training.tensor as ao_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hsdp_runner.distributed import float8
+    from hsdp_runner.models.moe_routing import GroupedExperts
+
+    calls = []
+    monkeypatch.setattr(ao_tensor, "_quantize_then_scaled_grouped_mm", _plain_grouped_mm(calls))
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        with torch.device("meta"):
+            experts = GroupedExperts(32, 48, 4, grouped_mm=True)
+        float8.convert_experts(experts, torch.device("meta"))
+        for name, p in list(experts.named_parameters(recurse=False)):
+            shard = distribute_tensor(p.data, mesh["ep"], [Shard(0)], src_data_rank=None)
+            setattr(experts, name, torch.nn.Parameter(shard))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(experts, mesh=mesh["efsdp"], mp_policy=policy)
+        experts.to_empty(device="cpu")
+        for p in experts.parameters():
+            assert isinstance(p, DTensor)
+            assert type(p._local_tensor).__name__ == "Float8TrainingWeightWrapperTensor"
+        x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+        experts(x, torch.tensor([4, 2])).sum().backward()
+        # 2 local experts of (48, 32); 4 + 2 rows padded to [16, 32 + the spare 16]
+        assert [c[1:] for c in calls[:1]] == [((2, 32, 48), [16, 48])] and len(calls) == 3
+        assert all(p.grad is not None for p in experts.parameters())
+        state = float8.plain_state(experts.state_dict())
+        assert all(type(t._local_tensor) is torch.Tensor for t in state.values())
+    finally:
+        dist.destroy_process_group()

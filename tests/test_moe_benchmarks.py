@@ -83,3 +83,25 @@ def test_gpu_step_job_is_a_valid_one_gpu_job(monkeypatch, tmp_path):
     cmd = moe_gpu.step_command(args, tmp_path / "job")
     dims = prelaunch.validate(compose(cmd[4:]), tmp_path)
     assert dims.world_size == 1 and "model.n_layers=2" in cmd
+
+
+def test_gpu_check_float8_part_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(moe_gpu, "cuda_available", lambda: False)
+    assert moe_gpu.main(["--part", "float8", "--steps", "8", "--step-warmup", "3"]) == 0
+    assert "Nothing was measured" in capsys.readouterr().out
+
+
+def test_gpu_float8_step_job_is_a_valid_one_gpu_job_on_hopper(monkeypatch, tmp_path):
+    """The float8 part's float8 job passes the runner's checks on a 9.0 GPU (the experts'
+    float8 grouped matmul included), and differs from the bf16 one in its precision only."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda device=None: (9, 0))
+    args = SimpleNamespace(
+        model="qwen3_30b_a3b", layers=2, seq_len=2048, steps=8, batch=4, step_warmup=3
+    )
+    cmd = moe_gpu.step_command(args, tmp_path / "job", "float8")
+    assert prelaunch.validate(compose(cmd[4:]), tmp_path).world_size == 1
+    bf16 = moe_gpu.step_command(args, tmp_path / "job")
+    assert [a for a in cmd if a not in bf16] == ["precision=float8"]

@@ -1,4 +1,5 @@
-"""Float8 training of the linear layers (``precision.float8``), through torchao.
+"""Float8 training of the linear layers and the routed experts (``precision.float8``),
+through torchao.
 
 torchao's ``convert_to_float8_training`` swaps the chosen ``nn.Linear`` layers for its
 ``Float8Linear``: each matmul casts its operands to float8 with dynamic scales (one per tensor
@@ -7,9 +8,21 @@ changes: parameters, gradients, optimizer state and checkpoints keep the master 
 float8 checkpoint resumes under bf16 and back, and HF export is the same.
 
 - ``keeps_high_precision``: the module filter. The output layer (the one linear that produces
-  the vocabulary's logits: float8 there costs accuracy for little time) and every linear whose
-  local matmul dims (after TP) are not multiples of 16 (``torch._scaled_mm``'s constraint)
-  stay in ``param_dtype``.
+  the vocabulary's logits: float8 there costs accuracy for little time), a MoE router's gate
+  (its logits choose the experts; a small matmul) and every linear whose local matmul dims
+  (after TP) are not multiples of 16 (``torch._scaled_mm``'s constraint) stay in
+  ``param_dtype``.
+- The routed experts (``GroupedExperts``, models with ``model.n_experts``): on a GPU
+  ``convert`` also wraps their stacked weights in torchao's MoE training weight
+  (``torchao.prototype.moe_training``: ``quantize_`` with ``Float8TrainingOpConfig``), whose
+  ``__torch_function__`` turns each ``torch._grouped_mm`` into a float8 rowwise
+  ``torch._scaled_grouped_mm`` (dynamic per-row scales, e4m3 for every operand, bf16 out),
+  forward and both backward matmuls: the one recipe torchao has for grouped matmuls in float8,
+  whatever ``precision.float8`` names for the linears. The weights stay in the master dtype and
+  FSDP gathers them in ``param_dtype`` (the wrapper's FSDP2 hooks: no float8 all-gather). Each
+  expert's rows are padded with zero rows to a multiple of 16 (``GroupedExperts.group_rows``).
+  ``check_experts`` refuses what that path cannot run (CPU, GPUs outside compute capability
+  9.0 / 10.0, dims not multiples of 16, the per-expert loop, compiled blocks).
 - ``convert``: applied to the meta model before TP, AC, compile and FSDP (torchtitan's order).
   ``emulate=True`` exactly when the device is the CPU (casts and scales as on a GPU, matmuls in
   higher precision); on a GPU it never emulates: ``check_device`` refuses a GPU without float8
@@ -51,6 +64,12 @@ if TYPE_CHECKING:  # annotations only: benchmarks/float8_gpu_check.py runs witho
 FLOAT8_ALIGN = 16
 # Float8 tensor cores: Ada (8.9) and Hopper (9.0) onward.
 MIN_CAPABILITY = (8, 9)
+# torch._scaled_grouped_mm (the experts' float8 matmul) runs on these compute capabilities
+# only ("only supported on CUDA devices with compute capability = [9.0, 10.0]", torch 2.11
+# to 2.13): H100/H200 and B200, not Ada (8.9) nor 12.x.
+GROUPED_CAPABILITIES = ((9, 0), (10, 0))
+# The router's linear, kept in param_dtype (keeps_high_precision).
+ROUTER_GATE = "router.gate"
 TORCHAO_FIX = "pip install torchao==0.18.0 (the release pyproject.toml pins)"
 log = logging.getLogger(__name__)
 
@@ -146,35 +165,82 @@ def check_device(precision: PrecisionConfig, gpus: int, capability=None, name=No
     )
 
 
-def check_experts(precision: PrecisionConfig, model_cfg: ModelConfig, gpus: int) -> None:
-    """Raise ConfigError for float8 training of a model with experts: on the CPU (``gpus``
-    0) torchao's float8 grouped matmul, which the routed experts would need, does not run; on
-    a GPU the runner does not convert the experts' grouped matmuls yet (torchao's MoE
-    training recipe), so float8 would reach the dense linears alone: refused rather than
-    half applied."""
+def converts_experts(precision: PrecisionConfig, model_cfg: ModelConfig) -> bool:
+    """True when ``precision`` trains ``model_cfg``'s routed experts in float8 (``convert``
+    wraps them: experts running grouped matmuls), as the planner prices them."""
+    return (
+        enabled(precision)
+        and routed_experts(model_cfg) > 0
+        and bool(getattr(model_cfg, "grouped_mm", True))
+    )
+
+
+def check_experts(
+    precision: PrecisionConfig,
+    model_cfg: ModelConfig,
+    gpus: int,
+    compile: bool = False,
+    capability=None,
+) -> None:
+    """Raise ConfigError for float8 training of a model with routed experts where torchao's
+    float8 grouped matmul (``convert``'s expert path) cannot run: on the CPU (``gpus`` 0:
+    its kernels are Triton and CUDA); on a GPU outside ``GROUPED_CAPABILITIES``
+    (``capability``: the job's GPU's, ``check_device``'s (major, minor); None, as the planner
+    passes, is not checked); with expert dims that are not multiples of 16; with the per-expert loop
+    (``model.grouped_mm=false``: plain matmuls the wrapper does not convert, so the experts
+    would silently stay in bf16); with ``compile`` (``parallel.compile``: torchao 0.17/0.18
+    skip their own float8 rowwise MoE test under torch.compile, "'FakeTensor' object has no
+    attribute '__tensor_flatten__'"). Expert parallel, FSDP/HSDP and TP (which leaves the
+    experts whole) are not refused: the wrapper survives ``distribute_tensor`` and carries
+    FSDP2's all-gather hooks."""
     experts = routed_experts(model_cfg)
     if not enabled(precision) or not experts:
         return
-    why = (
-        "torchao's float8 grouped matmul runs on GPUs only"
-        if not gpus
-        else "the routed experts' grouped matmuls are not converted to float8 yet, so only "
-        "the dense linears would be"
+    head = (
+        f"precision.float8={precision.float8} with a model with experts (model.n_experts={experts})"
     )
-    raise ConfigError(
-        f"precision.float8={precision.float8} with a model with experts "
-        f"(model.n_experts={experts}): {why}; use precision=bf16"
-    )
+    if not gpus:
+        raise ConfigError(
+            f"{head}: torchao's float8 grouped matmul runs on GPUs only; use precision=bf16"
+        )
+    if not getattr(model_cfg, "grouped_mm", True):
+        raise ConfigError(
+            f"{head} and model.grouped_mm=false: float8 converts the experts' grouped matmuls, "
+            "not the per-expert loop; set model.grouped_mm=true or use precision=bf16"
+        )
+    dims = {"model.dim": model_cfg.dim, "model.expert_ffn_dim": model_cfg.expert_ffn_dim}
+    bad = {key: n for key, n in dims.items() if n % FLOAT8_ALIGN}
+    if bad:
+        key, n = next(iter(bad.items()))
+        raise ConfigError(
+            f"{head}: {key}={n} is not a multiple of {FLOAT8_ALIGN}, which torchao's float8 "
+            f"grouped matmul needs of both expert dims; use widths that are multiples of "
+            f"{FLOAT8_ALIGN} or precision=bf16"
+        )
+    if compile:
+        raise ConfigError(
+            f"{head} and parallel.compile=true: torchao's float8 rowwise grouped matmul does "
+            "not compile in torchao 0.17/0.18 (its own test is skipped: 'FakeTensor' object "
+            "has no attribute '__tensor_flatten__'); set parallel.compile=false or use "
+            "precision=bf16"
+        )
+    if capability is not None and tuple(capability) not in GROUPED_CAPABILITIES:
+        shown = ", ".join(f"{a}.{b}" for a, b in GROUPED_CAPABILITIES)
+        raise ConfigError(
+            f"{head}: torch._scaled_grouped_mm, the experts' float8 matmul, runs on compute "
+            f"capability {shown} only (H100, H200, B200); this GPU is "
+            f"{capability[0]}.{capability[1]}; use precision=bf16"
+        )
 
 
 def keeps_high_precision(
     fqn: str, weight_shape: tuple[int, int], vocab_size: int, tp: int, split_dim
 ) -> bool:
     """True for a linear layer that stays in ``param_dtype``: the output layer (``vocab_size``
-    outputs) or one whose local weight (``weight_shape`` split by ``tp`` on
+    outputs), a router's gate (``ROUTER_GATE``) or one whose local weight (``weight_shape`` split by ``tp`` on
     ``split_dim(fqn)``, None: not split) has a dim that is not a multiple of 16."""
     out_features, in_features = weight_shape
-    if out_features == vocab_size:
+    if out_features == vocab_size or fqn.endswith(ROUTER_GATE):
         return True
     local = [out_features, in_features]
     dim = split_dim(fqn)
@@ -250,10 +316,14 @@ def convert(
     vocab_size: int,
     tp: int = 1,
     split_dim: Callable[[str], int | None] = lambda fqn: None,
+    experts: bool = True,
 ) -> list[str]:
-    """Swap ``model``'s eligible linears for torchao's ``Float8Linear`` in place (before any
-    parallelism); returns the converted layers' names. Emulated exactly when ``device`` is the
-    CPU. ``split_dim(fqn)``: the dim TP splits that layer's weight on (None: whole)."""
+    """Swap ``model``'s eligible linears for torchao's ``Float8Linear`` and, with ``experts``
+    (the planner's meta trace leaves them out: torchao's kernels do not run on meta), wrap
+    its routed experts' weights (``convert_experts``), in place, before any parallelism;
+    returns the converted layers' and expert weights' names. Linears are emulated exactly when
+    ``device`` is the CPU, where experts are refused (``check_experts``). ``split_dim(fqn)``:
+    the dim TP splits that layer's weight on (None: whole)."""
     if not enabled(precision):
         return []
     ao = torchao_float8()
@@ -273,7 +343,48 @@ def convert(
 
     config = linear_config(precision, device.type == "cpu", gathers_float8(precision, dp_mode))
     ao.convert_to_float8_training(model, module_filter_fn=keep_float8, config=config)
+    if experts:
+        converted += convert_experts(model, device)
     return converted
+
+
+def _grouped_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: module} of ``model``'s routed experts that run grouped matmuls: the modules
+    with ``models/moe_routing.GroupedExperts``' ``group_rows`` and ``grouped_mm`` set (by
+    what they hold, not their class: the runner reaches model families only through
+    ``models.base``)."""
+    return {
+        fqn: m
+        for fqn, m in model.named_modules()
+        if hasattr(m, "group_rows") and getattr(m, "grouped_mm", False) is True
+    }
+
+
+def convert_experts(model: nn.Module, device: torch.device) -> list[str]:
+    """Wrap the stacked weights of ``model``'s routed experts in torchao's float8 MoE
+    training weight (``quantize_`` with ``Float8TrainingOpConfig()``: float8 rowwise grouped
+    matmuls, bf16 out, no token padding of its own) and set their ``group_rows`` to 16, the
+    padding that matmul needs; returns the wrapped weights' names. ConfigError on the CPU
+    (``check_experts`` refused such a job already)."""
+    found = _grouped_experts(model)
+    if not found:
+        return []
+    if device.type == "cpu":
+        raise ConfigError(
+            "precision.float8 with a model with experts: torchao's float8 grouped matmul "
+            "runs on GPUs only; use precision=bf16"
+        )
+    torchao_float8()  # its import, without the noise
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization.quant_api import quantize_
+
+    modules = {id(m) for m in found.values()}
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda m, fqn: id(m) in modules)
+    names = []
+    for fqn, module in found.items():
+        module.group_rows = FLOAT8_ALIGN
+        names += [f"{fqn}.{name}" for name, _ in module.named_parameters(recurse=False)]
+    return names
 
 
 def _float8_linears(model: nn.Module) -> list[nn.Module]:
@@ -321,14 +432,23 @@ def after_update(
     return run
 
 
+# torchao's weight wrappers and the attribute holding the tensor each wraps: the float8
+# linears' under float8 all-gather, the routed experts' (``convert_experts``).
+_WRAPPERS = {
+    "WeightWithDynamicFloat8CastTensor": "_tensor",
+    "Float8TrainingWeightWrapperTensor": "_data",
+}
+
+
 def _plain(tensor):
-    """``tensor`` without torchao's float8 weight wrapper (the same storage): a DTensor whose
-    local shard is the wrapper gets a DTensor of the wrapped tensor; anything else as it is."""
+    """``tensor`` without torchao's weight wrapper (the same storage): a DTensor whose local
+    shard is a wrapper gets a DTensor of the wrapped tensor; anything else as it is."""
     from torch.distributed.tensor import DTensor
 
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    inner = getattr(local, "_tensor", None)
-    if type(local).__name__ != "WeightWithDynamicFloat8CastTensor" or inner is None:
+    attr = _WRAPPERS.get(type(local).__name__)
+    inner = getattr(local, attr, None) if attr else None
+    if inner is None:
         return tensor
     if not isinstance(tensor, DTensor):
         return inner
@@ -346,8 +466,9 @@ def plain_state(state):
     """A (nested) state dict with every float8 weight wrapper replaced by the tensor it wraps.
 
     With float8 all-gather, torchao wraps each float8 linear's weight (and, through
-    ``zeros_like``, AdamW's moments of it) in ``WeightWithDynamicFloat8CastTensor``; saved as
-    is, a checkpoint would pickle that class and load only where torchao is imported and
+    ``zeros_like``, AdamW's moments of it) in ``WeightWithDynamicFloat8CastTensor``, and the
+    routed experts' weights in ``Float8TrainingWeightWrapperTensor``; saved as is, a
+    checkpoint would pickle that class and load only where torchao is imported and
     allow-listed. The checkpointer saves, loads and exports through this instead, so a float8
     checkpoint holds plain tensors of the master dtype, like any other."""
     return torch.utils._pytree.tree_map(_plain, state)

@@ -13,9 +13,12 @@ load-balance statistics, read top to bottom in the order a token meets them.
   sends a token to a node once can sum its copies there. The default keeps every expert on this
   process; the runtime installs one that all-to-alls.
 - ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
-  sorted by expert either in three grouped matmuls (``F.grouped_mm``, torch's public wrapper
-  of ``torch._grouped_mm``) or, as the reference, in a loop over experts
-  (``model.grouped_mm``).
+  sorted by expert either in three grouped matmuls (``torch._grouped_mm``, the op torch's
+  public ``F.grouped_mm`` calls and the one torchao's float8 weight wrapper intercepts by
+  name) or, as the reference, in a loop over experts (``model.grouped_mm``). Under float8
+  (``distributed/float8.py`` sets ``group_rows`` = 16) each expert's rows are first padded
+  with zero rows to a multiple of 16 (``aligned_groups``), which float8's grouped matmul
+  needs.
 - ``SwiGLU``: the experts' activation, saving its two inputs only (``silu`` recomputed in
   backward).
 - ``WeightedCombine``: each token's expert outputs weighed by the router and summed in fp32,
@@ -156,6 +159,11 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
 
+    # Rows of each expert's group a multiple of this (1: as routed). ``float8.convert`` sets
+    # 16 on experts it converts: torch._scaled_grouped_mm reads each group's rows at a
+    # 16-byte aligned start in float8 (the weight gradient's reduction runs over them).
+    group_rows = 1
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run tokens ``x`` (M, dim), sorted by local expert with ``counts`` (n_local,) int64
         per expert, through the experts this rank holds (as many as the local w1's dim 0).
@@ -164,12 +172,16 @@ class GroupedExperts(nn.Module):
         kernels take fp32 and bf16, but its meta function (fake tensors: torch.compile, the
         planner's memory run) takes bf16 only: those run the grouped path in bf16 alone."""
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
-        if self.grouped_mm:
-            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-            hidden = SwiGLU.apply(gate, F.grouped_mm(x, w3.transpose(-2, -1), offs=offs))
-            return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
-        return self._loop(x, counts, w1, w2, w3)
+        if not self.grouped_mm:
+            return self._loop(x, counts, w1, w2, w3)
+        rows = None
+        if self.group_rows > 1:
+            x, counts, rows = aligned_groups(x, counts, self.group_rows)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        hidden = SwiGLU.apply(gate, torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
+        out = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
+        return out if rows is None else out[rows]
 
     def _loop(self, x, counts, w1, w2, w3) -> torch.Tensor:
         """The reference: one SwiGLU per local expert on its rows (``counts`` read on the
@@ -179,6 +191,31 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)
             outputs.append(hidden @ w2[expert].T)
         return torch.cat(outputs)
+
+
+def aligned_groups(
+    x: torch.Tensor, counts: torch.Tensor, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` (M, dim), rows sorted by expert (``counts`` (E,) per expert), copied into zero
+    rows so that every expert's group starts at a multiple of ``align`` and holds a multiple
+    of it. Returns (padded (P, dim), padded counts (E,), rows (M,) int64: where each row of
+    ``x`` went, so ``out[rows]`` gives the rows back in ``x``'s order).
+
+    P = round_up(M + (align - 1) E, align), a size known without reading ``counts`` on the
+    host (no sync; compiled code sees one shape per M); the last expert's group takes the
+    spare zero rows, so every row lies in some group and none is left uninitialised. Zero
+    rows change nothing: their outputs are zero, their gradient is zero, and they add zero
+    to the weights' gradients (and to no float8 scale: a scale is a row's or a group's amax)."""
+    n, experts = x.shape[0], counts.shape[0]
+    padded = (counts + align - 1) // align * align
+    size = (n + (align - 1) * experts + align - 1) // align * align
+    padded = torch.cat([padded[:-1], (size - padded[:-1].sum()).reshape(1)])
+    start = torch.cumsum(padded, 0) - padded  # each group's first padded row
+    first = torch.cumsum(counts, 0) - counts  # each group's first row in x
+    group = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=n)
+    rows = start[group] + torch.arange(n, device=x.device) - first[group]
+    out = x.new_zeros((size, x.shape[1])).index_copy(0, rows, x)
+    return out, padded, rows
 
 
 class SwiGLU(torch.autograd.Function):

@@ -154,7 +154,12 @@ def plan_job(
             run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib
         )
         # What a job with these settings would refuse, the plan does not offer.
-        float8.check_experts(run.precision, run.model, gpus=0 if cluster.measured_links else 1)
+        float8.check_experts(
+            run.precision,
+            run.model,
+            gpus=0 if cluster.measured_links else 1,
+            compile=run.parallel.compile,
+        )
     except ConfigError as err:
         raise ConfigError(f"parallel=auto: {err}") from None
     axes = planned_axes(run, overrides)

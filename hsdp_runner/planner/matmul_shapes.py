@@ -25,7 +25,10 @@ work between matmuls. A GEMM is (M, N, K): an (M, K) operand times a (K, N) one.
   FLOPs, priced as that share of each of the blocks' forward GEMMs.
 - **Float8.** The linears ``precision.float8`` converts (``float8.high_precision_linears``
   keeps the output layer and misaligned ones in the compute dtype) run all three GEMMs (and
-  their recompute) in float8, as torchao's recipes do; the experts stay in the compute dtype.
+  their recompute) in float8, as torchao's recipes do; so do the routed experts' grouped
+  GEMMs (``float8.converts_experts``: torchao's float8 rowwise grouped matmul). The zero rows
+  ``GroupedExperts`` pads each group with under float8 (up to 15 a local expert, plus the
+  spare ones of its size bound) are left out: the step's FLOP count has no such rows.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ def _experts(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float, loa
         cfg.trainer.grad_accum_steps,
         recompute_share(cfg),
     )
+    f8 = float8.converts_experts(cfg.precision, cfg.model)
     for layer in moe_layers(model):
         copies = rows * layer.top_k * load
         for name, weight in layer.named_parameters():
@@ -146,6 +150,6 @@ def _experts(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float, loa
             groups, launches = (local, 1) if getattr(owner, "grouped_mm", True) else (1, local)
             gemms = _linear_gemms(copies / local, out, inn)
             for shape in gemms:
-                runs[(*shape, groups, EXPERTS, False)] += micro * launches
+                runs[(*shape, groups, EXPERTS, f8)] += micro * launches
             if again:
-                runs[(*gemms[0], groups, EXPERTS, False)] += micro * launches * again
+                runs[(*gemms[0], groups, EXPERTS, f8)] += micro * launches * again

@@ -107,7 +107,13 @@ def validate(
     if float8.enabled(cfg.precision):
         float8.torchao_float8()
         float8.check_device(cfg.precision, gpus)
-        float8.check_experts(cfg.precision, cfg.model, gpus)
+        float8.check_experts(
+            cfg.precision,
+            cfg.model,
+            gpus,
+            cfg.parallel.compile,
+            torch.cuda.get_device_capability(0) if gpus else None,
+        )
         validate_float8(cfg.precision, dims.tp)
         float8.check_tp(cfg.model, dims.tp, cfg.parallel.sequence_parallel)
     if cfg.data.kind == DataKind.text:
