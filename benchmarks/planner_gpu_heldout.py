@@ -38,8 +38,23 @@ sys.path.insert(0, str(REPO))
 from hsdp_runner.core.records import RunSummary  # noqa: E402
 from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
 
-JOBS = {
+JOBS = {  # in the order run: a lease cut short keeps the first
     "llama1b_bf16_ac_none": ["model=llama3_1b", "precision=bf16", "trainer.global_batch_size=4"],
+    "qwen3moe_2blocks_bf16": [
+        "model=qwen3_30b_a3b",
+        "model.n_layers=2",
+        "model.seq_len=2048",
+        "precision=bf16",
+        "trainer.global_batch_size=4",
+    ],
+    "llama8b_8blocks_bf16_full": [
+        "model=llama3_8b",
+        "model.n_layers=8",
+        "precision=bf16",
+        "trainer.global_batch_size=4",
+        "parallel.ac=full",
+    ],
+    "gpt2small_bf16": ["model=gpt2_small", "precision=bf16", "trainer.global_batch_size=16"],
     "llama1b_bf16_sel_compile": [
         "model=llama3_1b",
         "precision=bf16",
@@ -53,21 +68,6 @@ JOBS = {
         "trainer.global_batch_size=8",
         "parallel.ac=full",
         "parallel.compile=true",
-    ],
-    "llama8b_8blocks_bf16_full": [
-        "model=llama3_8b",
-        "model.n_layers=8",
-        "precision=bf16",
-        "trainer.global_batch_size=4",
-        "parallel.ac=full",
-    ],
-    "gpt2small_bf16": ["model=gpt2_small", "precision=bf16", "trainer.global_batch_size=16"],
-    "qwen3moe_2blocks_bf16": [
-        "model=qwen3_30b_a3b",
-        "model.n_layers=2",
-        "model.seq_len=2048",
-        "precision=bf16",
-        "trainer.global_batch_size=4",
     ],
 }
 COMMON = ["parallel=single"]
