@@ -2,7 +2,8 @@
 # One GPU lease's checks in one command, in priority order, each part time-boxed so a failure
 # or a hang costs that part alone; every figure lands under $OUT (default /tmp/gpu_lease).
 #
-#   LEASE_S=560 bash benchmarks/gpu_lease.sh [PART ...]  # parts: env kernels tests titan moe moe_f8 heldout
+#   LEASE_S=560 bash benchmarks/gpu_lease.sh [PART ...]  # parts: env kernels tests simulated titan moe moe_f8 heldout
+# TITAN_ARGS: more arguments of torchtitan_pair.py (--profile: one step's kernels of each)
 #
 # LEASE_S bounds the whole command: a part's limit is cut to what is left of it, so the last
 # part (heldout, whose rows are written as each job ends) gets the rest.
@@ -52,8 +53,10 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
     kernels) part kernels 80 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" ;;
     tests)
       part tests 45 python3 -m pytest -q -p no:cacheprovider tests/test_common_layers.py \
-        tests/test_step_loop.py::test_cuda_steps_make_no_synchronizing_call \
-        tests/test_gpu_devices.py tests/test_gpu_launch.py ;;
+        tests/test_step_loop.py::test_cuda_steps_make_no_synchronizing_call ;;
+    simulated)  # the tests that simulate a GPU node: they must not depend on the real one
+      part simulated 45 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_devices.py \
+        tests/test_gpu_launch.py ;;
     moe) part moe 40 python3 benchmarks/moe_gpu.py --part matmul ;;
     moe_f8)
       part moe_f8 100 python3 benchmarks/moe_gpu.py --part float8 --tokens 8192 --repeats 10 \
@@ -66,7 +69,7 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
           --target /tmp/titan .whl_titan/*.whl >>"$LOG" 2>&1
         part titan 120 python3 benchmarks/torchtitan_pair.py --compile off --steps 16 \
-          --timeout 100 --out "$OUT/titan.json"
+          --timeout 100 --out "$OUT/titan.json" ${TITAN_ARGS:-}
       else
         echo "== titan skipped: no .whl_titan/" | tee -a "$LOG"
       fi ;;

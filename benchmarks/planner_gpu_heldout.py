@@ -132,7 +132,7 @@ def run_all(args) -> int:
             failed = 1
             print(f"{name}: FAILED {row.get('error', 'no prediction in summary.json')}", flush=True)
             continue
-        p = row["prediction"]
+        p = row["prediction"]["figures"]
         cells = [
             f"{key} pred {p[key]['predicted']:.4g} meas {p[key]['measured']:.4g} "
             f"({p[key]['error']:+.1%})"
@@ -144,9 +144,10 @@ def run_all(args) -> int:
             args.json.write_text(json.dumps(rows, indent=1, default=str))
     for key in ("step_time_s", "mem_gib"):
         errors = [
-            abs(r["prediction"][key]["error"])
+            abs(r["prediction"]["figures"][key]["error"])
             for r in rows
-            if r.get("prediction") and r["prediction"].get(key, {}).get("error") is not None
+            if r.get("prediction")
+            and r["prediction"]["figures"].get(key, {}).get("error") is not None
         ]
         if errors:
             print(f"{key}: median |error| {statistics.median(errors):.1%} over {len(errors)} jobs")

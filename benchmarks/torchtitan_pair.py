@@ -139,7 +139,16 @@ def runner_command(args, compiled: bool, out_dir: Path) -> list[str]:
         "metrics.comm_step=null",  # counting collectives runs a step under a dispatch mode
         "metrics.memory_steps=0",  # and so does the tensor-memory measurement
         "logger=none",
-    ]
+    ] + (
+        # The window ends two steps before the last, like torchtitan's (``titan_command``).
+        [
+            "profile.enable=true",
+            f"profile.start_step={args.steps - 2}",
+            "profile.steps=1",
+        ]
+        if args.profile
+        else []
+    )
 
 
 def titan_command(args, compiled: bool, out_dir: Path) -> list[str]:
@@ -175,6 +184,12 @@ def titan_command(args, compiled: bool, out_dir: Path) -> list[str]:
         "--metrics.log_freq=1",
         "--metrics.disable_color_printing",
     ] + (["--compile.enable"] if compiled else [])
+    if args.profile:  # torchtitan traces the step at each multiple of profile_freq
+        titan += [
+            "--profiling.enable_profiling",
+            "--profiling.save_traces_folder=profile",
+            f"--profiling.profile_freq={args.steps - 2}",
+        ]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return launcher + ["--nproc_per_node=1", str(TITAN_JOB), *ours, "--", *titan]
 
@@ -358,6 +373,12 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per job")
     p.add_argument("--keep", type=Path, help="keep the jobs' folders (logs) here")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace one step of each job (step steps-2) and print both traces' GPU kernels "
+        "side by side (benchmarks/trace_kernels.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -397,6 +418,23 @@ def main(argv: list[str] | None = None) -> int:
         f"parameters: runner {report['params_runner']:,}, torchtitan "
         f"{report['params_torchtitan']} ({'same' if same else 'DIFFERENT'})"
     )
+    if args.profile:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from trace_kernels import compare_traces
+
+        for row in rows:
+            mode = "compiled" if row["compile"] else "eager"
+            traces = {
+                tool: sorted((work / f"{mode}_{row['round']}_{tool}").rglob("*trace.json*"))
+                for tool in ("runner", "torchtitan")
+            }
+            if all(traces.values()):
+                print(f"== kernels of one step, {row['name']} (round {row['round']})")
+                report.setdefault("kernels", []).append(
+                    compare_traces({t: paths[-1] for t, paths in traces.items()})
+                )
+            else:
+                print(f"no trace for {[t for t, p in traces.items() if not p]}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.out}")

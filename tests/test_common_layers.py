@@ -203,10 +203,11 @@ def test_rms_norm_on_cuda_runs_torchs_fused_kernels_to_the_op_by_op_values(dtype
     fn = lambda x, w: RMSNormFunction.apply(x, w, EPS)  # noqa: E731
     out, grads = value_and_grads(fn, x, weight, grad_out=grad_out)
     assert calls, "the fused forward did not run"
-    saved = [(t.shape, t.dtype) for t in saved_by(fn, x, weight)]
+    leaves = [t.detach().requires_grad_() for t in (x, weight)]
+    saved = [(t.shape, t.dtype) for t in saved_by(fn, *leaves)]
     monkeypatch.setattr(common, "FUSED_NORM_DEVICES", set())
     ref_out, ref_grads = value_and_grads(fn, x, weight, grad_out=grad_out)
-    assert saved == [(t.shape, t.dtype) for t in saved_by(fn, x, weight)]
+    assert saved == [(t.shape, t.dtype) for t in saved_by(fn, *leaves)]
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     torch.testing.assert_close(out, ref_out, **tol)
     for got, want in zip(grads, ref_grads):

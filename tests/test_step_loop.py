@@ -278,7 +278,13 @@ def _cuda_sync_warnings():
             # From step 2 on (step 1 holds one-time set-up): any synchronizing CUDA call warns.
             trainer.fit(after_step=lambda step: torch.cuda.set_sync_debug_mode("warn"))
             torch.cuda.set_sync_debug_mode(0)
-        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        # torch's own notice that the debug mode is a prototype (torch 2.11 on an H200) is
+        # not a synchronizing call.
+        return [
+            str(w.message)
+            for w in caught
+            if "synchroniz" in str(w.message) and "debug mode is a prototype" not in str(w.message)
+        ]
     finally:
         torch.cuda.set_sync_debug_mode(0)
         dist.destroy_process_group()

@@ -67,8 +67,9 @@ def test_torchtitan_metrics_file_wins_over_console_lines(tmp_path):
     assert figures["params"] == 1_498_482_688  # still from the console
 
 
-def test_both_tools_get_the_same_job(tmp_path):
-    args = SimpleNamespace(layers=16, seq_len=2048, batch=4, steps=20, warmup=3, titan_mp="fsdp")
+@pytest.mark.parametrize("profile", [False, True])
+def test_both_tools_get_the_same_job(tmp_path, profile):
+    args = torchtitan_pair.parse_args(["--steps", "20"] + (["--profile"] if profile else []))
     runner = torchtitan_pair.runner_command(args, True, tmp_path / "job")
     assert "device=cuda" in runner  # validated here on this machine's CPU
     overrides = [a if a != "device=cuda" else "device=cpu" for a in runner[4:]]
@@ -81,6 +82,9 @@ def test_both_tools_get_the_same_job(tmp_path):
     for flag in ("selective_ac_option=op", "compile.enable", "local_batch_size=4", "seq_len=2048"):
         assert any(a.endswith(flag) for a in rest), flag
     assert "parallel.ac=selective" in runner and "parallel.compile=true" in runner
+    # With --profile both trace step 18: the runner's window, torchtitan's profile_freq
+    # (it traces each multiple of it).
+    assert ("profile.start_step=18" in runner) == profile == ("--profiling.profile_freq=18" in rest)
 
 
 @pytest.mark.multiprocess  # two short Python processes
@@ -101,3 +105,29 @@ def test_without_a_gpu_it_says_so_exits_0_and_writes_why(monkeypatch, capsys, tm
     assert torchtitan_pair.main(["--out", str(out)]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
     assert json.loads(out.read_text())["rows"] == []
+
+
+def test_trace_kernels_sums_a_steps_kernels_by_kind(tmp_path):
+    """Two GEMMs, a flash kernel, a Triton kernel and a copy over a 10 ms span with 4 ms of
+    kernels: summed by kind, 60% idle, the top kernel first; CPU events left out."""
+    import trace_kernels
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 2000, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "flash_fwd_kernel", "ts": 4000, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_0", "ts": 6000, "dur": 500},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 9500, "dur": 500},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999},
+    ]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    found = trace_kernels.compare_traces({"a": path})["a"]
+    assert found["kinds"] == {
+        "gemm": [2.0, 2],
+        "attention": [1.0, 1],
+        "triton": [0.5, 1],
+        "copy/fill": [0.5, 1],
+    }
+    assert found["span_ms"] == 10.0 and abs(found["idle_share"] - 0.6) < 1e-12
+    assert found["top"][0] == ["sm90_xmma_gemm_bf16", 2.0, 2]
