@@ -30,7 +30,7 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
-from hsdp_runner.distributed import float8
+from hsdp_runner.planner import matmul_shapes
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.axes import check_axis_keys, check_plan_options
 from hsdp_runner.planner.cluster import resolve
@@ -113,13 +113,8 @@ def predict(cfg: DictConfig, axes: dict[str, list]) -> tuple[dict, list[dict]]:
     check_plan_options(run.plan, run.model)
     cluster = resolve(run.cluster, run.precision.param_dtype)
     check_state_fits(run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib)
-    # What a job with these settings would refuse, the plan does not offer.
-    float8.check_experts(
-        run.precision,
-        run.model,
-        gpus=0 if cluster.measured_links else 1,
-        compile=run.parallel.compile,
-    )
+    # What a job would refuse, or the planner cannot price, the plan does not offer.
+    matmul_shapes.check_plannable(run, gpus=0 if cluster.measured_links else 1)
     degrees = pp_degrees(
         run.plan.pp_degrees, cluster.nodes, run.model.n_layers, cluster.gpus_per_node
     )

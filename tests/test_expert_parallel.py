@@ -434,16 +434,21 @@ def test_a_skipped_step_leaves_the_balancing_bias_as_the_weights(four_ranks):
 
 
 def test_float8_with_experts_is_refused_on_the_cpu_and_accepted_on_hopper():
-    """On the CPU torchao's float8 grouped matmul does not run; on an H100 (9.0) the experts
-    convert with the linears (tests/test_float8.py: the other refusals)."""
+    """With ``precision.float8_experts=true``: on the CPU torchao's float8 grouped matmul does
+    not run; on an H100 (9.0) the experts convert with the linears (tests/test_float8.py: the
+    other refusals). Without it (the default) the experts stay bf16: nothing refused."""
     from test_config import compose
 
     from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed.float8 import check_experts
 
-    run = to_run_config(compose(["model=moe_tiny", "precision=float8"]))
+    run = to_run_config(
+        compose(["model=moe_tiny", "precision=float8", "precision.float8_experts=true"])
+    )
     with pytest.raises(ConfigError, match="runs on GPUs only"):
         check_experts(run.precision, run.model, 0)
     check_experts(run.precision, run.model, 1, capability=(9, 0))
+    default = to_run_config(compose(["model=moe_tiny", "precision=float8"]))
+    check_experts(default.precision, default.model, 0)
     dense = to_run_config(compose(["model=llama3_tiny", "precision=float8"]))
     check_experts(dense.precision, dense.model, 0)  # a dense model: nothing to refuse

@@ -274,7 +274,13 @@ def test_routed_experts_convert_with_the_linears_router_gate_and_output_stay_hig
     from hsdp_runner.distributed import float8
     from hsdp_runner.models.base import model_spec
 
-    cfg = compose(["model=moe_tiny", "precision=float8"])
+    # Without precision.float8_experts (the presets) the experts stay in param_dtype.
+    default = compose(["model=moe_tiny", "precision=float8"])
+    with torch.device("meta"):
+        model = model_spec(default.model).build()
+    names = float8.convert(model, default.precision, torch.device("meta"), DPMode.fsdp, 256)
+    assert names and not [n for n in names if ".experts." in n]
+    cfg = compose(["model=moe_tiny", "precision=float8", "precision.float8_experts=true"])
     with torch.device("meta"):
         model = model_spec(cfg.model).build()
     converted = float8.convert(
@@ -291,7 +297,14 @@ def test_routed_experts_convert_with_the_linears_router_gate_and_output_stay_hig
     assert wrapped == set(experts)  # exactly the experts' stacked weights
     assert model.layers["1"].moe.experts.group_rows == 16
     # The per-expert loop is not converted (check_experts refuses float8 with it).
-    loop = compose(["model=moe_tiny", "precision=float8", "model.grouped_mm=false"])
+    loop = compose(
+        [
+            "model=moe_tiny",
+            "precision=float8",
+            "precision.float8_experts=true",
+            "model.grouped_mm=false",
+        ]
+    )
     with torch.device("meta"):
         model = model_spec(loop.model).build()
     names = float8.convert(model, loop.precision, torch.device("meta"), DPMode.fsdp, 256)
@@ -355,7 +368,9 @@ def test_float8_experts_refusals_name_the_key_and_the_fix(overrides, kwargs, mes
     from hsdp_runner.core.errors import ConfigError
     from hsdp_runner.distributed.float8 import check_experts
 
-    run = to_run_config(compose(["model=moe_tiny", "precision=float8", *overrides]))
+    run = to_run_config(
+        compose(["model=moe_tiny", "precision=float8", "precision.float8_experts=true", *overrides])
+    )
     kwargs = {"gpus": 1, "capability": (9, 0), **kwargs}
     with pytest.raises(ConfigError, match="with a model with experts") as err:
         check_experts(run.precision, run.model, **kwargs)
@@ -368,7 +383,12 @@ def test_float8_experts_pass_on_hopper_and_blackwell(preset, recipe):
     from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.distributed import float8
 
-    run = to_run_config(compose([f"model={preset}", f"precision={recipe}"]))
+    default = to_run_config(compose([f"model={preset}", f"precision={recipe}"]))
+    assert not float8.converts_experts(default.precision, default.model)
+    float8.check_experts(default.precision, default.model, 0)  # experts bf16: runs on CPU too
+    run = to_run_config(
+        compose([f"model={preset}", f"precision={recipe}", "precision.float8_experts=true"])
+    )
     assert float8.converts_experts(run.precision, run.model)
     for capability in float8.GROUPED_CAPABILITIES:
         float8.check_experts(run.precision, run.model, 1, False, capability)

@@ -104,4 +104,7 @@ def test_gpu_float8_step_job_is_a_valid_one_gpu_job_on_hopper(monkeypatch, tmp_p
     cmd = moe_gpu.step_command(args, tmp_path / "job", "float8")
     assert prelaunch.validate(compose(cmd[4:]), tmp_path).world_size == 1
     bf16 = moe_gpu.step_command(args, tmp_path / "job")
-    assert [a for a in cmd if a not in bf16] == ["precision=float8"]
+    assert [a for a in cmd if a not in bf16] == [
+        "precision=float8",
+        "precision.float8_experts=true",
+    ]

@@ -440,9 +440,22 @@ def test_a_model_whose_training_state_fits_nowhere_is_refused_before_any_measure
         (["model=moe_tiny", "plan.ep_degrees=[0]"], "plan.ep_degrees=[0]: each expert-parallel"),
         (["model=moe_tiny", "plan.expert_imbalance=0.5"], "plan.expert_imbalance=0.5 must be >= 1"),
         (  # what a job refuses is not planned
-            ["model=moe_tiny", "precision=float8", "model.grouped_mm=false"],
+            [
+                "model=moe_tiny",
+                "precision=float8",
+                "precision.float8_experts=true",
+                "model.grouped_mm=false",
+            ],
             "precision.float8=tensorwise with a model with experts (model.n_experts=8) and "
             "model.grouped_mm=false",
+        ),
+        (  # what is measured slower than bf16 and not modelled is not priced
+            ["model=moe_tiny", "precision=float8", "precision.float8_experts=true"],
+            "precision.float8_experts=true is not priced",
+        ),
+        (
+            ["model=moe_tiny", "precision=bf16", "precision.float8_experts=true"],
+            "precision.float8_experts=true with precision.float8=none",
         ),
         (
             ["model=moe_tiny", "parallel.compile=true"],

@@ -211,9 +211,16 @@ def _validate_hf_data(data: DataConfig) -> None:
 
 def validate_float8(precision: PrecisionConfig, tp: int = 1) -> None:
     """Refuse float8 settings torchao does not support (``tp``: the TP degree, once known):
-    float8 all-gather without tensorwise scaling, and TP with rowwise scaling (torchao's float8
+    float8 experts without float8 training, float8 all-gather without tensorwise scaling, and
+    TP with rowwise scaling (torchao's float8
     TP styles are tensorwise only). Raises ConfigError naming the key and the fix."""
     recipe = Float8Recipe(precision.float8)
+    if precision.float8_experts and recipe is Float8Recipe.none:
+        raise ConfigError(
+            "precision.float8_experts=true with precision.float8=none: the experts' float8 "
+            "matmuls come with float8 training; use precision=float8 (or float8_rowwise) or "
+            "set precision.float8_experts=false"
+        )
     if precision.float8_all_gather and recipe is not Float8Recipe.tensorwise:
         raise ConfigError(
             f"precision.float8_all_gather=true with precision.float8={recipe}: torchao gathers "

@@ -88,6 +88,9 @@ class PrecisionConfig:
     float8: Float8Recipe = Float8Recipe.none
     # FSDP/HSDP gather float8 weights (tensorwise only) instead of param_dtype ones.
     float8_all_gather: bool = False
+    # With float8: the routed experts' grouped matmuls too (torchao's float8 rowwise grouped
+    # matmul). Off by default: measured 5.2x slower than bf16 on an H200 (docs/precision.md).
+    float8_experts: bool = False
 
 
 @dataclass

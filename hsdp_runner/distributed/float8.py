@@ -12,7 +12,11 @@ float8 checkpoint resumes under bf16 and back, and HF export is the same.
   (its logits choose the experts; a small matmul) and every linear whose local matmul dims
   (after TP) are not multiples of 16 (``torch._scaled_mm``'s constraint) stay in
   ``param_dtype``.
-- The routed experts (``GroupedExperts``, models with ``model.n_experts``): on a GPU
+- The routed experts (``GroupedExperts``, models with ``model.n_experts``) stay in
+  ``param_dtype`` unless ``precision.float8_experts=true``: measured on an H200 (torch 2.11,
+  torchao 0.17, eager; docs/precision.md) torchao's float8 grouped matmul ran the Qwen3-30B
+  experts' forward + backward 5.2x slower than bf16, and a 2-block Qwen3-30B step at 0.68x
+  bf16's tokens/s. With the switch, on a GPU
   ``convert`` also wraps their stacked weights in torchao's MoE training weight
   (``torchao.prototype.moe_training``: ``quantize_`` with ``Float8TrainingOpConfig``), whose
   ``__torch_function__`` turns each ``torch._grouped_mm`` into a float8 rowwise
@@ -170,6 +174,7 @@ def converts_experts(precision: PrecisionConfig, model_cfg: ModelConfig) -> bool
     wraps them: experts running grouped matmuls), as the planner prices them."""
     return (
         enabled(precision)
+        and precision.float8_experts
         and routed_experts(model_cfg) > 0
         and bool(getattr(model_cfg, "grouped_mm", True))
     )
@@ -182,8 +187,9 @@ def check_experts(
     compile: bool = False,
     capability=None,
 ) -> None:
-    """Raise ConfigError for float8 training of a model with routed experts where torchao's
-    float8 grouped matmul (``convert``'s expert path) cannot run: on the CPU (``gpus`` 0:
+    """Raise ConfigError for ``precision.float8_experts=true`` (float8 training of a model's
+    routed experts) where torchao's float8 grouped matmul (``convert``'s expert path) cannot
+    run; without the switch the experts stay in ``param_dtype`` and nothing is refused: on the CPU (``gpus`` 0:
     its kernels are Triton and CUDA); on a GPU outside ``GROUPED_CAPABILITIES``
     (``capability``: the job's GPU's, ``check_device``'s (major, minor); None, as the planner
     passes, is not checked); with expert dims that are not multiples of 16; with the per-expert loop
@@ -194,7 +200,7 @@ def check_experts(
     experts whole) are not refused: the wrapper survives ``distribute_tensor`` and carries
     FSDP2's all-gather hooks."""
     experts = routed_experts(model_cfg)
-    if not enabled(precision) or not experts:
+    if not enabled(precision) or not experts or not precision.float8_experts:
         return
     head = (
         f"precision.float8={precision.float8} with a model with experts (model.n_experts={experts})"
@@ -319,8 +325,8 @@ def convert(
     experts: bool = True,
 ) -> list[str]:
     """Swap ``model``'s eligible linears for torchao's ``Float8Linear`` and, with ``experts``
-    (the planner's meta trace leaves them out: torchao's kernels do not run on meta), wrap
-    its routed experts' weights (``convert_experts``), in place, before any parallelism;
+    and ``precision.float8_experts`` (the planner's meta trace leaves them out: torchao's
+    kernels do not run on meta), wrap its routed experts' weights (``convert_experts``), in place, before any parallelism;
     returns the converted layers' and expert weights' names. Linears are emulated exactly when
     ``device`` is the CPU, where experts are refused (``check_experts``). ``split_dim(fqn)``:
     the dim TP splits that layer's weight on (None: whole)."""
@@ -343,7 +349,7 @@ def convert(
 
     config = linear_config(precision, device.type == "cpu", gathers_float8(precision, dp_mode))
     ao.convert_to_float8_training(model, module_filter_fn=keep_float8, config=config)
-    if experts:
+    if experts and precision.float8_experts:
         converted += convert_experts(model, device)
     return converted
 

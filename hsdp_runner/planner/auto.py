@@ -37,8 +37,8 @@ from hsdp_runner.config.compose import CONF_DIR, to_run_config
 from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
+from hsdp_runner.planner import matmul_shapes
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.axes import check_plan_options
@@ -153,13 +153,8 @@ def plan_job(
         check_state_fits(
             run, cluster.world_size, cluster.device_memory_gib, cluster.memory_reserve_gib
         )
-        # What a job with these settings would refuse, the plan does not offer.
-        float8.check_experts(
-            run.precision,
-            run.model,
-            gpus=0 if cluster.measured_links else 1,
-            compile=run.parallel.compile,
-        )
+        # What a job would refuse, or the planner cannot price, the plan does not offer.
+        matmul_shapes.check_plannable(run, gpus=0 if cluster.measured_links else 1)
     except ConfigError as err:
         raise ConfigError(f"parallel=auto: {err}") from None
     axes = planned_axes(run, overrides)

@@ -13,8 +13,8 @@ efficiency standing in for everything a step does on the device. Here (``compute
   output layer, not a layer with a dim that is not a multiple of 16) run at the device's
   float8 peak (``Cluster.float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the datasheet
   table, dense FP8) x the same efficiency (assumed, float8 kernels reach the same fraction of
-  their peak as bf16 ones); so do the routed experts' grouped GEMMs, which float8 converts
-  too (``float8.converts_experts``); the rest at the compute dtype's peak.
+  their peak as bf16 ones); the rest, the routed experts' grouped GEMMs included, at the
+  compute dtype's peak.
 - **Attention** (flash: QK^T and AV, forward, backward and full AC's recompute): the FLOPs of
   the runner's count (``step_time.step_flops``: every query against every key, as torchtitan
   and MFU count them) that are not the linears', at the compute dtype's peak x
