@@ -4,6 +4,7 @@ a spread of single-GPU jobs, nothing fitted on them.
     python benchmarks/planner_gpu_heldout.py plan [--cluster h200] [--dir benchmarks/out/gpu_plans]
     python benchmarks/planner_gpu_heldout.py run  [--dir benchmarks/out/gpu_plans] [--steps 16] [--only NAME ...]
         [--json PATH] [--timeout-s 150]
+    python benchmarks/planner_gpu_heldout.py rescore --measured RUN.json [--cluster h200]
 
 ``plan`` (no GPU needed; run it where you prepare): one ``python -m hsdp_runner.plan`` per job of
 ``JOBS`` with ``cluster=<--cluster> cluster.gpus_per_node=1``, writing ``<dir>/<name>/plan.json``.
@@ -11,7 +12,9 @@ a spread of single-GPU jobs, nothing fitted on them.
 its summary.json holds ``prediction`` (report/prediction.job_prediction: predicted and measured
 steady-state step time, tokens/s/device, tensor memory per rank); prints the table and the
 median absolute errors. Without a CUDA GPU ``run`` says why and exits 0. A job that fails is a
-row with its error; the others still run.
+row with its error; the others still run. ``rescore`` (no GPU): plans every job of a ``run``'s
+JSON again with the planner as it is now and prints its predictions against that run's
+measurements (the table of docs/planner.md, after a change to the planner).
 
 The jobs (``JOBS``) cover the single-GPU axes the planner prices: Llama-3 1B without AC,
 with selective AC and compile, with float8 (compiled, tensorwise) and full AC; Llama-3 8B cut
@@ -142,24 +145,60 @@ def run_all(args) -> int:
         print(f"{name}: " + "; ".join(cells), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1, default=str))
-    for key in ("step_time_s", "mem_gib"):
-        errors = [
-            abs(r["prediction"]["figures"][key]["error"])
-            for r in rows
-            if r.get("prediction")
-            and r["prediction"]["figures"].get(key, {}).get("error") is not None
-        ]
-        if errors:
-            print(f"{key}: median |error| {statistics.median(errors):.1%} over {len(errors)} jobs")
+    predicted_table([r for r in rows if r.get("prediction")])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))
+    return failed
+
+
+def predicted_table(rows: list[dict]) -> None:
+    """Print each row's predicted and measured step time and memory, and their medians."""
+    for key in ("step_time_s", "mem_gib"):
+        errors = []
+        for row in rows:
+            figure = (row.get("prediction") or {}).get("figures", {}).get(key)
+            if figure and figure.get("error") is not None:
+                errors.append(abs(figure["error"]))
+                print(
+                    f"{row['job']:30s} {key} predicted {figure['predicted']:.4g} measured "
+                    f"{figure['measured']:.4g} ({figure['error']:+.1%})"
+                )
+        if errors:
+            print(f"{key}: median |error| {statistics.median(errors):.1%} over {len(errors)} jobs")
+
+
+def rescore(args) -> int:
+    """Plan the jobs of ``args.measured`` anew; print the new predictions against its
+    measurements. 1 if a plan failed."""
+    measured = json.loads(args.measured.read_text())
+    with tempfile.TemporaryDirectory(prefix="rescore-") as tmp:
+        args.dir = Path(tmp)
+        failed = plan_all(args)
+        rows = []
+        for row in measured:
+            figures = (row.get("prediction") or {}).get("figures")
+            plan_file = args.dir / row["job"] / "plan.json"
+            if not figures or not plan_file.is_file():
+                continue
+            entry = json.loads(plan_file.read_text())["layouts"][0]
+            new = {}
+            for key, figure in figures.items():
+                measured_value = figure["measured"]
+                new[key] = {
+                    "predicted": entry[key],
+                    "measured": measured_value,
+                    "error": entry[key] / measured_value - 1 if measured_value else None,
+                }
+            rows.append({"job": row["job"], "prediction": {"figures": new}})
+    predicted_table(rows)
     return failed
 
 
 def main(argv: list[str] | None = None) -> int:
     """``plan`` or ``run`` (module docstring); the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["plan", "run"])
+    parser.add_argument("action", choices=["plan", "run", "rescore"])
+    parser.add_argument("--measured", type=Path, help="rescore: a run's --json output")
     parser.add_argument("--cluster", default="h200")
     parser.add_argument("--dir", type=Path, default=REPO / "benchmarks" / "out" / "gpu_plans")
     parser.add_argument("--steps", type=int, default=16)
@@ -167,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--timeout-s", type=int, default=150)
     args = parser.parse_args(argv)
+    if args.action == "rescore":
+        if not args.measured:
+            parser.error("rescore needs --measured RUN.json")
+        return rescore(args)
     return plan_all(args) if args.action == "plan" else run_all(args)
 
 
