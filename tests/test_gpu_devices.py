@@ -319,6 +319,7 @@ def driver_too_old(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("torch.version.cuda", "12.8")
     monkeypatch.setattr(hardware, "gpus_present", lambda root=None: (8, "NVIDIA"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not hidden: the driver is why
 
 
 def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(
@@ -432,6 +433,7 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     from hsdp_runner.runtime import launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)  # not a SLURM task's CPUs
     monkeypatch.setattr("os.cpu_count", lambda: 224)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
     seen = {}

@@ -60,6 +60,7 @@ def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", is_available)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)  # NVML's count
     monkeypatch.setattr("torch.version.cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not hidden: the driver is why
     monkeypatch.setattr("sys.argv", ["gpu_readiness.py"])
     assert _readiness().main() == 0
     out = capsys.readouterr().out
