@@ -234,14 +234,22 @@ def test_torchrun_ranks_outnumbering_visible_gpus_exit_2_before_training(
 
 
 @pytest.fixture
-def gpu_node_without_cuda(monkeypatch, tmp_path):
+def cpu_torch(monkeypatch):
+    """A CPU-only torch build as torch itself shows it: no CUDA or ROCm version, no GPU
+    available, none counted. All four are set, so that on a GPU host with a CUDA build the
+    real GPU is never what the code under test sees."""
+    monkeypatch.setattr("torch.version.cuda", None)
+    monkeypatch.setattr("torch.version.hip", None)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+
+
+@pytest.fixture
+def gpu_node_without_cuda(cpu_torch, tmp_path):
     """A node whose driver shows 8 NVIDIA GPUs while torch cannot use any (CPU build)."""
     gpus = tmp_path / "root" / "proc/driver/nvidia/gpus"
     for i in range(8):
         (gpus / f"0000:{i:02x}:00.0").mkdir(parents=True)
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("torch.version.cuda", None)
-    monkeypatch.setattr("torch.version.hip", None)
     return tmp_path / "root"
 
 
@@ -265,7 +273,9 @@ def test_hidden_gpus_are_named_as_the_cause(gpu_node_without_cuda, monkeypatch):
     )
 
 
-def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, tmp_path, capsys):
+def test_launch_prints_the_fallback_warning_before_starting_ranks(
+    cpu_torch, monkeypatch, tmp_path, capsys
+):
     from test_config import compose
 
     from hsdp_runner.runtime import prelaunch
@@ -273,8 +283,6 @@ def test_launch_prints_the_fallback_warning_before_starting_ranks(monkeypatch, t
     monkeypatch.setattr(
         "hsdp_runner.distributed.hardware.gpus_present", lambda root=None: (8, "NVIDIA")
     )
-    monkeypatch.setattr("torch.version.cuda", None)
-    monkeypatch.setattr("torch.version.hip", None)
     base = ["model=llama3_tiny", "logger=none", "parallel=fsdp"]
     prelaunch.validate(compose(base), tmp_path)
     assert "warning: device=auto: 8 NVIDIA GPU(s) present" in capsys.readouterr().err
@@ -311,6 +319,7 @@ def driver_too_old(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr("torch.version.cuda", "12.8")
     monkeypatch.setattr(hardware, "gpus_present", lambda root=None: (8, "NVIDIA"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not hidden: the driver is why
 
 
 def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(
@@ -336,12 +345,10 @@ def test_gpus_torch_cannot_use_are_not_counted_and_the_driver_is_named(
         prelaunch.validate(compose(base + ["device=cuda", "launcher.nproc_per_node=8"]), tmp_path)
 
 
-def test_a_cpu_torch_with_device_cuda_says_it_is_a_cpu_build(tmp_path, monkeypatch):
+def test_a_cpu_torch_with_device_cuda_says_it_is_a_cpu_build(cpu_torch, tmp_path):
     from hsdp_runner.core.errors import ConfigError
     from hsdp_runner.distributed.hardware import pick_device
 
-    monkeypatch.setattr("torch.version.cuda", None)
-    monkeypatch.setattr("torch.version.hip", None)
     with pytest.raises(ConfigError, match="no GPU is usable: this torch .* is a CPU-only build"):
         _validate(["parallel=single"], tmp_path)
     with pytest.raises(ConfigError, match="CPU-only build"):
@@ -426,6 +433,7 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     from hsdp_runner.runtime import launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)  # not a SLURM task's CPUs
     monkeypatch.setattr("os.cpu_count", lambda: 224)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
     seen = {}

@@ -60,6 +60,7 @@ def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", is_available)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)  # NVML's count
     monkeypatch.setattr("torch.version.cuda", "12.8")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not hidden: the driver is why
     monkeypatch.setattr("sys.argv", ["gpu_readiness.py"])
     assert _readiness().main() == 0
     out = capsys.readouterr().out
@@ -71,14 +72,18 @@ def test_gpu_readiness_names_why_torch_cannot_use_the_gpus(monkeypatch, capsys):
 def test_gpu_readiness_reports_the_nccl_setting_and_the_attention_kernel(monkeypatch, capsys):
     readiness = _readiness()
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    # A machine where torch can use no GPU, even when the test runs on one: the script probes
+    # the kernel on the device torch says it can use, and the CPU's is the one checked here.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     readiness.report_checks()
     out = capsys.readouterr().out
+    assert "torch.cuda.is_available()=False" in out
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING: unset here" in out
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in out  # torchrun's agent would give 1
-    # On this CPU machine SDPA runs CPU's flash kernel, which selective AC saves.
+    # On the CPU SDPA runs CPU's flash kernel, which selective AC saves.
     assert (
         "attention runs aten._scaled_dot_product_flash_attention_for_cpu: saved by "
-        "parallel.ac=selective" in out
+        "parallel.ac=selective (cpu)" in out
     )
 
 
@@ -245,16 +250,23 @@ def test_a_worker_forked_after_the_server_touched_the_driver_fails_before_device
 def test_an_older_torch_launch_config_without_shutdown_timeout_gets_it_through_the_environment():
     """torch 2.11 (the CUDA image of a real H100 machine) has no LaunchConfig.shutdown_timeout
     nor signals_to_handle: the launch passes them as the agent's environment variables instead
-    of failing every local job with a TypeError; a field nobody knows still fails."""
+    of failing every local job with a TypeError; a field nobody knows still fails. The exact
+    checks use stand-ins for the old and new class, so the verdict does not depend on the torch
+    installed here; the installed torch's own class is only checked to build either way."""
     import dataclasses
 
     from hsdp_runner.runtime.launch import launch_config
 
     @dataclasses.dataclass
-    class OldLaunchConfig:
+    class OldLaunchConfig:  # torch 2.11's: neither field
         min_nodes: int
         max_nodes: int
         monitor_interval: float = 0.1
+
+    @dataclasses.dataclass
+    class NewLaunchConfig(OldLaunchConfig):  # torch 2.13's: both fields
+        shutdown_timeout: int = 30
+        signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
     config, env = launch_config(
         OldLaunchConfig,
@@ -269,11 +281,19 @@ def test_an_older_torch_launch_config_without_shutdown_timeout_gets_it_through_t
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
     }
+    config, env = launch_config(
+        NewLaunchConfig, min_nodes=1, max_nodes=1, shutdown_timeout=45, signals_to_handle="SIGHUP"
+    )
+    assert config == NewLaunchConfig(1, 1, 0.1, 45, "SIGHUP") and env == {}
+    # The installed torch's own class is built either way: the field, or its variable.
     from torch.distributed.launcher.api import LaunchConfig
 
     config, env = launch_config(
         LaunchConfig, min_nodes=1, max_nodes=1, nproc_per_node=1, shutdown_timeout=45
     )
-    assert (config.shutdown_timeout, env) == (45, {})
+    assert (getattr(config, "shutdown_timeout", None), env) in (
+        (45, {}),
+        (None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}),
+    )
     with pytest.raises(TypeError):
         launch_config(OldLaunchConfig, min_nodes=1, max_nodes=1, no_such_field=1)
