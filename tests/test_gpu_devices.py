@@ -424,7 +424,10 @@ def test_threads_come_from_the_affinity_mask_not_the_node_cpu_count(monkeypatch)
     assert cpu_threads(4, mask={0}, env={}) == 1
 
 
-def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
+@pytest.mark.parametrize("slurm_cpus", [None, "6"])
+def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path, slurm_cpus):
+    """Two local workers share this process's 6 CPUs: 3 threads each, also inside a SLURM
+    task bound to those 6 (its workers are its children)."""
     import os
 
     from test_config import compose
@@ -433,7 +436,10 @@ def test_local_launch_sets_omp_threads_from_the_mask(monkeypatch, tmp_path):
     from hsdp_runner.runtime import launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)  # not a SLURM task's CPUs
+    if slurm_cpus is None:
+        monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", slurm_cpus)
     monkeypatch.setattr("os.cpu_count", lambda: 224)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
     seen = {}

@@ -201,8 +201,10 @@ def _launch_local(
     # whole traceback (it is in the rank's log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # torch's launcher sets 1 thread per worker when OMP_NUM_THREADS is unset, with a warning;
-    # share out the CPUs this process may use instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(dims.world_size)))
+    # share out the CPUs this process may use instead. The workers are this process's
+    # children and share its CPUs even inside a SLURM task bound to its own (env={}: the
+    # task's whole-mask rule is for a task that is one rank).
+    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(dims.world_size, env={})))
     # Stop signals are ours, not the agent's: it would pass the first on and then stop
     # collecting the workers' results (and die mid-shutdown on a second one).
     signals = LauncherSignals()
