@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from saved_tensors import saved_by
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hsdp_runner.models import common
 from hsdp_runner.models.common import (
@@ -114,6 +115,52 @@ def test_rope_forward_and_gradient_are_the_expressions_bit_for_bit(dtype, table_
     assert ours.dtype == gx.dtype == dtype
     assert torch.equal(ours, theirs)
     assert torch.equal(gx, ex)
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts the ops that run a kernel on a GPU (not views, allocations or ops returning no
+    tensor), by pass: ``phase`` is set by the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.counts = "forward", {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        free = func.is_view or func.__name__.startswith(("empty", "new_empty", "detach"))
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.counts[self.phase] += 0 if free or not tensors else 1
+        return out
+
+
+def kernels_of(fn, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
+    x = x.detach().requires_grad_()
+    with KernelCount() as mode:
+        out = fn(x)
+        mode.phase = "backward"
+        out.backward(grad_out)
+    return mode.counts
+
+
+def test_rope_runs_four_kernels_a_direction_where_op_by_op_took_nine():
+    """bf16 input, fp32 tables (a bf16 block's RoPE): a product and a rounded sum
+    (``common._rotate``) plus two small ones building the 2x2 rotation, each way; the op-by-op
+    rotation it replaced (``x1 * cos - x2 * sin, x1 * sin + x2 * cos``, each half cast, then
+    stacked) took nine, four of them mixed-dtype products. Values: the test above."""
+    x, _, grad_out = norm_inputs(torch.bfloat16)
+    cos, sin = rope_tables(32, 16, 10000.0)
+
+    def op_by_op(t):
+        c, s = cos[None, : t.shape[1], None, :], sin[None, : t.shape[1], None, :]
+        x1, x2 = t.unflatten(-1, (-1, 2)).unbind(-1)
+        first, second = x1 * c - x2 * s, x1 * s + x2 * c
+        return torch.stack((first.to(t.dtype), second.to(t.dtype)), dim=-1).flatten(-2)
+
+    assert kernels_of(lambda t: apply_rope(t, cos, sin), x, grad_out) == {
+        "forward": 4,
+        "backward": 4,
+    }
+    assert kernels_of(op_by_op, x, grad_out)["forward"] == 9
 
 
 def test_rope_passes_gradcheck_in_float64():

@@ -101,10 +101,12 @@ def test_compile_cuts_the_memory_bound_time_and_not_the_matmuls():
     # In the blocks (compiled); the embedding, final norm and loss stay eager in both.
     cfg = _cfg("precision=bf16")
     fused, unfused = (precision_cost.traffic(cfg.model, cfg.precision, c) for c in (True, False))
-    # (Eager, the norms already run as torch's fused kernels: compile saves the rest, about
-    # half of a block's bytes at llama3_debug's width.)
+    # (Eager, the norms already run as torch's fused kernels and RoPE as two kernels a
+    # direction, ``common._rotate``: compile saves the rest, about 40% of a block's bytes at
+    # llama3_debug's width; seen 0.59 forward and 0.63 backward, 0.47 and 0.53 when RoPE was
+    # nine kernels op by op.)
     for part in ("block_forward", "block_backward"):
-        assert 0 < fused.bytes(part, 1024) < 0.6 * unfused.bytes(part, 1024), part
+        assert 0 < fused.bytes(part, 1024) < 0.65 * unfused.bytes(part, 1024), part
     assert fused.rest == unfused.rest
 
 

@@ -249,23 +249,43 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Each channel pair (2i, 2i+1) of ``x`` rotated by the angle of (cos, sin), in fp32 (the
-    tables' dtype: ``x``'s halves are promoted element by element, no fp32 copy of ``x``),
-    rounded to ``x``'s dtype."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    first, second = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-    return torch.stack((first.to(x.dtype), second.to(x.dtype)), dim=-1).flatten(-2)
+def rope_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation of each channel pair as a 2x2 matrix ``[[cos, -sin], [sin, cos]]``: shape
+    ``cos.shape + (2, 2)``, rows the output channels (its transpose rotates back)."""
+    return torch.stack((cos, -sin, sin, cos), dim=-1).unflatten(-1, (2, 2))
+
+
+def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Each channel pair (2i, 2i+1) of ``x`` times its 2x2 ``rotation`` (``rope_rotation``), in
+    the rotation's dtype (fp32: ``x`` is promoted element by element, no fp32 copy of ``x``),
+    rounded to ``x``'s dtype.
+
+    Two kernels: one product of every channel with the two entries of its row, one sum of each
+    row's two products written in ``x``'s dtype (the rounding in the same kernel where ``x`` is
+    a plain tensor; a DTensor takes one cast more). The values are those of
+    ``x1 * cos - x2 * sin, x1 * sin + x2 * cos`` op by op: each product is the same fp32
+    product (negating a table entry is exact), ``a + (-b)`` is ``a - b`` in IEEE arithmetic
+    (signed zeros too) and each sum is rounded once. Op by op it took nine kernels (four
+    products whose bf16 x fp32 operands a GPU runs in its slow mixed-dtype kernel, a sum, a
+    difference, two casts and a stack)."""
+    products = x.unflatten(-1, (-1, 1, 2)) * rotation
+    first, second = products[..., 0], products[..., 1]
+    if isinstance(x, DTensor) or first.dtype == x.dtype:
+        return (first + second).to(x.dtype).flatten(-2)
+    out = torch.empty(first.shape, dtype=x.dtype, device=x.device)
+    return torch.add(first, second, out=out).flatten(-2)
 
 
 class RopeFunction(torch.autograd.Function):
     """RoPE's rotation, saving no activation: it is linear in ``x``, so the gradient is the
-    gradient rotated back (by -angle), from the tables alone.
+    gradient rotated back (by -angle, the transposed rotation), from the tables alone.
 
     Why not autograd over torch ops: it saved nothing per token either (each product saves
     its table), but its forward copied ``x`` to fp32 first and its backward formed the fp32
     gradient, a negation and a stack of fp32 halves; here the products read ``x`` (and in
-    backward the gradient) in their own dtype and round each half before stacking. The
+    backward the gradient) in their own dtype and each pair's sums are rounded once
+    (``_rotate``: two kernels a direction, plus two small ones building the rotation from the
+    tables; the saved tables are the caller's views, the rotation is rebuilt in backward). The
     values are the same: bf16 to fp32 is exact, so every product and sum is the fp32 one of
     the expression, rounded once to the input's dtype."""
 
@@ -273,16 +293,13 @@ class RopeFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` rotated (``_rotate``)."""
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin)
+        return _rotate(x, rope_rotation(cos, sin))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """The gradient rotated back: (g1 cos + g2 sin, g2 cos - g1 sin) per pair."""
         cos, sin = ctx.saved_tensors
-        g1, g2 = grad.unflatten(-1, (-1, 2)).unbind(-1)
-        first, second = g1 * cos + g2 * sin, g2 * cos - g1 * sin
-        grad_x = torch.stack((first.to(grad.dtype), second.to(grad.dtype)), dim=-1)
-        return grad_x.flatten(-2), None, None
+        return _rotate(grad, rope_rotation(cos, sin).transpose(-1, -2)), None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
