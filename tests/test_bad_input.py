@@ -104,7 +104,16 @@ BAD_INPUTS = [
         "parallel.ep=4 does not divide model.n_experts=6",
         None,
     ),
-    (["model=moe_tiny", "precision=float8"], "float8 grouped matmul runs on GPUs only", None),
+    (
+        ["model=moe_tiny", "precision=float8", "precision.float8_experts=true"],
+        "float8 grouped matmul runs on GPUs only",
+        None,
+    ),
+    (
+        ["precision=bf16", "precision.float8_experts=true"],
+        "precision.float8_experts=true with",
+        None,
+    ),
     (
         ["model=moe_tiny", "parallel=fsdp", "parallel.ep=2", "parallel.compile=true"],
         "compiles the experts' grouped matmul for bfloat16 only",

@@ -209,28 +209,31 @@ def test_full_sharding_over_nodes_uses_every_nic_of_the_node_not_one(h100_4_node
 # Re-taken the same day when bf16 attention stopped copying grouped-query keys and values per
 # query head (models/common.py ``grouped_kv``; the traffic trace follows it): 1.89 ms less a
 # step here, 2.83 ms with full AC, every layout by the same amount.
+# Re-taken the same day when RoPE became one product with each pair's rotation and one rounded
+# sum (models/common.py ``RopeFunction``: four kernels a direction, not nine): 7.79 ms less a
+# step here, 11.68 ms with full AC, every layout by the same amount.
 BEFORE = {
     0.32: {
-        "none:8x1x1": 2.229401463850307,
-        "none:4x2x1": 2.2203759188043026,
-        "none:2x4x1": 2.2299093136285504,
-        "none:1x8x1": 2.2466209032770457,
-        "none:4x1x2": 2.311148655096748,
-        "none:2x2x2": 2.310296846667746,
-        "none:1x4x2": 2.3170561474382034,
-        "none:2x1x4": 2.596975860987668,
-        "none:1x2x4": 2.5988960362408933,
+        "none:8x1x1": 2.221615787050307,
+        "none:4x2x1": 2.212590242004303,
+        "none:2x4x1": 2.2221236368285506,
+        "none:1x8x1": 2.238835226477046,
+        "none:4x1x2": 2.3033629782967484,
+        "none:2x2x2": 2.302511169867746,
+        "none:1x4x2": 2.3092704706382037,
+        "none:2x1x4": 2.5891901841876677,
+        "none:1x2x4": 2.591110359440893,
     },
     0.0: {
-        "full:8x1x1": 3.077521216082051,
-        "full:4x2x1": 3.0255560878769225,
-        "full:2x4x1": 3.080617380184615,
-        "full:1x8x1": 3.1752690314666663,
-        "full:4x1x2": 3.07257519011282,
-        "full:2x2x2": 3.0690828824205125,
-        "full:1x4x2": 3.1076332824205126,
-        "full:2x1x4": 3.4031637566153843,
-        "full:1x2x4": 3.4144289873846154,
+        "full:8x1x1": 3.065842700882051,
+        "full:4x2x1": 3.0138775726769227,
+        "full:2x4x1": 3.068938864984615,
+        "full:1x8x1": 3.1635905162666664,
+        "full:4x1x2": 3.06089667491282,
+        "full:2x2x2": 3.0574043672205122,
+        "full:1x4x2": 3.0959547672205123,
+        "full:2x1x4": 3.3914852414153844,
+        "full:1x2x4": 3.402750472184615,
     },
 }
 
