@@ -170,6 +170,36 @@ def _fused_norm_on_sequence_shards() -> dict:
     }
 
 
+def _block_input_dtypes() -> dict:
+    """{layout: (dtype of h, of cos, of sin)} reaching block 0 of llama3_tiny under bf16 mixed
+    precision on 4 ranks, FSDP and FSDP-based DDP: the hidden state in the compute dtype, the
+    RoPE tables left in fp32 (FSDP would cast every float input of a wrapped block)."""
+    import torch.distributed as dist
+
+    from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.config.schema import ParallelConfig
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.parallelize import apply_data_parallel
+    from hsdp_runner.models.base import model_spec
+
+    run = to_run_config(compose(["model=llama3_tiny", "precision=bf16"]))
+    out = {}
+    for name, degrees in {"ddp": (4, 1), "fsdp": (1, 4)}.items():
+        parallel = ParallelConfig(dp_replicate=degrees[0], dp_shard=degrees[1])
+        dims = ParallelDims.from_config(parallel, run.model, dist.get_world_size())
+        model = model_spec(run.model).build()
+        model.init_weights(0)
+        apply_data_parallel(model, dims, dims.build_mesh("cpu"), run.precision, True)
+        seen = []
+        model.blocks()["0"].register_forward_pre_hook(
+            lambda module, args, seen=seen: seen.append(tuple(a.dtype for a in args))
+        )
+        with torch.no_grad():
+            model(torch.zeros((1, 8), dtype=torch.long))
+        out[name] = seen[0]
+    return out
+
+
 def _four_rank_cases(precision, eval_cases):
     """The gradient probe (the default ``precision``), the optimizer on local shards, the norm's
     fused path on sequence shards, then the eval/frozen cases: one set of four workers serves
@@ -178,6 +208,7 @@ def _four_rank_cases(precision, eval_cases):
         "grads": _reduced_gradients(precision),
         "adamw": _adamw_on_shards_against_torch(),
         "norm": _fused_norm_on_sequence_shards(),
+        "block_inputs": _block_input_dtypes(),
         "eval": _train_eval_frozen(eval_cases),
     }
 
@@ -197,6 +228,11 @@ def test_gradient_reduction_divides_once_by_the_dp_size(four_ranks):
     for name, grad in grads.items():
         # mean over dp ranks of (1, 2, 3, 4) = 2.5; a missing division gives 10, a double one less.
         assert torch.equal(grad, torch.full((8, 4), 2.5)), (name, grad.flatten()[:4])
+
+
+def test_blocks_get_the_hidden_state_in_bf16_and_the_rope_tables_in_fp32(four_ranks):
+    expected = (torch.bfloat16, torch.float32, torch.float32)
+    assert four_ranks["block_inputs"] == {"ddp": expected, "fsdp": expected}
 
 
 def test_fused_norm_kernels_on_sequence_shards_equal_the_op_by_op_norm(four_ranks):

@@ -40,13 +40,15 @@ def _new_replicate():
         return None
 
 
-def mixed_precision_policy(precision: PrecisionConfig):
-    """Build the MixedPrecisionPolicy for the ``precision`` config node."""
+def mixed_precision_policy(precision: PrecisionConfig, cast_forward_inputs: bool = True):
+    """Build the MixedPrecisionPolicy for the ``precision`` config node; ``cast_forward_inputs``
+    False for a module whose float inputs must keep their dtype (the blocks' RoPE tables)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
         param_dtype=torch_dtype(precision.param_dtype),
         reduce_dtype=torch_dtype(precision.reduce_dtype),
+        cast_forward_inputs=cast_forward_inputs,
     )
 
 
@@ -220,8 +222,13 @@ def apply_data_parallel(
             },
         )
     blocks = model.blocks().values() if hasattr(model, "blocks") else ()
+    # A block is called as block(h, cos, sin): h is already in the compute dtype (the root's
+    # embedding ran in it), and casting its fp32 RoPE tables to it would round the rotation's
+    # angles and cost two casts a block plus RoPE's casts back (torchtitan passes a complex
+    # table, which FSDP does not cast).
+    block_policy = mixed_precision_policy(precision, cast_forward_inputs=False)
     for block in blocks:
-        wrap(block, mp_policy=mp_policy, **mesh_kw)
+        wrap(block, mp_policy=block_policy, **mesh_kw)
     # The root's parameters (embedding, final norm, output) are used again right at the start
     # of backward, so resharding them after forward would only add an all-gather.
     if "reshard_after_forward" in mesh_kw:
