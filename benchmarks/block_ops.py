@@ -63,6 +63,14 @@ ATTENTION = {getattr(aten, n).default for n in SDPA_FORWARD_OPS if hasattr(aten,
 }
 
 
+def launches(func, out) -> bool:
+    """Whether ``func`` (not a view, not in ``NO_KERNEL``) does device work: it returns a tensor,
+    or it writes one in place and returns nothing (``_foreach_mul_``, ``_fused_adamw_``)."""
+    if any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out)):
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
 class OpCount(TorchDispatchMode):
     """Counts launching ops by (pass, module, kind, op name); ``record`` adds one by hand."""
 
@@ -81,8 +89,7 @@ class OpCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if func.is_view or func in NO_KERNEL or not tensors:
+        if func.is_view or func in NO_KERNEL or not launches(func, out):
             return out
         kind = "gemm" if func in GEMM else "attention" if func in ATTENTION else "other"
         self.record(func.__name__, kind)
@@ -90,6 +97,17 @@ class OpCount(TorchDispatchMode):
 
 
 _COUNTER: list[OpCount] = []
+
+
+def _norm_grads(grad, x, rstd, weight):
+    """The fused backward's gradients of ``x`` and the weight (fp32 inside, rounded once), so
+    that a whole training step stays finite (``step_ops.py``); not counted."""
+    normed = x.float() * rstd
+    grad_normed = grad.float() * weight.float()
+    dot = (grad_normed * normed).mean(-1, keepdim=True)
+    grad_x = ((grad_normed - normed * dot) * rstd).to(x.dtype)
+    grad_w = (grad.float() * normed).sum(tuple(range(x.dim() - 1))).to(weight.dtype)
+    return grad_x, grad_w
 
 
 class _FusedNormStandIn(torch.autograd.Function):
@@ -102,6 +120,7 @@ class _FusedNormStandIn(torch.autograd.Function):
         if _COUNTER:
             _COUNTER[-1].record("_fused_rms_norm")
         ctx.save_for_backward(x, weight)
+        ctx.eps = eps
         return out
 
     @staticmethod
@@ -110,7 +129,9 @@ class _FusedNormStandIn(torch.autograd.Function):
         if _COUNTER:
             _COUNTER[-1].record("_fused_rms_norm_backward")
         with _disable_current_modes():
-            return torch.empty_like(x), torch.empty_like(weight), None
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + ctx.eps)
+            grad_x, grad_w = _norm_grads(grad, x, rstd, weight)
+            return grad_x, grad_w, None
 
 
 @contextlib.contextmanager
@@ -129,7 +150,7 @@ def cuda_norms():
     def fused_backward(grad, x, rstd, weight, needs):
         _COUNTER[-1].record("_fused_rms_norm_backward")
         with _disable_current_modes():
-            return torch.empty_like(x), torch.empty_like(weight)
+            return _norm_grads(grad, x, rstd, weight)
 
     common.FUSED_NORM_DEVICES.add("cpu")
     common.fused_rms_norm, common.fused_rms_norm_backward = fused_forward, fused_backward
