@@ -51,3 +51,17 @@ def test_matmul_prices_come_from_the_named_cluster_preset():
     assert device.sms == 132 and device.peak_flops == 989.5e12
     big = matmul_time.seconds(matmul_time.Gemm(m=8192, n=8192, k=8192), device)
     assert 2 * 8192**3 / big / device.peak_flops < device.efficiency + 1e-9
+
+
+def test_a_llama_block_launches_75_kernels_a_step_as_cuda_runs_it():
+    """benchmarks/block_ops.py's count of the runner's Llama block (forward / selective-AC
+    recompute / backward, norms as torch's fused CUDA kernels): 24 / 18 / 33. More means a
+    change added eager launches a GPU pays for (torchtitan 0.2.2's block: 20 / 15 / 33)."""
+    import block_ops
+
+    modules = block_ops.report({"runner": block_ops.runner_block})["runner"]["modules"]
+    passes = [
+        sum(row.get(part, 0) for row in modules.values())
+        for part in ("forward", "recompute", "backward")
+    ]
+    assert passes == [24, 18, 33], modules
