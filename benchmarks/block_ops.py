@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS, selective_policy  # noqa: E402
-from hsdp_runner.models import common  # noqa: E402
+from hsdp_runner.models import common, norm_rope  # noqa: E402
 
 aten = torch.ops.aten
 # Llama 3 1B's ratios at a CPU size: width 256, 8 heads of 32, 2 key/value heads, SwiGLU 1024.
@@ -137,7 +137,7 @@ class _FusedNormStandIn(torch.autograd.Function):
 @contextlib.contextmanager
 def cuda_norms():
     """The runner's norms take their fused path on CPU, each fused call counted as one op."""
-    fwd, bwd = common.fused_rms_norm, common.fused_rms_norm_backward
+    fwd, bwd = norm_rope.fused_rms_norm, norm_rope.fused_rms_norm_backward
 
     def fused_forward(x, eps):
         with _disable_current_modes():
@@ -152,13 +152,13 @@ def cuda_norms():
         with _disable_current_modes():
             return _norm_grads(grad, x, rstd, weight)
 
-    common.FUSED_NORM_DEVICES.add("cpu")
-    common.fused_rms_norm, common.fused_rms_norm_backward = fused_forward, fused_backward
+    norm_rope.FUSED_NORM_DEVICES.add("cpu")
+    norm_rope.fused_rms_norm, norm_rope.fused_rms_norm_backward = fused_forward, fused_backward
     try:
         yield
     finally:
-        common.FUSED_NORM_DEVICES.discard("cpu")
-        common.fused_rms_norm, common.fused_rms_norm_backward = fwd, bwd
+        norm_rope.FUSED_NORM_DEVICES.discard("cpu")
+        norm_rope.fused_rms_norm, norm_rope.fused_rms_norm_backward = fwd, bwd
 
 
 def runner_block(ac: bool):
@@ -181,7 +181,7 @@ def runner_block(ac: bool):
         rope_theta=s["theta"],
     )
     block = TransformerBlock(cfg).to(torch.bfloat16)
-    cos, sin = common.rope_tables(s["dim"] // s["heads"], s["seq"], s["theta"])
+    cos, sin = norm_rope.rope_tables(s["dim"] // s["heads"], s["seq"], s["theta"])
     if ac:
         block = checkpoint_wrapper(
             block,

@@ -6,7 +6,7 @@
 Without a CUDA GPU torch can use it says so, with the cause, and exits 0 having run nothing.
 Every figure is the median of ``--repeats`` synchronised calls after ``--warmup``.
 
-- **norm**: the runner's RMSNorm (``models/common.RMSNormFunction``) forward + backward in
+- **norm**: the runner's RMSNorm (``models/norm_rope.RMSNormFunction``) forward + backward in
   bf16 at the block norms' widths (Llama-3 1B / Qwen3-30B 2,048, Llama-3 8B 4,096, and the
   per-head q/k norms over 128 channels, 32 heads a token), op by op (the CPU path) and as
   torch's fused kernels (``FUSED_NORM_DEVICES``, the GPU path): time, the gain, and the fused
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
-from hsdp_runner.models import common  # noqa: E402
+from hsdp_runner.models import norm_rope  # noqa: E402
 from hsdp_runner.train.metrics import lookup_peak_tflops  # noqa: E402
 
 # Llama-3 1B and 8B linears: (name, out_features, in_features).
@@ -96,19 +96,19 @@ def norm_rows(args) -> list[dict]:
         results = {}
         for path in ("ops", "fused"):
             if path == "ops":
-                common.FUSED_NORM_DEVICES.discard("cuda")
+                norm_rope.FUSED_NORM_DEVICES.discard("cuda")
             else:
-                common.FUSED_NORM_DEVICES.add("cuda")
+                norm_rope.FUSED_NORM_DEVICES.add("cuda")
             xi = x.detach().requires_grad_()
             wi = weight.detach().requires_grad_()
 
             def step(xi=xi, wi=wi, grad=grad):
-                out = common.RMSNormFunction.apply(xi, wi, 1e-6)
+                out = norm_rope.RMSNormFunction.apply(xi, wi, 1e-6)
                 return out, torch.autograd.grad(out, (xi, wi), grad)
 
             out, (gx, gw) = step()
             results[path] = (timed(step, args.repeats, args.warmup), out, gx, gw)
-        common.FUSED_NORM_DEVICES.add("cuda")
+        norm_rope.FUSED_NORM_DEVICES.add("cuda")
         ops, fused = results["ops"], results["fused"]
         rows.append(
             {

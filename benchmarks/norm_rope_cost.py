@@ -40,7 +40,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from hsdp_runner import plan  # noqa: E402
 from hsdp_runner.config.compose import to_run_config  # noqa: E402
 from hsdp_runner.distributed.hardware import CACHE_ENV  # noqa: E402
-from hsdp_runner.models import common  # noqa: E402
+from hsdp_runner.models import norm_rope  # noqa: E402
 from hsdp_runner.models.params import torch_dtype  # noqa: E402
 from hsdp_runner.planner import memory, precision_cost  # noqa: E402
 
@@ -69,17 +69,17 @@ def layer_figures(model_cfg, dtype: torch.dtype, tokens: int = 16) -> dict[str, 
     dim = model_cfg.dim
     head_dim = getattr(model_cfg, "head_dim", None) or dim // model_cfg.n_heads
     heads, kv_heads = model_cfg.n_heads, model_cfg.n_kv_heads or model_cfg.n_heads
-    cos, sin = common.rope_tables(head_dim, tokens, model_cfg.rope_theta)
+    cos, sin = norm_rope.rope_tables(head_dim, tokens, model_cfg.rope_theta)
     out = {}
 
     def norm_bytes(width: int, shape: tuple) -> tuple[float, float]:
-        norm = common.RMSNorm(width, model_cfg.norm_eps).to(dtype)
+        norm = norm_rope.RMSNorm(width, model_cfg.norm_eps).to(dtype)
         x = torch.randn(shape, dtype=dtype, requires_grad=True)
         return tuple(n / tokens for n in saved_bytes(norm, x, [norm.weight]))
 
     def rope_bytes(n: int) -> tuple[float, float]:
         x = torch.randn(1, tokens, n, head_dim, dtype=dtype, requires_grad=True)
-        rope = lambda t: common.apply_rope(t, cos, sin)  # noqa: E731
+        rope = lambda t: norm_rope.apply_rope(t, cos, sin)  # noqa: E731
         return tuple(n / tokens for n in saved_bytes(rope, x, [cos, sin]))
 
     def add(a: tuple, b: tuple) -> tuple:

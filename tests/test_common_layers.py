@@ -1,4 +1,4 @@
-"""The shared dense layers of ``models/common.py``: RMSNorm (``RMSNormFunction``) and RoPE
+"""The shared dense layers of ``models/norm_rope.py`` and ``models/common.py``: RMSNorm (``RMSNormFunction``) and RoPE
 (``RopeFunction``) compute what the plain torch expressions they replaced computed, forward
 bit for bit, and keep for backward only the input in its own dtype and a per-row fp32 rstd
 (RMSNorm) or nothing but the tables (RoPE): a bf16 block saves no fp32 copy of an activation.
@@ -13,16 +13,11 @@ import torch.nn.functional as F
 from saved_tensors import saved_by
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hsdp_runner.models import common
-from hsdp_runner.models.common import (
-    RMSNorm,
-    RMSNormFunction,
-    apply_rope,
-    causal_attention,
-    rope_tables,
-)
+from hsdp_runner.models import norm_rope
+from hsdp_runner.models.common import causal_attention
 from hsdp_runner.models.llama import LlamaConfig, TransformerBlock
 from hsdp_runner.models.moe import Attention
+from hsdp_runner.models.norm_rope import RMSNorm, RMSNormFunction, apply_rope, rope_tables
 
 EPS = 1e-6
 
@@ -144,7 +139,7 @@ def kernels_of(fn, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
 
 def test_rope_runs_four_kernels_a_direction_where_op_by_op_took_nine():
     """bf16 input, fp32 tables (a bf16 block's RoPE): a product and a rounded sum
-    (``common._rotate``) plus two small ones building the 2x2 rotation, each way; the op-by-op
+    (``norm_rope._rotate``) plus two small ones building the 2x2 rotation, each way; the op-by-op
     rotation it replaced (``x1 * cos - x2 * sin, x1 * sin + x2 * cos``, each half cast, then
     stacked) took nine, four of them mixed-dtype products. Values: the test above."""
     x, _, grad_out = norm_inputs(torch.bfloat16)
@@ -245,14 +240,14 @@ def test_rms_norm_on_cuda_runs_torchs_fused_kernels_to_the_op_by_op_values(dtype
     path's within one rounding of ``dtype``, and it saves the same tensors."""
     x, weight, grad_out = (t.cuda() for t in norm_inputs(dtype))
     calls = []
-    fused = common.fused_rms_norm
-    monkeypatch.setattr(common, "fused_rms_norm", lambda *a: calls.append(1) or fused(*a))
+    fused = norm_rope.fused_rms_norm
+    monkeypatch.setattr(norm_rope, "fused_rms_norm", lambda *a: calls.append(1) or fused(*a))
     fn = lambda x, w: RMSNormFunction.apply(x, w, EPS)  # noqa: E731
     out, grads = value_and_grads(fn, x, weight, grad_out=grad_out)
     assert calls, "the fused forward did not run"
     leaves = [t.detach().requires_grad_() for t in (x, weight)]
     saved = [(t.shape, t.dtype) for t in saved_by(fn, *leaves)]
-    monkeypatch.setattr(common, "FUSED_NORM_DEVICES", set())
+    monkeypatch.setattr(norm_rope, "FUSED_NORM_DEVICES", set())
     ref_out, ref_grads = value_and_grads(fn, x, weight, grad_out=grad_out)
     assert saved == [(t.shape, t.dtype) for t in saved_by(fn, *leaves)]
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}

@@ -136,14 +136,14 @@ def _fused_norm_on_sequence_shards() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from hsdp_runner.models import common
+    from hsdp_runner.models import norm_rope
 
     mesh = init_device_mesh("cpu", (4,))
     gen = torch.Generator().manual_seed(0)
     full_x, full_grad = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
     full_weight = 1 + 0.5 * torch.randn(16, generator=gen)
     calls, results = [], []
-    fused_backward = common.fused_rms_norm_backward
+    fused_backward = norm_rope.fused_rms_norm_backward
     for fused in (True, False):
         x = DTensor.from_local(full_x.chunk(4, dim=1)[mesh.get_local_rank()], mesh, [Shard(1)])
         x.requires_grad_()
@@ -152,16 +152,16 @@ def _fused_norm_on_sequence_shards() -> dict:
             full_grad.chunk(4, dim=1)[mesh.get_local_rank()], mesh, [Shard(1)]
         )
         if fused:
-            common.FUSED_NORM_DEVICES.add("cpu")
-            common.fused_rms_norm_backward = lambda *a: (
+            norm_rope.FUSED_NORM_DEVICES.add("cpu")
+            norm_rope.fused_rms_norm_backward = lambda *a: (
                 calls.append(1) or _reference_fused_backward(*a)
             )
         try:
-            out = common.RMSNormFunction.apply(x, weight, 1e-6)
+            out = norm_rope.RMSNormFunction.apply(x, weight, 1e-6)
             out.backward(grad)
         finally:
-            common.FUSED_NORM_DEVICES.discard("cpu")
-            common.fused_rms_norm_backward = fused_backward
+            norm_rope.FUSED_NORM_DEVICES.discard("cpu")
+            norm_rope.fused_rms_norm_backward = fused_backward
         results.append([out.full_tensor(), x.grad.full_tensor(), weight.grad.full_tensor()])
     names = ("out", "grad_x", "grad_weight")
     return {

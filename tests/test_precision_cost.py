@@ -9,9 +9,9 @@ from clusters import fake_cluster
 from hsdp_runner import plan
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.models import common
+from hsdp_runner.models import norm_rope
 from hsdp_runner.models.base import model_spec
-from hsdp_runner.models.common import RMSNormFunction
+from hsdp_runner.models.norm_rope import RMSNormFunction
 from hsdp_runner.planner import matmul_shapes, precision_cost
 from hsdp_runner.planner.step_time import step_flops, step_time
 
@@ -51,8 +51,8 @@ def test_a_norm_is_priced_as_torchs_fused_kernels_on_a_gpu():
     # ones_like writes the seed gradient (a free op: not counted); the kernel reads it, x,
     # rstd and weight and writes grad x and grad weight.
     assert moved["backward"] == 2048 + 2048 + 64 + 128 + 2048 + 128
-    assert common.FUSED_NORM_DEVICES == {"cuda"}
-    assert common.fused_rms_norm is not precision_cost._one_kernel_rms_norm
+    assert norm_rope.FUSED_NORM_DEVICES == {"cuda"}
+    assert norm_rope.fused_rms_norm is not precision_cost._one_kernel_rms_norm
     # A CPU job runs the norm op by op (no fused kernels there): priced so.
     x.grad = None
     with precision_cost._kernels_of("cpu") as trace:

@@ -377,7 +377,7 @@ class HFNames:
 
 
 # HF's Llama-style models rotate the two halves of each head (channels i, i + head_dim/2),
-# our RoPE (``common.apply_rope``) interleaved pairs (2i, 2i+1), Meta's original layout; so a
+# our RoPE (``norm_rope.apply_rope``) interleaved pairs (2i, 2i+1), Meta's original layout; so a
 # mapping permutes the rows of the rotated projections within each head, as HF's own
 # ``convert_llama_weights_to_hf.py`` does for Meta checkpoints.
 

@@ -29,14 +29,13 @@ from hsdp_runner.models.common import (
     ROTARY_TP_SPLIT_DIM,
     FeedForward,
     ReplicatedParams,
-    RMSNorm,
     RotaryDecoder,
     TPStyles,
-    apply_rope,
     causal_attention,
     output_layer_style,
 )
 from hsdp_runner.models.llama_hf import LlamaHF
+from hsdp_runner.models.norm_rope import RMSNorm, apply_rope
 
 
 @dataclass

@@ -32,15 +32,14 @@ from hsdp_runner.models.common import (
     ROTARY_TP_SPLIT_DIM,
     FeedForward,
     ReplicatedParams,
-    RMSNorm,
     RotaryDecoder,
     TPStyles,
-    apply_rope,
     causal_attention,
     output_layer_style,
 )
 from hsdp_runner.models.moe_hf import MoEHF
 from hsdp_runner.models.moe_routing import MoE
+from hsdp_runner.models.norm_rope import RMSNorm, apply_rope
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 # Counts that must be >= 1, and counts and coefficients that must be >= 0 (0: feature off).

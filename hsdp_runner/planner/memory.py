@@ -71,7 +71,7 @@ CACHE_VERSION = 13  # bump when what a measurement holds changes (5: phases and 
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
-# and RoPE save no fp32 copies, ``common.RMSNormFunction`` and ``RopeFunction``: every model;
+# and RoPE save no fp32 copies, ``norm_rope.RMSNormFunction`` and ``RopeFunction``: every model;
 # 11: the experts' SwiGLU saves its two inputs only, ``moe_routing.SwiGLU``: a model with experts;
 # 12: fp16/bf16 attention saves grouped-query keys and values un-repeated, ``common.grouped_kv``:
 # a model with fewer key than query heads; 13: the blocks' RoPE tables reach them in fp32,

@@ -61,9 +61,9 @@ from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
-from hsdp_runner.models import common
+from hsdp_runner.models import norm_rope
 from hsdp_runner.models.base import ModelConfig, model_fields, model_spec, routed_experts
-from hsdp_runner.models.common import fused_rms_norm as _fused_rms_norm
+from hsdp_runner.models.norm_rope import fused_rms_norm as _fused_rms_norm
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
@@ -194,7 +194,7 @@ class _Attention(torch.autograd.Function):
 
 
 def _one_kernel_rms_norm(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``common.fused_rms_norm`` as the GPU runs it, one kernel reading ``x`` and writing the
+    """``norm_rope.fused_rms_norm`` as the GPU runs it, one kernel reading ``x`` and writing the
     normalised value and rstd: on meta torch decomposes it into the op-by-op norm."""
     trace = _Attention.trace
     trace.in_kernel = True
@@ -287,24 +287,24 @@ def _trace_model(
 def _kernels_of(device_type: str):
     """A ``_Trace`` entered with attention and the norms on meta seen as a ``device_type`` job
     runs them: attention as one opaque step (``_Attention``); the norms as torch's fused
-    kernels where that device has them (``common.FUSED_NORM_DEVICES``, each forward one
+    kernels where that device has them (``norm_rope.FUSED_NORM_DEVICES``, each forward one
     kernel: ``_one_kernel_rms_norm``), else op by op."""
     trace = _Trace()
     _Attention.trace = trace
     functional = torch.nn.functional
     functional.scaled_dot_product_attention = _opaque_sdpa
-    fused_norms = device_type in common.FUSED_NORM_DEVICES
+    fused_norms = device_type in norm_rope.FUSED_NORM_DEVICES
     if fused_norms:
-        common.fused_rms_norm = _one_kernel_rms_norm
-        common.FUSED_NORM_DEVICES.add("meta")
+        norm_rope.fused_rms_norm = _one_kernel_rms_norm
+        norm_rope.FUSED_NORM_DEVICES.add("meta")
     try:
         with trace:
             yield trace
     finally:
         functional.scaled_dot_product_attention = _Attention.sdpa
         if fused_norms:
-            common.fused_rms_norm = _fused_rms_norm
-            common.FUSED_NORM_DEVICES.discard("meta")
+            norm_rope.fused_rms_norm = _fused_rms_norm
+            norm_rope.FUSED_NORM_DEVICES.discard("meta")
         _Attention.trace = None
 
 
