@@ -24,7 +24,7 @@ older than the wheel's CUDA), and exits 0 having run nothing.
   ~30 GB of weights, gradients and AdamW state with fp32 masters, plus the activations.
 - **float8** (not in ``all``: run it by name): (a) the experts' forward + backward
   (``GroupedExperts`` as the model runs them) in bf16 and converted to float8 by the runner
-  (``float8.convert_experts``: torchao's float8 rowwise grouped matmul, each expert's rows
+  (``float8_experts.convert_experts``: torchao's float8 rowwise grouped matmul, each expert's rows
   padded to 16) on the same ``--tokens`` routing: TFLOP/s of each (the counted FLOPs of the
   routed rows; the padding's are not counted), the speedup, and float8's relative error
   (||float8 - bf16|| / ||bf16||) of the output, the input's gradient and each weight's
@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import REPO, moe_blocks, preset  # noqa: E402  (benchmarks/moe.py)
 
 from hsdp_runner.core.records import RunSummary  # noqa: E402
-from hsdp_runner.distributed import float8  # noqa: E402
+from hsdp_runner.distributed import float8_experts  # noqa: E402
 from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
 from hsdp_runner.models.moe import MoEConfig  # noqa: E402
 from hsdp_runner.train.metrics import lookup_peak_tflops  # noqa: E402
@@ -142,7 +142,7 @@ def float8_figures(cfg: MoEConfig, tokens: int, repeats: int, warmup: int) -> di
     grouped, _ = moe_blocks(cfg, device, dtype)
     bf16 = grouped.experts
     f8 = copy.deepcopy(bf16)
-    float8.convert_experts(f8, torch.device(device))
+    float8_experts.convert_experts(f8, torch.device(device))
     counts = routed_counts(cfg, tokens, device)
     rows = int(counts.sum())
     gen = torch.Generator(device=device).manual_seed(1)

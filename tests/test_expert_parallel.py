@@ -440,7 +440,7 @@ def test_float8_with_experts_is_refused_on_the_cpu_and_accepted_on_hopper():
     from test_config import compose
 
     from hsdp_runner.config.compose import to_run_config
-    from hsdp_runner.distributed.float8 import check_experts
+    from hsdp_runner.distributed.float8_experts import check_experts
 
     run = to_run_config(
         compose(["model=moe_tiny", "precision=float8", "precision.float8_experts=true"])

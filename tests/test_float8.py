@@ -271,21 +271,23 @@ def _plain_grouped_mm(calls):
 
 def test_routed_experts_convert_with_the_linears_router_gate_and_output_stay_high():
     from hsdp_runner.core.choices import DPMode
-    from hsdp_runner.distributed import float8
+    from hsdp_runner.distributed import float8, float8_experts
     from hsdp_runner.models.base import model_spec
+
+    def convert(model, precision, vocab_size):  # what a job's build calls
+        names = float8.convert(model, precision, torch.device("meta"), DPMode.fsdp, vocab_size)
+        return names + float8_experts.convert(model, precision, torch.device("meta"))
 
     # Without precision.float8_experts (the presets) the experts stay in param_dtype.
     default = compose(["model=moe_tiny", "precision=float8"])
     with torch.device("meta"):
         model = model_spec(default.model).build()
-    names = float8.convert(model, default.precision, torch.device("meta"), DPMode.fsdp, 256)
+    names = convert(model, default.precision, 256)
     assert names and not [n for n in names if ".experts." in n]
     cfg = compose(["model=moe_tiny", "precision=float8", "precision.float8_experts=true"])
     with torch.device("meta"):
         model = model_spec(cfg.model).build()
-    converted = float8.convert(
-        model, cfg.precision, torch.device("meta"), DPMode.fsdp, cfg.model.vocab_size
-    )
+    converted = convert(model, cfg.precision, cfg.model.vocab_size)
     experts = [f"layers.{i}.moe.experts.w{p}" for i in (1, 2) for p in "132"]
     assert [n for n in converted if ".experts." in n] == experts
     kinds = {name: type(m).__name__ for name, m in model.named_modules()}
@@ -307,7 +309,7 @@ def test_routed_experts_convert_with_the_linears_router_gate_and_output_stay_hig
     )
     with torch.device("meta"):
         model = model_spec(loop.model).build()
-    names = float8.convert(model, loop.precision, torch.device("meta"), DPMode.fsdp, 256)
+    names = convert(model, loop.precision, 256)
     assert not [n for n in names if ".experts." in n]
 
 
@@ -321,7 +323,7 @@ def test_float8_experts_run_their_grouped_matmuls_through_torchao_with_aligned_g
 
     import torchao.prototype.moe_training.tensor as ao_tensor
 
-    from hsdp_runner.distributed import float8
+    from hsdp_runner.distributed import float8_experts
     from hsdp_runner.models.moe_routing import GroupedExperts
 
     calls = []
@@ -332,7 +334,7 @@ def test_float8_experts_run_their_grouped_matmuls_through_torchao_with_aligned_g
     for w in ref.experts.parameters():
         torch.nn.init.normal_(w, std=0.1)
     model = copy.deepcopy(ref)
-    assert float8.convert_experts(model, torch.device("cuda")) == [
+    assert float8_experts.convert_experts(model, torch.device("cuda")) == [
         "experts.w1",
         "experts.w3",
         "experts.w2",
@@ -366,7 +368,7 @@ def test_float8_experts_run_their_grouped_matmuls_through_torchao_with_aligned_g
 def test_float8_experts_refusals_name_the_key_and_the_fix(overrides, kwargs, message):
     from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.core.errors import ConfigError
-    from hsdp_runner.distributed.float8 import check_experts
+    from hsdp_runner.distributed.float8_experts import check_experts
 
     run = to_run_config(
         compose(["model=moe_tiny", "precision=float8", "precision.float8_experts=true", *overrides])
@@ -381,21 +383,23 @@ def test_float8_experts_refusals_name_the_key_and_the_fix(overrides, kwargs, mes
 @pytest.mark.parametrize("recipe", ["float8", "float8_rowwise"])
 def test_float8_experts_pass_on_hopper_and_blackwell(preset, recipe):
     from hsdp_runner.config.compose import to_run_config
-    from hsdp_runner.distributed import float8
+    from hsdp_runner.distributed import float8_experts
 
     default = to_run_config(compose([f"model={preset}", f"precision={recipe}"]))
-    assert not float8.converts_experts(default.precision, default.model)
-    float8.check_experts(default.precision, default.model, 0)  # experts bf16: runs on CPU too
+    assert not float8_experts.converts_experts(default.precision, default.model)
+    float8_experts.check_experts(
+        default.precision, default.model, 0
+    )  # experts bf16: runs on CPU too
     run = to_run_config(
         compose([f"model={preset}", f"precision={recipe}", "precision.float8_experts=true"])
     )
-    assert float8.converts_experts(run.precision, run.model)
-    for capability in float8.GROUPED_CAPABILITIES:
-        float8.check_experts(run.precision, run.model, 1, False, capability)
-    float8.check_experts(run.precision, run.model, 1)  # the planner: no capability to check
+    assert float8_experts.converts_experts(run.precision, run.model)
+    for capability in float8_experts.GROUPED_CAPABILITIES:
+        float8_experts.check_experts(run.precision, run.model, 1, False, capability)
+    float8_experts.check_experts(run.precision, run.model, 1)  # the planner: no capability to check
     bf16 = to_run_config(compose([f"model={preset}", "precision=bf16"]))
-    float8.check_experts(bf16.precision, bf16.model, 0, True)  # no float8: nothing refused
-    assert not float8.converts_experts(bf16.precision, bf16.model)
+    float8_experts.check_experts(bf16.precision, bf16.model, 0, True)  # no float8: nothing refused
+    assert not float8_experts.converts_experts(bf16.precision, bf16.model)
 
 
 def test_float8_experts_stay_wrapped_under_expert_parallel_and_fsdp_and_save_plain(monkeypatch):
@@ -410,7 +414,7 @@ def test_float8_experts_stay_wrapped_under_expert_parallel_and_fsdp_and_save_pla
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hsdp_runner.distributed import float8
+    from hsdp_runner.distributed import float8, float8_experts
     from hsdp_runner.models.moe_routing import GroupedExperts
 
     calls = []
@@ -420,7 +424,7 @@ def test_float8_experts_stay_wrapped_under_expert_parallel_and_fsdp_and_save_pla
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
         with torch.device("meta"):
             experts = GroupedExperts(32, 48, 4, grouped_mm=True)
-        float8.convert_experts(experts, torch.device("meta"))
+        float8_experts.convert_experts(experts, torch.device("meta"))
         for name, p in list(experts.named_parameters(recurse=False)):
             shard = distribute_tensor(p.data, mesh["ep"], [Shard(0)], src_data_rank=None)
             setattr(experts, name, torch.nn.Parameter(shard))

@@ -13,20 +13,9 @@ float8 checkpoint resumes under bf16 and back, and HF export is the same.
   (after TP) are not multiples of 16 (``torch._scaled_mm``'s constraint) stay in
   ``param_dtype``.
 - The routed experts (``GroupedExperts``, models with ``model.n_experts``) stay in
-  ``param_dtype`` unless ``precision.float8_experts=true``: measured on an H200 (torch 2.11,
-  torchao 0.17, eager; docs/precision.md) torchao's float8 grouped matmul ran the Qwen3-30B
-  experts' forward + backward 5.2x slower than bf16, and a 2-block Qwen3-30B step at 0.68x
-  bf16's tokens/s. With the switch, on a GPU
-  ``convert`` also wraps their stacked weights in torchao's MoE training weight
-  (``torchao.prototype.moe_training``: ``quantize_`` with ``Float8TrainingOpConfig``), whose
-  ``__torch_function__`` turns each ``torch._grouped_mm`` into a float8 rowwise
-  ``torch._scaled_grouped_mm`` (dynamic per-row scales, e4m3 for every operand, bf16 out),
-  forward and both backward matmuls: the one recipe torchao has for grouped matmuls in float8,
-  whatever ``precision.float8`` names for the linears. The weights stay in the master dtype and
-  FSDP gathers them in ``param_dtype`` (the wrapper's FSDP2 hooks: no float8 all-gather). Each
-  expert's rows are padded with zero rows to a multiple of 16 (``GroupedExperts.group_rows``).
-  ``check_experts`` refuses what that path cannot run (CPU, GPUs outside compute capability
-  9.0 / 10.0, dims not multiples of 16, the per-expert loop, compiled blocks).
+  ``param_dtype`` unless ``precision.float8_experts=true`` (measured 5.2x slower than bf16 on
+  an H200): then ``float8_experts.py`` wraps them in torchao's float8 rowwise grouped matmul,
+  refuses what it cannot run, and says why.
 - ``convert``: applied to the meta model before TP, AC, compile and FSDP (torchtitan's order).
   ``emulate=True`` exactly when the device is the CPU (casts and scales as on a GPU, matmuls in
   higher precision); on a GPU it never emulates: ``check_device`` refuses a GPU without float8
@@ -58,7 +47,7 @@ from torch import nn
 
 from hsdp_runner.core.choices import DPMode, Float8Recipe
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.models.base import ModelConfig, build_meta_model, model_spec, routed_experts
+from hsdp_runner.models.base import ModelConfig, build_meta_model, model_spec
 from hsdp_runner.models.common import TPStyles
 
 if TYPE_CHECKING:  # annotations only: benchmarks/float8_gpu_check.py runs without Hydra
@@ -68,10 +57,6 @@ if TYPE_CHECKING:  # annotations only: benchmarks/float8_gpu_check.py runs witho
 FLOAT8_ALIGN = 16
 # Float8 tensor cores: Ada (8.9) and Hopper (9.0) onward.
 MIN_CAPABILITY = (8, 9)
-# torch._scaled_grouped_mm (the experts' float8 matmul) runs on these compute capabilities
-# only ("only supported on CUDA devices with compute capability = [9.0, 10.0]", torch 2.11
-# to 2.13): H100/H200 and B200, not Ada (8.9) nor 12.x.
-GROUPED_CAPABILITIES = ((9, 0), (10, 0))
 # The router's linear, kept in param_dtype (keeps_high_precision).
 ROUTER_GATE = "router.gate"
 TORCHAO_FIX = "pip install torchao==0.18.0 (the release pyproject.toml pins)"
@@ -169,76 +154,6 @@ def check_device(precision: PrecisionConfig, gpus: int, capability=None, name=No
     )
 
 
-def converts_experts(precision: PrecisionConfig, model_cfg: ModelConfig) -> bool:
-    """True when ``precision`` trains ``model_cfg``'s routed experts in float8 (``convert``
-    wraps them: experts running grouped matmuls), as the planner prices them."""
-    return (
-        enabled(precision)
-        and precision.float8_experts
-        and routed_experts(model_cfg) > 0
-        and bool(getattr(model_cfg, "grouped_mm", True))
-    )
-
-
-def check_experts(
-    precision: PrecisionConfig,
-    model_cfg: ModelConfig,
-    gpus: int,
-    compile: bool = False,
-    capability=None,
-) -> None:
-    """Raise ConfigError for ``precision.float8_experts=true`` (float8 training of a model's
-    routed experts) where torchao's float8 grouped matmul (``convert``'s expert path) cannot
-    run; without the switch the experts stay in ``param_dtype`` and nothing is refused: on the CPU (``gpus`` 0:
-    its kernels are Triton and CUDA); on a GPU outside ``GROUPED_CAPABILITIES``
-    (``capability``: the job's GPU's, ``check_device``'s (major, minor); None, as the planner
-    passes, is not checked); with expert dims that are not multiples of 16; with the per-expert loop
-    (``model.grouped_mm=false``: plain matmuls the wrapper does not convert, so the experts
-    would silently stay in bf16); with ``compile`` (``parallel.compile``: torchao 0.17/0.18
-    skip their own float8 rowwise MoE test under torch.compile, "'FakeTensor' object has no
-    attribute '__tensor_flatten__'"). Expert parallel, FSDP/HSDP and TP (which leaves the
-    experts whole) are not refused: the wrapper survives ``distribute_tensor`` and carries
-    FSDP2's all-gather hooks."""
-    experts = routed_experts(model_cfg)
-    if not enabled(precision) or not experts or not precision.float8_experts:
-        return
-    head = (
-        f"precision.float8={precision.float8} with a model with experts (model.n_experts={experts})"
-    )
-    if not gpus:
-        raise ConfigError(
-            f"{head}: torchao's float8 grouped matmul runs on GPUs only; use precision=bf16"
-        )
-    if not getattr(model_cfg, "grouped_mm", True):
-        raise ConfigError(
-            f"{head} and model.grouped_mm=false: float8 converts the experts' grouped matmuls, "
-            "not the per-expert loop; set model.grouped_mm=true or use precision=bf16"
-        )
-    dims = {"model.dim": model_cfg.dim, "model.expert_ffn_dim": model_cfg.expert_ffn_dim}
-    bad = {key: n for key, n in dims.items() if n % FLOAT8_ALIGN}
-    if bad:
-        key, n = next(iter(bad.items()))
-        raise ConfigError(
-            f"{head}: {key}={n} is not a multiple of {FLOAT8_ALIGN}, which torchao's float8 "
-            f"grouped matmul needs of both expert dims; use widths that are multiples of "
-            f"{FLOAT8_ALIGN} or precision=bf16"
-        )
-    if compile:
-        raise ConfigError(
-            f"{head} and parallel.compile=true: torchao's float8 rowwise grouped matmul does "
-            "not compile in torchao 0.17/0.18 (its own test is skipped: 'FakeTensor' object "
-            "has no attribute '__tensor_flatten__'); set parallel.compile=false or use "
-            "precision=bf16"
-        )
-    if capability is not None and tuple(capability) not in GROUPED_CAPABILITIES:
-        shown = ", ".join(f"{a}.{b}" for a, b in GROUPED_CAPABILITIES)
-        raise ConfigError(
-            f"{head}: torch._scaled_grouped_mm, the experts' float8 matmul, runs on compute "
-            f"capability {shown} only (H100, H200, B200); this GPU is "
-            f"{capability[0]}.{capability[1]}; use precision=bf16"
-        )
-
-
 def keeps_high_precision(
     fqn: str, weight_shape: tuple[int, int], vocab_size: int, tp: int, split_dim
 ) -> bool:
@@ -322,14 +237,11 @@ def convert(
     vocab_size: int,
     tp: int = 1,
     split_dim: Callable[[str], int | None] = lambda fqn: None,
-    experts: bool = True,
 ) -> list[str]:
-    """Swap ``model``'s eligible linears for torchao's ``Float8Linear`` and, with ``experts``
-    and ``precision.float8_experts`` (the planner's meta trace leaves them out: torchao's
-    kernels do not run on meta), wrap its routed experts' weights (``convert_experts``), in place, before any parallelism;
-    returns the converted layers' and expert weights' names. Linears are emulated exactly when
-    ``device`` is the CPU, where experts are refused (``check_experts``). ``split_dim(fqn)``:
-    the dim TP splits that layer's weight on (None: whole)."""
+    """Swap ``model``'s eligible linears for torchao's ``Float8Linear``, in place, before any
+    parallelism; returns the converted layers' names. Linears are emulated exactly when
+    ``device`` is the CPU. ``split_dim(fqn)``: the dim TP splits that layer's weight on (None:
+    whole). The routed experts are ``float8_experts.convert``'s (a job's build calls both)."""
     if not enabled(precision):
         return []
     ao = torchao_float8()
@@ -349,48 +261,7 @@ def convert(
 
     config = linear_config(precision, device.type == "cpu", gathers_float8(precision, dp_mode))
     ao.convert_to_float8_training(model, module_filter_fn=keep_float8, config=config)
-    if experts and precision.float8_experts:
-        converted += convert_experts(model, device)
     return converted
-
-
-def _grouped_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: module} of ``model``'s routed experts that run grouped matmuls: the modules
-    with ``models/moe_routing.GroupedExperts``' ``group_rows`` and ``grouped_mm`` set (by
-    what they hold, not their class: the runner reaches model families only through
-    ``models.base``)."""
-    return {
-        fqn: m
-        for fqn, m in model.named_modules()
-        if hasattr(m, "group_rows") and getattr(m, "grouped_mm", False) is True
-    }
-
-
-def convert_experts(model: nn.Module, device: torch.device) -> list[str]:
-    """Wrap the stacked weights of ``model``'s routed experts in torchao's float8 MoE
-    training weight (``quantize_`` with ``Float8TrainingOpConfig()``: float8 rowwise grouped
-    matmuls, bf16 out, no token padding of its own) and set their ``group_rows`` to 16, the
-    padding that matmul needs; returns the wrapped weights' names. ConfigError on the CPU
-    (``check_experts`` refused such a job already)."""
-    found = _grouped_experts(model)
-    if not found:
-        return []
-    if device.type == "cpu":
-        raise ConfigError(
-            "precision.float8 with a model with experts: torchao's float8 grouped matmul "
-            "runs on GPUs only; use precision=bf16"
-        )
-    torchao_float8()  # its import, without the noise
-    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-    from torchao.quantization.quant_api import quantize_
-
-    modules = {id(m) for m in found.values()}
-    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda m, fqn: id(m) in modules)
-    names = []
-    for fqn, module in found.items():
-        module.group_rows = FLOAT8_ALIGN
-        names += [f"{fqn}.{name}" for name, _ in module.named_parameters(recurse=False)]
-    return names
 
 
 def _float8_linears(model: nn.Module) -> list[nn.Module]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
-from hsdp_runner.distributed import float8
+from hsdp_runner.distributed import float8, float8_experts
 from hsdp_runner.distributed.context_parallel import SequenceShard
 from hsdp_runner.distributed.expert_parallel import apply_expert_parallel
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
@@ -373,6 +373,7 @@ def parallelized_meta_model(
         dims.tp,
         lambda fqn: spec.tp_split_dim(f"{fqn}.weight", parallel.sequence_parallel),
     )
+    float8_experts.convert(model, precision, torch.device(device))
     parallelize(model, dims, world, parallel, precision, model_cfg.seq_len, frozen)
     return model
 

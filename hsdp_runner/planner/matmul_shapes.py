@@ -40,7 +40,7 @@ from torch import nn
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed import float8
+from hsdp_runner.distributed import float8, float8_experts
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec, moe_layers
 from hsdp_runner.planner.matmul_time import Gemm
@@ -50,11 +50,11 @@ MATMUL, FLOAT8, EXPERTS = "matmul", "float8_matmul", "expert_matmul"  # compute 
 
 def check_plannable(cfg: RunConfig, gpus: int) -> None:
     """Raise ConfigError for what the planner must not offer: what a job of ``cfg`` on
-    ``gpus`` GPUs a node (0: a CPU cluster) would refuse (``float8.check_experts``), and what
+    ``gpus`` GPUs a node (0: a CPU cluster) would refuse (``float8_experts.check_experts``), and what
     it does not price: the routed experts in float8 (``precision.float8_experts=true``),
     measured slower than bf16 with its casts unmodelled."""
-    float8.check_experts(cfg.precision, cfg.model, gpus=gpus, compile=cfg.parallel.compile)
-    if float8.converts_experts(cfg.precision, cfg.model):
+    float8_experts.check_experts(cfg.precision, cfg.model, gpus=gpus, compile=cfg.parallel.compile)
+    if float8_experts.converts_experts(cfg.precision, cfg.model):
         raise ConfigError(
             "precision.float8_experts=true is not priced: torchao's float8 grouped matmul ran "
             "the Qwen3-30B experts' forward + backward 5.2x slower than bf16 on an H200 (its "

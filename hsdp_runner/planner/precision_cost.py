@@ -271,12 +271,9 @@ def _trace_model(
         model = spec.build().to(torch.bfloat16)
     precision = PrecisionConfig(name="trace", float8=recipe)
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
-    # The experts stay unconverted: torchao's float8 grouped matmul casts in Triton kernels,
-    # which do not run on meta (their casts' bytes are left out; the matmuls themselves are
-    # priced from their shapes, in float8: matmul_shapes).
-    float8.convert(
-        model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"], experts=False
-    )
+    # The routed experts stay unconverted (``float8_experts.convert`` is not called): their
+    # float8 grouped matmul is refused by the planner (matmul_shapes.check_plannable).
+    float8.convert(model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"])
     tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
     with _kernels_of(device_type) as trace:
         _forward_backward(model, tokens_in, trace)

@@ -24,7 +24,7 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import DataKind, LauncherName
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG
-from hsdp_runner.distributed import expert_parallel, float8
+from hsdp_runner.distributed import expert_parallel, float8, float8_experts
 from hsdp_runner.distributed.hardware import (
     check_torch_apis,
     check_visible_gpus,
@@ -107,7 +107,7 @@ def validate(
     if float8.enabled(cfg.precision):
         float8.torchao_float8()
         float8.check_device(cfg.precision, gpus)
-        float8.check_experts(
+        float8_experts.check_experts(
             cfg.precision,
             cfg.model,
             gpus,
