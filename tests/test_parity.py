@@ -375,8 +375,12 @@ def test_fsdp_tensor_peak_falls_with_micro_batches_when_every_one_reduces(four_r
 # Expert parallel on the mixture of experts (``parallel.ep``), each case against the parity
 # run's single process of moe_tiny (the same overrides: its steps, learning rate and batch): ep
 # over all of dp_shard and over part of it, borrowing tp, with HSDP (dp_replicate), borrowing
-# cp, under a pipeline, with activation checkpointing, with gradient accumulation and compiled;
-# on four in-process workers. moe_tiny's auxiliary loss and balancing bias are on.
+# cp, under a pipeline, with activation checkpointing, with gradient accumulation and compiled.
+# moe_tiny's auxiliary loss and balancing bias are on. The cases that need four ranks (ep over
+# part of dp_shard, or beside another dim) train on four in-process workers; those about a
+# step's own mechanics (AC, accumulation, compile) on two, ep 2 over dp_shard 2: a tiny
+# model's step costs each rank about the same whatever its share of the batch, so four ranks
+# would double their CPU and prove nothing more.
 EP_BASE = ["model=moe_tiny", "logger=none", *METERS_OFF, f"trainer.steps={STEPS}", *LR]
 EP_CASES = {
     "fsdp:parallel.ep=4": ["parallel=fsdp", "parallel.ep=4"],
@@ -385,21 +389,24 @@ EP_CASES = {
     "hsdp:parallel.ep=2": ["parallel=hsdp", "parallel.ep=2"],
     "cp:parallel.dp_shard=2:parallel.ep=2": ["parallel=cp", "parallel.dp_shard=2", "parallel.ep=2"],
     "pp_fsdp:parallel.ep=2": ["parallel=pp_fsdp", "parallel.ep=2"],
-    "ac=full": ["parallel=fsdp", "parallel.ep=2", "parallel.ac=full"],
-    "ac=selective": ["parallel=fsdp", "parallel.ep=2", "parallel.ac=selective"],
-    "grad_accum_steps=2": ["parallel=fsdp", "parallel.ep=2", "trainer.grad_accum_steps=2"],
+}
+EP2 = ["parallel=fsdp", "parallel.dp_shard=2", "parallel.ep=2"]
+EP_TWO_RANK_CASES = {
+    "ac=full": [*EP2, "parallel.ac=full"],
+    "ac=selective": [*EP2, "parallel.ac=selective"],
+    "grad_accum_steps=2": [*EP2, "trainer.grad_accum_steps=2"],
     # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
     # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only
-    # (expert_parallel.compile_refusal). The first step compiles (about 20 of the pool's
-    # 60 s); the later ones meet new token counts as a dynamic dim, compiling nothing more.
+    # (expert_parallel.compile_refusal). The first step compiles (about 8 CPU-s a rank); the
+    # later ones meet new token counts as a dynamic dim, compiling nothing more.
     "compile": [
-        "parallel=fsdp",
-        "parallel.ep=2",
+        *EP2,
         "parallel.compile=true",
         "parallel.compile_backend=aot_eager",
         "model.grouped_mm=false",
     ],
 }
+EVERY_EP_CASE = {**EP_CASES, **EP_TWO_RANK_CASES}
 
 
 def _ep_cases(configs: dict) -> dict:
@@ -449,18 +456,22 @@ class _GraphCount:
 
 @pytest.fixture(scope="module")
 def ep_runs() -> dict:
-    """{rank: ``_ep_cases``'s results} of ``EP_CASES`` on four workers."""
+    """{rank: ``_ep_cases``'s results}: ``EP_CASES`` on four workers, then
+    ``EP_TWO_RANK_CASES`` on two (ranks 0 and 1 hold both)."""
     from hsdp_runner.config.compose import to_run_config
 
-    configs = {
-        name: to_run_config(compose([*EP_BASE, *overrides])) for name, overrides in EP_CASES.items()
-    }
-    return run_workers(_ep_cases, 4, configs)
+    def configs(cases):
+        return {name: to_run_config(compose([*EP_BASE, *over])) for name, over in cases.items()}
+
+    runs = run_workers(_ep_cases, 4, configs(EP_CASES))
+    for rank, results in run_workers(_ep_cases, 2, configs(EP_TWO_RANK_CASES)).items():
+        runs[rank] |= results
+    return runs
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("parity", ["moe_tiny"], indirect=True)
-@pytest.mark.parametrize("case", list(EP_CASES))
+@pytest.mark.parametrize("case", list(EVERY_EP_CASE))
 def test_expert_parallel_matches_single_process_within_1e5(parity, ep_runs, case):
     """Losses, grad norms and the step's MoE figures (the experts' load, the auxiliary
     loss) as one process computes them."""
@@ -484,8 +495,10 @@ def test_compiled_expert_parallel_compiles_nothing_after_the_first_steps(ep_runs
     size (the exchange runs between the compiled parts and hands the arrived rows over as a
     dynamic dim). The one recompile on each rank is the MoE blocks' forward after the dense
     block's: one code, guarded on ``dense``."""
-    for rank, result in ep_runs.items():
-        compiled = result["compile"][3]
+    compiled_ranks = [rank for rank, result in ep_runs.items() if "compile" in result]
+    assert compiled_ranks == [0, 1], compiled_ranks  # the two-rank cases' workers
+    for rank in compiled_ranks:
+        compiled = ep_runs[rank]["compile"][3]
         graphs = compiled["graphs_after_step"]
         assert len(graphs) == STEPS and graphs[0] > 0, (rank, graphs)
         assert graphs == graphs[:1] * STEPS, (rank, graphs)
@@ -497,10 +510,10 @@ def test_compiled_expert_parallel_compiles_nothing_after_the_first_steps(ep_runs
 def test_the_balance_step_moves_every_ranks_bias_alike(ep_runs):
     """Every rank holding a MoE block ends with the same balancing bias, updated (moe_tiny's
     bias_update_speed is on)."""
-    for case in EP_CASES:
+    for case in EVERY_EP_CASE:
         held: dict[int, list[torch.Tensor]] = {}
         for result in ep_runs.values():
-            for layer, bias in result[case][2].items():
+            for layer, bias in result.get(case, (None, None, {}))[2].items():
                 held.setdefault(layer, []).append(bias)
         assert sorted(held) == [1, 2], case  # moe_tiny: block 0 dense, blocks 1 and 2 MoE
         for layer, biases in held.items():
