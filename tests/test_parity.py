@@ -68,7 +68,7 @@ MODELS = {
     "llama3_tiny": tuple(layout for layout in WORLD if "ep=" not in layout),
     "gpt2_tiny": ("single", "ddp", "hsdp_tp", "cp"),
     # The mixture of experts through the job path with expert parallel; its other layouts train
-    # in one set of four in-process workers (``ep_runs``) against this single process.
+    # in-process workers (``ep_runs``: four ranks, and two for a step's own mechanics) against it.
     "moe_tiny": ("single", "fsdp:parallel.dp_shard=2:parallel.ep=2"),
 }
 
