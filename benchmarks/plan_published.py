@@ -4,10 +4,13 @@
 
 Every figure comes from ``benchmarks/published_figures.yaml`` (source, table, date read), each
 marked **fitted** (used to choose one constant) or **held out** (never used to choose anything).
-The split is fixed: per preset, ``compute_efficiency`` is chosen on the single-node throughput
-figures only (torchtitan's Llama 3.1 8B on 8 H100s; MosaicML's MPT 1B-13B on 8 A100s), so every
-multi-node figure, the ones the topology model decides, is held out; the links'
-``nic_efficiency`` is chosen on one nccl-tests figure and checked on the others. Printed:
+The split is fixed: the A100 presets' ``compute_efficiency`` is chosen on single-node throughput
+figures only (MosaicML's MPT 1B-13B on 8 A100s), so every multi-node figure, the ones the
+topology model decides, is held out; sm90's (``h100_sxm``, ``h200``) is chosen on none of these
+but on this runner's own job measured on one H200 (``planner_gpu_heldout.py fit``), so every
+H100 figure is held out, torchtitan's Llama 3.1 8B on 8 H100s (fitted before) too, and is
+predicted at the preset's constant; the links' ``nic_efficiency`` is chosen on one nccl-tests
+figure and checked on the others. Printed:
 1. the link table (nccl-tests bus bandwidths, predicted by ``Cluster.price``);
 2. the throughput table (tokens/s/GPU by ``planner.step_time.step_time`` for the published layout);
 3. the targets: median absolute error of the held-out throughput <= 20%; for every published
@@ -190,8 +193,14 @@ def published() -> None:
         fitted = [
             c for c in data["throughput"] if c["cluster"] == cluster and c["role"] == "fitted"
         ]
-        efficiency[cluster] = fit_efficiency(fitted)
         preset = resolve(to_run_config(plan.compose([f"cluster={cluster}"])).cluster, "bfloat16")
+        if not fitted:
+            print(
+                f"\n{cluster}: no fitted figure; the preset's compute_efficiency "
+                f"{preset.compute_efficiency:g} (conf/cluster/{cluster}.yaml says where from)"
+            )
+            continue
+        efficiency[cluster] = fit_efficiency(fitted)
         print(
             f"\n{cluster}: compute_efficiency fitted on {len(fitted)} single-node figure(s) = "
             f"{efficiency[cluster]:.3f} (preset conf/cluster/{cluster}.yaml: "
@@ -203,7 +212,7 @@ def published() -> None:
     )
     held, results = [], {}
     for case in data["throughput"]:
-        result = predict_tps(case, efficiency[case["cluster"]])
+        result = predict_tps(case, efficiency.get(case["cluster"]))
         results[case["id"]] = result
         error = result["tps_per_device"] / case["tokens_per_s_per_gpu"] - 1
         if case["role"] == "held_out":

@@ -341,9 +341,15 @@ def test_published_figures_name_their_source_and_role():
         assert case["role"] in ("fitted", "held_out"), case["id"]
         assert ("fits" in case) == (case["role"] == "fitted"), case["id"]
     held = [c for c in data["throughput"] if c["role"] == "held_out"]
+    fitted_clusters = {c["cluster"] for c in data["throughput"] if c["role"] == "fitted"}
     # Every multi-node figure is held out; single-node ones only where compile or float8 makes
-    # them figures the fitted (eager bf16) one is not.
+    # them figures the fitted (eager bf16) ones are not, or on a cluster none of whose figures
+    # is fitted (sm90's constant is chosen on this runner's own H200 job instead).
     assert held and all(
-        c["nodes"] > 1 or "parallel.compile=true" in c["overrides"] for c in held
+        c["nodes"] > 1
+        or "parallel.compile=true" in c["overrides"]
+        or c["cluster"] not in fitted_clusters
+        for c in held
     ), [c["id"] for c in held]
     assert all(c["nodes"] == 1 for c in data["throughput"] if c["role"] == "fitted")
+    assert "h100_sxm" not in fitted_clusters

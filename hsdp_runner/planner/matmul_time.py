@@ -13,8 +13,8 @@ mixture-of-experts layer, each on the rows routed to it). On a GPU:
   32 and 64). Priced here with 128 x 128 on Ampere (sm80) and Hopper (sm90) (``TILES``): with
   one efficiency for every tile, 128 x 128 never pads or quantizes more than the larger ones,
   so charging a larger tile's padding would charge what the library avoids by picking another
-  tile. Smaller tiles are not offered: they reach a lower rate per SM than the one constant
-  describes.
+  tile. Smaller tiles are not offered: they reach a lower rate per SM than the measured
+  efficiency describes.
 - **Waves.** The tiles run in waves over the device's streaming multiprocessors
   (``metrics.SM_COUNT``): 133 tiles on an H100's 132 SMs take two waves, the second with one
   SM busy (wave quantization). A wave takes one tile's FLOPs (2 x 128 x 128 x K) at 1/SMs of
@@ -31,13 +31,15 @@ mixture-of-experts layer, each on the rows routed to it). On a GPU:
   dtype); a split's reduction comes on top. A GEMM of one row is memory bound: it reads a whole
   N x K weight for 2 x N x K FLOPs.
 
-The efficiency (``cluster.compute_efficiency``) is the fraction of peak a large, well-shaped
-matmul reaches (its tiles fill every wave, its padding is negligible): the one constant per
-GPU, chosen on the single-node figures marked ``role: fitted`` in
-benchmarks/published_figures.yaml (benchmarks/plan_published.py). float8 GEMMs run at the
-float8 peak x the same efficiency (assumed, as before). Not modelled: operands re-read from L2
-rather than memory (bytes are one read each), and a tile's rate falling as its K gets short
-(pipeline fill: the expert GEMMs' weight gradients over few rows per expert).
+A tile runs at the fraction of peak its architecture's large, well-shaped GEMMs were measured
+to reach (``kernel_rates.GEMM_EFFICIENCY``: a device fact, measured on an H200, inherited by
+the H100 and assumed for the A100) x ``cluster.compute_efficiency``, the one constant per GPU,
+chosen on the single-node figures marked ``role: fitted`` in
+benchmarks/published_figures.yaml (benchmarks/plan_published.py): what a job loses beside its
+kernels. float8 GEMMs run at the float8 peak x the same product (assumed, as before). Not
+modelled: operands re-read from L2 rather than memory (bytes are one read each), and a tile's
+rate falling as its K gets short (pipeline fill: the measured GEMMs with K = 512 ran at 0.32 of
+peak per tile against 0.76; the expert GEMMs' weight gradients over few rows per expert).
 
 A device without an SM figure gets the roofline alone: FLOPs at peak x efficiency against
 bytes at the memory bandwidth. That is ``cluster=this_machine`` (a CPU: no SMs, no tiles; its
@@ -53,6 +55,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hsdp_runner.planner import kernel_rates
 from hsdp_runner.planner.cluster import Cluster
 from hsdp_runner.train.metrics import lookup_sm_count
 
@@ -104,12 +107,15 @@ def device_of(
     cluster: Cluster, dtype_bytes: int, float8_peak_tflops: float | None = None
 ) -> MatmulDevice:
     """The ``MatmulDevice`` of one device of ``cluster`` with ``dtype_bytes``-wide compute
-    (its SMs and tile from ``metrics.SM_COUNT`` by ``cluster.device``; none for a CPU)."""
+    (its SMs and tile from ``metrics.SM_COUNT`` by ``cluster.device``; none for a CPU): a
+    GPU's tiles at its architecture's measured GEMM efficiency (``kernel_rates``) x
+    ``cluster.compute_efficiency``, a CPU's FLOPs at its measured peak x the latter."""
     found = lookup_sm_count(cluster.device)
+    measured = kernel_rates.gemm_efficiency(found[1]) if found else 1.0
     return MatmulDevice(
         peak_flops=cluster.peak_tflops * 1e12,
         float8_peak_flops=float8_peak_tflops * 1e12 if float8_peak_tflops else None,
-        efficiency=cluster.compute_efficiency,
+        efficiency=measured * cluster.compute_efficiency,
         memory_bytes_per_s=cluster.memory_gbps * 1e9,
         dtype_bytes=dtype_bytes,
         sms=found[0] if found else None,

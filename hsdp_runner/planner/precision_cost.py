@@ -1,6 +1,6 @@
 """The compute part of a step's time, split by what limits each part: the matmuls by their
-shapes (float8 ones at the float8 peak), attention at peak, the work between matmuls at memory
-bandwidth; eager or compiled.
+shapes (float8 ones at the float8 peak), attention at its measured rate, the work between
+matmuls at memory bandwidth or its kernels' launches; eager or compiled.
 
 ``planner.step_time`` once priced every hardware FLOP at ``peak x compute_efficiency``, one
 efficiency standing in for everything a step does on the device. Here (``compute_seconds``):
@@ -8,7 +8,8 @@ efficiency standing in for everything a step does on the device. Here (``compute
 - **Matmuls.** Every GEMM a rank runs in the step (``matmul_shapes.step_gemms``: each linear's
   forward and two backward GEMMs at its TP-local shape, the experts' grouped GEMMs, what AC
   recomputes) is priced from its shape (``matmul_time``: output tiles in waves over the SMs
-  at peak x ``cluster.compute_efficiency``, or its bytes at memory bandwidth when those take
+  at peak x the architecture's measured GEMM efficiency (``kernel_rates``) x
+  ``cluster.compute_efficiency``, or its bytes at memory bandwidth when those take
   longer). The linears ``precision.float8`` converts (``float8``'s module filter: not the
   output layer, not a layer with a dim that is not a multiple of 16) run at the device's
   float8 peak (``Cluster.float8_peak_tflops``: ``cluster.float8_peak_tflops`` or the datasheet
@@ -17,13 +18,11 @@ efficiency standing in for everything a step does on the device. Here (``compute
   compute dtype's peak.
 - **Attention** (flash: QK^T and AV, forward, backward and full AC's recompute): the FLOPs of
   the runner's count (``step_time.step_flops``: every query against every key, as torchtitan
-  and MFU count them) that are not the linears', at the compute dtype's peak x
-  ``cluster.compute_efficiency``. A GPU's causal kernel computes about half of those FLOPs
-  (it skips the tiles above the diagonal) but runs them at a lower efficiency than a GEMM
-  (the softmax's exponentials and the tiles' bookkeeping beside its matmuls): priced at half
-  the work and a GEMM's efficiency, the held-out dense figures' median error rose from 7.1%
-  to 10.8% and the context-parallel pairs' errors grew (docs/planner.md). The full count
-  stands in for both until attention's own efficiency is measured on a GPU.
+  and MFU count them) that are not the linears', at the compute dtype's peak x the share
+  of it the architecture's kernel was measured to reach at that count, by the tokens of a
+  sequence (causal) or of a context-parallel chunk (``attention_time``) x
+  ``cluster.compute_efficiency``: the count, not the causal kernel's half of it, because the
+  measured share is taken at the count.
 - **Memory-bound work** (norms, activations, RoPE, residual adds, the loss, and under float8
   torchao's amax and casts) at ``cluster.memory_gbps``. Its bytes come from the model's own
   code (``traffic``): the model with one and with two blocks, at two token counts, runs forward,
@@ -42,11 +41,20 @@ efficiency standing in for everything a step does on the device. Here (``compute
   Activation checkpointing (full or selective: both recompute every element-wise op)
   runs the blocks' forward bytes once more. With TP the bytes of a rank's tokens split over
   the tp ranks (sequence parallel shards the norms and residual stream, TP the heads and FFN).
+- **Launches** (``launch_seconds``): the same traces count the kernels a micro-batch launches
+  (``_launches``: every matmul and attention call, and every element-wise op eager or every
+  fused run compiled), each at the architecture's measured cost per launch
+  (``kernel_rates.launch_seconds``). The host launches while earlier kernels run, so they
+  cost time only where they outlast the device's work (part 'launch': the excess). The
+  trace does not see FSDP's copies, the optimizer's and clipping's foreach kernels or
+  autograd's accumulation: the count is a lower bound (a profiled H200 step launched 3,286
+  kernels where its trace counts about 1,550).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from collections import defaultdict
@@ -65,8 +73,9 @@ from hsdp_runner.models import norm_rope
 from hsdp_runner.models.base import ModelConfig, model_fields, model_spec, routed_experts
 from hsdp_runner.models.norm_rope import fused_rms_norm as _fused_rms_norm
 from hsdp_runner.models.params import torch_dtype
-from hsdp_runner.planner import matmul_shapes, matmul_time
+from hsdp_runner.planner import attention_time, kernel_rates, matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
+from hsdp_runner.train.metrics import lookup_sm_count
 
 _aten = torch.ops.aten
 # Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls (the experts'
@@ -118,6 +127,7 @@ class _Trace(TorchDispatchMode):
         self.in_attention = False  # set by _Attention: its ops are attention's (FLOPs)
         self.in_kernel = False  # set by _one_kernel_rms_norm: its ops are one kernel's
         self.scalars = set()  # tensors of one element (a reduction's result: torchao's amax)
+        self.attention_calls = defaultdict(int)  # per pass: one fused kernel each
         self.keep = []  # every output stays alive while tracing, so no id is reused
 
     def _id(self, t) -> int:
@@ -148,8 +158,8 @@ class _Trace(TorchDispatchMode):
                 if ins:
                     self.alias[id(o)] = self._id(ins[0])
             return out
-        boundary = packet in _BOUNDARY_PACKETS or self.in_attention
-        kind = "matmul" if boundary else "elementwise"
+        kind = "attention" if self.in_attention else "elementwise"
+        kind = "matmul" if packet in _BOUNDARY_PACKETS and not self.in_attention else kind
         if packet is _aten.embedding:  # reads the looked-up rows only, not the whole table
             ins = [o.detach() for o in outs]
             self.keep += ins
@@ -175,6 +185,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal, enable_gqa):
         ctx.save_for_backward(q, k, v)
         ctx.is_causal, ctx.enable_gqa = is_causal, enable_gqa
+        _Attention.trace.attention_calls[_Attention.trace.phase] += 1
         _Attention.trace.in_attention = True
         try:
             return _Attention.sdpa(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
@@ -184,6 +195,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        _Attention.trace.attention_calls[_Attention.trace.phase] += 1
         _Attention.trace.in_attention = True
         try:
             with torch.enable_grad():
@@ -221,6 +233,8 @@ class Traffic:
     block_forward: tuple[float, float]  # (per token, per forward), all blocks
     block_backward: tuple[float, float]
     rest: tuple[float, float]
+    # Kernel launches of one micro-batch (no count grows with tokens), by the same parts.
+    launches: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def bytes(self, part: str, tokens: float) -> float:
         per_token, per_forward = getattr(self, part)
@@ -240,7 +254,7 @@ def _moved(trace: _Trace, compiled: bool) -> dict[str, int]:
     moved: dict[str, int] = defaultdict(int)
     kernel, made, readers = 0, {}, defaultdict(set)
     for phase, kind, ins, outs in trace.ops:
-        boundary = kind == "matmul" or not compiled
+        boundary = kind != "elementwise" or not compiled
         kernel += 1 if boundary else 0
         for i in ins:
             readers[i].add((phase, kernel, kind))
@@ -260,11 +274,41 @@ def _moved(trace: _Trace, compiled: bool) -> dict[str, int]:
     return moved
 
 
+def _launches(trace: _Trace, compiled: bool) -> dict[str, int]:
+    """Kernel launches per pass ('forward', 'backward') of a trace: each matmul and attention
+    call one; eager, every element-wise op one, compiled each run of them between two matmuls
+    or attention calls (``_moved``'s fusion, a whole-tensor reduction not splitting a run)."""
+    launches: dict[str, int] = defaultdict(int)
+    previous = None
+    for phase, kind, _, _ in trace.ops:
+        if kind == "matmul" or (kind == "elementwise" and not (compiled and previous == kind)):
+            launches[phase] += 1
+        previous = kind
+    for phase, calls in trace.attention_calls.items():
+        launches[phase] += calls
+    return launches
+
+
 def _trace_model(
     fields: str, recipe: str, layers: int, tokens: int, compiled: bool, device_type: str = "cuda"
 ) -> dict:
     """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens, the
     kernels as a ``device_type`` job runs them."""
+    return _moved(_run_trace(fields, recipe, layers, tokens, device_type), compiled)
+
+
+def _trace_launches(
+    fields: str, recipe: str, layers: int, compiled: bool, device_type: str = "cuda"
+) -> dict[str, int]:
+    """Kernel launches per pass of ``layers`` blocks (model ``fields``, JSON), as a
+    ``device_type`` job runs them, eager or ``compiled``."""
+    return _launches(_run_trace(fields, recipe, layers, TRACE_TOKENS[0], device_type), compiled)
+
+
+@functools.lru_cache(maxsize=16)
+def _run_trace(fields: str, recipe: str, layers: int, tokens: int, device_type: str) -> _Trace:
+    """The trace of ``layers`` blocks of model ``fields`` (JSON) on ``tokens`` tokens: the
+    trainer's forward, loss and backward, its kernels as a ``device_type`` job runs them."""
     cfg = dict(json.loads(fields), n_layers=layers, seq_len=tokens)
     spec = model_spec(cfg)
     with torch.device("meta"):
@@ -277,7 +321,8 @@ def _trace_model(
     tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
     with _kernels_of(device_type) as trace:
         _forward_backward(model, tokens_in, trace)
-    return _moved(trace, compiled)
+    trace.keep = []  # the ids are read; the tensors need not stay alive
+    return trace
 
 
 @contextlib.contextmanager
@@ -334,8 +379,12 @@ def _traffic(
         return fit({n: runs_two[n][phase] - runs_one[n][phase] for n in TRACE_TOKENS})
 
     fwd, bwd = (0.0, 0.0), (0.0, 0.0)
+    launches = {"block_forward": 0, "block_backward": 0}
     kinds = _block_kinds(fields, n_layers, n_dense)
     for kind, count in kinds:
+        one_l, two_l = (_trace_launches(kind, recipe, n, compiled, device_type) for n in (1, 2))
+        launches["block_forward"] += (two_l["forward"] - one_l["forward"]) * count
+        launches["block_backward"] += (two_l["backward"] - one_l["backward"]) * count
         one = {n: _trace_model(kind, recipe, 1, n, compiled, device_type) for n in TRACE_TOKENS}
         two = {n: _trace_model(kind, recipe, 2, n, compiled, device_type) for n in TRACE_TOKENS}
         f, w = block(one, two, "forward"), block(one, two, "backward")
@@ -351,7 +400,9 @@ def _traffic(
     rest = fit(
         {n: 2 * sum(eager_one[n].values()) - sum(eager_two[n].values()) for n in TRACE_TOKENS}
     )
-    return Traffic(block_forward=fwd, block_backward=bwd, rest=rest)
+    one_l, two_l = (_trace_launches(kinds[0][0], recipe, n, False, device_type) for n in (1, 2))
+    launches["rest"] = 2 * sum(one_l.values()) - sum(two_l.values())
+    return Traffic(block_forward=fwd, block_backward=bwd, rest=rest, launches=launches)
 
 
 def _block_kinds(fields: str, n_layers: int, n_dense: int | None) -> list[tuple[str, int]]:
@@ -436,11 +487,32 @@ def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flo
             f"hw_flops={hw_flops:.6g} is below the FLOPs of the rank's linears ({linear:.6g}): "
             "pass step_time.step_flops' hardware count for this config and layout"
         )
-    parts["attention"] = max(hw_flops - linear, 0.0) / (
-        cluster.peak_tflops * 1e12 * cluster.compute_efficiency
+    parts["attention"] = attention_time.seconds(
+        max(hw_flops - linear, 0.0), cluster, cfg.model.seq_len, dims.cp
     )
     parts["memory"] = memory_seconds(cfg, dims, cluster)
+    # The host launches kernels while earlier ones run, so launches cost time only where they
+    # outlast the device's work: the step is launch bound.
+    parts["launch"] = max(0.0, launch_seconds(cfg, cluster) - sum(parts.values()))
     return parts
+
+
+def launch_seconds(cfg: RunConfig, cluster: Cluster) -> float:
+    """Seconds the launches of one rank's kernels take (``Traffic.launches``: the blocks'
+    forward, AC's recompute of it, their backward and the rest, per micro-batch) at its
+    architecture's measured cost per launch (``kernel_rates.launch_seconds``); 0 on a device
+    the SM table does not list (a CPU's ops are its own compute time)."""
+    found = lookup_sm_count(cluster.device)
+    if not found:
+        return 0.0
+    parallel = cfg.parallel
+    fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
+    counts = traffic(cfg.model, cfg.precision, fused, device_type_of(cluster)).launches
+    recomputes = 0 if AC(parallel.ac) is AC.none else 1
+    per_micro = (
+        counts["block_forward"] * (1 + recomputes) + counts["block_backward"] + counts["rest"]
+    )
+    return per_micro * cfg.trainer.grad_accum_steps * kernel_rates.launch_seconds(found[1])
 
 
 def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> float:

@@ -1,8 +1,10 @@
 """Step time per rank of a layout: compute plus the communication that compute cannot hide.
 
 - **Compute** (``precision_cost.compute_seconds``): matmul FLOPs at the compute dtype's peak,
-  the float8 linears' at the float8 peak (both x ``cluster.compute_efficiency``), and the work
-  between matmuls (norms, activations, float8 casts) at memory bandwidth, eager or compiled.
+  the float8 linears' at the float8 peak (both x the architecture's measured GEMM efficiency
+  x ``cluster.compute_efficiency``), attention at its measured share of peak by tokens, and
+  the work between matmuls (norms, activations, float8 casts) at memory bandwidth or its
+  launches, eager or compiled.
   FLOPs are the
   runner's own count (the model's ``flops_per_token`` x tokens / world size: TP splits the
   matmuls, data parallelism the batch), plus what activation checkpointing recomputes in
