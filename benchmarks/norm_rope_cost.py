@@ -12,7 +12,7 @@ backward per token, and what a whole block costs as the planner measures it.
   aside (they are not activations), per token, and how much of it is fp32.
 - **Per block**: the planner's memory child (``planner/memory.py``, FSDP over ``--world``
   ranks, one ``--seq``-token sequence, no AC) at one and at two blocks, the growth of the
-  activations at the end of forward per token; and ``precision_cost.traffic`` (the work
+  activations at the end of forward per token; and ``traffic.traffic`` (the work
   between matmuls, eager and compiled) per token and block. A model with experts is measured
   with all blocks MoE (``model.n_dense_layers=0``), expert parallel over ``--ep`` ranks
   (default: the world): an MoE block's figures, the experts' layer included.
@@ -42,7 +42,7 @@ from hsdp_runner.config.compose import to_run_config  # noqa: E402
 from hsdp_runner.distributed.hardware import CACHE_ENV  # noqa: E402
 from hsdp_runner.models import norm_rope  # noqa: E402
 from hsdp_runner.models.params import torch_dtype  # noqa: E402
-from hsdp_runner.planner import memory, precision_cost  # noqa: E402
+from hsdp_runner.planner import memory, traffic  # noqa: E402
 
 
 def saved_bytes(fn, x: torch.Tensor, skip: list[torch.Tensor]) -> tuple[int, int]:
@@ -132,7 +132,7 @@ def block_figures(model: str, precision: str, seq: int, world: int, ep: int | No
     out = {"act": (two["act"] - one["act"]) / seq}
     n = typed.model.n_layers
     for suffix, compiled in (("", False), ("_compiled", True)):
-        t = precision_cost.traffic(typed.model, typed.precision, compiled)
+        t = traffic.traffic(typed.model, typed.precision, compiled)
         out[f"forward{suffix}"] = t.block_forward[0] / n
         out[f"backward{suffix}"] = t.block_backward[0] / n
     out["layers"] = layer_figures(typed.model, torch_dtype(typed.precision.param_dtype))

@@ -14,7 +14,7 @@ from clusters import fake_cluster
 from hsdp_runner import plan
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.distributed.parallel_dims import ParallelDims
-from hsdp_runner.planner import attention_time, kernel_rates, matmul_time, precision_cost
+from hsdp_runner.planner import attention_time, kernel_rates, matmul_time, precision_cost, traffic
 from hsdp_runner.planner.matmul_time import Gemm
 from hsdp_runner.planner.step_time import step_flops
 
@@ -97,12 +97,12 @@ def test_launches_count_every_eager_op_and_each_fused_run():
     """x @ w, then (y + 1) * 2: eager three kernels (the matmul, the add, the multiply),
     compiled two (the matmul; the add and multiply fused)."""
     x, w, y = (torch.ones(8, 8, device="meta") for _ in range(3))
-    trace = precision_cost._Trace()
+    trace = traffic._Trace()
     with trace:
         x @ w
         (y + 1) * 2
-    assert precision_cost._launches(trace, compiled=False)["forward"] == 3
-    assert precision_cost._launches(trace, compiled=True)["forward"] == 2
+    assert traffic._launches(trace, compiled=False)["forward"] == 3
+    assert traffic._launches(trace, compiled=True)["forward"] == 2
 
 
 def test_a_small_step_is_priced_at_least_its_launches():

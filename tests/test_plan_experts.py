@@ -95,7 +95,7 @@ def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
 def test_a_model_whose_experts_run_in_a_loop_is_priced_as_the_grouped_one():
     """``model.grouped_mm=false`` (the per-expert loop) splits rows by host values the traced
     meta model does not have; its work between matmuls is the grouped path's."""
-    from hsdp_runner.planner.precision_cost import traffic
+    from hsdp_runner.planner.traffic import traffic
 
     def traced(grouped: str):
         cfg = to_run_config(plan.compose(["model=moe_tiny", f"model.grouped_mm={grouped}"]))

@@ -12,7 +12,7 @@ from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models import norm_rope
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.norm_rope import RMSNormFunction
-from hsdp_runner.planner import matmul_shapes, precision_cost
+from hsdp_runner.planner import matmul_shapes, precision_cost, traffic
 from hsdp_runner.planner.step_time import step_flops, step_time
 
 H100 = dict(gpus_per_node=8, nodes=1, peak_tflops=1000.0, float8_peak_tflops=2000.0)
@@ -27,11 +27,11 @@ def test_kernel_boundaries_decide_what_moves():
     """(x + y) * 2 on 1,000 fp32 elements: eager, two kernels (read x, y; write s; read s;
     write out: 5 x 4 kB); compiled, one (read x, y; write out: 3 x 4 kB)."""
     x, y = (torch.ones(1000, device="meta") for _ in range(2))
-    trace = precision_cost._Trace()
+    trace = traffic._Trace()
     with trace:
         (x + y) * 2
-    assert precision_cost._moved(trace, compiled=False)["forward"] == 5 * 4000
-    assert precision_cost._moved(trace, compiled=True)["forward"] == 3 * 4000
+    assert traffic._moved(trace, compiled=False)["forward"] == 5 * 4000
+    assert traffic._moved(trace, compiled=True)["forward"] == 3 * 4000
 
 
 def test_a_norm_is_priced_as_torchs_fused_kernels_on_a_gpu():
@@ -42,33 +42,33 @@ def test_a_norm_is_priced_as_torchs_fused_kernels_on_a_gpu():
     alone is six kernels; afterwards the trace's stand-ins are gone."""
     x = torch.ones(16, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.ones(64, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with precision_cost._kernels_of("cuda") as trace:
+    with traffic._kernels_of("cuda") as trace:
         out = RMSNormFunction.apply(x, weight, 1e-6)
         trace.phase = "backward"
         torch.autograd.grad(out, (x, weight), torch.ones_like(out))
-    moved = precision_cost._moved(trace, compiled=False)
+    moved = traffic._moved(trace, compiled=False)
     assert moved["forward"] == 2048 + 2048 + 64 + 2048 + 128 + 2048
     # ones_like writes the seed gradient (a free op: not counted); the kernel reads it, x,
     # rstd and weight and writes grad x and grad weight.
     assert moved["backward"] == 2048 + 2048 + 64 + 128 + 2048 + 128
     assert norm_rope.FUSED_NORM_DEVICES == {"cuda"}
-    assert norm_rope.fused_rms_norm is not precision_cost._one_kernel_rms_norm
+    assert norm_rope.fused_rms_norm is not traffic._one_kernel_rms_norm
     # A CPU job runs the norm op by op (no fused kernels there): priced so.
     x.grad = None
-    with precision_cost._kernels_of("cpu") as trace:
+    with traffic._kernels_of("cpu") as trace:
         RMSNormFunction.apply(x, weight, 1e-6)
-    assert precision_cost._moved(trace, compiled=False)["forward"] > 3 * moved["forward"]
+    assert traffic._moved(trace, compiled=False)["forward"] > 3 * moved["forward"]
 
 
 def test_traced_bytes_are_linear_in_tokens():
     """The two-token-count fit predicts a third count exactly (activations grow with tokens,
     weight casts with forwards)."""
     cfg = _cfg("precision=float8")
-    fields = precision_cost.model_fields(cfg.model)
+    fields = traffic.model_fields(cfg.model)
     fields["seq_len"] = 1
-    key = precision_cost.json.dumps(fields, sort_keys=True, default=str)
-    fit = precision_cost._traffic(key, "tensorwise", True)
-    one, two = (precision_cost._trace_model(key, "tensorwise", n, 48, True) for n in (1, 2))
+    key = traffic.json.dumps(fields, sort_keys=True, default=str)
+    fit = traffic._traffic(key, "tensorwise", True)
+    one, two = (traffic._trace_model(key, "tensorwise", n, 48, True) for n in (1, 2))
     per_block_forward = two["forward"] - one["forward"]
     assert fit.bytes("block_forward", 48) == pytest.approx(
         per_block_forward * cfg.model.n_layers, rel=1e-9
@@ -100,7 +100,7 @@ def test_compile_cuts_the_memory_bound_time_and_not_the_matmuls():
         assert unfused_run == eager, backend
     # In the blocks (compiled); the embedding, final norm and loss stay eager in both.
     cfg = _cfg("precision=bf16")
-    fused, unfused = (precision_cost.traffic(cfg.model, cfg.precision, c) for c in (True, False))
+    fused, unfused = (traffic.traffic(cfg.model, cfg.precision, c) for c in (True, False))
     # (Eager, the norms already run as torch's fused kernels and RoPE as two kernels a
     # direction, ``common._rotate``: compile saves the rest, about 40% of a block's bytes at
     # llama3_debug's width; seen 0.59 forward and 0.63 backward, 0.47 and 0.53 when RoPE was
@@ -173,10 +173,10 @@ def test_grouped_expert_matmuls_move_no_bytes_between_matmuls():
     MoE block (the second block: the first is dense) would otherwise read its experts' weights
     (3 x 8 experts x 32 x 64 in bf16) in every forward and twice in every backward."""
     cfg = plan.compose(["model=moe_tiny", "precision=bf16"])
-    traffic = precision_cost.traffic(cfg.model, cfg.precision, compiled=False)
+    moved = traffic.traffic(cfg.model, cfg.precision, compiled=False)
     experts = 3 * cfg.model.n_experts * cfg.model.expert_ffn_dim * cfg.model.dim * 2
-    per_forward = traffic.block_forward[1] / cfg.model.n_layers
-    per_backward = traffic.block_backward[1] / cfg.model.n_layers
+    per_forward = moved.block_forward[1] / cfg.model.n_layers
+    per_backward = moved.block_backward[1] / cfg.model.n_layers
     assert per_forward < experts / 10 and per_backward < experts / 10, (per_forward, experts)
 
 
@@ -186,9 +186,9 @@ def test_traffic_of_a_model_with_dense_and_moe_blocks_counts_each_kind(dense):
     traffic fitted from short traces (blocks + the rest, at two token counts) equals what the
     whole model's own trace moves at a third count, whichever kind its first blocks are."""
     cfg = plan.compose(["model=moe_tiny", "model.n_layers=4", f"model.n_dense_layers={dense}"])
-    traffic = precision_cost.traffic(cfg.model, cfg.precision, compiled=False)
-    fields = precision_cost.model_fields(cfg.model)
-    key = precision_cost.json.dumps({**fields, "seq_len": 1}, sort_keys=True, default=str)
-    whole = precision_cost._trace_model(key, "none", 4, 48, False)
-    fitted = sum(traffic.bytes(part, 48) for part in ("block_forward", "block_backward", "rest"))
+    moved = traffic.traffic(cfg.model, cfg.precision, compiled=False)
+    fields = traffic.model_fields(cfg.model)
+    key = traffic.json.dumps({**fields, "seq_len": 1}, sort_keys=True, default=str)
+    whole = traffic._trace_model(key, "none", 4, 48, False)
+    fitted = sum(moved.bytes(part, 48) for part in ("block_forward", "block_backward", "rest"))
     assert fitted == pytest.approx(sum(whole.values()), rel=1e-6)
