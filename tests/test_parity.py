@@ -18,6 +18,7 @@ in-process workers.
 
 import contextlib
 import io
+import os
 import re
 from types import SimpleNamespace
 
@@ -28,6 +29,7 @@ from distributed import forked_launcher, run_workers
 from test_config import compose
 
 from hsdp_runner import parity as parity_cli
+from hsdp_runner.distributed.hardware import cpu_threads
 
 WORLD = {
     "single": 1,
@@ -133,6 +135,10 @@ def test_each_preset_trained_through_the_job_path(parity):
         assert summary["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
         assert summary["median_tps_global"] > 0 and summary["steady_steps"] == STEPS - 2
         assert len(list((job / "logs").glob("rank*.log"))) == WORLD[layout]
+        # The launcher's share of the CPUs is each job's own: the single-process job before
+        # this one (every CPU) must not leave its thread count to this job's ranks.
+        threads = os.environ.get("OMP_NUM_THREADS") or cpu_threads(WORLD[layout], env={})
+        assert summary["cpu_threads"] == int(threads), layout
 
 
 @pytest.mark.multiprocess

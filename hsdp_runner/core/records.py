@@ -95,6 +95,7 @@ class RunSummary:
     mesh_placement: Optional[dict] = None
     device: Optional[str] = None
     device_name: Optional[str] = None
+    cpu_threads: Optional[int] = None  # each rank's intra-op threads (torch.get_num_threads)
     torch_version: Optional[str] = None
     hostname: Optional[str] = None
     # Training.

@@ -203,8 +203,12 @@ def _launch_local(
     # torch's launcher sets 1 thread per worker when OMP_NUM_THREADS is unset, with a warning;
     # share out the CPUs this process may use instead. The workers are this process's
     # children and share its CPUs even inside a SLURM task bound to its own (env={}: the
-    # task's whole-mask rule is for a task that is one rank).
-    os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(dims.world_size, env={})))
+    # task's whole-mask rule is for a task that is one rank). The share is this launch's
+    # alone: a sweep or parity run launches its jobs from one process, and a 1-rank job's
+    # share (every CPU) left behind would give each rank of the next 8-rank job every CPU.
+    share = "OMP_NUM_THREADS" not in os.environ
+    if share:
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads(dims.world_size, env={}))
     # Stop signals are ours, not the agent's: it would pass the first on and then stop
     # collecting the workers' results (and die mid-shutdown on a second one).
     signals = LauncherSignals()
@@ -242,6 +246,8 @@ def _launch_local(
         return EXIT_FAILED, None
     finally:
         signals.uninstall()
+        if share:
+            os.environ.pop("OMP_NUM_THREADS", None)
     return EXIT_OK, results.get(0)
 
 

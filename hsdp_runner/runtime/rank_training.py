@@ -352,7 +352,8 @@ def _memory_facts(
 
 
 def run_facts(dims: ParallelDims, device: torch.device) -> dict:
-    """Derived facts recorded with every run: mesh, device, versions."""
+    """Derived facts recorded with every run: mesh, device, the rank's intra-op CPU threads,
+    versions."""
     name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -362,6 +363,7 @@ def run_facts(dims: ParallelDims, device: torch.device) -> dict:
         **dims.describe(),
         "device": device.type,
         "device_name": name,
+        "cpu_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "hostname": platform.node(),
     }
