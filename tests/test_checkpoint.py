@@ -283,6 +283,28 @@ def test_moe_checkpoint_resumes_exactly_under_ep_and_reshards_across_ep_degrees(
             assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), name
 
 
+def test_experts_sharded_on_their_rows_save_and_resume_in_one_process(tmp_path):
+    """moe_tiny with 2 experts at ep 2 over FSDP 4: a rank holds one expert and efsdp has two
+    ranks, so FSDP shards the experts' weights on dim 1 (``param_sizes.expert_shard_dim``).
+    Its step-2 checkpoint continues in one process with the saving job's own later losses."""
+    job = ["model=moe_tiny", "model.n_experts=2", "model.top_k=1", "trainer.steps=4"]
+    job += ["logger=none", *METERS_OFF, *SAVE]
+    saved = run_forked(
+        tmp_path / "ep2", *job, "parallel=fsdp", "parallel.ep=2", "checkpoint.interval=2"
+    )
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    reference, _ = read_job(tmp_path / "ep2")
+    source = tmp_path / "ep2" / "checkpoints" / "step-2"
+    result = run_forked(
+        tmp_path / "single", *job, "parallel=single", f"checkpoint.load_path={source}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records, summary = read_job(tmp_path / "single")
+    assert summary["loaded_from"] == str(source) and [r["step"] for r in records] == [3, 4]
+    for r in records:
+        assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5)
+
+
 def _expert_biases(checkpoint) -> dict:
     """The ``expert_bias`` buffers a checkpoint holds, by name; checks that it holds no
     ``tokens_per_expert`` (not persistent: counts of one step)."""

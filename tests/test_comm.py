@@ -114,8 +114,10 @@ LAYOUTS = {
 # ranks, with the MoE layers' own FSDP units, the token exchange and its recomputation.
 MOE = ["model=moe_tiny"]
 LAYOUTS |= {
-    # ep splits dp_shard 4: new efsdp and ep groups.
-    "moe_fsdp_ep2": [*MOE, "parallel=fsdp", "parallel.ep=2"],
+    # ep splits dp_shard 4: new efsdp and ep groups. Two experts, top 1: a rank holds one, fewer
+    # than efsdp's 2 ranks, so FSDP shards the experts' weights on dim 1, not the experts'
+    # dim 0 (which it would pad to two: param_sizes.expert_shard_dim).
+    "moe_fsdp_ep2": [*MOE, "model.n_experts=2", "model.top_k=1", "parallel=fsdp", "parallel.ep=2"],
     # HSDP, ep = dp_shard 2: the experts' shards all-reduced over dp_replicate; bf16 and two
     # micro-batches, each reduce-scattering and exchanging its own tokens.
     "moe_hsdp_ep2_accum": [
@@ -297,6 +299,29 @@ def test_analytic_fsdp_bytes_match_a_hand_count():
             "reduce_scatter/dp_shard": {"calls": 3, "bytes": (blocks + root) * 4},
             "all_reduce/dp_shard": {"calls": 1, "bytes": STATS_BYTES},
         }
+
+
+def test_experts_fewer_than_their_fsdp_ranks_are_sharded_without_padding():
+    """moe_tiny's two MoE blocks with 2 experts at ep 2 over FSDP 4: a rank holds one expert
+    (w1, w3 of 32 x 64 and w2 of 64 x 32, fp32) and efsdp has 2 ranks. Sharded on the
+    experts' dim, FSDP would pad it to two experts and gather and reduce both; on dim 1 it
+    gathers the one (forward and backward, resharded after forward) and reduce-scatters it
+    once. The comm pool's 'moe_fsdp_ep2' measures the same layout (measured = analytic)."""
+    from hsdp_runner.distributed.comm_model import analytic_comm
+    from hsdp_runner.distributed.parallel_dims import ParallelDims
+    from hsdp_runner.distributed.param_sizes import expert_shard_dim
+
+    assert expert_shard_dim((1, 32, 64), 2) == 1  # one expert over 2 ranks: dim 1
+    assert expert_shard_dim((4, 32, 64), 2) == 0  # 4 experts over 2: no padding on dim 0
+    assert expert_shard_dim((3, 32, 64), 2) == 1  # 3 experts pad to 4; 32 rows divide
+    assert expert_shard_dim((3, 5, 64), 4) == 0  # 3 -> 4 pads less than 5 -> 8
+    assert expert_shard_dim((2, 32, 64), 1) == 0
+    cfg = compose([*BASE, *LAYOUTS["moe_fsdp_ep2"]])
+    dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
+    got = analytic_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
+    expert = 3 * 32 * 64 * 4  # bytes of one expert's three weights, fp32
+    assert got["all_gather/efsdp"] == {"calls": 4, "bytes": 4 * expert}
+    assert got["reduce_scatter/efsdp"] == {"calls": 2, "bytes": 2 * expert}
 
 
 def test_analytic_cp_bytes_match_a_hand_count():

@@ -16,7 +16,9 @@ after TP, activation checkpointing and compile, before the blocks' data-parallel
   (source rank, local expert) to (local expert, source rank) for the grouped matmul;
   ``combine`` undoes both.
 - **Sharding**: the experts' weights become DTensors ``Shard(0)`` over ``ep`` and
-  ``fully_shard`` shards each share over ``efsdp`` (+ ``dp_replicate``: HSDP); the router's
+  ``fully_shard`` shards each share over ``efsdp`` (+ ``dp_replicate``: HSDP) on the dim
+  ``param_sizes.expert_shard_dim`` picks (dim 1 where a rank holds fewer experts than efsdp
+  has ranks, which dim 0 would pad); the router's
   gate and the shared experts (all of ``moe`` but the experts) over ``dp_shard_cp_tp`` (+
   ``dp_replicate``). Both divide the summed gradients by ``dp_replicate x dp_shard x cp``: the
   MoE runs on each tp rank's part of the sequence, so tp ranks' gradients are pieces of one
@@ -43,6 +45,7 @@ from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import Dtype
 from hsdp_runner.distributed.node_exchange import NodeExchange, permute_blocks
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.param_sizes import expert_shard_dim
 from hsdp_runner.distributed.world_mesh import EP_STAGES
 from hsdp_runner.models.base import ModelConfig, moe_layers, routed_experts
 
@@ -215,7 +218,15 @@ def apply_expert_parallel(
         for moe in moes.values():
             if dims.ep > 1:
                 _distribute_experts(moe.experts, world["ep"])
-            _shard(moe.experts, world, dims, "efsdp", mp_policy, reshard_after_forward)
+            _shard(
+                moe.experts,
+                world,
+                dims,
+                "efsdp",
+                mp_policy,
+                reshard_after_forward,
+                _expert_placement(dims.group_size("efsdp")),
+            )
             _shard(moe, world, dims, "dp_shard_cp_tp", mp_policy, reshard_after_forward)
     if compiled:
         keep_out_of_compiled_code(list(moes.values()), exchange)
@@ -280,10 +291,25 @@ def _distribute_experts(experts: nn.Module, ep_mesh) -> None:
         setattr(experts, name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
 
-def _shard(module, world, dims, over: str, mp_policy, reshard_after_forward: bool) -> None:
+def _expert_placement(shard: int):
+    """FSDP's ``shard_placement_fn`` for the routed experts' weights over ``shard`` (efsdp)
+    ranks: ``Shard`` on the dim ``param_sizes.expert_shard_dim`` picks for what this rank holds
+    (its experts' rows of an ep DTensor)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(expert_shard_dim(local.shape, shard))
+
+    return placement
+
+
+def _shard(
+    module, world, dims, over: str, mp_policy, reshard_after_forward: bool, placement=None
+) -> None:
     """``fully_shard`` ``module`` over the view ``over`` (with ``dp_replicate``: HSDP), its
     gradients divided by ``dp_replicate x dp_shard x cp`` (the ranks whose losses the job
-    objective averages).
+    objective averages); ``placement``: FSDP's ``shard_placement_fn`` (None: dim 0).
 
     gloo has no pre-multiplied sum, which FSDP2 reduce-scatters with when the factor is not
     the shard group's size: there the reduction sums, then divides. Not on a one-rank shard
@@ -292,7 +318,13 @@ def _shard(module, world, dims, over: str, mp_policy, reshard_after_forward: boo
     from torch.distributed.fsdp import fully_shard
 
     mesh = world.fsdp_mesh(replicate=dims.dp_replicate > 1, shard=over)
-    fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(
+        module,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=placement,
+    )
     module.set_gradient_divide_factor(float(dims.dp_replicate * dims.dp_shard * dims.cp))
     if mesh.device_type == "cpu" and dims.group_size(over) > 1:
         module.set_force_sum_reduction_for_comms(True)

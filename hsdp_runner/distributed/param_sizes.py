@@ -12,8 +12,9 @@ then counts only the parameters ``models/base.keep_stage`` leaves there.
 A model with experts (``models/base.moe_layers``) whose MoE layers get their own FSDP wraps
 (``expert_wraps``: expert parallel or TP, ``expert_parallel.apply_expert_parallel``) has two
 more units per MoE block: '<block>.moe.experts' (this rank's ``n_experts / ep`` experts,
-sharded over ``efsdp``) and '<block>.moe' (router gate and shared experts, sharded over
-``dp_shard_cp_tp``), neither split by TP; the block's unit keeps the rest.
+sharded over ``efsdp`` on the dim ``expert_shard_dim`` picks) and '<block>.moe' (router gate
+and shared experts, sharded over ``dp_shard_cp_tp``), neither split by TP; the block's unit
+keeps the rest.
 """
 
 from __future__ import annotations
@@ -41,10 +42,26 @@ class LocalParam(NamedTuple):
 
     unit: str  # its FSDP unit: '<blocks>.<i>', an MoE block's '<...>.moe(.experts)', 'root'
     name: str
-    numel: int  # elements of the rank's part (TP, expert parallel), dim 0 padded as FSDP pads
+    numel: int  # elements of the rank's part (TP, expert parallel), padded as FSDP pads it
     split: Optional[int]  # the dim TP splits it on, or None
     view: str  # the group FSDP shards its unit over: 'dp_shard_cp', 'efsdp', 'dp_shard_cp_tp'
     experts: bool  # a routed expert weight (sharded over ``ep`` too)
+
+
+def expert_shard_dim(shape, shard: int) -> int:
+    """The dim FSDP shards a rank's routed expert weight on: ``shape`` is what the rank holds
+    (its ``n_experts / ep`` experts first, then the weight's rows and columns), ``shard`` the
+    ``efsdp`` ranks. FSDP pads the dim it shards to a multiple of ``shard``, and every rank
+    stores and gathers the padding: the experts' dim 0 unless padding dim 1 wastes less, as
+    where a rank holds fewer experts than ``efsdp`` has ranks (Mixtral's 8 experts at ep 8 over
+    efsdp 2: one expert padded to two, each weight stored, gathered and reduced twice over).
+    torchtitan shards on dim 1 in that case too. The runtime (``expert_parallel``) and the
+    sizes here both ask this function."""
+
+    def padded(length: int) -> float:
+        return math.ceil(length / shard) * shard / length
+
+    return 1 if len(shape) > 1 and padded(shape[1]) < padded(shape[0]) else 0
 
 
 def expert_wraps(dims: ParallelDims) -> bool:
@@ -92,7 +109,7 @@ def local_params(
     for name, param in model.named_parameters():
         if stage is not None and not _on_stage(model, name, blocks, stage, dims):
             continue
-        shape, split = list(param.shape), None
+        shape, split, padded = list(param.shape), None, 0
         moe = next((m for m in moes if name.startswith(m + ".")), None)
         experts = moe is not None and name.startswith(f"{moe}.experts.")
         if moe is None:
@@ -107,7 +124,9 @@ def local_params(
         else:
             unit, view = moe, "dp_shard_cp_tp"
         shard = dims.group_size(view)
-        shape[0] = math.ceil(shape[0] / shard) * shard
+        if experts:
+            padded = expert_shard_dim(shape, shard)
+        shape[padded] = math.ceil(shape[padded] / shard) * shard
         yield LocalParam(unit, name, math.prod(shape), split, view, experts)
 
 

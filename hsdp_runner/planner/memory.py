@@ -67,7 +67,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 13  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 14  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
@@ -75,7 +75,9 @@ CACHE_VERSION = 13  # bump when what a measurement holds changes (5: phases and 
 # 11: the experts' SwiGLU saves its two inputs only, ``moe_routing.SwiGLU``: a model with experts;
 # 12: fp16/bf16 attention saves grouped-query keys and values un-repeated, ``common.grouped_kv``:
 # a model with fewer key than query heads; 13: the blocks' RoPE tables reach them in fp32,
-# uncast by FSDP, and RoPE's rotation built per call, ``RopeFunction``: every model with RoPE)
+# uncast by FSDP, and RoPE's rotation built per call, ``RopeFunction``: every model with RoPE;
+# 14: a rank's experts sharded on dim 1 where dim 0 would be padded,
+# ``param_sizes.expert_shard_dim``: a model with fewer experts a rank than efsdp ranks)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
