@@ -177,7 +177,8 @@ def one_request(
     """The measuring child's request for ``plan.compose(overrides)`` on ``shape``
     (dp_replicate, dp_shard, cp, tp) of ``world`` ranks: one micro-batch of ``rows`` rows,
     ``n_layers`` blocks (default the model's; (dense, MoE) blocks for a model with experts),
-    ``experts`` ({'ep', 'imbalance'}) for a model with experts."""
+    ``experts`` ({'ep', 'imbalance'}) for a model with experts; the loss as
+    ``trainer.chunked_loss`` says."""
     cfg = plan.compose(overrides)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return plan_memory.request(
@@ -193,7 +194,19 @@ def one_request(
         n_layers or cfg.model.n_layers,
         accum_reduce="every",
         experts=experts,
+        chunked_loss=cfg.trainer.chunked_loss,
     )
+
+
+def test_the_loss_in_chunks_is_measured_as_a_job_computes_it():
+    """Tiny Llama in bf16 with a 65,536-token vocabulary, 2 x 1,024 tokens: 2^27 logits, two
+    chunks of 2^26 with ``trainer.chunked_loss``. One cross-entropy holds the fp32 copy and
+    log-probabilities (512 MiB each) and their fp32 gradient; the chunks hold the bf16 logits,
+    their bf16 gradient and one chunk's fp32 work."""
+    base = ["model=llama3_tiny", "model.vocab_size=65536", "model.seq_len=1024", "precision=bf16"]
+    requests = [one_request([*base, f"trainer.chunked_loss={c}"]) for c in (False, True)]
+    whole, chunked = (sum(r["peak"].values()) for r in plan_memory.measure(requests, False))
+    assert chunked < whole - 2**29, (whole / 2**20, chunked / 2**20)
 
 
 def _fake_and_real_steps(req: dict) -> tuple[dict, dict]:

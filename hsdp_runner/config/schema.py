@@ -174,6 +174,9 @@ class TrainerConfig:
     val_batches: int = 2
     freeze: list = field(default_factory=list)
     on_nan: OnNan = OnNan.stop
+    # The loss in chunks of tokens, each recomputed in backward (train/loss.py), where the
+    # whole logits exceed loss.CHUNK_ELEMENTS: less memory for a large vocabulary.
+    chunked_loss: bool = False
 
 
 @dataclass

@@ -248,6 +248,7 @@ def _memory_requests(
                     cluster.gpus_per_node,
                     depth,
                     accum_reduce=plain_value(cfg.trainer.accum_reduce),
+                    chunked_loss=cfg.trainer.chunked_loss,
                     experts=(
                         {"ep": group["shape"][-1], "imbalance": cfg.plan.expert_imbalance}
                         if routed_experts(cfg.model)

@@ -67,7 +67,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 14  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 15  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
@@ -77,7 +77,8 @@ CACHE_VERSION = 14  # bump when what a measurement holds changes (5: phases and 
 # a model with fewer key than query heads; 13: the blocks' RoPE tables reach them in fp32,
 # uncast by FSDP, and RoPE's rotation built per call, ``RopeFunction``: every model with RoPE;
 # 14: a rank's experts sharded on dim 1 where dim 0 would be padded,
-# ``param_sizes.expert_shard_dim``: a model with fewer experts a rank than efsdp ranks)
+# ``param_sizes.expert_shard_dim``: a model with fewer experts a rank than efsdp ranks; 15: a
+# request carries ``trainer.chunked_loss``, the job's loss in chunks of tokens)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -99,12 +100,14 @@ def request(
     *,
     accum_reduce: str,
     experts: dict | None = None,
+    chunked_loss: bool = False,
 ) -> dict:
     """Describe one fake measurement as a plain dict (what the child process needs):
     ``n_layers`` the blocks to build (a ``mem_phases.depth_key``: a count, or (dense, MoE)
     blocks of a model with experts), ``accum_reduce`` is ``trainer.accum_reduce``'s value,
     ``every`` or ``last``; ``experts`` for a model with experts: {'ep': degree, 'imbalance':
-    ``plan.expert_imbalance``} (``expert_memory``)."""
+    ``plan.expert_imbalance``} (``expert_memory``); ``chunked_loss`` is
+    ``trainer.chunked_loss`` (the job's loss, ``loss.trainer_loss``)."""
     if isinstance(n_layers, int):
         blocks = {"n_layers": n_layers}
     else:
@@ -119,6 +122,7 @@ def request(
         "micro_batch": micro_batch,
         "accum": min(accum, 2),
         "accum_reduce": accum_reduce if accum > 1 else "every",  # one micro-batch: no choice
+        "chunked_loss": chunked_loss,
         "world_size": world_size,
         "ranks_per_node": ranks_per_node,
         **extra,
@@ -316,7 +320,7 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
 
     from hsdp_runner.core.choices import AccumReduce
     from hsdp_runner.distributed.parallelize import set_gradient_sync
-    from hsdp_runner.train.loss import loss_context, loss_parallel_on, next_token_loss
+    from hsdp_runner.train.loss import loss_context, loss_parallel_on, trainer_loss
 
     model, dims, model_cfg = build_measured(req)
     # Under context parallel a rank holds seq_len / cp tokens of each sequence (data.py).
@@ -347,7 +351,7 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
                 recorder.mark("end_fw")
                 # The trainer's loss; its logits die with the loss call, so backward holds
                 # only what autograd saved (the fp32 log-probabilities), not the logits.
-                loss = next_token_loss(logits, tokens)
+                loss = trainer_loss(req["chunked_loss"])(logits, tokens)
                 recorder.moment("at:loss_end")
                 del logits
                 loss.backward()

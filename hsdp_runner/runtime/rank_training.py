@@ -34,7 +34,7 @@ from hsdp_runner.runtime.signals import StopRequest, signal_name
 from hsdp_runner.train import metrics, profiling, sinks
 from hsdp_runner.train.data import make_batches
 from hsdp_runner.train.figures import RunFigures, compute_run_figures, run_peak
-from hsdp_runner.train.loss import loss_parallel_on, next_token_loss
+from hsdp_runner.train.loss import loss_parallel_on, trainer_loss
 from hsdp_runner.train.tensor_memory import TensorMemoryMeter
 from hsdp_runner.train.trainer import Trainer
 
@@ -169,7 +169,14 @@ def build_rank_model(
     (``pipeline.build_stages``: the whole model as one stage without pipeline parallel),
     with the trainer's loss."""
     return build_stages(
-        cfg.model, dims, world, cfg.parallel, cfg.precision, cfg.trainer, device, next_token_loss
+        cfg.model,
+        dims,
+        world,
+        cfg.parallel,
+        cfg.precision,
+        cfg.trainer,
+        device,
+        trainer_loss(cfg.trainer.chunked_loss),
     )
 
 

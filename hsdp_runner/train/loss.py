@@ -8,11 +8,22 @@ logit) instead of all-gathering tokens x vocabulary logits, and no TP rank ever 
 vocabulary's fp32 log-probabilities. torch requires the backward to run inside the same context
 as the loss (``loss_context``), so the trainer holds it around a step's forward and backward
 (a pipeline schedule's too), the planner's memory measurement likewise.
-"""
+
+With ``trainer.chunked_loss`` (``trainer_loss``), whole logits larger than ``CHUNK_ELEMENTS``
+are taken in chunks of tokens, each chunk's fp32
+log-softmax recomputed in backward (``torch.utils.checkpoint``): one cross-entropy over all of
+them would hold the fp32 copy of every logit and its log-probabilities (4 + 4 bytes per
+logit) in forward and the log-probabilities and their fp32 gradient in backward, where the
+chunks hold the logits as they are (2 bytes in bf16) and one chunk's fp32 work at a time.
+For Qwen3's 151,936-token vocabulary at 16,384 tokens a rank (4 x 4,096) that is about 20 GB
+of a step's peak against about 5 GB plus a chunk. Taken in chunks, the loss is the same sum
+in another order (fp32 rounding, ~1e-7 relative), and the gradients are the same. Off by
+default, as torchtitan's loss (whose published memory figures the planner is checked on)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +47,39 @@ def loss_context(enabled: bool):
     return loss_parallel()
 
 
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+# Whole logits (tokens x vocabulary) above this many elements are taken in chunks of tokens:
+# a chunk's fp32 work is then at most 2 x 4 x CHUNK_ELEMENTS bytes (512 MiB).
+CHUNK_ELEMENTS = 1 << 26
+
+
+def trainer_loss(chunked: bool):
+    """The job's loss function ``(logits, targets) -> mean loss``: ``next_token_loss``, in
+    chunks of ``CHUNK_ELEMENTS`` logits where ``chunked`` (``trainer.chunked_loss``)."""
+    return functools.partial(next_token_loss, chunk_elements=CHUNK_ELEMENTS if chunked else None)
+
+
+def next_token_loss(
+    logits: torch.Tensor, targets: torch.Tensor, chunk_elements: int | None = None
+) -> torch.Tensor:
     """Mean next-token cross-entropy (in fp32) of (batch, seq, vocab) ``logits`` over
     ``targets`` (batch, seq). Logits sharded over the vocabulary (a DTensor) need
-    ``loss_context(True)`` around this call and the backward. Returns a plain 0-dim tensor."""
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    ``loss_context(True)`` around this call and the backward. Whole logits of more than
+    ``chunk_elements`` elements (None: no limit) are taken in chunks of tokens, each
+    recomputed in backward (module docstring). Returns a plain 0-dim tensor."""
+    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
+    if isinstance(flat, DTensor) or chunk_elements is None or flat.numel() <= chunk_elements:
+        loss = F.cross_entropy(flat.float(), flat_targets)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+    from torch.utils.checkpoint import checkpoint
+
+    rows = max(1, chunk_elements // flat.shape[-1])
+    total = sum(
+        checkpoint(_summed_loss, part, part_targets, use_reentrant=False)
+        for part, part_targets in zip(flat.split(rows), flat_targets.split(rows))
+    )
+    return total / flat_targets.numel()
+
+
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of (tokens, vocab) ``logits`` in fp32 (one chunk)."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
