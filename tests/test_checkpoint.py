@@ -3,6 +3,8 @@ GPT-2 (the family added through the model seam) and for the MoE family across ep
 path (validation, ``run_job``, ``run_worker``), its ranks forked without torch's elastic
 launch (conftest's ``run_forked``); a SIGKILLed rank ends the job as under the launcher."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import METERS_OFF, TINY, read_job, run_forked
@@ -128,25 +130,13 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
         "trainer.steps=4",
         *SAVE,
     ]
-    ref = run_forked(
+    _continues_in_one_process(
         tmp_path / "fsdp_tp",
-        *job,
+        job,
         "parallel=fsdp_tp",
-        "checkpoint.interval=2",
         "checkpoint.export_at_end=true",
         "checkpoint.export_dtype=float32",
     )
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    reference, _ = read_job(tmp_path / "fsdp_tp")
-    source = tmp_path / "fsdp_tp" / "checkpoints" / "step-2"
-    result = run_forked(
-        tmp_path / "single", *job, "parallel=single", f"checkpoint.load_path={source}"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records, summary = read_job(tmp_path / "single")
-    assert summary["loaded_from"] == str(source) and [r["step"] for r in records] == [3, 4]
-    for step in (3, 4):
-        assert _loss_at(records, step) == pytest.approx(_loss_at(reference, step), rel=1e-5), step
 
     weights, manifest = load_full_weights(tmp_path / "fsdp_tp" / "checkpoints" / "step-4")
     model_cfg = OmegaConf.create(manifest["model"])
@@ -289,20 +279,24 @@ def test_experts_sharded_on_their_rows_save_and_resume_in_one_process(tmp_path):
     Its step-2 checkpoint continues in one process with the saving job's own later losses."""
     job = ["model=moe_tiny", "model.n_experts=2", "model.top_k=1", "trainer.steps=4"]
     job += ["logger=none", *METERS_OFF, *SAVE]
-    saved = run_forked(
-        tmp_path / "ep2", *job, "parallel=fsdp", "parallel.ep=2", "checkpoint.interval=2"
-    )
-    assert saved.returncode == 0, saved.stderr[-3000:]
-    reference, _ = read_job(tmp_path / "ep2")
-    source = tmp_path / "ep2" / "checkpoints" / "step-2"
-    result = run_forked(
-        tmp_path / "single", *job, "parallel=single", f"checkpoint.load_path={source}"
-    )
+    _continues_in_one_process(tmp_path / "ep2", job, "parallel=fsdp", "parallel.ep=2")
+
+
+def _continues_in_one_process(saved: Path, job: list[str], *layout: str) -> None:
+    """Train ``job`` (4 steps) under ``layout`` into ``saved`` with a checkpoint at step 2,
+    continue that checkpoint in one process (``saved``'s sibling 'single'), and check its
+    steps 3 and 4 against the saving job's losses (1e-5 relative)."""
+    ref = run_forked(saved, *job, *layout, "checkpoint.interval=2")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference, _ = read_job(saved)
+    source = saved / "checkpoints" / "step-2"
+    single = saved.parent / "single"
+    result = run_forked(single, *job, "parallel=single", f"checkpoint.load_path={source}")
     assert result.returncode == 0, result.stderr[-3000:]
-    records, summary = read_job(tmp_path / "single")
+    records, summary = read_job(single)
     assert summary["loaded_from"] == str(source) and [r["step"] for r in records] == [3, 4]
     for r in records:
-        assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5)
+        assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), r["step"]
 
 
 def _expert_biases(checkpoint) -> dict:
