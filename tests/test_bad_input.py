@@ -119,6 +119,17 @@ BAD_INPUTS = [
         "compiles the experts' grouped matmul for bfloat16 only",
         None,
     ),
+    (
+        ["model=moe_tiny", "parallel=fsdp", "parallel.ep=2", "parallel.ep_chunks=0"],
+        "parallel.ep_chunks=0 must be >= 1",
+        None,
+    ),
+    (
+        ["model=moe_tiny", "precision=bf16", "parallel=fsdp", "parallel.ep=2"]
+        + ["parallel.compile=true", "parallel.ep_chunks=2"],
+        "parallel.ep_chunks=2 with parallel.compile=true",
+        None,
+    ),
     (["precision.float8=fp8"], "precision.float8='fp8'", None),
     (
         ["precision=float8_rowwise", "precision.float8_all_gather=true"],

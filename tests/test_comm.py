@@ -7,6 +7,8 @@ layouts (``moe_*``) ride in the same runs: their token exchange's bytes come fro
 step's routing, which is uneven, so a balanced estimate would miss them.
 """
 
+import itertools
+
 import pytest
 from distributed import run_workers
 from test_config import compose
@@ -464,23 +466,28 @@ def test_analytic_token_exchange_matches_a_hand_count():
     rank reads 2 sequences of 32 tokens and sends 128 routed rows per MoE block. Per block,
     forward all-to-alls the counts (8 int64), the 128 rows sent and the rows received (combine),
     backward the received rows' gradients and the sent rows'; full AC repeats the forward's
-    three. Here the rank receives 131 rows in block 1 and 125 in block 2; balanced, 128 each."""
+    three. Here the rank receives 131 rows in block 1 and 125 in block 2; balanced, 128 each.
+    In C chunks (``parallel.ep_chunks``; null: 2 here) the counts of all chunks go in one call
+    (C x 8 int64) and the rows in C calls each way: the same rows."""
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.distributed.parallel_dims import ParallelDims
 
     row, counts = 64 * 4, 8 * 8
     routing = [(128, 131), (128, 125)]
-    for ac, passes in (("none", 1), ("full", 2)):
-        cfg = compose(BASE + [*MOE, "parallel=fsdp", "parallel.ep=2", f"parallel.ac={ac}"])
+    for (ac, passes), (chunks, c) in itertools.product(
+        (("none", 1), ("full", 2)), (("1", 1), ("null", 2), ("3", 3))
+    ):
+        overrides = [*MOE, "parallel=fsdp", "parallel.ep=2", f"parallel.ep_chunks={chunks}"]
+        cfg = compose(BASE + [*overrides, f"parallel.ac={ac}"])
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
         args = (cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
         rows = sum(sent + received for sent, received in routing)
         assert analytic_comm(*args, routing=routing)["all_to_all/ep"] == {
-            "calls": 2 * (3 * passes + 2),
-            "bytes": 2 * passes * counts + (passes + 1) * rows * row,
-        }, ac
+            "calls": 2 * ((1 + 2 * c) * passes + 2 * c),
+            "bytes": 2 * passes * c * counts + (passes + 1) * rows * row,
+        }, (ac, chunks)
         balanced = analytic_comm(*args)["all_to_all/ep"]["bytes"]
-        assert balanced == 2 * passes * counts + (passes + 1) * 4 * 128 * row, ac
+        assert balanced == 2 * passes * c * counts + (passes + 1) * 4 * 128 * row, (ac, chunks)
 
 
 def test_analytic_token_exchange_by_node_matches_a_hand_count():
@@ -490,15 +497,19 @@ def test_analytic_token_exchange_by_node_matches_a_hand_count():
     rows and C' copies; its node's relay forwards C' rows over ep_intra and its experts get
     M. Forward over ep_inter: the counts (8 + 2 int64), D rows, N slots, N weights, D' summed
     rows; backward D', C' weights' gradients, D. Over ep_intra: the counts (8 int64), C', M;
-    backward M, C'. Full AC repeats each forward."""
+    backward M, C'. Full AC repeats each forward. In C chunks (null: 2) each stage's counts go
+    in one call (C times the bytes), every other call once a chunk."""
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.distributed.moe_comm import expected_nodes
     from hsdp_runner.distributed.parallel_dims import ParallelDims
 
     row = 64 * 4
     routing = [(100, 97, 128, 131, 125), (90, 95, 128, 120, 133)]
-    for ac, passes in (("none", 1), ("full", 2)):
-        cfg = compose(BASE + [*MOE, "parallel=fsdp", "parallel.ep=4", f"parallel.ac={ac}"])
+    for (ac, passes), (chunks, c) in itertools.product(
+        (("none", 1), ("full", 2)), (("1", 1), ("null", 2))
+    ):
+        overrides = [*MOE, "parallel=fsdp", "parallel.ep=4", f"parallel.ep_chunks={chunks}"]
+        cfg = compose(BASE + [*overrides, f"parallel.ac={ac}"])
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4, 2)
         assert (dims.ep_nodes, dims.group_size("ep_inter"), dims.group_size("ep_intra")) == (
             2,
@@ -509,16 +520,20 @@ def test_analytic_token_exchange_by_node_matches_a_hand_count():
         comm = analytic_comm(*args, routing=routing)
         assert "all_to_all/dp_shard" not in comm and "all_to_all/ep" not in comm
         inter = sum(
-            passes * (10 * 8 + d * row + n * 8 + n * 4 + d_in * row) + (d_in + d) * row + c_in * 4
+            passes * (c * 10 * 8 + d * row + n * 8 + n * 4 + d_in * row)
+            + (d_in + d) * row
+            + c_in * 4
             for d, d_in, n, c_in, _ in routing
         )
-        assert comm["all_to_all/ep_inter"] == {"calls": 2 * (5 * passes + 3), "bytes": inter}, ac
+        calls = 2 * ((1 + 4 * c) * passes + 3 * c)
+        assert comm["all_to_all/ep_inter"] == {"calls": calls, "bytes": inter}, (ac, c)
         intra = sum(
-            passes * (8 * 8 + (c_in + m) * row) + (m + c_in) * row for *_, c_in, m in routing
+            passes * (c * 8 * 8 + (c_in + m) * row) + (m + c_in) * row for *_, c_in, m in routing
         )
-        assert comm["all_to_all/ep_intra"] == {"calls": 2 * (3 * passes + 2), "bytes": intra}, ac
+        calls = 2 * ((1 + 2 * c) * passes + 2 * c)
+        assert comm["all_to_all/ep_intra"] == {"calls": calls, "bytes": intra}, (ac, c)
         # Balanced: 2 sequences of 32 tokens, each on 2 x (1 - C(4, 2) / C(8, 2)) nodes.
         pairs = round(64 * expected_nodes(8, 2, 2))
         assert pairs == round(64 * 2 * (1 - 6 / 28)) == 101
         balanced = analytic_comm(*args)["all_to_all/ep_intra"]["bytes"]
-        assert balanced == 2 * (passes * 8 * 8 + (passes + 1) * 2 * 128 * row), ac
+        assert balanced == 2 * (passes * c * 8 * 8 + (passes + 1) * 2 * 128 * row), ac

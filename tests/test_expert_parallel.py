@@ -4,6 +4,7 @@ against the same routing computed in one process (forward, order and gradients).
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace as NS
 
 import pytest
@@ -292,8 +293,82 @@ def _train(ep: int, ranks_per_node: int | None) -> list[dict]:
     return trainer.fit()
 
 
+def _chunked_layer(ep: int = 2, ranks_per_node: int | None = None) -> dict:
+    """A MoE layer (8 experts, top 2, 16 wide) on ep ``ep`` of 4 ranks (on nodes of
+    ``ranks_per_node``: None, one node), forward and backward with its exchange in 2 chunks,
+    then in one: the ops' order in each (forward, backward: 'A' an
+    all-to-all issued, 'W' one waited by the exchange's own call, 'G' grouped matmuls; a
+    tensor torch's functional collectives return in flight waits inside the op that first
+    uses it, unseen here) and the largest differences of the chunked run's output and
+    gradients from the one-piece run's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hsdp_runner.distributed.expert_parallel import _distribute_experts, make_exchange
+    from hsdp_runner.models.moe_routing import MoE
+
+    d = ParallelDims.from_config(ParallelConfig(dp_shard=4, ep=ep), MOE, 4, ranks_per_node)
+    world = d.build_mesh("cpu")
+    torch.manual_seed(0)  # the same weights on every rank: each keeps its own experts
+    layer = MoE(
+        16,
+        8,
+        2,
+        16,
+        0,
+        score_func="softmax",
+        norm_topk_prob=True,
+        route_scale=1.0,
+        grouped_mm=True,
+        aux_loss_coef=0.0,
+        seq_len=8,
+    )
+    for weight in layer.experts.parameters():
+        torch.nn.init.normal_(weight, std=0.3)
+    _distribute_experts(layer.experts, world["ep"])
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    x, upstream = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    funcol, aten = torch.ops._c10d_functional, torch.ops.aten
+    names = {funcol.all_to_all_single.default: "A", funcol.wait_tensor.default: "W"}
+    names[aten._grouped_mm.default] = "G"
+
+    class Order(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in names:
+                self.ops.append(names[func])
+            return func(*args, **(kwargs or {}))
+
+    runs, orders = {}, {}
+    for chunks in (2, 1):
+        layer.exchange = make_exchange(d, world, chunks)
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        with Order() as forward:
+            out = layer(xi)
+        with Order() as backward:
+            (out * upstream).sum().backward()
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in layer.parameters()
+        ]
+        runs[chunks] = (out.detach(), xi.grad, grads)
+        orders[chunks] = [re.sub("G+", "G", "".join(o.ops)) for o in (forward, backward)]
+    (out2, x2, g2), (out1, x1, g1) = runs[2], runs[1]
+    return {
+        "order": orders[2],
+        "one_piece_order": orders[1],
+        "output": (out2 - out1).abs().max().item(),
+        "input_grad": (x2 - x1).abs().max().item(),
+        "weight_grads": max((a - b).abs().max().item() for a, b in zip(g2, g1)),
+    }
+
+
 def _four_rank_cases() -> dict:
     return {
+        "chunked_layer": _chunked_layer(),
+        "chunked_layer_by_node": _chunked_layer(4, 2),
         "skipped_step_bias": _skipped_step_bias(),
         "stage_buffers": _stage_buffers(),
         "meshes": _meshes(),
@@ -413,6 +488,39 @@ def test_moe_trains_with_expert_parallel_from_the_command_line(job_dir):
     figures = {"moe/aux_loss", "moe/load_max_over_mean", "moe/load_max_over_mean/layer_2"}
     assert figures <= set(records[-1]), sorted(records[-1])
     assert all(1.0 <= r["moe/load_max_over_mean"] <= 8 / 2 for r in records)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "case, order, one_piece",
+    [
+        # Flat, ep 2. Forward: the counts, dispatch 0 and 1, then per chunk its arrival, its
+        # experts and its combine; the combines' arrivals last. Backward: both combines'
+        # gradients, chunk 1's experts, its dispatch gradient, chunk 0's experts, its
+        # dispatch gradient. In one piece the dispatch is used at once, and backward waits
+        # each gradient as it comes.
+        ("chunked_layer", ["AAAWGAWGAWW", "AAGAGA"], ["AAGA", "AWGAW"]),
+        # By node, ep 4 over 2 nodes of 2: both stages' counts, then both chunks' pairs,
+        # slots and weights out before the first wait; the relays forward both chunks, the
+        # experts run both, the relays sum both, the sources sum both. Backward: both chunks'
+        # sums' and the relays' gradients out before any experts' backward, then as flat.
+        (
+            "chunked_layer_by_node",
+            ["AAAAAAAAWWAWWAWGAWGAWWAWWAWW", "AAAAAAGAGAAA"],
+            ["AAAAWWAWGAAWWAW", "AAAGAA"],
+        ),
+    ],
+)
+def test_a_chunked_exchange_travels_while_the_experts_compute(four_ranks, case, order, one_piece):
+    """2 chunks (``exchange_overlap``): every stage of chunk 1 in flight while chunk 0
+    computes, and backward the mirror (each gradient waited only where it is used: no wait
+    of the exchange's own in backward). The output and the gradients are the one-piece
+    exchange's (the weights' sums to rounding)."""
+    for rank, result in four_ranks.items():
+        got = result[case]
+        assert got["order"] == order and got["one_piece_order"] == one_piece, (rank, got)
+        assert got["output"] <= 1e-6 and got["input_grad"] <= 1e-6, (rank, got)
+        assert got["weight_grads"] <= 1e-5, (rank, got)
 
 
 @pytest.mark.multiprocess

@@ -54,6 +54,10 @@ class ParallelConfig:
     # dp_shard x cp x tp ranks of a replica (it borrows ranks; the world size is the other
     # degrees' product). distributed/expert_parallel.py, docs/moe.md.
     ep: int = 1
+    # ep > 1: each rank's tokens are exchanged in this many chunks, each chunk's all-to-alls
+    # running while the experts compute another's (distributed/exchange_overlap.py); 1: one
+    # exchange, waited for. None: 2, or 1 with compiled blocks.
+    ep_chunks: Optional[int] = None
     sequence_parallel: bool = True
     # tp > 1: the output layer leaves the logits sharded over the vocabulary and the loss is
     # computed on them (torch's loss_parallel), instead of all-gathering them on every rank.

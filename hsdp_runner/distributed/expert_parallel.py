@@ -43,6 +43,7 @@ from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import Dtype
+from hsdp_runner.distributed.exchange_overlap import flat_overlap
 from hsdp_runner.distributed.node_exchange import NodeExchange, permute_blocks
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.param_sizes import expert_shard_dim
@@ -62,9 +63,11 @@ class TokenExchange:
     # all-to-alls and their host reads; the copies' gather and the weighted sum compile.
     EAGER = ("send", "send_back")
 
-    def __init__(self, ep_mesh):
+    def __init__(self, ep_mesh, chunks: int = 1):
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
+        # > 1: the MoE layer exchanges its tokens in this many chunks (``overlap``).
+        self.chunks = chunks
         # While a list (``recording_routing``): (rows sent, rows received) of each dispatch of
         # a forward, recomputations left out; what the comm model's token-exchange bytes read.
         self.routing: list[tuple[int, int]] | None = None
@@ -96,14 +99,45 @@ class TokenExchange:
         if self.routing is not None and torch._C._current_graph_task_id() == -1:
             self.routing.append((sum(splits[0]), sum(splits[1])))
         arrived = all_to_all_single(tokens, splits[1], splits[0], self.group)
-        order = _by_local_expert(received, sum(splits[1]))
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        local = arrived.index_select(0, order)
+        local, inverse = self.by_local_expert(arrived, received)
         if self.rows_dynamic:
             for rows in (local, inverse):
                 torch._dynamo.maybe_mark_dynamic(rows, 0)
         return local, received.sum(0), (inverse, splits)
+
+    def by_local_expert(self, arrived: torch.Tensor, received: torch.Tensor):
+        """(``arrived``'s rows, come as blocks of ``received[source, local expert]`` rows,
+        reordered local-expert-major for the grouped matmul; the index that puts them back)."""
+        order = _by_local_expert(received, arrived.shape[0])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return arrived.index_select(0, order), inverse
+
+    def chunk_counts(self, copies: list[torch.Tensor], counts: list[torch.Tensor]):
+        """``exchange_counts`` of C chunks at once (``exchange_overlap``): one all-to-all of
+        their (n_experts,) ``counts`` (of their ``copies``' rows). Returns (sent, received): C
+        tensors (ep, L) each."""
+        chunks = len(counts)
+        stacked = torch.stack(counts).view(chunks, self.ep, -1).transpose(0, 1).reshape(-1)
+        sent, received = self.exchange_counts(stacked)
+        sent, received = (t.reshape(self.ep, chunks, -1).transpose(0, 1) for t in (sent, received))
+        return list(sent), list(received)
+
+    def local_counts(self, received: torch.Tensor) -> torch.Tensor:
+        """(L,) rows per local expert of one chunk, from its ``received`` (ep, L)."""
+        return received.sum(0)
+
+    def chunk_split_sizes(self, sent: list[torch.Tensor], received: list[torch.Tensor]):
+        """Per chunk (rows sent to each ep rank, rows received from each): host values,
+        one device-to-host read for all the chunks."""
+        both = torch.stack([torch.stack([s.sum(1), r.sum(1)]) for s, r in zip(sent, received)])
+        return [tuple(pair) for pair in both.tolist()]
+
+    def overlap(self, tokens, routing, compute, weights, weighted_sum) -> list[torch.Tensor]:
+        """The chunks' exchange with ``compute`` (the experts) between its all-to-alls
+        (``exchange_overlap.flat_overlap``, which says the arguments): each chunk's (T_i,
+        dim)."""
+        return flat_overlap(self, tokens, routing, compute, weights, weighted_sum)
 
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sent, received): (ep, L) int64 rows this rank sends to [destination rank, its local
@@ -195,19 +229,21 @@ def apply_expert_parallel(
     mp_policy,
     reshard_after_forward: bool,
     compiled: bool = False,
+    chunks: int = 1,
 ) -> None:
     """Set the MoE hooks of ``model`` (a stage, on the meta device) and shard its experts over
     the ``ep``, ``efsdp`` and ``dp_shard_cp_tp`` meshes of ``world`` (see the module
     docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``) and
     ``reshard_after_forward``; with ``compiled`` (``parallel.compile``: the blocks were
-    compiled), ``keep_out_of_compiled_code``. Nothing to do for a dense model. The MoE's own
+    compiled), ``keep_out_of_compiled_code``; ``chunks``: the flat exchange's
+    (``exchange_chunks``). Nothing to do for a dense model. The MoE's own
     ``fully_shard`` wraps come only where a rank's MoE gradients are pieces that the dense
     blocks' wrapping would not sum (tp > 1) or its experts differ from its peers' (ep > 1);
     otherwise they stay in their block's unit."""
     moes = moe_modules(model)
     if not moes:
         return
-    exchange = make_exchange(dims, world)
+    exchange = make_exchange(dims, world, chunks)
     sequence_sum = SequenceSum(world["cp_tp"]) if dims.cp * dims.tp > 1 else None
     for moe in moes.values():
         if exchange is not None:
@@ -232,14 +268,48 @@ def apply_expert_parallel(
         keep_out_of_compiled_code(list(moes.values()), exchange)
 
 
-def make_exchange(dims: ParallelDims, world: WorldMesh) -> TokenExchange | NodeExchange | None:
+def make_exchange(
+    dims: ParallelDims, world: WorldMesh, chunks: int = 1
+) -> TokenExchange | NodeExchange | None:
     """The token exchange of ``dims``: by node (``NodeExchange``: each token crosses to a node
     once) where an ep group spans nodes (``ParallelDims.ep_nodes``: the ranks per node the
     launcher gave, ranks placed on nodes contiguously, as the planner and the node checks
-    take them), one all-to-all over ``ep`` inside a node; None without expert parallel."""
+    take them), one all-to-all over ``ep`` inside a node, in ``chunks`` chunks; None without
+    expert parallel."""
     if dims.ep_nodes > 1:
-        return NodeExchange(world["ep"], *(world[name] for name in EP_STAGES))
-    return TokenExchange(world["ep"]) if dims.ep > 1 else None
+        return NodeExchange(world["ep"], *(world[name] for name in EP_STAGES), chunks)
+    return TokenExchange(world["ep"], chunks) if dims.ep > 1 else None
+
+
+# parallel.ep_chunks=null: two chunks, the fewest that overlap (each chunk's grouped matmuls
+# stay as large as they can), as Megatron's all-to-all overlap pairs two micro-batches.
+DEFAULT_CHUNKS = 2
+
+
+def exchange_chunks(parallel: ParallelConfig, dims: ParallelDims) -> int:
+    """The chunks each rank's tokens are exchanged in (``exchange_overlap``): 1 without
+    expert parallel or with compiled blocks, else ``parallel.ep_chunks`` (None:
+    ``DEFAULT_CHUNKS``), for the flat exchange and the exchange by node alike. What the
+    runtime builds, the comm model counts and the planner prices."""
+    if dims.ep == 1 or parallel.compile:
+        return 1
+    return parallel.ep_chunks if parallel.ep_chunks is not None else DEFAULT_CHUNKS
+
+
+def chunks_refusal(parallel: ParallelConfig, dims: ParallelDims) -> str | None:
+    """Why ``parallel.ep_chunks`` cannot run with these degrees and settings (a message
+    naming the keys and the fix), or None."""
+    chunks = parallel.ep_chunks
+    if chunks is None or chunks == 1:
+        return None
+    if chunks < 1:
+        return f"parallel.ep_chunks={chunks} must be >= 1 (or null: chosen for the layout)"
+    if parallel.compile:
+        return (
+            f"parallel.ep_chunks={chunks} with parallel.compile=true: the chunked exchange runs "
+            "eagerly only; set parallel.ep_chunks=1 (or null) or parallel.compile=false"
+        )
+    return None
 
 
 def keep_out_of_compiled_code(

@@ -8,7 +8,9 @@ input, an all-reduce by its tensor):
   per MoE layer and micro-batch, forward all-to-alls the counts (``n_experts`` int64), the
   rank's routed token copies (N rows: its tokens x ``top_k``) and, in combine, the outputs of
   the rows its experts received (M rows); backward all-to-alls their gradients (M rows, then
-  N). Rows are ``dim`` wide in the compute dtype. ``parallel.ac=full`` runs the forward's three
+  N). In C chunks (``expert_parallel.exchange_chunks``, ``exchange_overlap``) the counts of
+  all chunks go in one call (C x ``n_experts``) and every other call is made once a chunk:
+  the same rows in C times the calls. Rows are ``dim`` wide in the compute dtype. ``parallel.ac=full`` runs the forward's three
   again in backward (the MoE is recomputed whole: the experts' inputs and outputs are saved
   activations); ``selective`` saves their outputs. N and M are the counted step's routing
   (``expert_parallel.recording_routing``: the rows each forward dispatch sent and received on
@@ -21,7 +23,9 @@ input, an all-reduce by its tensor):
   weights' (C' fp32: the copies it received) and the D rows'. Over ``ep_intra`` (k > 1):
   forward the counts (n_experts int64), the C' copies it forwards and the M outputs of its
   experts; backward M, then C'. Full AC repeats every forward call; selective saves them.
-  The routing a dispatch records is (D, D', N, C', M).
+  The routing a dispatch records is (D, D', N, C', M). In C chunks, as the flat exchange:
+  each stage's counts in one call for all chunks (C times the bytes), every other call once
+  a chunk.
 - **Auxiliary loss** (``model.aux_loss_coef`` > 0 with ``cp x tp`` > 1): per MoE layer and
   micro-batch, ``MoE.sequence_sum`` all-reduces the (rows, ``n_experts``) fp32 counts of the
   rank's sequences over ``cp_tp`` (again under full AC; selective saves it).
@@ -41,6 +45,7 @@ from math import comb
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
+from hsdp_runner.distributed.expert_parallel import exchange_chunks
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import moe_blocks
 from hsdp_runner.models.base import ModelConfig, routed_experts
@@ -69,20 +74,20 @@ def stage_moe_comm(
     again = 2 if AC(parallel.ac) is AC.full else 1  # full AC runs the forward's again
     passes = layers * micro_batches
     experts = routed_experts(model_cfg)
+    chunks = exchange_chunks(parallel, dims)
     if dims.ep_nodes > 1:
         nodes, header = dims.ep_nodes, experts + dims.ep_nodes
-        tally.add(
-            "all_to_all/ep_inter", passes * (5 * again + 3), passes * again * header * COUNT_BYTES
-        )
+        calls = again * (1 + 4 * chunks) + 3 * chunks
+        count_bytes = passes * again * chunks * header * COUNT_BYTES
+        tally.add("all_to_all/ep_inter", passes * calls, count_bytes)
         if dims.ep > nodes:  # more than one rank a node: the second stage
-            tally.add(
-                "all_to_all/ep_intra",
-                passes * (3 * again + 2),
-                passes * again * experts * COUNT_BYTES,
-            )
+            calls = again * (1 + 2 * chunks) + 2 * chunks
+            count_bytes = passes * again * chunks * experts * COUNT_BYTES
+            tally.add("all_to_all/ep_intra", passes * calls, count_bytes)
     elif dims.ep > 1:
         key = f"all_to_all/{dims.same_group('ep')}"
-        tally.add(key, passes * (3 * again + 2), passes * again * experts * COUNT_BYTES)
+        calls = again * (1 + 2 * chunks) + 2 * chunks
+        tally.add(key, passes * calls, passes * again * chunks * experts * COUNT_BYTES)
     if dims.cp * dims.tp > 1 and getattr(model_cfg, "aux_loss_coef", 0) > 0:
         rows = trainer.global_batch_size // dims.dp // micro_batches
         counts = rows * routed_experts(model_cfg) * STAT_BYTES

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from hsdp_runner.distributed.exchange_overlap import arrive, pipelined, send, wait
+
 
 def permute_blocks(sizes: torch.Tensor, perm: tuple[int, ...], total: int) -> torch.Tensor:
     """The gather index that reorders ``total`` rows laid out as blocks of ``sizes[i, j, ...]``
@@ -53,16 +55,6 @@ def permute_blocks(sizes: torch.Tensor, perm: tuple[int, ...], total: int) -> to
     new_starts = torch.cumsum(per_block, 0) - per_block
     shift = torch.repeat_interleave(starts - new_starts, per_block, output_size=total)
     return torch.arange(total, device=sizes.device) + shift
-
-
-def _all_to_all(rows: torch.Tensor, received: list[int], sent: list[int], group, size: int):
-    """torch's functional all-to-all of ``rows`` at uneven splits; a one-rank group (one rank
-    per node: no second stage) hands them through."""
-    if size == 1:
-        return rows
-    from torch.distributed._functional_collectives import all_to_all_single
-
-    return all_to_all_single(rows, received, sent, group)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -81,10 +73,16 @@ class NodeExchange:
     # What a compiled block runs eagerly: all of it (host reads and data-dependent indices).
     EAGER = ("dispatch", "combine")
 
-    def __init__(self, ep_mesh, inter_mesh, intra_mesh):
+    def __init__(self, ep_mesh, inter_mesh, intra_mesh, chunks: int = 1):
+        from torch.distributed._functional_collectives import _resolve_group_name
+
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
         self.inter, self.nodes = inter_mesh.get_group(), inter_mesh.size()
         self.intra, self.per_node = intra_mesh.get_group(), intra_mesh.size()
+        self.names = {"inter": _resolve_group_name(self.inter)}
+        self.names["intra"] = _resolve_group_name(self.intra)
+        # > 1: the MoE layer exchanges its tokens in this many chunks (``overlap``).
+        self.chunks = chunks
         # While a list (``expert_parallel.recording_routing``): per forward dispatch (rows
         # sent and received over ep_inter, copies sent and received over it, rows the
         # experts received over ep_intra); what the comm model reads (``moe_comm``).
@@ -96,99 +94,176 @@ class NodeExchange:
         (n_experts,) int64 copies per expert), then on to the ranks of those experts.
         Returns (local tokens (M, dim) sorted by local expert, local counts (L,), the state
         ``combine`` needs)."""
-        rows, slot_in, by_source, splits, pairs = self._to_nodes(tokens, token, counts)
-        mine, landed, relay_order, order, places = self._to_experts(rows, slot_in, by_source)
+        (state,) = self._plan([tokens], [(token, counts, None)])
+        state = self._relay(self._send_pairs(state))
+        mine, order = self._at_experts(state)
         if self.rows_dynamic:
             torch._dynamo.maybe_mark_dynamic(mine, 0)
-        if self.routing is not None and torch._C._current_graph_task_id() == -1:
-            sent, received = sum(splits["rows_out"]), sum(splits["rows_in"])
-            self.routing.append((sent, received, token.numel(), slot_in.numel(), mine.shape[0]))
-        shape = (tokens.shape, tokens.dtype)
-        state = (splits, places, order, relay_order, slot_in, pairs, shape)
-        return mine, landed.sum((0, 1)), state
-
-    def _to_nodes(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
-        """Stage 1 over ``ep_inter``: the counts, then each distinct (node, token) pair's row
-        and each copy's slot among its node's rows. Returns (the rows arrived, source node by
-        source node; each arrived copy's row among them, in (source node, node expert) order;
-        the arrived copies per (source node, place, local expert); the split sizes; the
-        pairs sent, node-major)."""
-        from torch.distributed._functional_collectives import all_to_all_single
-
-        nodes, n_tokens, device = self.nodes, tokens.shape[0], counts.device
-        node_experts = counts.numel() // nodes
-        expert = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=device), counts, output_size=token.numel()
-        )
-        node = expert // node_experts
-        # Distinct (node, token) pairs, node-major: what crosses to each node, and per copy
-        # its pair (the slot its token takes among the rows sent to its node).
-        pairs, slot = torch.unique(node * n_tokens + token, return_inverse=True)
-        rows_out = torch.zeros(nodes, dtype=torch.int64, device=device)
-        rows_out.scatter_add_(0, pairs // n_tokens, torch.ones_like(pairs))
-        header = torch.cat([counts.view(nodes, node_experts), rows_out[:, None]], 1)
-        arrived = all_to_all_single(header.flatten(), None, None, self.inter).view(nodes, -1)
-        sent_host, arrived_host = torch.stack([header, arrived]).tolist()
-        splits = {  # host values
-            "rows_out": [row[-1] for row in sent_host],
-            "rows_in": [row[-1] for row in arrived_host],
-            "copies_out": [sum(row[:-1]) for row in sent_host],
-            "copies_in": [sum(row[:-1]) for row in arrived_host],
-        }
-        first = torch.cumsum(rows_out, 0) - rows_out
-        picked = tokens.index_select(0, pairs % n_tokens)
-        rows = _all_to_all(picked, splits["rows_in"], splits["rows_out"], self.inter, nodes)
-        slot_in = _all_to_all(
-            slot - first[node], splits["copies_in"], splits["copies_out"], self.inter, nodes
-        )
-        # Each copy's row among those arrived: its source node's block first.
-        rows_in = torch.tensor(splits["rows_in"], device=device)
-        source = torch.repeat_interleave(
-            torch.arange(nodes, device=device),
-            torch.tensor(splits["copies_in"], device=device),
-            output_size=slot_in.numel(),
-        )
-        slot_in = slot_in + (torch.cumsum(rows_in, 0) - rows_in)[source]
-        by_source = arrived[:, :-1].reshape(nodes, self.per_node, -1)
-        return rows, slot_in, by_source, splits, pairs
-
-    def _to_experts(self, rows: torch.Tensor, slot_in: torch.Tensor, by_source: torch.Tensor):
-        """Stage 2 over ``ep_intra``: the relay's copies, from (source node, node expert) order
-        to (place, source node, local expert), one row each, to the ranks of their experts,
-        counts first; there reordered to local-expert-major. Returns (the rows, the counts
-        arrived per (relay, source node, local expert), the relay's order and the expert
-        rank's, the split sizes (sent to each place, received from each relay))."""
-        per_node = self.per_node
-        relay_order = permute_blocks(by_source, (1, 0, 2), slot_in.numel())
-        onward = by_source.permute(1, 0, 2).contiguous()
-        landed = _all_to_all(onward.flatten(), None, None, self.intra, per_node)
-        landed = landed.view(per_node, self.nodes, -1)
-        places = torch.stack([onward.sum((1, 2)), landed.sum((1, 2))]).tolist()  # one read
-        forwarded = _all_to_all(
-            rows.index_select(0, slot_in[relay_order]), places[1], places[0], self.intra, per_node
-        )
-        order = permute_blocks(landed, (2, 0, 1), forwarded.shape[0])
-        return forwarded.index_select(0, order), landed, relay_order, order, places
+        state["order"] = order
+        return mine, state["landed"].sum((0, 1)), state
 
     def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state, weighted_sum):
         """The local experts' ``outputs`` (M, dim, dispatch's order) back to the relays, there
         weighed by their copies' ``weight`` (N,) and summed per token (``weighted_sum``: the
         layer's ``WeightedCombine.apply``), one row per (node, token) back to the source,
         which sums its tokens' rows; returns (T, dim) in the tokens' dtype."""
-        splits, (places_out, places_in), order, relay_order, slot_in, pairs, shape = state
-        (n_tokens, dim), dtype = shape
-        back = _all_to_all(
-            outputs.index_select(0, _inverse(order)),
-            places_out,
-            places_in,
-            self.intra,
-            self.per_node,
+        state["weights"] = self._send(weight, "copies_in", "copies_out", state, "inter")
+        state = self._back_to_relay(state, outputs.index_select(0, _inverse(state["order"])))
+        return self._sum_at_source(self._sum_on_relay(state, weighted_sum))
+
+    def overlap(self, tokens, routing, compute, weights, weighted_sum) -> list[torch.Tensor]:
+        """C chunks' exchange with ``compute`` (the experts) between its stages, each stage of
+        a chunk in flight while another chunk computes (``exchange_overlap.pipelined``; the
+        arguments as ``exchange_overlap.flat_overlap``'s): each chunk's (T_i, dim)."""
+
+        def experts(state):
+            mine, order = self._at_experts(state)
+            out = compute(mine, state["landed"].sum((0, 1)))
+            return self._back_to_relay(state, out.index_select(0, _inverse(order)))
+
+        def on_relay(state):
+            return self._sum_on_relay(state, weighted_sum)
+
+        segments = [self._send_pairs, self._relay, experts, on_relay, self._sum_at_source]
+        routing = [(token, counts, weight) for (token, counts), weight in zip(routing, weights)]
+        return pipelined(self._plan(tokens, routing), segments)
+
+    def _plan(self, tokens: list, routing: list) -> list[dict]:
+        """Every chunk's routing by node and both stages' counts, for all the chunks at once:
+        over ``ep_inter`` per destination node its experts' copy counts and the distinct
+        tokens, then over ``ep_intra`` per destination place the copies by (source node,
+        local expert); two host reads. ``routing``: per chunk (token, counts, weight or
+        None). Returns each chunk's state (the split sizes as host values)."""
+        from torch.distributed._functional_collectives import all_to_all_single
+
+        nodes, per_node, states = self.nodes, self.per_node, []
+        for rows, (token, counts, weight) in zip(tokens, routing):
+            node_experts, device = counts.numel() // nodes, counts.device
+            expert = torch.repeat_interleave(
+                torch.arange(counts.numel(), device=device), counts, output_size=token.numel()
+            )
+            node = expert // node_experts
+            # Distinct (node, token) pairs, node-major: what crosses to each node, and per
+            # copy its pair (the slot its token takes among the rows sent to its node).
+            pairs, slot = torch.unique(node * rows.shape[0] + token, return_inverse=True)
+            rows_out = torch.zeros(nodes, dtype=torch.int64, device=device)
+            rows_out.scatter_add_(0, pairs // rows.shape[0], torch.ones_like(pairs))
+            header = torch.cat([counts.view(nodes, node_experts), rows_out[:, None]], 1)
+            states.append(
+                dict(tokens=rows, token=token, weight=weight, node=node, pairs=pairs, slot=slot)
+            )
+            states[-1].update(rows_out=rows_out, header=header)
+        chunks = len(states)
+        headers = torch.stack([state["header"] for state in states])  # (C, nodes, E/nodes + 1)
+        arrived = all_to_all_single(headers.transpose(0, 1).flatten(), None, None, self.inter)
+        arrived = arrived.view(nodes, chunks, -1).transpose(0, 1)
+        sent_host, arrived_host = torch.stack([headers, arrived]).tolist()
+        onward = []
+        for state, sent_c, arrived_c, got in zip(states, sent_host, arrived_host, arrived):
+            state["splits"] = {  # host values
+                "rows_out": [row[-1] for row in sent_c],
+                "rows_in": [row[-1] for row in arrived_c],
+                "copies_out": [sum(row[:-1]) for row in sent_c],
+                "copies_in": [sum(row[:-1]) for row in arrived_c],
+            }
+            state["by_source"] = got[:, :-1].reshape(nodes, per_node, -1)
+            onward.append(state["by_source"].permute(1, 0, 2))
+        onward = torch.stack(onward)  # (C, place, source node, local expert)
+        landed = onward.transpose(0, 1).flatten()
+        if per_node > 1:
+            landed = all_to_all_single(landed, None, None, self.intra)
+        landed = landed.view(per_node, chunks, nodes, -1).transpose(0, 1)
+        places = torch.stack([onward.sum((2, 3)), landed.sum((2, 3))], 1).tolist()  # one read
+        for state, landed_c, (out, into) in zip(states, landed, places):
+            state["landed"] = landed_c
+            state["splits"].update(places_out=out, places_in=into)
+        if self.routing is not None and torch._C._current_graph_task_id() == -1:
+            self.routing.append(
+                tuple(
+                    sum(sum(s["splits"][key]) for s in states)
+                    for key in ("rows_out", "rows_in", "copies_out", "copies_in", "places_in")
+                )
+            )
+        return states
+
+    def _send(self, rows: torch.Tensor, into: str, out: str, state: dict, stage: str):
+        """Start the all-to-all of ``rows`` over ``stage`` ('inter' or 'intra') at the split
+        sizes ``state["splits"][into]`` received and ``[out]`` sent: what ``_land`` takes (a
+        one-rank stage, one rank a node, hands the rows through)."""
+        received, sent = state["splits"][into], state["splits"][out]
+        if stage == "intra" and self.per_node == 1:
+            return rows, None, None, None, None
+        return (*send(rows, received, sent, self.names[stage]), received, sent, self.names[stage])
+
+    @staticmethod
+    def _land(sent: tuple) -> torch.Tensor:
+        """The rows of a ``_send`` once arrived (a node of the graph: ``exchange_overlap``)."""
+        return sent[0] if sent[1] is None else arrive(*sent)
+
+    def _send_pairs(self, state: dict) -> dict:
+        """Stage 1 out: each distinct (node, token) pair's row, each copy's slot among its
+        node's rows and (where known) its router weight, over ``ep_inter``."""
+        rows_out, node, tokens = state["rows_out"], state["node"], state["tokens"]
+        first = torch.cumsum(rows_out, 0) - rows_out
+        picked = tokens.index_select(0, state["pairs"] % tokens.shape[0])
+        state["rows"] = self._send(picked, "rows_in", "rows_out", state, "inter")
+        state["slots"] = self._send(
+            state["slot"] - first[node], "copies_in", "copies_out", state, "inter"
         )
-        copies = back.index_select(0, _inverse(relay_order))
-        weight_in = _all_to_all(
-            weight, splits["copies_in"], splits["copies_out"], self.inter, self.nodes
+        if state["weight"] is not None:
+            state["weights"] = self._send(
+                state["weight"], "copies_in", "copies_out", state, "inter"
+            )
+        return state
+
+    def _relay(self, state: dict) -> dict:
+        """Stage 2 out, on the relay: each arrived copy's row (by its slot, from (source node,
+        node expert) order to (place, source node, local expert)) to the rank of its expert
+        over ``ep_intra``."""
+        rows = self._land(state["rows"])
+        slot_in = wait(state["slots"][0])
+        splits, device = state["splits"], slot_in.device
+        rows_in = torch.tensor(splits["rows_in"], device=device)
+        source = torch.repeat_interleave(
+            torch.arange(self.nodes, device=device),
+            torch.tensor(splits["copies_in"], device=device),
+            output_size=slot_in.numel(),
         )
-        partial = weighted_sum(copies, weight_in, slot_in, sum(splits["rows_in"]), dtype)
-        rows = _all_to_all(partial, splits["rows_out"], splits["rows_in"], self.inter, self.nodes)
-        total = torch.zeros((n_tokens, dim), dtype=torch.float32, device=rows.device)
-        return total.index_add(0, pairs % n_tokens, rows.float()).to(dtype)
+        # Each copy's row among those arrived: its source node's block first.
+        slot_in = slot_in + (torch.cumsum(rows_in, 0) - rows_in)[source]
+        relay_order = permute_blocks(state["by_source"], (1, 0, 2), slot_in.numel())
+        state.update(slot_in=slot_in, relay_order=relay_order)
+        state["forward"] = self._send(
+            rows.index_select(0, slot_in[relay_order]), "places_in", "places_out", state, "intra"
+        )
+        return state
+
+    def _at_experts(self, state: dict):
+        """(The rows arrived at this rank's experts, local-expert-major; their order from
+        (relay, source node, local expert))."""
+        forwarded = self._land(state["forward"])
+        order = permute_blocks(state["landed"], (2, 0, 1), forwarded.shape[0])
+        return forwarded.index_select(0, order), order
+
+    def _back_to_relay(self, state: dict, outputs: torch.Tensor) -> dict:
+        """The experts' ``outputs`` (in the order their rows arrived) back to the relays."""
+        state["back"] = self._send(outputs, "places_out", "places_in", state, "intra")
+        return state
+
+    def _sum_on_relay(self, state: dict, weighted_sum) -> dict:
+        """On the relay: each copy's output weighed and summed per (node, token) pair, the
+        sums sent back to their sources over ``ep_inter``."""
+        back = self._land(state["back"])
+        copies = back.index_select(0, _inverse(state["relay_order"]))
+        weight_in = self._land(state["weights"])
+        rows = sum(state["splits"]["rows_in"])
+        partial = weighted_sum(copies, weight_in, state["slot_in"], rows, state["tokens"].dtype)
+        state["partial"] = self._send(partial, "rows_out", "rows_in", state, "inter")
+        return state
+
+    def _sum_at_source(self, state: dict) -> torch.Tensor:
+        """Each token's rows from every node summed in fp32, rounded once: (T, dim)."""
+        rows, tokens = self._land(state["partial"]), state["tokens"]
+        total = torch.zeros(tokens.shape, dtype=torch.float32, device=rows.device)
+        pairs = state["pairs"] % tokens.shape[0]
+        return total.index_add(0, pairs, rows.float()).to(tokens.dtype)

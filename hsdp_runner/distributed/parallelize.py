@@ -22,7 +22,7 @@ from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
 from hsdp_runner.distributed import float8, float8_experts
 from hsdp_runner.distributed.context_parallel import SequenceShard
-from hsdp_runner.distributed.expert_parallel import apply_expert_parallel
+from hsdp_runner.distributed.expert_parallel import apply_expert_parallel, exchange_chunks
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
@@ -115,9 +115,22 @@ def selective_policy():
         funcol.all_to_all_single.default,
     }
     counts = {True: 0, False: 0}  # matmuls seen, keyed by ctx.is_recompute
+    # The experts' three grouped matmuls (w1, w3, w2) run once per chunk of a chunked token
+    # exchange: every chunk keeps the first chunk's choice for each, so the saved set is the
+    # unchunked layer's (the FLOPs ``ModelSpec.selective_recompute_flops_per_token`` counts).
+    grouped = {True: [], False: []}
 
     def policy(ctx, op, *args, **kwargs):
-        if op in matmuls:
+        if op is aten._grouped_mm.default:
+            seen = grouped[ctx.is_recompute]
+            if len(seen) < 3:
+                counts[ctx.is_recompute] += 1
+                seen.append(counts[ctx.is_recompute] % 2 == 1)
+                keep = seen[-1]
+            else:
+                keep = seen[len(seen) % 3]
+                seen.append(keep)
+        elif op in matmuls:
             counts[ctx.is_recompute] += 1
             keep = counts[ctx.is_recompute] % 2 == 1
         else:
@@ -324,6 +337,7 @@ def parallelize(
         mixed_precision_policy(precision),
         parallel.reshard_after_forward,
         compiled=parallel.compile,
+        chunks=exchange_chunks(parallel, dims),
     )
     apply_data_parallel(
         model, dims, world, precision, parallel.reshard_after_forward, parallel.ddp_impl

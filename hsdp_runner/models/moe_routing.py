@@ -36,6 +36,7 @@ load-balance statistics, read top to bottom in the order a token meets them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -164,7 +165,16 @@ class GroupedExperts(nn.Module):
     # 16-byte aligned start in float8 (the weight gradient's reduction runs over them).
     group_rows = 1
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, counts, overlap: Callable | None = None):
+        """``compute(x, counts)``; with ``overlap`` (the exchange's, chunks of tokens:
+        ``exchange_overlap``), ``x`` is the chunks' tokens and ``counts`` their routing, and
+        ``overlap(x, counts, compute)`` exchanges them and runs the experts on what arrives,
+        one call of this module (one FSDP unshard) for all the chunks."""
+        if overlap is not None:
+            return overlap(x, counts, self.compute)
+        return self.compute(x, counts)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run tokens ``x`` (M, dim), sorted by local expert with ``counts`` (n_local,) int64
         per expert, through the experts this rank holds (as many as the local w1's dim 0).
         Returns (M, dim). The gradient reaching the output must be contiguous (torch 2.13's
@@ -341,19 +351,11 @@ class MoE(nn.Module):
         bsz, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         weights, chosen, scores = self.router(tokens)
-        # Each token's k copies, sorted (stably) by expert: the order the experts read.
-        order = chosen.flatten().argsort(stable=True)
-        counts = expert_counts(chosen, self.n_experts)
-        # One index tensor for the gather and the combine: autograd keeps it once for both.
-        token = order // self.top_k
-        local, local_counts, state = self.exchange.dispatch(tokens, token, counts)
-        # Weighted after the experts and summed per token in fp32, returned in x's dtype.
-        out = self.exchange.combine(
-            self.experts(local, local_counts),
-            weights.flatten()[order],
-            state,
-            WeightedCombine.apply,
-        )
+        chunks = min(getattr(self.exchange, "chunks", 1), tokens.shape[0])
+        if chunks > 1:
+            out = self._routed_in_chunks(tokens, weights, chosen, chunks)
+        else:
+            out = self._routed(tokens, weights, chosen)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         out = out.view(bsz, seq, dim)
@@ -363,6 +365,40 @@ class MoE(nn.Module):
                 self.aux_loss_sum += aux.detach() * self.aux_grad_scale
             out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
         return out
+
+    def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor):
+        """Each of ``tokens`` (T, dim) through its ``chosen`` (T, k) experts, weighed by
+        ``weights`` (T, k) and summed: (T, dim) in the tokens' dtype."""
+        # Each token's k copies, sorted (stably) by expert: the order the experts read.
+        order = chosen.flatten().argsort(stable=True)
+        counts = expert_counts(chosen, self.n_experts)
+        # One index tensor for the gather and the combine: autograd keeps it once for both.
+        token = order // self.top_k
+        local, local_counts, state = self.exchange.dispatch(tokens, token, counts)
+        # Weighted after the experts and summed per token in fp32, returned in x's dtype.
+        return self.exchange.combine(
+            self.experts(local, local_counts),
+            weights.flatten()[order],
+            state,
+            WeightedCombine.apply,
+        )
+
+    def _routed_in_chunks(self, tokens, weights, chosen, chunks: int) -> torch.Tensor:
+        """``_routed`` with the tokens cut into ``chunks`` contiguous chunks, each routed on
+        its own and exchanged while the experts compute another (``exchange.overlap``). The
+        router's weights reach the exchange beside the experts' call, not through it: FSDP
+        casts a module's floating-point arguments to its compute dtype, and the weights are
+        summed in fp32."""
+        parts, routing, copy_weights = [], [], []
+        for t, w, c in zip(*(x.tensor_split(chunks) for x in (tokens, weights, chosen))):
+            order = c.flatten().argsort(stable=True)
+            parts.append(t)
+            routing.append((order // self.top_k, expert_counts(c, self.n_experts)))
+            copy_weights.append(w.flatten()[order])
+        overlap = functools.partial(
+            self.exchange.overlap, weights=copy_weights, weighted_sum=WeightedCombine.apply
+        )
+        return torch.cat(self.experts(parts, routing, overlap=overlap))
 
     def aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss of this rank's tokens: ``chosen`` (batch,

@@ -69,6 +69,7 @@ class PlannedTokenExchange(TokenExchange):
     def __init__(self, exchange: TokenExchange, imbalance: float):
         # The built model's exchange gives its group (TokenExchange's own init takes a mesh).
         self.group, self.ep, self.routing = exchange.group, exchange.ep, None
+        self.chunks = getattr(exchange, "chunks", 1)
         self.imbalance = imbalance
         self._planned: list[list[int]] = []  # [sent, received] (ep x L, row-major)
 
@@ -84,6 +85,34 @@ class PlannedTokenExchange(TokenExchange):
             for e in range(experts // self.ep)
         ]
         return local, _host(per_expert, (-1,)), state
+
+    def chunk_counts(self, copies: list[torch.Tensor], counts: list[torch.Tensor]):
+        """The chunked exchange's (sent, received) (``exchange_overlap``): per chunk of
+        ``copies`` (N_i rows), its N_i rows sent and ``imbalance`` x N_i received, evenly
+        over the experts, as real (ep, L) tensors (``counts``, fake, are not read)."""
+        experts = counts[0].numel()
+        shape = (self.ep, experts // self.ep)
+        sent, received = [], []
+        for rows in copies:
+            n = rows.shape[0]
+            sent.append(_host(even_split(n, experts), shape))
+            received.append(_host(even_split(round(n * self.imbalance), experts), shape))
+        return sent, received
+
+    def chunk_split_sizes(self, sent: list[torch.Tensor], received: list[torch.Tensor]):
+        """``TokenExchange.chunk_split_sizes`` of the planned (real) counts, read outside the
+        fake mode (inside it an op on them gives a fake tensor without values)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return super().chunk_split_sizes(sent, received)
+
+    def local_counts(self, received: torch.Tensor) -> torch.Tensor:
+        """A chunk's planned local counts as a real tensor (the per-expert loop reads them)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return received.sum(0)
 
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sent, received) (ep, L): the planned counts (``counts``, fake, is not read)."""

@@ -55,6 +55,7 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import INTERLEAVED_SCHEDULES, AccumReduce, PPSchedule
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.comm_model import stage_send_bytes
+from hsdp_runner.distributed.expert_parallel import chunks_refusal
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.param_sizes import local_params
 from hsdp_runner.distributed.pipeline_settings import job_refusal
@@ -206,7 +207,8 @@ def runner_refusal(run: RunConfig, overrides: dict, cluster: Cluster) -> str | N
     the runner's own checks of a layout, so the planner skips exactly what they refuse: the
     degrees and the pipeline's settings (``ParallelDims.from_config``, which raises
     ``pipeline_settings.layout_refusal``) and the rest of the job's pipeline checks
-    (``pipeline_settings.job_refusal``: precision, batch split, checkpoint settings)."""
+    (``pipeline_settings.job_refusal``: precision, batch split, checkpoint settings) and the
+    token exchange's chunks (``expert_parallel.chunks_refusal``)."""
     # An auto job's ep left to the planner (-1) is 1 where the row does not set it (a dense
     # model: ``auto.apply_choice`` writes it so).
     job = with_overrides(
@@ -218,7 +220,7 @@ def runner_refusal(run: RunConfig, overrides: dict, cluster: Cluster) -> str | N
         )
     except ConfigError as err:
         return str(err)
-    return job_refusal(dims, job)
+    return job_refusal(dims, job) or chunks_refusal(job.parallel, dims)
 
 
 def with_overrides(run: RunConfig, overrides: dict) -> RunConfig:

@@ -91,7 +91,9 @@ def validate(
     if refusal:
         raise ConfigError(refusal)
     model_spec(cfg.model).check_parallel(dims.cp, dims.tp, cfg.parallel.sequence_parallel)
-    refusal = expert_parallel.compile_refusal(cfg.parallel, cfg.precision, cfg.model)
+    refusal = expert_parallel.compile_refusal(
+        cfg.parallel, cfg.precision, cfg.model
+    ) or expert_parallel.chunks_refusal(cfg.parallel, dims)
     if refusal:
         raise ConfigError(refusal)
     validate_batch(cfg.trainer, dims.dp)

@@ -1,0 +1,147 @@
+"""Expert parallel's token exchange in chunks, each chunk's all-to-alls in flight while the
+experts compute another chunk (``parallel.ep_chunks``; ``expert_parallel.exchange_chunks``).
+
+The exchange in one piece waits for every routed row before the experts start and for every
+output before the layer goes on: its all-to-alls are exposed whole, in forward and backward.
+Here the MoE layer cuts its tokens into C chunks (``moe_routing.MoE``), routes each chunk on
+its own, and hands the chunks to the experts in one call (one FSDP unshard and one
+post-backward reduce-scatter), whose exchange runs them through its stages **breadth first**
+(``pipelined``): each stage (a segment that waits what the previous one issued, computes,
+and issues what the next one waits) on every chunk before the next stage. The flat exchange
+(``flat_overlap``) has three:
+
+    dispatch: the counts of all chunks (one all-to-all, one host read); issue each chunk's rows
+    experts:  per chunk i: wait its rows, the experts on them, issue its outputs back
+    combine:  per chunk: wait its outputs, weigh and sum each token's copies
+
+so dispatch i+1 (and combine i) travel while the experts compute chunk i (i+1): what stays
+exposed is the first dispatch and the last combine, a 1/C share of the exchange, where the
+experts' compute is the longer of the two. The exchange by node (``node_exchange``) has five
+(the pairs to the relays over ``ep_inter``, the relays on to the experts over ``ep_intra``,
+the experts and their outputs back to the relays, the weighted sums back over ``ep_inter``,
+the sum at the source), each stage of one chunk in flight while another chunk computes.
+
+Backward mirrors forward, and autograd gives it that order: the engine runs the
+latest-created ready node first. The all-to-alls are issued outside autograd (``issue``:
+``torch.ops._c10d_functional``, the ops torch's functional collectives call, so the
+communication count and selective activation checkpointing see them as they see the
+one-piece exchange's) and each enters the graph through ``Arrival``, created where it is
+waited: in breadth-first order, chunk i's node sits after chunk i-1's compute of the same
+stage, so backward reaches it (and issues its mirror) right after chunk i's compute of the
+next stage, before chunk i-1's. ``Arrival.backward`` returns the gradient in flight as
+torch's ``AsyncCollectiveTensor``, which waits where it is first used, so the engine goes
+on to the next ready node meanwhile. torch's differentiable ``all_to_all_single`` waits
+inside its backward, which is why the exchange does not use it here.
+
+On a GPU the all-to-alls run on NCCL's stream beside the experts' kernels; on CPU (gloo) in
+gloo's threads. The losses and gradients equal the one-piece exchange's up to the order of
+the weights' gradient sums (the grouped matmuls run per chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def issue(rows: torch.Tensor, received: list[int], sent: list[int], group_name: str):
+    """Start an all-to-all of ``rows`` (``sent[r]`` rows to rank r, ``received[r]`` from it);
+    returns its output, in flight until ``wait_tensor`` (or ``arrive``)."""
+    return torch.ops._c10d_functional.all_to_all_single(
+        rows.contiguous(), received, sent, group_name
+    )
+
+
+def wait(pending: torch.Tensor) -> torch.Tensor:
+    """The rows of an all-to-all ``issue`` started that carries no gradient."""
+    return torch.ops._c10d_functional.wait_tensor(pending)
+
+
+class Arrival(torch.autograd.Function):
+    """``apply(pending, source, received, sent, group_name)``: the rows of the all-to-all
+    ``pending`` (a one-item list: the in-flight output, issued from ``source`` with these
+    splits) once arrived; backward sends the gradient back the other way and returns it in
+    flight (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, pending, source, received, sent, group_name):
+        ctx.splits, ctx.group_name = (received, sent), group_name
+        return wait(pending.pop())
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        received, sent = ctx.splits
+        back = issue(grad, sent, received, ctx.group_name)
+        return None, AsyncCollectiveTensor(back), None, None, None
+
+
+def arrive(pending: torch.Tensor, source: torch.Tensor, received, sent, group_name: str):
+    """The rows of ``pending`` (issued from ``source`` at these splits), a node of the graph
+    created here: where backward issues its mirror (module docstring)."""
+    return Arrival.apply([pending], source, received, sent, group_name)
+
+
+def send(rows: torch.Tensor, received: list[int], sent: list[int], group_name: str):
+    """``issue`` outside autograd (``arrive`` brings the rows into the graph): (the pending
+    output, the rows it was issued from)."""
+    with torch.no_grad():
+        return issue(rows, received, sent, group_name), rows
+
+
+def pipelined(states: list, segments: list[Callable]) -> list:
+    """Run each of ``segments`` (state -> state) on every chunk's state before the next
+    segment: a segment waits what the previous one issued and issues what the next waits, so
+    while it runs on chunk i the all-to-alls of chunk i+1 (issued by the previous segment)
+    travel. Returns the chunks' last states."""
+    for segment in segments:
+        states = [segment(state) for state in states]
+    return states
+
+
+def flat_overlap(
+    exchange,
+    tokens: list,
+    routing: list,
+    compute: Callable,
+    weights: list,
+    weighted_sum: Callable,
+) -> list[torch.Tensor]:
+    """The flat exchange (``expert_parallel.TokenExchange``) of C chunks on the schedule above.
+    ``tokens``: each chunk's (T_i, dim); ``routing``: each chunk's (token (N_i,) the token of
+    each routed copy sorted by global expert, counts (n_experts,) int64); ``compute(rows (M_i,
+    dim) sorted by local expert, local counts (L,))``: the experts; ``weights``: each chunk's
+    router weight of each copy (N_i,) fp32; ``weighted_sum``: the layer's
+    ``WeightedCombine.apply``. Returns each chunk's (T_i, dim)."""
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    group_name = _resolve_group_name(exchange.group)
+    copies = [rows[token] for rows, (token, _) in zip(tokens, routing)]
+    sent, received = exchange.chunk_counts(copies, [counts for _, counts in routing])
+    splits = exchange.chunk_split_sizes(sent, received)
+    if exchange.routing is not None and torch._C._current_graph_task_id() == -1:
+        exchange.routing.append(
+            (sum(sum(out) for out, _ in splits), sum(sum(into) for _, into in splits))
+        )
+
+    def dispatch(i):
+        out, into = splits[i]
+        return i, send(copies[i], into, out, group_name)
+
+    def experts(state):
+        i, (pending, source) = state
+        out, into = splits[i]
+        arrived = arrive(pending, source, into, out, group_name)
+        local, inverse = exchange.by_local_expert(arrived, received[i])
+        outputs = compute(local, exchange.local_counts(received[i])).index_select(0, inverse)
+        return i, send(outputs, out, into, group_name)
+
+    def combine(state):
+        i, (pending, source) = state
+        out, into = splits[i]
+        back = arrive(pending, source, out, into, group_name)
+        return weighted_sum(back, weights[i], routing[i][0], tokens[i].shape[0], tokens[i].dtype)
+
+    return pipelined(list(range(len(tokens))), [dispatch, experts, combine])
