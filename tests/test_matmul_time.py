@@ -137,13 +137,20 @@ def test_a_linear_runs_forward_input_grad_and_weight_grad_at_its_tp_shape():
 
 def test_experts_run_one_grouped_gemm_over_the_local_experts():
     """qwen3_30b_a3b at ep 2 with the busiest rank 1.5x the mean: 64 local experts, each on
-    8 x 4,096 / 8 x top_k 8 x 1.5 / 64 = 768 rows; only the experts' FLOPs grow."""
+    8 x 4,096 / 8 x top_k 8 x 1.5 / 64 = 768 rows; only the experts' FLOPs grow. With the
+    exchange in C chunks (``parallel.ep_chunks``; null: 2) each chunk's grouped GEMM runs on
+    768 / C rows, C times: the same FLOPs."""
     balanced = matmul_shapes.step_gemms(_run("qwen3_30b_a3b"), _dims(ep=2))
     busy = matmul_shapes.step_gemms(_run("qwen3_30b_a3b", "plan.expert_imbalance=1.5"), _dims(ep=2))
-    experts = [g for g in busy if g.part == "expert_matmul"]
-    assert {g.groups for g in experts} == {64}
-    assert (768.0, 768, 2048) in {(g.m, g.n, g.k) for g in experts}  # w1 forward
-    assert (768, 2048, 768.0) in {(g.m, g.n, g.k) for g in experts}  # w1 weight gradient
+    for chunks, rows in (("1", 768.0), ("null", 384.0), ("4", 192.0)):
+        cfg = _run("qwen3_30b_a3b", "plan.expert_imbalance=1.5", f"parallel.ep_chunks={chunks}")
+        gemms = matmul_shapes.step_gemms(cfg, _dims(ep=2))
+        experts = [g for g in gemms if g.part == "expert_matmul"]
+        assert {g.groups for g in experts} == {64}
+        assert (rows, 768, 2048) in {(g.m, g.n, g.k) for g in experts}  # w1 forward
+        assert (768, 2048, rows) in {(g.m, g.n, g.k) for g in experts}  # w1 weight gradient
+        total = sum(g.flops for g in gemms if g.part == "expert_matmul")
+        assert total == pytest.approx(sum(g.flops for g in busy if g.part == "expert_matmul"))
 
     def flops(gemms, part):
         return sum(g.flops for g in gemms if g.part == part)

@@ -77,8 +77,9 @@ def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
     """FSDP 8 with ep 2: the experts' own FSDP group (efsdp, 4 ranks) gathers and reduces
     beside the blocks' group; with full overlap and slow compute only the first unit's gather
     of each pass is exposed, so its exposed time is a small part of what it sends, while the
-    token exchange (never hidden) is exposed whole."""
-    result = _time([], ep=2, peak_tflops=0.5)
+    token exchange in one piece (``parallel.ep_chunks=1``) is exposed whole, and in the default
+    two chunks (``exchange_time``) only its first dispatch and last combine: half of it."""
+    result = _time(["parallel.ep_chunks=1"], ep=2, peak_tflops=0.5)
     dims = ParallelDims(
         dp_replicate=1, dp_shard=8, cp=1, tp=1, world_size=8, ranks_per_node=4, ep=2, moe=True
     )
@@ -90,6 +91,44 @@ def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
     on_ep = sum(link["seconds"] for key, link in links.items() if key.endswith("/ep"))
     assert result["exposed_comm_s"]["ep"] == pytest.approx(on_ep, rel=1e-9)
     assert links["all_to_all/ep"]["seconds"] > 0.5 * on_ep
+    chunked = _time([], ep=2, peak_tflops=0.5)
+    exchange = chunked["comm_links"]["all_to_all/ep"]["seconds"]
+    assert chunked["exposed_comm_s"]["ep"] == pytest.approx(exchange / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "exchange, compute, chunks, timeline",
+    [
+        (4.0, 6.0, 1, 10.0),  # one piece: the dispatch, the experts, the combine, in a row
+        (4.0, 6.0, 2, 8.0),  # compute-bound: the first dispatch and the last combine exposed
+        (4.0, 6.0, 4, 7.0),
+        (8.0, 2.0, 2, 8.0),  # link-bound: the exchange whole, the experts behind it
+        (2.0, 2.0, 2, 3.0),  # even: the first dispatch, two chunks' experts, the last combine
+    ],
+)
+def test_the_chunked_exchange_hides_behind_the_experts_as_its_schedule_runs(
+    exchange, compute, chunks, timeline
+):
+    """``exchange_time``: dispatches back to back, each chunk's experts after its dispatch and
+    the previous chunk, each combine when its experts end and the link is free; worked by
+    hand. A step's exposed seconds are those timelines less the experts' compute, per pass."""
+    from hsdp_runner.planner.exchange_time import chunked_timeline, exposed_exchange
+
+    assert chunked_timeline(exchange, compute, chunks) == pytest.approx(timeline)
+    # No AC: a forward (1 part of the experts) and a backward (2 parts), equal exchanges.
+    want = chunked_timeline(exchange, 2.0, chunks) - 2 + chunked_timeline(exchange, 4.0, chunks) - 4
+    assert exposed_exchange(2 * exchange, 6.0, chunks, 0.0, False) == pytest.approx(want)
+    # Full AC: the exchange runs in the recomputed forward too, with its own experts' part.
+    full = (
+        2 * (chunked_timeline(exchange, 2.0, chunks) - 2)
+        + chunked_timeline(exchange, 4.0, chunks)
+        - 4
+    )
+    assert exposed_exchange(3 * exchange, 8.0, chunks, 1.0, True) == pytest.approx(full)
+    # cluster.overlap: the exchange hides behind that share of the experts' compute only.
+    assert exposed_exchange(2 * exchange, 6.0, chunks, 0.0, False, 0.0) == 2 * exchange
+    half = chunked_timeline(exchange, 1.0, chunks) - 1 + chunked_timeline(exchange, 2.0, chunks) - 2
+    assert exposed_exchange(2 * exchange, 6.0, chunks, 0.0, False, 0.5) == pytest.approx(half)
 
 
 def test_a_model_whose_experts_run_in_a_loop_is_priced_as_the_grouped_one():
@@ -138,11 +177,12 @@ def test_an_ep_group_across_nodes_is_priced_by_node():
         "nvlink",
     )
     # A rank's 4 sequences of 256 tokens, 2 MoE blocks, rows of 512 bf16; forward and
-    # backward move each row twice, the copies' slots and weights and the counts once.
+    # backward move each row twice, the copies' slots and weights once, and the counts of
+    # each of the exchange's 2 chunks once.
     tokens, row, layers = 4 * 256, 512 * 2, 2
     pairs, copies = round(tokens * expected_nodes(16, 2, 2)), tokens * 2
     inter = comm["all_to_all/ep_inter"]
-    assert inter["bytes"] == layers * (4 * pairs * row + copies * (8 + 4 + 4) + (16 + 2) * 8)
+    assert inter["bytes"] == layers * (4 * pairs * row + copies * (8 + 4 + 4) + 2 * (16 + 2) * 8)
     nic = cluster.price(
         "all_to_all", placement_of(dims, "ep_inter"), inter["calls"], inter["bytes"]
     )

@@ -18,7 +18,9 @@ work between matmuls. A GEMM is (M, N, K): an (M, K) operand times a (K, N) one.
   copies R/tp x top_k (under ep the copies it receives, x ``plan.expert_imbalance``: the
   busiest rank) spread evenly over them: M_g rows each; forward G x (M_g, out, in), backward
   G x (M_g, in, out) and G x (out, in, M_g). With ``model.grouped_mm=false`` the experts run
-  one after another: G launches of one group each.
+  one after another: G launches of one group each. Under a chunked token exchange
+  (``expert_parallel.exchange_chunks``: C chunks) each chunk runs its own: C launches on
+  M_g / C rows.
 - **Steps.** Each runs once per micro-batch. Activation checkpointing runs the blocks' forward
   GEMMs once more (full), or a share of them: selective recomputes every other matmul of a
   block, ``ModelSpec.selective_recompute_flops_per_token`` of the blocks' forward matmul
@@ -41,6 +43,7 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed import float8, float8_experts
+from hsdp_runner.distributed.expert_parallel import exchange_chunks
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models.base import block_prefix, build_meta_model, model_spec, moe_layers
 from hsdp_runner.planner.matmul_time import Gemm
@@ -155,6 +158,7 @@ def _experts(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float, loa
         cfg.trainer.grad_accum_steps,
         recompute_share(cfg),
     )
+    chunks = exchange_chunks(cfg.parallel, dims)
     for layer in moe_layers(model):
         copies = rows * layer.top_k * load
         for name, weight in layer.named_parameters():
@@ -164,7 +168,9 @@ def _experts(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float, loa
             local = experts // dims.ep
             owner = layer.get_submodule(name.rpartition(".")[0])
             groups, launches = (local, 1) if getattr(owner, "grouped_mm", True) else (1, local)
-            gemms = _linear_gemms(copies / local, out, inn)
+            # In chunks (the flat token exchange's): each chunk's grouped GEMMs on its rows.
+            launches *= chunks
+            gemms = _linear_gemms(copies / local / chunks, out, inn)
             for shape in gemms:
                 runs[(*shape, groups, EXPERTS, False)] += micro * launches
             if again:

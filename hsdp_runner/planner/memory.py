@@ -67,7 +67,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 15  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 16  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
@@ -78,7 +78,8 @@ CACHE_VERSION = 15  # bump when what a measurement holds changes (5: phases and 
 # uncast by FSDP, and RoPE's rotation built per call, ``RopeFunction``: every model with RoPE;
 # 14: a rank's experts sharded on dim 1 where dim 0 would be padded,
 # ``param_sizes.expert_shard_dim``: a model with fewer experts a rank than efsdp ranks; 15: a
-# request carries ``trainer.chunked_loss``, the job's loss in chunks of tokens)
+# request carries ``trainer.chunked_loss``, the job's loss in chunks of tokens; 16: the flat
+# token exchange in chunks, ``parallel.ep_chunks``: a model with experts under ep)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a

@@ -37,7 +37,9 @@
   on different links (HSDP: the shard group's reduce-scatter on NVLink, the replicate
   all-reduce on the NICs) they run side by side, so the backward's communication takes its
   latencies plus its busiest link's time. TP collectives and the loss all-reduce sit on the
-  critical path: exposed, and so does context parallel's key/value exchange
+  critical path: exposed, and so does context parallel's key/value exchange; expert
+  parallel's token exchange too, but for what the experts' compute hides when it runs in
+  chunks (``exchange_time``, ``parallel.ep_chunks``)
   (``comm_model.context_parallel_comm``): each block's attention waits for its all-gather, and
   the key/value projections' backward for the reduce-scatter of their gradients. It is priced
   apart from FSDP's collectives, which run over the same ``cp`` group when dp_shard = 1; FSDP's
@@ -58,6 +60,7 @@ from __future__ import annotations
 from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
+from hsdp_runner.distributed.expert_parallel import exchange_chunks
 from hsdp_runner.distributed.moe_comm import planned_routing
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.distributed.param_sizes import expert_wraps, moe_blocks, unit_sizes, view_sizes
@@ -66,8 +69,9 @@ from hsdp_runner.distributed.topology import Placement, placement
 from hsdp_runner.distributed.world_mesh import EP_STAGES, EXPERT_SPLIT
 from hsdp_runner.models.base import ModelConfig, model_spec
 from hsdp_runner.models.params import torch_dtype
-from hsdp_runner.planner import precision_cost
+from hsdp_runner.planner import matmul_shapes, precision_cost
 from hsdp_runner.planner.cluster import Cluster, Price
+from hsdp_runner.planner.exchange_time import exposed_exchange
 
 
 def step_flops(
@@ -285,9 +289,27 @@ def step_time(
     overlapped = {ar_key} | {
         f"{kind}/{g}" for g in groups for kind in ("all_gather", "reduce_scatter")
     }
+    # The token exchange in chunks: what the experts' compute does not hide, shared out over
+    # its keys (the exchange by node's two stages, one after the other, as one exchange).
+    chunks, exposed_part, exchange = exchange_chunks(cfg.parallel, dims), 1.0, set()
+    if chunks > 1:
+        exchange = {f"all_to_all/{name}" for name in (*EP_STAGES, dims.same_group("ep"))}
+    exchanged = sum(seconds for key, seconds in times.items() if key in exchange)
+    if exchanged > 0:
+        exposed_part = (
+            exposed_exchange(
+                exchanged,
+                compute_parts.get(matmul_shapes.EXPERTS, 0.0),
+                chunks,
+                matmul_shapes.recompute_share(cfg),
+                AC(cfg.parallel.ac) is AC.full,
+                cluster.overlap,
+            )
+            / exchanged
+        )
     for key, seconds in times.items():
         if key not in overlapped:
-            expose(key.split("/")[1], seconds)
+            expose(key.split("/")[1], seconds * (exposed_part if key in exchange else 1.0))
     for price in kv_prices.values():
         expose("cp", price.seconds)
     views = view_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
