@@ -189,3 +189,31 @@ def test_an_ep_group_across_nodes_is_priced_by_node():
     flat_nic = layers * 4 * copies * row / 2 / (10 * GB)
     assert nic.link_s["nic"] / flat_nic == pytest.approx(expected_nodes(16, 2, 2) / 2, rel=0.01)
     assert result["exposed_comm_s"]["ep_inter"] > result["exposed_comm_s"]["ep_intra"] > 0
+
+
+def test_a_chunked_exchange_adds_each_chunks_kernels_and_its_gradient_sums():
+    """moe_tiny in 2 chunks (``traffic``'s trace of the layer as a job runs it): more launches
+    per block (each chunk's routing, grouped matmuls and weighted sum), about the same bytes
+    per token (backward joins the chunks' input gradients: one more pass over them); the sums of each expert weight's gradients over the chunks are priced per local
+    expert (``expert_grad_sum_bytes``: 1 sum of 8 / ep experts' three weights, two reads and
+    a write, bf16), not at the trace's every expert. A dense model and ep 1 are unchanged."""
+    from hsdp_runner.planner.precision_cost import expert_grad_sum_bytes
+    from hsdp_runner.planner.traffic import traffic
+
+    cfg = to_run_config(plan.compose(MOE))
+    one, two = (traffic(cfg.model, cfg.precision, False, "cuda", c) for c in (1, 2))
+    assert two.launches["block_forward"] > one.launches["block_forward"]
+    assert two.launches["block_backward"] > one.launches["block_backward"]
+    assert two.block_forward[0] == pytest.approx(one.block_forward[0], rel=0.05)
+    assert one.block_backward[0] < two.block_backward[0] < 1.1 * one.block_backward[0]
+    assert two.block_backward[1] < 2 * one.block_backward[1]  # no every-expert gradient sums
+    m = cfg.model
+    weights = 3 * m.n_experts * m.expert_ffn_dim * m.dim * (m.n_layers - m.n_dense_layers)
+    for ep, chunks in ((2, "null"), (4, "3")):
+        run = to_run_config(plan.compose([*MOE, f"parallel.ep_chunks={chunks}"]))
+        parallel = run.parallel.__class__(dp_shard=8, ep=ep, ep_chunks=run.parallel.ep_chunks)
+        dims = ParallelDims.from_config(parallel, run.model, 8)
+        sums = {"null": 1, "3": 2}[chunks]
+        assert expert_grad_sum_bytes(run, dims) == 3 * sums * weights / ep * 2
+    dims = ParallelDims.from_config(cfg.parallel.__class__(dp_shard=8), cfg.model, 8)
+    assert expert_grad_sum_bytes(cfg, dims) == 0.0

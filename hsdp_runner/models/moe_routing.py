@@ -132,7 +132,21 @@ class TokenExchange(Protocol):
 
 class LocalExchange:
     """Every expert on this process: dispatch gathers the copies, combine weighs and sums
-    them."""
+    them. ``chunks`` > 1 (the planner's trace of a chunked exchange's kernels,
+    ``planner/traffic.py``; no job runs it: without expert parallel nothing travels) runs the
+    layer's chunks one after another through ``overlap``."""
+
+    def __init__(self, chunks: int = 1):
+        self.chunks = chunks
+
+    def overlap(self, tokens, routing, compute, weights, weighted_sum):
+        """Each chunk's copies through ``compute`` and summed (the arguments as the
+        exchanges' ``overlap``, ``distributed/exchange_overlap.py``): each chunk's (T_i,
+        dim)."""
+        return [
+            weighted_sum(compute(rows[token], counts), weight, token, rows.shape[0], rows.dtype)
+            for rows, (token, counts), weight in zip(tokens, routing, weights)
+        ]
 
     def dispatch(self, tokens, token, counts):
         """Returns (the copies ``tokens[token]``, counts, what combine sums by)."""

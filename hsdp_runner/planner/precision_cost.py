@@ -48,7 +48,9 @@ from __future__ import annotations
 from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import AC, CompileBackend
 from hsdp_runner.core.errors import ConfigError
+from hsdp_runner.distributed.expert_parallel import exchange_chunks
 from hsdp_runner.distributed.parallel_dims import ParallelDims
+from hsdp_runner.models.base import build_meta_model, moe_layers
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import attention_time, kernel_rates, matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
@@ -97,21 +99,23 @@ def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flo
     parts["memory"] = memory_seconds(cfg, dims, cluster)
     # The host launches kernels while earlier ones run, so launches cost time only where they
     # outlast the device's work: the step is launch bound.
-    parts["launch"] = max(0.0, launch_seconds(cfg, cluster) - sum(parts.values()))
+    chunks = exchange_chunks(cfg.parallel, dims)
+    parts["launch"] = max(0.0, launch_seconds(cfg, cluster, chunks) - sum(parts.values()))
     return parts
 
 
-def launch_seconds(cfg: RunConfig, cluster: Cluster) -> float:
+def launch_seconds(cfg: RunConfig, cluster: Cluster, chunks: int = 1) -> float:
     """Seconds the launches of one rank's kernels take (``Traffic.launches``: the blocks'
-    forward, AC's recompute of it, their backward and the rest, per micro-batch) at its
-    architecture's measured cost per launch (``kernel_rates.launch_seconds``); 0 on a device
-    the SM table does not list (a CPU's ops are its own compute time)."""
+    forward, AC's recompute of it, their backward and the rest, per micro-batch; the MoE
+    layers' in the token exchange's ``chunks``) at its architecture's measured cost per
+    launch (``kernel_rates.launch_seconds``); 0 on a device the SM table does not list (a
+    CPU's ops are its own compute time)."""
     found = lookup_sm_count(cluster.device)
     if not found:
         return 0.0
     parallel = cfg.parallel
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
-    counts = traffic(cfg.model, cfg.precision, fused, device_type_of(cluster)).launches
+    counts = traffic(cfg.model, cfg.precision, fused, device_type_of(cluster), chunks).launches
     recomputes = 0 if AC(parallel.ac) is AC.none else 1
     per_micro = (
         counts["block_forward"] * (1 + recomputes) + counts["block_backward"] + counts["rest"]
@@ -125,7 +129,9 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
     trainer, parallel = cfg.trainer, cfg.parallel
     # Only inductor generates fused kernels; the debugging backends run the blocks' ops as eager.
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
-    t = traffic(cfg.model, cfg.precision, fused, device_type_of(cluster))
+    t = traffic(
+        cfg.model, cfg.precision, fused, device_type_of(cluster), exchange_chunks(parallel, dims)
+    )
     # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).
     micro_tokens = trainer.global_batch_size * cfg.model.seq_len / dims.dp / dims.cp
     micro_tokens /= trainer.grad_accum_steps
@@ -134,5 +140,22 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
         t.bytes("block_forward", micro_tokens) * (1 + recomputes)
         + t.bytes("block_backward", micro_tokens)
         + t.bytes("rest", micro_tokens)
-    ) / dims.tp
+    ) / dims.tp + expert_grad_sum_bytes(cfg, dims)
     return per_micro * trainer.grad_accum_steps / (cluster.memory_gbps * 1e9)
+
+
+def expert_grad_sum_bytes(cfg: RunConfig, dims: ParallelDims) -> float:
+    """Bytes one rank moves per micro-batch summing each routed expert weight's gradients over
+    the token exchange's C chunks (``expert_parallel.exchange_chunks``; each chunk's grouped
+    matmuls give the weight a gradient of its own): C - 1 sums of the rank's local experts'
+    gradients in the compute dtype, two reads and a write each, per MoE layer. ``traffic``'s
+    trace holds every expert (no ep) and leaves these sums out."""
+    chunks = exchange_chunks(cfg.parallel, dims)
+    if chunks == 1:
+        return 0.0
+    model = build_meta_model(cfg.model)
+    weights = sum(
+        w.numel() for layer in moe_layers(model) for w in layer.parameters() if w.dim() == 3
+    )
+    width = torch_dtype(cfg.precision.param_dtype).itemsize
+    return 3 * (chunks - 1) * weights / dims.ep * width

@@ -34,7 +34,14 @@ from hsdp_runner.core.choices import DPMode
 from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
 from hsdp_runner.models import norm_rope
-from hsdp_runner.models.base import ModelConfig, model_fields, model_spec, routed_experts
+from hsdp_runner.models.base import (
+    ModelConfig,
+    model_fields,
+    model_spec,
+    moe_layers,
+    routed_experts,
+)
+from hsdp_runner.models.moe_routing import LocalExchange
 from hsdp_runner.models.norm_rope import fused_rms_norm as _fused_rms_norm
 from hsdp_runner.planner.cluster import Cluster
 
@@ -90,6 +97,11 @@ class _Trace(TorchDispatchMode):
         self.scalars = set()  # tensors of one element (a reduction's result: torchao's amax)
         self.attention_calls = defaultdict(int)  # per pass: one fused kernel each
         self.keep = []  # every output stays alive while tracing, so no id is reused
+        # The routed experts' stacked weights' shapes: an element-wise op writing one is the
+        # sum of a weight's gradients over the token exchange's chunks, whose bytes are the
+        # rank's local experts' (``expert_grad_sum_bytes``), not the traced model's every
+        # expert; it is a launch, not counted in ``_moved``.
+        self.expert_shapes: set[tuple[int, ...]] = set()
 
     def _id(self, t) -> int:
         key = id(t)
@@ -121,6 +133,8 @@ class _Trace(TorchDispatchMode):
             return out
         kind = "attention" if self.in_attention else "elementwise"
         kind = "matmul" if packet in _BOUNDARY_PACKETS and not self.in_attention else kind
+        if kind == "elementwise" and any(tuple(o.shape) in self.expert_shapes for o in outs):
+            kind = "expert_grad_sum"
         if packet is _aten.embedding:  # reads the looked-up rows only, not the whole table
             ins = [o.detach() for o in outs]
             self.keep += ins
@@ -242,7 +256,9 @@ def _launches(trace: _Trace, compiled: bool) -> dict[str, int]:
     launches: dict[str, int] = defaultdict(int)
     previous = None
     for phase, kind, _, _ in trace.ops:
-        if kind == "matmul" or (kind == "elementwise" and not (compiled and previous == kind)):
+        if kind in ("matmul", "expert_grad_sum") or (
+            kind == "elementwise" and not (compiled and previous == kind)
+        ):
             launches[phase] += 1
         previous = kind
     for phase, calls in trace.attention_calls.items():
@@ -251,29 +267,49 @@ def _launches(trace: _Trace, compiled: bool) -> dict[str, int]:
 
 
 def _trace_model(
-    fields: str, recipe: str, layers: int, tokens: int, compiled: bool, device_type: str = "cuda"
+    fields: str,
+    recipe: str,
+    layers: int,
+    tokens: int,
+    compiled: bool,
+    device_type: str = "cuda",
+    chunks: int = 1,
 ) -> dict:
     """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens, the
-    kernels as a ``device_type`` job runs them."""
-    return _moved(_run_trace(fields, recipe, layers, tokens, device_type), compiled)
+    kernels as a ``device_type`` job runs them (its MoE layers' tokens in ``chunks``)."""
+    return _moved(_run_trace(fields, recipe, layers, tokens, device_type, chunks), compiled)
 
 
 def _trace_launches(
-    fields: str, recipe: str, layers: int, compiled: bool, device_type: str = "cuda"
+    fields: str,
+    recipe: str,
+    layers: int,
+    compiled: bool,
+    device_type: str = "cuda",
+    chunks: int = 1,
 ) -> dict[str, int]:
     """Kernel launches per pass of ``layers`` blocks (model ``fields``, JSON), as a
-    ``device_type`` job runs them, eager or ``compiled``."""
-    return _launches(_run_trace(fields, recipe, layers, TRACE_TOKENS[0], device_type), compiled)
+    ``device_type`` job runs them, eager or ``compiled`` (its MoE layers' tokens in
+    ``chunks``)."""
+    trace = _run_trace(fields, recipe, layers, TRACE_TOKENS[0], device_type, chunks)
+    return _launches(trace, compiled)
 
 
 @functools.lru_cache(maxsize=16)
-def _run_trace(fields: str, recipe: str, layers: int, tokens: int, device_type: str) -> _Trace:
+def _run_trace(
+    fields: str, recipe: str, layers: int, tokens: int, device_type: str, chunks: int = 1
+) -> _Trace:
     """The trace of ``layers`` blocks of model ``fields`` (JSON) on ``tokens`` tokens: the
-    trainer's forward, loss and backward, its kernels as a ``device_type`` job runs them."""
+    trainer's forward, loss and backward, its kernels as a ``device_type`` job runs them; a
+    model with experts routes its tokens in ``chunks`` (the token exchange's: each chunk's
+    routing, grouped matmuls and weighted sum are kernels of their own; the all-to-alls are
+    communication, priced there)."""
     cfg = dict(json.loads(fields), n_layers=layers, seq_len=tokens)
     spec = model_spec(cfg)
     with torch.device("meta"):
         model = spec.build().to(torch.bfloat16)
+    for layer in moe_layers(model):
+        layer.exchange = LocalExchange(chunks)
     precision = PrecisionConfig(name="trace", float8=recipe)
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
     # The routed experts stay unconverted (``float8_experts.convert`` is not called): their
@@ -281,6 +317,12 @@ def _run_trace(fields: str, recipe: str, layers: int, tokens: int, device_type: 
     float8.convert(model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"])
     tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
     with _kernels_of(device_type) as trace:
+        trace.expert_shapes = {
+            tuple(w.shape)
+            for layer in moe_layers(model)
+            for w in layer.parameters()
+            if w.dim() == 3
+        }
         _forward_backward(model, tokens_in, trace)
     trace.keep = []  # the ids are read; the tensors need not stay alive
     return trace
@@ -328,7 +370,12 @@ def _forward_backward(model, tokens_in, trace: _Trace) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _traffic(
-    fields: str, recipe: str, compiled: bool, n_dense: int | None = None, device_type: str = "cuda"
+    fields: str,
+    recipe: str,
+    compiled: bool,
+    n_dense: int | None = None,
+    device_type: str = "cuda",
+    chunks: int = 1,
 ) -> Traffic:
     """The traffic of the model ``fields`` (JSON): each kind of block traced apart (a model
     with experts, ``n_dense`` its dense blocks before the MoE ones: ``_block_kinds``; None: a
@@ -348,11 +395,17 @@ def _traffic(
     launches = {"block_forward": 0, "block_backward": 0}
     kinds = _block_kinds(fields, n_layers, n_dense)
     for kind, count in kinds:
-        one_l, two_l = (_trace_launches(kind, recipe, n, compiled, device_type) for n in (1, 2))
+        one_l, two_l = (
+            _trace_launches(kind, recipe, n, compiled, device_type, chunks) for n in (1, 2)
+        )
         launches["block_forward"] += (two_l["forward"] - one_l["forward"]) * count
         launches["block_backward"] += (two_l["backward"] - one_l["backward"]) * count
-        one = {n: _trace_model(kind, recipe, 1, n, compiled, device_type) for n in TRACE_TOKENS}
-        two = {n: _trace_model(kind, recipe, 2, n, compiled, device_type) for n in TRACE_TOKENS}
+        one = {
+            n: _trace_model(kind, recipe, 1, n, compiled, device_type, chunks) for n in TRACE_TOKENS
+        }
+        two = {
+            n: _trace_model(kind, recipe, 2, n, compiled, device_type, chunks) for n in TRACE_TOKENS
+        }
         f, w = block(one, two, "forward"), block(one, two, "backward")
         fwd = (fwd[0] + f[0] * count, fwd[1] + f[1] * count)
         bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
@@ -390,11 +443,16 @@ def _block_kinds(fields: str, n_layers: int, n_dense: int | None) -> list[tuple[
 
 
 def traffic(
-    model_cfg: ModelConfig, precision: PrecisionConfig, compiled: bool, device_type: str = "cuda"
+    model_cfg: ModelConfig,
+    precision: PrecisionConfig,
+    compiled: bool,
+    device_type: str = "cuda",
+    chunks: int = 1,
 ) -> Traffic:
     """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
     included), eager or ``compiled`` (module docstring), its kernels as a ``device_type``
-    ('cuda', 'cpu': ``device_type_of``) job runs them; cached per shape."""
+    ('cuda', 'cpu': ``device_type_of``) job runs them, a model with experts routing its tokens
+    in ``chunks`` (``expert_parallel.exchange_chunks``); cached per shape."""
     fields = model_fields(model_cfg)
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
@@ -409,6 +467,7 @@ def traffic(
         compiled,
         n_dense,
         device_type,
+        chunks if n_dense is not None else 1,
     )
 
 
