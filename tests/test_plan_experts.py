@@ -97,38 +97,51 @@ def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
 
 
 @pytest.mark.parametrize(
-    "exchange, compute, chunks, timeline",
+    "links, compute, chunks, want",
     [
-        (4.0, 6.0, 1, 10.0),  # one piece: the dispatch, the experts, the combine, in a row
-        (4.0, 6.0, 2, 8.0),  # compute-bound: the first dispatch and the last combine exposed
-        (4.0, 6.0, 4, 7.0),
-        (8.0, 2.0, 2, 8.0),  # link-bound: the exchange whole, the experts behind it
-        (2.0, 2.0, 2, 3.0),  # even: the first dispatch, two chunks' experts, the last combine
+        ([4.0], 6.0, 1, 10.0),  # one piece: the dispatch, the experts, the combine, in a row
+        ([4.0], 6.0, 2, 8.0),  # compute-bound: the first dispatch and the last combine exposed
+        ([4.0], 6.0, 4, 7.0),
+        ([8.0], 2.0, 2, 8.0),  # link-bound: the exchange whole, the experts behind it
+        ([2.0], 2.0, 2, 3.0),  # even: the first dispatch, two chunks' experts, the last combine
+        # By node, NICs then NVLink (1 s a chunk each way on ep_inter, 0.5 on ep_intra):
+        ([4.0, 2.0], 0.0, 1, 6.0),  # one piece: every stage in a row
+        # 2 chunks, no compute: out over the NICs 0-1, 1-2; over NVLink 1-1.5 (chunk 1's NIC
+        # stage beside it), 2-2.5 (the relay's work on chunk 1, issued before chunk 0's
+        # experts, waits for its rows); back over NVLink 2.5-3, 3-3.5, the NICs 3-4, 4-5.
+        ([4.0, 2.0], 0.0, 2, 5.0),
+        # with 4 s of experts: chunk 0's at 2-4, chunk 1's at 4-6; back over NVLink 4-4.5,
+        # 6-6.5; the relays' sums are issued after chunk 1's experts: the NICs 6-7, 7-8.
+        ([4.0, 2.0], 4.0, 2, 8.0),
     ],
 )
 def test_the_chunked_exchange_hides_behind_the_experts_as_its_schedule_runs(
-    exchange, compute, chunks, timeline
+    links, compute, chunks, want
 ):
-    """``exchange_time``: dispatches back to back, each chunk's experts after its dispatch and
-    the previous chunk, each combine when its experts end and the link is free; worked by
-    hand. A step's exposed seconds are those timelines less the experts' compute, per pass."""
-    from hsdp_runner.planner.exchange_time import chunked_timeline, exposed_exchange
+    """``exchange_time``: each stage on every chunk before the next (breadth first), each
+    link a queue of its own, the compute in the order the host issued it; worked by hand. A
+    step's exposed seconds are those timelines less the experts' compute, per pass."""
+    from hsdp_runner.planner.exchange_time import exposed_exchange, timeline
 
-    assert chunked_timeline(exchange, compute, chunks) == pytest.approx(timeline)
+    assert timeline(links, compute, chunks) == pytest.approx(want)
+    twice = [2 * s for s in links]
+
+    def exposed(e):
+        return timeline(links, e, chunks) - e
+
     # No AC: a forward (1 part of the experts) and a backward (2 parts), equal exchanges.
-    want = chunked_timeline(exchange, 2.0, chunks) - 2 + chunked_timeline(exchange, 4.0, chunks) - 4
-    assert exposed_exchange(2 * exchange, 6.0, chunks, 0.0, False) == pytest.approx(want)
+    want = exposed(2.0) + exposed(4.0)
+    assert exposed_exchange(twice, 6.0, chunks, 0.0, False) == pytest.approx(want)
     # Full AC: the exchange runs in the recomputed forward too, with its own experts' part.
-    full = (
-        2 * (chunked_timeline(exchange, 2.0, chunks) - 2)
-        + chunked_timeline(exchange, 4.0, chunks)
-        - 4
-    )
-    assert exposed_exchange(3 * exchange, 8.0, chunks, 1.0, True) == pytest.approx(full)
-    # cluster.overlap: the exchange hides behind that share of the experts' compute only.
-    assert exposed_exchange(2 * exchange, 6.0, chunks, 0.0, False, 0.0) == 2 * exchange
-    half = chunked_timeline(exchange, 1.0, chunks) - 1 + chunked_timeline(exchange, 2.0, chunks) - 2
-    assert exposed_exchange(2 * exchange, 6.0, chunks, 0.0, False, 0.5) == pytest.approx(half)
+    full = 2 * exposed(2.0) + exposed(4.0)
+    assert exposed_exchange([3 * s for s in links], 8.0, chunks, 1.0, True) == pytest.approx(full)
+    # cluster.overlap: the exchange hides behind that share of the experts' compute only (at
+    # 0, none: on one link all of it is exposed; on two, chunks still pass each other).
+    nothing = exposed_exchange(twice, 6.0, chunks, 0.0, False, 0.0)
+    assert nothing == pytest.approx(2 * timeline(links, 0.0, chunks))
+    assert nothing == pytest.approx(sum(twice)) or len(links) == 2
+    half = exposed(1.0) + exposed(2.0)
+    assert exposed_exchange(twice, 6.0, chunks, 0.0, False, 0.5) == pytest.approx(half)
 
 
 def test_a_model_whose_experts_run_in_a_loop_is_priced_as_the_grouped_one():

@@ -289,24 +289,23 @@ def step_time(
     overlapped = {ar_key} | {
         f"{kind}/{g}" for g in groups for kind in ("all_gather", "reduce_scatter")
     }
-    # The token exchange in chunks: what the experts' compute does not hide, shared out over
-    # its keys (the exchange by node's two stages, one after the other, as one exchange).
-    chunks, exposed_part, exchange = exchange_chunks(cfg.parallel, dims), 1.0, set()
+    # The token exchange in chunks: what the experts' compute does not hide (the exchange by
+    # node's two stages on their own links), shared out over its keys.
+    chunks, exposed_part, exchange = exchange_chunks(cfg.parallel, dims), 1.0, []
     if chunks > 1:
-        exchange = {f"all_to_all/{name}" for name in (*EP_STAGES, dims.same_group("ep"))}
-    exchanged = sum(seconds for key, seconds in times.items() if key in exchange)
+        names = EP_STAGES if dims.ep_nodes > 1 else (dims.same_group("ep"),)
+        exchange = [f"all_to_all/{name}" for name in names if f"all_to_all/{name}" in times]
+    exchanged = sum(times[key] for key in exchange)
     if exchanged > 0:
-        exposed_part = (
-            exposed_exchange(
-                exchanged,
-                compute_parts.get(matmul_shapes.EXPERTS, 0.0),
-                chunks,
-                matmul_shapes.recompute_share(cfg),
-                AC(cfg.parallel.ac) is AC.full,
-                cluster.overlap,
-            )
-            / exchanged
+        not_hidden = exposed_exchange(
+            [times[key] for key in exchange],
+            compute_parts.get(matmul_shapes.EXPERTS, 0.0),
+            chunks,
+            matmul_shapes.recompute_share(cfg),
+            AC(cfg.parallel.ac) is AC.full,
+            cluster.overlap,
         )
+        exposed_part = not_hidden / exchanged
     for key, seconds in times.items():
         if key not in overlapped:
             expose(key.split("/")[1], seconds * (exposed_part if key in exchange else 1.0))

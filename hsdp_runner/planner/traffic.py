@@ -41,7 +41,6 @@ from hsdp_runner.models.base import (
     moe_layers,
     routed_experts,
 )
-from hsdp_runner.models.moe_routing import LocalExchange
 from hsdp_runner.models.norm_rope import fused_rms_norm as _fused_rms_norm
 from hsdp_runner.planner.cluster import Cluster
 
@@ -309,7 +308,7 @@ def _run_trace(
     with torch.device("meta"):
         model = spec.build().to(torch.bfloat16)
     for layer in moe_layers(model):
-        layer.exchange = LocalExchange(chunks)
+        layer.exchange.chunks = chunks  # its own LocalExchange: every expert on this process
     precision = PrecisionConfig(name="trace", float8=recipe)
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
     # The routed experts stay unconverted (``float8_experts.convert`` is not called): their
