@@ -123,25 +123,27 @@ def test_the_chunked_exchange_hides_behind_the_experts_as_its_schedule_runs(
     step's exposed seconds are those timelines less the experts' compute, per pass."""
     from hsdp_runner.planner.exchange_time import exposed_exchange, timeline
 
-    assert timeline(links, compute, chunks) == pytest.approx(want)
+    node = len(links) == 2  # the exchange by node: ep_inter, then ep_intra
+    assert timeline(links, compute, chunks, node) == pytest.approx(want)
     twice = [2 * s for s in links]
 
     def exposed(e):
-        return timeline(links, e, chunks) - e
+        return timeline(links, e, chunks, node) - e
+
+    def step(links, experts, recompute, full, overlap=1.0):
+        return exposed_exchange(links, experts, chunks, recompute, full, overlap, by_node=node)
 
     # No AC: a forward (1 part of the experts) and a backward (2 parts), equal exchanges.
-    want = exposed(2.0) + exposed(4.0)
-    assert exposed_exchange(twice, 6.0, chunks, 0.0, False) == pytest.approx(want)
+    assert step(twice, 6.0, 0.0, False) == pytest.approx(exposed(2.0) + exposed(4.0))
     # Full AC: the exchange runs in the recomputed forward too, with its own experts' part.
     full = 2 * exposed(2.0) + exposed(4.0)
-    assert exposed_exchange([3 * s for s in links], 8.0, chunks, 1.0, True) == pytest.approx(full)
+    assert step([3 * s for s in links], 8.0, 1.0, True) == pytest.approx(full)
     # cluster.overlap: the exchange hides behind that share of the experts' compute only (at
     # 0, none: on one link all of it is exposed; on two, chunks still pass each other).
-    nothing = exposed_exchange(twice, 6.0, chunks, 0.0, False, 0.0)
-    assert nothing == pytest.approx(2 * timeline(links, 0.0, chunks))
-    assert nothing == pytest.approx(sum(twice)) or len(links) == 2
-    half = exposed(1.0) + exposed(2.0)
-    assert exposed_exchange(twice, 6.0, chunks, 0.0, False, 0.5) == pytest.approx(half)
+    nothing = step(twice, 6.0, 0.0, False, 0.0)
+    assert nothing == pytest.approx(2 * timeline(links, 0.0, chunks, node))
+    assert nothing == pytest.approx(sum(twice)) or node
+    assert step(twice, 6.0, 0.0, False, 0.5) == pytest.approx(exposed(1.0) + exposed(2.0))
 
 
 def test_a_model_whose_experts_run_in_a_loop_is_priced_as_the_grouped_one():

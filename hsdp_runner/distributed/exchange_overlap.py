@@ -5,9 +5,11 @@ The exchange in one piece waits for every routed row before the experts start an
 output before the layer goes on: its all-to-alls are exposed whole, in forward and backward.
 Here the MoE layer cuts its tokens into C chunks (``moe_routing.MoE``), routes each chunk on
 its own, and hands the chunks to the experts in one call (one FSDP unshard and one
-post-backward reduce-scatter), whose exchange runs them through its stages **breadth first**
-(``pipelined``): each stage (a segment that waits what the previous one issued, computes,
-and issues what the next one waits) on every chunk before the next stage. The flat exchange
+post-backward reduce-scatter), whose exchange runs them through its segments (each waits
+what the previous one issued, computes, and issues what the next one waits) **breadth
+first**: each segment on every chunk before the next (``schedule``, ``pipelined``). The
+segments are described once (``Segment``: ``FLAT``, ``BY_NODE``), for the runtime and for the
+planner, which times the same order (``planner/exchange_time.py``). The flat exchange
 (``flat_overlap``) has three:
 
     dispatch: the counts of all chunks (one all-to-all, one host read); issue each chunk's rows
@@ -41,6 +43,7 @@ the weights' gradient sums (the grouped matmuls run per chunk).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -91,13 +94,48 @@ def send(rows: torch.Tensor, received: list[int], sent: list[int], group_name: s
         return issue(rows, received, sent, group_name), rows
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One step of an exchange's schedule for one chunk: it waits for the rows of link stage
+    ``waits`` (None: nothing), runs the experts if ``experts``, and starts link stage
+    ``issues`` (None: nothing). What the runtime runs (``pipelined``) and the planner times
+    (``planner/exchange_time.py``) from one description."""
+
+    waits: int | None
+    experts: bool
+    issues: int | None
+
+
+# The flat exchange: link stages 0 (dispatch) and 1 (combine), both over ``ep`` (link 0).
+FLAT = (Segment(None, False, 0), Segment(0, True, 1), Segment(1, False, None))
+FLAT_LINKS = (0, 0)
+# The exchange by node: out over ``ep_inter`` (stage 0, link 0) then ``ep_intra`` (stage 1,
+# link 1), back over ``ep_intra`` (2) then ``ep_inter`` (3); the relays' work between the
+# stages, the experts after stage 1.
+BY_NODE = (
+    Segment(None, False, 0),
+    Segment(0, False, 1),
+    Segment(1, True, 2),
+    Segment(2, False, 3),
+    Segment(3, False, None),
+)
+BY_NODE_LINKS = (0, 1, 1, 0)
+
+
+def schedule(segments: int, chunks: int) -> list[tuple[int, int]]:
+    """The (segment, chunk) order an exchange of ``segments`` segments runs ``chunks`` chunks
+    in: breadth first, each segment on every chunk before the next."""
+    return [(segment, chunk) for segment in range(segments) for chunk in range(chunks)]
+
+
 def pipelined(states: list, segments: list[Callable]) -> list:
-    """Run each of ``segments`` (state -> state) on every chunk's state before the next
-    segment: a segment waits what the previous one issued and issues what the next waits, so
-    while it runs on chunk i the all-to-alls of chunk i+1 (issued by the previous segment)
-    travel. Returns the chunks' last states."""
-    for segment in segments:
-        states = [segment(state) for state in states]
+    """Run ``segments`` (state -> state) on the chunks' ``states`` in ``schedule``'s order: a
+    segment waits what the previous one issued and issues what the next waits, so while it
+    runs on chunk i what the previous segment issued for chunk i+1 travels. Returns the
+    chunks' last states."""
+    states = list(states)
+    for segment, chunk in schedule(len(segments), len(states)):
+        states[chunk] = segments[segment](states[chunk])
     return states
 
 
@@ -144,4 +182,5 @@ def flat_overlap(
         back = arrive(pending, source, out, into, group_name)
         return weighted_sum(back, weights[i], routing[i][0], tokens[i].shape[0], tokens[i].dtype)
 
+    # ``FLAT``'s segments, which the planner times in the same order.
     return pipelined(list(range(len(tokens))), [dispatch, experts, combine])

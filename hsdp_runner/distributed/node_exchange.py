@@ -124,6 +124,7 @@ class NodeExchange:
         def on_relay(state):
             return self._sum_on_relay(state, weighted_sum)
 
+        # ``exchange_overlap.BY_NODE``'s segments, which the planner times in the same order.
         segments = [self._send_pairs, self._relay, experts, on_relay, self._sum_at_source]
         routing = [(token, counts, weight) for (token, counts), weight in zip(routing, weights)]
         return pipelined(self._plan(tokens, routing), segments)

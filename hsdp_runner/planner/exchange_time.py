@@ -26,34 +26,39 @@ combine (the busiest rank's rows in and out).
 
 from __future__ import annotations
 
+from hsdp_runner.distributed.exchange_overlap import (
+    BY_NODE,
+    BY_NODE_LINKS,
+    FLAT,
+    FLAT_LINKS,
+    schedule,
+)
 
-def timeline(links: list[float], compute: float, chunks: int) -> float:
+
+def timeline(links: list[float], compute: float, chunks: int, by_node: bool = False) -> float:
     """Seconds of one pass from the first dispatch to the last combine's arrival: ``links``
-    the seconds of each link's stage in dispatch order (dispatch and combine together; the
-    combine runs them in reverse), ``compute`` the experts', in ``chunks`` chunks."""
-    stages = len(links)
-    move = [seconds / (2 * chunks) for seconds in links]  # one chunk's stage, each way
-    work = compute / chunks
-    free = [0.0] * stages  # when each link's queue is next free
+    each link's seconds of the pass (the flat exchange: ``ep``; by node: ``ep_inter``, then
+    ``ep_intra``), half of them each way; ``compute`` the experts'; in ``chunks`` chunks run
+    in ``exchange_overlap.schedule``'s order through the exchange's segments (``FLAT`` or
+    ``BY_NODE``): a segment's compute starts when the compute issued before it has run and
+    the rows it waits for have arrived; a link stage when its link's queue is free and the
+    compute issued before it has run."""
+    segments, stage_links = (BY_NODE, BY_NODE_LINKS) if by_node else (FLAT, FLAT_LINKS)
+    move = [links[link] / (2 * chunks) if link < len(links) else 0.0 for link in stage_links]
+    free: dict[int, float] = {}  # when each link's queue is next free
+    arrived: dict[tuple[int, int], float] = {}  # (link stage, chunk): when its rows arrive
     busy = 0.0  # when the compute issued so far has run
-    ready = [0.0] * chunks  # per chunk: when what its next step needs has arrived
-
-    def on_link(stage: int) -> None:
-        nonlocal busy
-        for c in range(chunks):
-            busy = max(busy, ready[c])  # the host's (or stream's) work before the issue
-            start = max(free[stage], busy)
-            free[stage] = ready[c] = start + move[stage]
-
-    for stage in range(stages):
-        on_link(stage)
-    for c in range(chunks):  # the experts, chunk by chunk, each combine issued after
-        busy = max(busy, ready[c]) + work
-        start = max(free[-1], busy)
-        free[-1] = ready[c] = start + move[-1]
-    for stage in reversed(range(stages - 1)):
-        on_link(stage)
-    return max(busy, *ready)
+    for index, chunk in schedule(len(segments), chunks):
+        segment = segments[index]
+        if segment.waits is not None:
+            busy = max(busy, arrived[segment.waits, chunk])
+        if segment.experts:
+            busy += compute / chunks
+        if segment.issues is not None:
+            link = stage_links[segment.issues]
+            start = max(free.get(link, 0.0), busy)
+            free[link] = arrived[segment.issues, chunk] = start + move[segment.issues]
+    return busy
 
 
 def exposed_exchange(
@@ -63,21 +68,22 @@ def exposed_exchange(
     recompute: float,
     full_ac: bool,
     overlap: float = 1.0,
+    by_node: bool = False,
 ) -> float:
     """Seconds of a step's token exchange (``links``: each link's seconds of it, every
-    all-to-all of the step, in dispatch order) that its ``experts`` (the grouped matmuls'
-    seconds, recompute included) do not hide with ``chunks`` chunks; ``recompute``: the share
-    of a forward that backward recomputes; ``full_ac``: the exchange runs again with it
-    (module docstring); ``overlap``: ``cluster.overlap``, the share of compute a collective
-    can hide behind (as for FSDP's: 1.0 on a GPU, measured on a CPU, where gloo's threads and
-    the experts share the cores)."""
+    all-to-all of the step, as ``timeline`` takes them; ``by_node``: the exchange by node's)
+    that its ``experts`` (the grouped matmuls' seconds, recompute included) do not hide with
+    ``chunks`` chunks; ``recompute``: the share of a forward that backward recomputes;
+    ``full_ac``: the exchange runs again with it (module docstring); ``overlap``:
+    ``cluster.overlap``, the share of compute a collective can hide behind (as for FSDP's: 1.0
+    on a GPU, measured on a CPU, where gloo's threads and the experts share the cores)."""
     if chunks == 1 or sum(links) <= 0:
         return sum(links)
     forwards = 2 if full_ac else 1
     per_pass = [seconds / (forwards + 1) for seconds in links]
     unit = overlap * experts / (3 + recompute)
     backward = unit * (2 if full_ac else 2 + recompute)
-    exposed = timeline(per_pass, backward, chunks) - backward
+    exposed = timeline(per_pass, backward, chunks, by_node) - backward
     for _ in range(forwards):
-        exposed += timeline(per_pass, unit, chunks) - unit
+        exposed += timeline(per_pass, unit, chunks, by_node) - unit
     return exposed

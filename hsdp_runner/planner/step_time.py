@@ -294,16 +294,17 @@ def step_time(
     chunks, exposed_part, exchange = exchange_chunks(cfg.parallel, dims), 1.0, []
     if chunks > 1:
         names = EP_STAGES if dims.ep_nodes > 1 else (dims.same_group("ep"),)
-        exchange = [f"all_to_all/{name}" for name in names if f"all_to_all/{name}" in times]
-    exchanged = sum(times[key] for key in exchange)
+        exchange = [f"all_to_all/{name}" for name in names]
+    exchanged = sum(times.get(key, 0.0) for key in exchange)
     if exchanged > 0:
         not_hidden = exposed_exchange(
-            [times[key] for key in exchange],
+            [times.get(key, 0.0) for key in exchange],
             compute_parts.get(matmul_shapes.EXPERTS, 0.0),
             chunks,
             matmul_shapes.recompute_share(cfg),
             AC(cfg.parallel.ac) is AC.full,
             cluster.overlap,
+            by_node=dims.ep_nodes > 1,
         )
         exposed_part = not_hidden / exchanged
     for key, seconds in times.items():
