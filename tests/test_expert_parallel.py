@@ -13,6 +13,7 @@ from conftest import read_job, run_cli
 from distributed import run_workers
 
 from hsdp_runner.config.schema import ParallelConfig
+from hsdp_runner.core.choices import ExchangeOrder
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 
@@ -277,26 +278,35 @@ def _cross_node_bytes() -> dict:
     return out
 
 
-def _train(ep: int, ranks_per_node: int | None) -> list[dict]:
+def _train(ep: int, ranks_per_node: int | None, *extra: str) -> dict:
     """moe_tiny under FSDP 4 with ``ep`` (the ranks told they sit on nodes of
-    ``ranks_per_node``), 3 steps: the step records."""
+    ``ranks_per_node``) and the ``extra`` overrides, 3 steps: the step records and the order
+    each MoE layer's exchange runs its chunks in."""
     from test_config import compose
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from hsdp_runner.config.compose import to_run_config
+    from hsdp_runner.distributed.expert_parallel import moe_modules
     from hsdp_runner.runtime.rank_training import rank_trainer
 
-    overrides = ["model=moe_tiny", "parallel=fsdp", f"parallel.ep={ep}", "logger=none"]
+    overrides = ["model=moe_tiny", "parallel=fsdp", f"parallel.ep={ep}", "logger=none", *extra]
     cfg = to_run_config(compose([*overrides, "trainer.steps=3", "metrics.peak_tflops=1"]))
     _clear_sharding_prop_cache()  # a second world in this process (tests/test_comm.py)
     trainer, _ = rank_trainer(cfg, ranks_per_node=ranks_per_node)
-    return trainer.fit()
+    orders = {
+        getattr(moe.exchange, "order", None)
+        for part in trainer.parts
+        for moe in moe_modules(part).values()
+    }
+    return {"records": trainer.fit(), "orders": orders}
 
 
-def _chunked_layer(ep: int = 2, ranks_per_node: int | None = None) -> dict:
+def _chunked_layer(
+    ep: int = 2, ranks_per_node: int | None = None, order: str = "breadth_first"
+) -> dict:
     """A MoE layer (8 experts, top 2, 16 wide) on ep ``ep`` of 4 ranks (on nodes of
-    ``ranks_per_node``: None, one node), forward and backward with its exchange in 2 chunks,
-    then in one: the ops' order in each (forward, backward: 'A' an
+    ``ranks_per_node``: None, one node), forward and backward with its exchange in 2 chunks
+    (in ``order``: ``parallel.ep_order``), then in one: the ops' order in each (forward, backward: 'A' an
     all-to-all issued, 'W' one waited by the exchange's own call, 'G' grouped matmuls; a
     tensor torch's functional collectives return in flight waits inside the op that first
     uses it, unseen here) and the largest differences of the chunked run's output and
@@ -343,7 +353,7 @@ def _chunked_layer(ep: int = 2, ranks_per_node: int | None = None) -> dict:
 
     runs, orders = {}, {}
     for chunks in (2, 1):
-        layer.exchange = make_exchange(d, world, chunks)
+        layer.exchange = make_exchange(d, world, chunks, ExchangeOrder(order))
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         with Order() as forward:
@@ -369,6 +379,7 @@ def _four_rank_cases() -> dict:
     return {
         "chunked_layer": _chunked_layer(),
         "chunked_layer_by_node": _chunked_layer(4, 2),
+        "chunked_layer_by_node_per_chunk": _chunked_layer(4, 2, "per_chunk"),
         "skipped_step_bias": _skipped_step_bias(),
         "stage_buffers": _stage_buffers(),
         "meshes": _meshes(),
@@ -384,7 +395,7 @@ def _four_rank_cases() -> dict:
         "cross_node_bytes": _cross_node_bytes(),
         "train_ep1": _train(1, None),
         "train_ep4_flat": _train(4, None),
-        "train_ep4_2_nodes": _train(4, 2),
+        "train_ep4_2_nodes": _train(4, 2, "parallel.ep_order=per_chunk"),
     }
 
 
@@ -466,10 +477,15 @@ def test_by_node_exchange_sends_a_token_across_nodes_once_per_node(four_ranks):
 
 @pytest.mark.multiprocess
 def test_by_node_exchange_trains_as_the_flat_one_and_as_ep_1(four_ranks):
-    """moe_tiny, FSDP 4, 3 steps: ep 4 with the ranks on 2 nodes of 2 (the by-node exchange)
-    against ep 4 on one node (flat) and ep 1: the same losses and gradient norms (1e-6
+    """moe_tiny, FSDP 4, 3 steps: ep 4 with the ranks on 2 nodes of 2 (the by-node exchange,
+    its chunks in ``parallel.ep_order=per_chunk``, which the job's exchange runs) against ep 4
+    on one node (flat) and ep 1: the same losses and gradient norms (1e-6
     relative) and the same experts' load."""
-    runs = {key: four_ranks[0][key] for key in ("train_ep1", "train_ep4_flat", "train_ep4_2_nodes")}
+    runs = {
+        key: four_ranks[0][key]["records"]
+        for key in ("train_ep1", "train_ep4_flat", "train_ep4_2_nodes")
+    }
+    assert four_ranks[0]["train_ep4_2_nodes"]["orders"] == {ExchangeOrder.per_chunk}
     by_node = runs["train_ep4_2_nodes"]
     for other in ("train_ep1", "train_ep4_flat"):
         for mine, theirs in zip(by_node, runs[other], strict=True):
@@ -507,6 +523,16 @@ def test_moe_trains_with_expert_parallel_from_the_command_line(job_dir):
         (
             "chunked_layer_by_node",
             ["AAAAAAAAWWAWWAWGAWGAWWAWWAWW", "AAAAAAGAGAAA"],
+            ["AAAAWWAWGAAWWAW", "AAAGAA"],
+        ),
+        # By node per chunk (``parallel.ep_order=per_chunk``): after the same issues, chunk
+        # 0's relay and experts, then chunk 1's relay, then chunk 0's relay sum (its rows
+        # back over the NICs) before chunk 1's experts. Backward the mirror: chunk 1's
+        # experts' backward once the sums' gradients are out, then chunk 0's relay-sum and
+        # chunk 1's relay gradients, then chunk 0's experts.
+        (
+            "chunked_layer_by_node_per_chunk",
+            ["AAAAAAAAWWAWGAWWAWWAWGAWWAWW", "AAAAGAAAAGAA"],
             ["AAAAWWAWGAAWWAW", "AAAGAA"],
         ),
     ],

@@ -8,6 +8,7 @@ from clusters import fake_cluster
 
 from hsdp_runner import plan
 from hsdp_runner.config.compose import to_run_config
+from hsdp_runner.core.choices import ExchangeOrder
 from hsdp_runner.distributed.moe_comm import expected_nodes
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.distributed.topology import Placement
@@ -96,42 +97,86 @@ def test_the_experts_fsdp_gathers_hide_behind_compute_as_the_blocks_do():
     assert chunked["exposed_comm_s"]["ep"] == pytest.approx(exchange / 2, rel=1e-9)
 
 
+BREADTH, PER_CHUNK = ExchangeOrder.breadth_first, ExchangeOrder.per_chunk
+
+
 @pytest.mark.parametrize(
-    "links, compute, chunks, want",
+    "links, compute, chunks, want, order",
     [
-        ([4.0], 6.0, 1, 10.0),  # one piece: the dispatch, the experts, the combine, in a row
-        ([4.0], 6.0, 2, 8.0),  # compute-bound: the first dispatch and the last combine exposed
-        ([4.0], 6.0, 4, 7.0),
-        ([8.0], 2.0, 2, 8.0),  # link-bound: the exchange whole, the experts behind it
-        ([2.0], 2.0, 2, 3.0),  # even: the first dispatch, two chunks' experts, the last combine
+        (
+            [4.0],
+            6.0,
+            1,
+            10.0,
+            BREADTH,
+        ),  # one piece: the dispatch, the experts, the combine, in a row
+        (
+            [4.0],
+            6.0,
+            2,
+            8.0,
+            BREADTH,
+        ),  # compute-bound: the first dispatch and the last combine exposed
+        ([4.0], 6.0, 4, 7.0, BREADTH),
+        ([8.0], 2.0, 2, 8.0, BREADTH),  # link-bound: the exchange whole, the experts behind it
+        (
+            [2.0],
+            2.0,
+            2,
+            3.0,
+            BREADTH,
+        ),  # even: the first dispatch, two chunks' experts, the last combine
         # By node, NICs then NVLink (1 s a chunk each way on ep_inter, 0.5 on ep_intra):
-        ([4.0, 2.0], 0.0, 1, 6.0),  # one piece: every stage in a row
+        ([4.0, 2.0], 0.0, 1, 6.0, BREADTH),  # one piece: every stage in a row
         # 2 chunks, no compute: out over the NICs 0-1, 1-2; over NVLink 1-1.5 (chunk 1's NIC
         # stage beside it), 2-2.5 (the relay's work on chunk 1, issued before chunk 0's
         # experts, waits for its rows); back over NVLink 2.5-3, 3-3.5, the NICs 3-4, 4-5.
-        ([4.0, 2.0], 0.0, 2, 5.0),
+        ([4.0, 2.0], 0.0, 2, 5.0, BREADTH),
         # with 4 s of experts: chunk 0's at 2-4, chunk 1's at 4-6; back over NVLink 4-4.5,
         # 6-6.5; the relays' sums are issued after chunk 1's experts: the NICs 6-7, 7-8.
-        ([4.0, 2.0], 4.0, 2, 8.0),
+        ([4.0, 2.0], 4.0, 2, 8.0, BREADTH),
+        # Per chunk (``parallel.ep_order=per_chunk``): chunk 1's relay after chunk 0's
+        # experts, chunk 0's sums out right after its outputs return. No compute: out over
+        # the NICs 0-1, 1-2, NVLink 1-1.5; chunk 0 back over NVLink 1.5-2, chunk 1 out 2-2.5;
+        # chunk 0's sums over the NICs 2-3 beside chunk 1 back over NVLink 2.5-3; its sums 3-4.
+        ([4.0, 2.0], 0.0, 2, 4.0, PER_CHUNK),
+        # With 4 s of experts: chunk 0's at 1.5-3.5, its outputs back 3.5-4, chunk 1's rows
+        # over NVLink only then, 4-4.5 (queued behind them), its experts 4.5-6.5, back
+        # 6.5-7, its sums 7-8: no gain here.
+        ([4.0, 2.0], 4.0, 2, 8.0, PER_CHUNK),
+        # A faster NVLink stage (0.25 s a chunk), 2 s of experts: breadth first holds chunk
+        # 0's experts until chunk 1's NIC stage has landed (2-3), per chunk runs them at
+        # 1.25-2.25 and chunk 0's sums cross at 2.5-3.5, chunk 1's at 4-5.
+        ([4.0, 1.0], 2.0, 2, 6.0, BREADTH),
+        ([4.0, 1.0], 2.0, 2, 5.0, PER_CHUNK),
+        # NVLink as slow as the NICs: per chunk queues chunk 1's relay behind chunk 0's
+        # outputs on NVLink, breadth first does not.
+        ([4.0, 4.0], 2.0, 2, 6.0, BREADTH),
+        ([4.0, 4.0], 2.0, 2, 8.0, PER_CHUNK),
+        # The flat exchange: the two orders are one.
+        ([4.0], 6.0, 2, 8.0, PER_CHUNK),
     ],
 )
 def test_the_chunked_exchange_hides_behind_the_experts_as_its_schedule_runs(
-    links, compute, chunks, want
+    links, compute, chunks, want, order
 ):
-    """``exchange_time``: each stage on every chunk before the next (breadth first), each
-    link a queue of its own, the compute in the order the host issued it; worked by hand. A
-    step's exposed seconds are those timelines less the experts' compute, per pass."""
+    """``exchange_time``: the chunks through the stages in ``order`` (breadth first: each
+    stage on every chunk before the next), each link a queue of its own, the compute in the
+    order the host issued it; worked by hand. A step's exposed seconds are those timelines
+    less the experts' compute, per pass."""
     from hsdp_runner.planner.exchange_time import exposed_exchange, timeline
 
     node = len(links) == 2  # the exchange by node: ep_inter, then ep_intra
-    assert timeline(links, compute, chunks, node) == pytest.approx(want)
+    assert timeline(links, compute, chunks, node, order) == pytest.approx(want)
     twice = [2 * s for s in links]
 
     def exposed(e):
-        return timeline(links, e, chunks, node) - e
+        return timeline(links, e, chunks, node, order) - e
 
     def step(links, experts, recompute, full, overlap=1.0):
-        return exposed_exchange(links, experts, chunks, recompute, full, overlap, by_node=node)
+        return exposed_exchange(
+            links, experts, chunks, recompute, full, overlap, by_node=node, order=order
+        )
 
     # No AC: a forward (1 part of the experts) and a backward (2 parts), equal exchanges.
     assert step(twice, 6.0, 0.0, False) == pytest.approx(exposed(2.0) + exposed(4.0))
@@ -141,7 +186,7 @@ def test_the_chunked_exchange_hides_behind_the_experts_as_its_schedule_runs(
     # cluster.overlap: the exchange hides behind that share of the experts' compute only (at
     # 0, none: on one link all of it is exposed; on two, chunks still pass each other).
     nothing = step(twice, 6.0, 0.0, False, 0.0)
-    assert nothing == pytest.approx(2 * timeline(links, 0.0, chunks, node))
+    assert nothing == pytest.approx(2 * timeline(links, 0.0, chunks, node, order))
     assert nothing == pytest.approx(sum(twice)) or node
     assert step(twice, 6.0, 0.0, False, 0.5) == pytest.approx(exposed(1.0) + exposed(2.0))
 
@@ -204,6 +249,40 @@ def test_an_ep_group_across_nodes_is_priced_by_node():
     flat_nic = layers * 4 * copies * row / 2 / (10 * GB)
     assert nic.link_s["nic"] / flat_nic == pytest.approx(expected_nodes(16, 2, 2) / 2, rel=0.01)
     assert result["exposed_comm_s"]["ep_inter"] > result["exposed_comm_s"]["ep_intra"] > 0
+    # parallel.ep_order=null: the faster of the two orders, named for the plan row; each set
+    # order is timed as set (here the NICs dominate: per chunk hides more of them).
+    timed = {
+        order: step_time(
+            to_run_config(plan.compose([*MOE, f"parallel.ep_order={order}"])), dims, cluster
+        )
+        for order in ExchangeOrder
+    }
+    assert {order: t["ep_order"] for order, t in timed.items()} == {o: o.value for o in timed}
+    per_chunk, breadth = (timed[o]["step_time_s"] for o in (PER_CHUNK, BREADTH))
+    assert per_chunk < breadth and result["ep_order"] == "per_chunk"
+    assert result["step_time_s"] == pytest.approx(per_chunk, rel=1e-12)
+
+
+def test_a_plan_row_names_the_exchange_order_it_timed():
+    """A layout whose ep group spans nodes is timed in the faster order where
+    ``parallel.ep_order`` is null, and its row's overrides name it, so that parallel=auto and
+    the row's command run what was timed; an ep group inside a node (the orders are one) names
+    none."""
+    from hsdp_runner.planner.layouts import plan_layouts
+
+    tiny = ["model=moe_tiny", "model.n_experts=16"]
+    fixed = {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1}
+    rows = plan_layouts(plan.compose([*tiny, "plan.ep_degrees=[4,8]"]), fake_cluster(), {}, fixed)
+    rows = {row["overrides"]["parallel.ep"]: row for row in rows}
+    assert rows[4]["valid"] and "parallel.ep_order" not in rows[4]["overrides"]
+    timed = {}
+    for order in ExchangeOrder:
+        cfg = to_run_config(plan.compose([*tiny, f"parallel.ep_order={order}"]))
+        dims = ParallelDims.from_config(cfg.parallel.__class__(dp_shard=8, ep=8), cfg.model, 8, 4)
+        timed[order.value] = step_time(cfg, dims, fake_cluster())["step_time_s"]
+    faster = min(timed, key=timed.get)
+    assert rows[8]["overrides"]["parallel.ep_order"] == faster
+    assert rows[8]["step_time_s"] == pytest.approx(timed[faster], rel=1e-12)
 
 
 def test_a_chunked_exchange_adds_each_chunks_kernels_and_its_gradient_sums():

@@ -23,6 +23,7 @@ from hsdp_runner.core.choices import (
     DDPImpl,
     Device,
     Dtype,
+    ExchangeOrder,
     Float8Recipe,
     LauncherName,
     Logger,
@@ -58,6 +59,10 @@ class ParallelConfig:
     # running while the experts compute another's (distributed/exchange_overlap.py); 1: one
     # exchange, waited for. None: 2, or 1 with compiled blocks.
     ep_chunks: Optional[int] = None
+    # The order the exchange by node (an ep group across nodes) runs its chunks through its
+    # stages (core/choices.ExchangeOrder). None: breadth_first in a job; the planner times
+    # both and names the faster in its row (parallel=auto runs it).
+    ep_order: Optional[ExchangeOrder] = None
     sequence_parallel: bool = True
     # tp > 1: the output layer leaves the logits sharded over the vocabulary and the loss is
     # computed on them (torch's loss_parallel), instead of all-gathering them on every rank.

@@ -145,6 +145,20 @@ class AccumReduce(Choice):
     last = "last"
 
 
+class ExchangeOrder(Choice):
+    """``parallel.ep_order``: the order the token exchange by node runs its chunks through its
+    stages (``distributed/exchange_overlap.schedule``). breadth_first: each stage on every
+    chunk before the next stage (the relays' work on chunk i+1 is issued before chunk i's
+    experts; the sums go back over the NICs after the last chunk's experts). per_chunk: chunk
+    i+1's relay right after chunk i's experts and chunk i's sums sent as soon as its outputs
+    are back, so the NIC stage of one chunk runs beside the experts of the next. Which is
+    faster depends on the links: per_chunk where the NICs dominate, breadth_first where the
+    NVLink stage is about as long (docs/moe.md). The flat exchange runs both alike."""
+
+    breadth_first = "breadth_first"
+    per_chunk = "per_chunk"
+
+
 # ``parallel.pp_schedule``: the order in which pipeline stages run micro-batches
 # (``torch.distributed.pipelining``'s schedules).
 # gpipe: every forward, then every backward (holds all micro-batches' activations).

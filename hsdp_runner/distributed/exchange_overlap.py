@@ -6,11 +6,13 @@ output before the layer goes on: its all-to-alls are exposed whole, in forward a
 Here the MoE layer cuts its tokens into C chunks (``moe_routing.MoE``), routes each chunk on
 its own, and hands the chunks to the experts in one call (one FSDP unshard and one
 post-backward reduce-scatter), whose exchange runs them through its segments (each waits
-what the previous one issued, computes, and issues what the next one waits) **breadth
-first**: each segment on every chunk before the next (``schedule``, ``pipelined``). The
-segments are described once (``Segment``: ``FLAT``, ``BY_NODE``), for the runtime and for the
-planner, which times the same order (``planner/exchange_time.py``). The flat exchange
-(``flat_overlap``) has three:
+what the previous one issued, computes, and issues what the next one waits) in the order
+``parallel.ep_order`` names (``schedule``, ``pipelined``): **breadth first**, each segment on
+every chunk before the next, or **per chunk**, which takes each chunk on past the experts as
+soon as they are done with it (the exchange by node only; the flat exchange's orders are
+one). The segments are described once (``Segment``: ``FLAT``, ``BY_NODE``), for the runtime
+and for the planner, which times the same order (``planner/exchange_time.py``). The flat
+exchange (``flat_overlap``) has three:
 
     dispatch: the counts of all chunks (one all-to-all, one host read); issue each chunk's rows
     experts:  per chunk i: wait its rows, the experts on them, issue its outputs back
@@ -46,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from hsdp_runner.core.choices import ExchangeOrder
 
 
 def issue(rows: torch.Tensor, received: list[int], sent: list[int], group_name: str):
@@ -122,19 +126,43 @@ BY_NODE = (
 BY_NODE_LINKS = (0, 1, 1, 0)
 
 
-def schedule(segments: int, chunks: int) -> list[tuple[int, int]]:
-    """The (segment, chunk) order an exchange of ``segments`` segments runs ``chunks`` chunks
-    in: breadth first, each segment on every chunk before the next."""
-    return [(segment, chunk) for segment in range(segments) for chunk in range(chunks)]
+def schedule(
+    segments: tuple[Segment, ...], chunks: int, order: ExchangeOrder = ExchangeOrder.breadth_first
+) -> list[tuple[int, int]]:
+    """The (segment, chunk) order an exchange of ``segments`` (``FLAT``, ``BY_NODE``) runs
+    ``chunks`` chunks in. ``breadth_first``: each segment on every chunk before the next.
+    ``per_chunk``: the first segment (the first issue) and the last (the last wait) on every
+    chunk as in breadth first; between them, after chunk 0's segments up to the experts, per
+    chunk i its experts, then chunk i+1's segments up to the experts (the relay), then chunk
+    i's segments after the experts (its sums sent back). For the flat exchange (no segment
+    between the first issue and the experts, none between the experts and the last wait) the
+    two orders are one."""
+    if ExchangeOrder(order) is ExchangeOrder.breadth_first:
+        return [(segment, chunk) for segment in range(len(segments)) for chunk in range(chunks)]
+    experts = next(i for i, segment in enumerate(segments) if segment.experts)
+    last = len(segments) - 1
+    before, after = range(1, experts), range(experts + 1, last)
+    steps = [(0, chunk) for chunk in range(chunks)] + [(segment, 0) for segment in before]
+    for chunk in range(chunks):
+        steps.append((experts, chunk))
+        if chunk + 1 < chunks:
+            steps += [(segment, chunk + 1) for segment in before]
+        steps += [(segment, chunk) for segment in after]
+    return steps + [(last, chunk) for chunk in range(chunks)]
 
 
-def pipelined(states: list, segments: list[Callable]) -> list:
-    """Run ``segments`` (state -> state) on the chunks' ``states`` in ``schedule``'s order: a
-    segment waits what the previous one issued and issues what the next waits, so while it
-    runs on chunk i what the previous segment issued for chunk i+1 travels. Returns the
-    chunks' last states."""
+def pipelined(
+    states: list,
+    segments: list[Callable],
+    described: tuple[Segment, ...],
+    order: ExchangeOrder = ExchangeOrder.breadth_first,
+) -> list:
+    """Run ``segments`` (state -> state; ``described`` by ``FLAT`` or ``BY_NODE``) on the
+    chunks' ``states`` in ``schedule``'s ``order``: a segment waits what the previous one
+    issued and issues what the next waits, so while it runs on chunk i what was issued for
+    another chunk travels. Returns the chunks' last states."""
     states = list(states)
-    for segment, chunk in schedule(len(segments), len(states)):
+    for segment, chunk in schedule(described, len(states), order):
         states[chunk] = segments[segment](states[chunk])
     return states
 
@@ -182,5 +210,5 @@ def flat_overlap(
         back = arrive(pending, source, out, into, group_name)
         return weighted_sum(back, weights[i], routing[i][0], tokens[i].shape[0], tokens[i].dtype)
 
-    # ``FLAT``'s segments, which the planner times in the same order.
-    return pipelined(list(range(len(tokens))), [dispatch, experts, combine])
+    # ``FLAT``'s segments, which the planner times in the same order (one order for both).
+    return pipelined(list(range(len(tokens))), [dispatch, experts, combine], FLAT)

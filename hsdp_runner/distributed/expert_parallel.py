@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
-from hsdp_runner.core.choices import Dtype
+from hsdp_runner.core.choices import Dtype, ExchangeOrder
 from hsdp_runner.distributed.exchange_overlap import flat_overlap
 from hsdp_runner.distributed.node_exchange import NodeExchange, permute_blocks
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
@@ -230,20 +230,21 @@ def apply_expert_parallel(
     reshard_after_forward: bool,
     compiled: bool = False,
     chunks: int = 1,
+    order: ExchangeOrder = ExchangeOrder.breadth_first,
 ) -> None:
     """Set the MoE hooks of ``model`` (a stage, on the meta device) and shard its experts over
     the ``ep``, ``efsdp`` and ``dp_shard_cp_tp`` meshes of ``world`` (see the module
     docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``) and
     ``reshard_after_forward``; with ``compiled`` (``parallel.compile``: the blocks were
-    compiled), ``keep_out_of_compiled_code``; ``chunks``: the flat exchange's
-    (``exchange_chunks``). Nothing to do for a dense model. The MoE's own
+    compiled), ``keep_out_of_compiled_code``; ``chunks`` and ``order``: the exchange's
+    (``exchange_chunks``, ``exchange_order``). Nothing to do for a dense model. The MoE's own
     ``fully_shard`` wraps come only where a rank's MoE gradients are pieces that the dense
     blocks' wrapping would not sum (tp > 1) or its experts differ from its peers' (ep > 1);
     otherwise they stay in their block's unit."""
     moes = moe_modules(model)
     if not moes:
         return
-    exchange = make_exchange(dims, world, chunks)
+    exchange = make_exchange(dims, world, chunks, order)
     sequence_sum = SequenceSum(world["cp_tp"]) if dims.cp * dims.tp > 1 else None
     for moe in moes.values():
         if exchange is not None:
@@ -269,15 +270,18 @@ def apply_expert_parallel(
 
 
 def make_exchange(
-    dims: ParallelDims, world: WorldMesh, chunks: int = 1
+    dims: ParallelDims,
+    world: WorldMesh,
+    chunks: int = 1,
+    order: ExchangeOrder = ExchangeOrder.breadth_first,
 ) -> TokenExchange | NodeExchange | None:
     """The token exchange of ``dims``: by node (``NodeExchange``: each token crosses to a node
     once) where an ep group spans nodes (``ParallelDims.ep_nodes``: the ranks per node the
     launcher gave, ranks placed on nodes contiguously, as the planner and the node checks
-    take them), one all-to-all over ``ep`` inside a node, in ``chunks`` chunks; None without
-    expert parallel."""
+    take them), one all-to-all over ``ep`` inside a node, in ``chunks`` chunks (by node in
+    ``order``); None without expert parallel."""
     if dims.ep_nodes > 1:
-        return NodeExchange(world["ep"], *(world[name] for name in EP_STAGES), chunks)
+        return NodeExchange(world["ep"], *(world[name] for name in EP_STAGES), chunks, order)
     return TokenExchange(world["ep"], chunks) if dims.ep > 1 else None
 
 
@@ -294,6 +298,13 @@ def exchange_chunks(parallel: ParallelConfig, dims: ParallelDims) -> int:
     if dims.ep == 1 or parallel.compile:
         return 1
     return parallel.ep_chunks if parallel.ep_chunks is not None else DEFAULT_CHUNKS
+
+
+def exchange_order(parallel: ParallelConfig) -> ExchangeOrder:
+    """The order a job's exchange by node runs its chunks in: ``parallel.ep_order``, breadth
+    first where null (the planner chooses for null instead: ``planner.step_time``, which names
+    its choice in the plan row's overrides)."""
+    return ExchangeOrder(parallel.ep_order or ExchangeOrder.breadth_first)
 
 
 def chunks_refusal(parallel: ParallelConfig, dims: ParallelDims) -> str | None:

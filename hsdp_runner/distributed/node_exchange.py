@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from hsdp_runner.distributed.exchange_overlap import arrive, pipelined, send, wait
+from hsdp_runner.core.choices import ExchangeOrder
+from hsdp_runner.distributed.exchange_overlap import BY_NODE, arrive, pipelined, send, wait
 
 
 def permute_blocks(sizes: torch.Tensor, perm: tuple[int, ...], total: int) -> torch.Tensor:
@@ -73,7 +74,14 @@ class NodeExchange:
     # What a compiled block runs eagerly: all of it (host reads and data-dependent indices).
     EAGER = ("dispatch", "combine")
 
-    def __init__(self, ep_mesh, inter_mesh, intra_mesh, chunks: int = 1):
+    def __init__(
+        self,
+        ep_mesh,
+        inter_mesh,
+        intra_mesh,
+        chunks: int = 1,
+        order: ExchangeOrder = ExchangeOrder.breadth_first,
+    ):
         from torch.distributed._functional_collectives import _resolve_group_name
 
         self.group, self.ep = ep_mesh.get_group(), ep_mesh.size()
@@ -83,6 +91,8 @@ class NodeExchange:
         self.names["intra"] = _resolve_group_name(self.intra)
         # > 1: the MoE layer exchanges its tokens in this many chunks (``overlap``).
         self.chunks = chunks
+        # The order the chunks run through the stages (``exchange_overlap.schedule``).
+        self.order = order
         # While a list (``expert_parallel.recording_routing``): per forward dispatch (rows
         # sent and received over ep_inter, copies sent and received over it, rows the
         # experts received over ep_intra); what the comm model reads (``moe_comm``).
@@ -113,8 +123,9 @@ class NodeExchange:
 
     def overlap(self, tokens, routing, compute, weights, weighted_sum) -> list[torch.Tensor]:
         """C chunks' exchange with ``compute`` (the experts) between its stages, each stage of
-        a chunk in flight while another chunk computes (``exchange_overlap.pipelined``; the
-        arguments as ``exchange_overlap.flat_overlap``'s): each chunk's (T_i, dim)."""
+        a chunk in flight while another chunk computes (``exchange_overlap.pipelined``, in
+        ``self.order``; the arguments as ``exchange_overlap.flat_overlap``'s): each chunk's
+        (T_i, dim)."""
 
         def experts(state):
             mine, order = self._at_experts(state)
@@ -127,7 +138,7 @@ class NodeExchange:
         # ``exchange_overlap.BY_NODE``'s segments, which the planner times in the same order.
         segments = [self._send_pairs, self._relay, experts, on_relay, self._sum_at_source]
         routing = [(token, counts, weight) for (token, counts), weight in zip(routing, weights)]
-        return pipelined(self._plan(tokens, routing), segments)
+        return pipelined(self._plan(tokens, routing), segments, BY_NODE, self.order)
 
     def _plan(self, tokens: list, routing: list) -> list[dict]:
         """Every chunk's routing by node and both stages' counts, for all the chunks at once:

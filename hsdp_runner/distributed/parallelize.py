@@ -22,7 +22,11 @@ from hsdp_runner.config.schema import ParallelConfig, PrecisionConfig
 from hsdp_runner.core.choices import AC, AccumReduce, DDPImpl, DPMode
 from hsdp_runner.distributed import float8, float8_experts
 from hsdp_runner.distributed.context_parallel import SequenceShard
-from hsdp_runner.distributed.expert_parallel import apply_expert_parallel, exchange_chunks
+from hsdp_runner.distributed.expert_parallel import (
+    apply_expert_parallel,
+    exchange_chunks,
+    exchange_order,
+)
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
@@ -338,6 +342,7 @@ def parallelize(
         parallel.reshard_after_forward,
         compiled=parallel.compile,
         chunks=exchange_chunks(parallel, dims),
+        order=exchange_order(parallel),
     )
     apply_data_parallel(
         model, dims, world, precision, parallel.reshard_after_forward, parallel.ddp_impl

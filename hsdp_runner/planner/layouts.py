@@ -338,6 +338,8 @@ def _entry(
             pipeline_gathered_blocks_gib=held,
         )
     time = step_time(cfg, dims, cluster, pipeline_stage=scenario.pipeline_stage)
+    if time.get("ep_order"):  # the exchange by node's order timed: the job must run it
+        overrides["parallel.ep_order"] = time["ep_order"]
     return {
         "overrides": overrides,
         "valid": True,

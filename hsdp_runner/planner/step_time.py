@@ -58,7 +58,7 @@ communication.
 from __future__ import annotations
 
 from hsdp_runner.config.schema import RunConfig, TrainerConfig
-from hsdp_runner.core.choices import AC
+from hsdp_runner.core.choices import AC, ExchangeOrder
 from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
 from hsdp_runner.distributed.expert_parallel import exchange_chunks
 from hsdp_runner.distributed.moe_comm import planned_routing
@@ -296,17 +296,30 @@ def step_time(
         names = EP_STAGES if dims.ep_nodes > 1 else (dims.same_group("ep"),)
         exchange = [f"all_to_all/{name}" for name in names]
     exchanged = sum(times.get(key, 0.0) for key in exchange)
+    # The exchange by node's order: the job's, or (null) the faster of the two, which the
+    # plan row then names (``layouts``) so that the job runs what was timed.
+    orders = [cfg.parallel.ep_order] if cfg.parallel.ep_order else list(ExchangeOrder)
+    chosen_order = None
     if exchanged > 0:
-        not_hidden = exposed_exchange(
-            [times.get(key, 0.0) for key in exchange],
-            compute_parts.get(matmul_shapes.EXPERTS, 0.0),
-            chunks,
-            matmul_shapes.recompute_share(cfg),
-            AC(cfg.parallel.ac) is AC.full,
-            cluster.overlap,
-            by_node=dims.ep_nodes > 1,
+        not_hidden, chosen_order = min(
+            (
+                exposed_exchange(
+                    [times.get(key, 0.0) for key in exchange],
+                    compute_parts.get(matmul_shapes.EXPERTS, 0.0),
+                    chunks,
+                    matmul_shapes.recompute_share(cfg),
+                    AC(cfg.parallel.ac) is AC.full,
+                    cluster.overlap,
+                    by_node=dims.ep_nodes > 1,
+                    order=order,
+                ),
+                ExchangeOrder(order),
+            )
+            for order in orders
         )
         exposed_part = not_hidden / exchanged
+        if dims.ep_nodes == 1:  # the flat exchange: both orders are one
+            chosen_order = None
     for key, seconds in times.items():
         if key not in overlapped:
             expose(key.split("/")[1], seconds * (exposed_part if key in exchange else 1.0))
@@ -339,4 +352,6 @@ def step_time(
         "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
         "dominant": max(terms, key=terms.get),
         "comm": comm,
+        # The exchange by node's order timed (None: no such exchange in chunks).
+        "ep_order": chosen_order.value if chosen_order else None,
     }
