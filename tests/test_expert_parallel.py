@@ -306,8 +306,9 @@ def _chunked_layer(
 ) -> dict:
     """A MoE layer (8 experts, top 2, 16 wide) on ep ``ep`` of 4 ranks (on nodes of
     ``ranks_per_node``: None, one node), forward and backward with its exchange in 2 chunks
-    (in ``order``: ``parallel.ep_order``), then in one: the ops' order in each (forward, backward: 'A' an
-    all-to-all issued, 'W' one waited by the exchange's own call, 'G' grouped matmuls; a
+    (in ``order``: ``parallel.ep_order``), then in one: the ops' order in each (forward,
+    backward: 'A' an all-to-all issued, 'W' one waited by the exchange's own call, 'G'
+    grouped matmuls; a
     tensor torch's functional collectives return in flight waits inside the op that first
     uses it, unseen here) and the largest differences of the chunked run's output and
     gradients from the one-piece run's."""

@@ -6,15 +6,16 @@ The runtime runs the exchange's stages in ``parallel.ep_order``'s order
 stage, or per chunk (the exchange by node only: chunk i+1's relay after chunk i's experts,
 chunk i's sums sent as soon as its outputs are back). A stage is an all-to-all on one link
 (the flat exchange: ``ep``; the exchange by node: ``ep_inter`` over the NICs, then
-``ep_intra`` over NVLink on the way out, the reverse on the way back), started once the compute before it (on the rank's one compute stream, in the
-order the host issued it; on a CPU the host itself) has run; the experts compute each chunk
-once its last dispatch stage has arrived. ``timeline`` plays that order out with each link a
+``ep_intra`` over NVLink on the way out, the reverse on the way back), started once the
+compute before it (on the rank's one compute stream, in the order the host issued it; on a
+CPU the host itself) has run; the experts compute each chunk once its last dispatch stage
+has arrived. ``timeline`` plays that order out with each link a
 queue of its own (so one chunk's NIC stage runs beside another's NVLink stage) and the
 compute in issue order (so, breadth first, the relay's work on chunk i+1, issued before chunk
-i's experts, waits for chunk i+1's rows first). What it takes beyond the experts' compute is exposed: the
-whole exchange in one chunk; in many, about a 1/C share where compute is the longer, the
-exchange less the compute where a link is. Backward mirrors forward (every combine's
-gradient first, each chunk's dispatch gradient after its experts' backward): the same
+i's experts, waits for chunk i+1's rows first). What it takes beyond the experts' compute is
+exposed: the whole exchange in one chunk; in many, about a 1/C share where compute is the
+longer, the exchange less the compute where a link is. Backward mirrors forward (every
+combine's gradient first, each chunk's dispatch gradient after its experts' backward): the same
 timeline with the backward's compute.
 
 Which passes exchange: every forward, once more under full activation checkpointing (the
@@ -49,9 +50,9 @@ def timeline(
     each link's seconds of the pass (the flat exchange: ``ep``; by node: ``ep_inter``, then
     ``ep_intra``), half of them each way; ``compute`` the experts'; in ``chunks`` chunks run
     in ``exchange_overlap.schedule``'s order through the exchange's segments (``FLAT`` or
-    ``BY_NODE``; by node in ``order``): a segment's compute starts when the compute issued before it has run and
-    the rows it waits for have arrived; a link stage when its link's queue is free and the
-    compute issued before it has run."""
+    ``BY_NODE``; by node in ``order``): a segment's compute starts when the compute issued
+    before it has run and the rows it waits for have arrived; a link stage when its link's
+    queue is free and the compute issued before it has run."""
     segments, stage_links = (BY_NODE, BY_NODE_LINKS) if by_node else (FLAT, FLAT_LINKS)
     move = [links[link] / (2 * chunks) if link < len(links) else 0.0 for link in stage_links]
     free: dict[int, float] = {}  # when each link's queue is next free

@@ -297,8 +297,15 @@ def step_time(
         exchange = [f"all_to_all/{name}" for name in names]
     exchanged = sum(times.get(key, 0.0) for key in exchange)
     # The exchange by node's order: the job's, or (null) the faster of the two, which the
-    # plan row then names (``layouts``) so that the job runs what was timed.
-    orders = [cfg.parallel.ep_order] if cfg.parallel.ep_order else list(ExchangeOrder)
+    # plan row then names (``layouts``) so that the job runs what was timed. The flat
+    # exchange's two orders are one: timed once, named not.
+    by_node = dims.ep_nodes > 1
+    if not by_node:
+        orders = [ExchangeOrder.breadth_first]
+    else:
+        orders = (
+            [ExchangeOrder(cfg.parallel.ep_order)] if cfg.parallel.ep_order else list(ExchangeOrder)
+        )
     chosen_order = None
     if exchanged > 0:
         not_hidden, chosen_order = min(
@@ -310,16 +317,14 @@ def step_time(
                     matmul_shapes.recompute_share(cfg),
                     AC(cfg.parallel.ac) is AC.full,
                     cluster.overlap,
-                    by_node=dims.ep_nodes > 1,
+                    by_node=by_node,
                     order=order,
                 ),
-                ExchangeOrder(order),
+                order,
             )
             for order in orders
         )
         exposed_part = not_hidden / exchanged
-        if dims.ep_nodes == 1:  # the flat exchange: both orders are one
-            chosen_order = None
     for key, seconds in times.items():
         if key not in overlapped:
             expose(key.split("/")[1], seconds * (exposed_part if key in exchange else 1.0))
@@ -353,5 +358,5 @@ def step_time(
         "dominant": max(terms, key=terms.get),
         "comm": comm,
         # The exchange by node's order timed (None: no such exchange in chunks).
-        "ep_order": chosen_order.value if chosen_order else None,
+        "ep_order": chosen_order.value if by_node and chosen_order else None,
     }
