@@ -4,20 +4,23 @@ CLI once, instead of each started afresh.
 A fresh interpreter spends ~3 CPU-seconds importing torch, Hydra and the runner before it parses
 its first override; the suite runs a few dozen command lines. This module's server (one per
 pytest process, started on the first call) imports ``hsdp_runner.runtime.app`` (what
-``python -m hsdp_runner`` imports before it reads its arguments) and nothing else, runs no
-torch op and starts no thread, then forks one child per command line. The child does what a
-new process would: it takes the working directory and the whole environment of the call, reads
-stdin from /dev/null, writes stdout and stderr to files, runs ``hsdp_runner`` as ``__main__``
-with the arguments, and exits through the interpreter's own shutdown (the exit handlers that
-stop the runner's forkserver run as in a fresh process). The exit status comes back to the
-caller as ``subprocess.run``'s would.
+``python -m hsdp_runner`` imports before it reads its arguments) and the modules a job's
+forkserver imports once forked from its launcher (``forkserver.WORKER_IMPORTS``, ~0.6 CPU-s a
+job), runs no torch op and starts no thread, then forks one child per command line. The child
+does what a new process would: it takes the working directory and the whole environment of the
+call, reads stdin from /dev/null, writes stdout and stderr to files, runs ``hsdp_runner`` as
+``__main__`` with the arguments, and exits through the interpreter's own shutdown (the exit
+handlers that stop the runner's forkserver run as in a fresh process). The exit status comes
+back to the caller as ``subprocess.run``'s would.
 
-What differs from a fresh process: modules are imported before the call's environment is set, so
-a variable read at import time (none in the runner; torch reads a few debug ones, e.g.
-``TORCH_LOGS``) would be the server's; ``run_cli`` starts a fresh interpreter whenever the call
-sets one of ``ENV_READ_AT_IMPORT``, and for any other command (torchrun's prefix).
-Python's subprocess module cannot fork from an existing process, multiprocessing's forkserver
-runs functions rather than command lines with their own stdio and exit, hence this module.
+What differs from a fresh process: the launcher holds the workers' modules before its server
+forks (the server's own imports then find them there); modules are imported before the call's
+environment is set, so a variable read at import time (none in the runner; torch reads a few
+debug ones, e.g. ``TORCH_LOGS``) would be the server's; ``run_cli`` starts a fresh interpreter
+whenever the call sets one of ``ENV_READ_AT_IMPORT``, and for any other command (torchrun's
+prefix). Python's subprocess module cannot fork from an existing process, multiprocessing's
+forkserver runs functions rather than command lines with their own stdio and exit, hence this
+module.
 """
 
 from __future__ import annotations
@@ -116,6 +119,9 @@ def _serve() -> None:
     """Read one JSON request a line from stdin, fork a child for it, wait (killing it past its
     timeout) and write {returncode, timed_out} a line to stdout; exit when stdin closes."""
     import hsdp_runner.runtime.app  # noqa: F401  (what every child would import first)
+    from hsdp_runner.runtime import forkserver
+
+    forkserver.import_worker_modules()  # what a child's forkserver would import after the fork
 
     requests = os.fdopen(os.dup(0), "r")
     replies = os.fdopen(os.dup(1), "w")

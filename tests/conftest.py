@@ -29,10 +29,15 @@ TINY += METERS_OFF
 
 def pytest_configure(config):
     """The planner measures in children forked from the runner's forkserver, as a job's
-    launcher and ``python -m hsdp_runner.plan`` have it do (``forkserver.plan_children``)."""
-    from hsdp_runner.runtime import forkserver
+    launcher and ``python -m hsdp_runner.plan`` have it do (``forkserver.plan_children``).
+    The server preloads what a compiled or float8 job's ranks import (``launch.job_imports``)
+    and the tests' own imports (``tests/server_preload.py``): every rank of this process is
+    forked from it."""
+    from hsdp_runner.runtime import forkserver, launch
 
-    forkserver.plan_children()
+    forkserver.plan_children(
+        preload=(*launch.COMPILE_IMPORTS, *launch.FLOAT8_IMPORTS, "server_preload")
+    )
 
 
 def cli_env(extra: dict | None = None) -> dict:

@@ -164,13 +164,20 @@ def _rank_env(rank: int, nproc: int, port: int, run_id: str) -> dict:
 
 
 def start_ranks(
-    fn, nproc: int, *args, shutdown_timeout: int = 30, agent_signals="", fork_server_here=False
+    fn,
+    nproc: int,
+    *args,
+    shutdown_timeout: int = 30,
+    agent_signals="",
+    fork_server_here=False,
+    preload=(),
 ) -> dict:
     """Run ``fn(*args)`` on ``nproc`` new processes forked from the runner's forkserver, with
     the ``env://`` variables of a torch launch; return {rank: result} in rank order or raise
     ``ChildFailedError``. Takes ``launch.start_local_workers``'s arguments (the shutdown and
     signal ones belong to torch's agent and are not used; the test process keeps its own
-    server, so ``fork_server_here`` is not either)."""
+    server, which preloads what every job's options import, so ``fork_server_here`` and
+    ``preload`` are not either)."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -49,6 +49,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
 from multiprocessing import connection, resource_tracker, util
 from multiprocessing import forkserver as mp_forkserver
 
@@ -92,6 +93,11 @@ STOP_TIMEOUT_S = 10.0
 # multiprocessing runs exit finalizers from the highest priority down; a SemLock's is 0.
 STOP_EXIT_PRIORITY = -100
 _stop_at_exit: util.Finalize | None = None
+# Modules asked for by ``use_server``'s callers beyond ``SERVER_MODULE``'s. Only a build
+# without an accelerator preloads them: ``check_cuda_untouched`` guards ``WORKER_IMPORTS``
+# alone, and an import in the server that touched a GPU driver would leave every worker
+# forked from it without its GPU.
+_extra_preload: list[str] = []
 # Whether ``use_server`` has not been called in this process yet (only the first call forks).
 _first_use: list[bool] = [True]
 
@@ -138,20 +144,34 @@ def check_cuda_untouched() -> None:
     )
 
 
-def use_server(from_here: bool = False) -> str:
-    """Name the module the forkserver preloads and have it stopped at exit; return the start
+def use_server(from_here: bool = False, preload: Sequence[str] = ()) -> str:
+    """Name the modules the forkserver preloads and have it stopped at exit; return the start
     method for torch's launcher. Call before the first worker of this process starts (later
     calls change nothing). ``from_here``: the caller is a launcher that may be forked into
     the server (``fork_server_here``), done now where it is safe; else the server is spawned
-    when the first worker starts."""
+    when the first worker starts. ``preload``: modules the workers will import beyond
+    ``SERVER_MODULE``'s (a job's options: ``launch.job_imports``), imported once by the
+    server instead of by each worker; kept from every call before the server starts, and
+    only on a torch build without an accelerator (``_extra_preload``)."""
     global _stop_at_exit
-    multiprocessing.set_forkserver_preload([SERVER_MODULE])
+    _extra_preload.extend(name for name in preload if name not in _extra_preload)
+    multiprocessing.set_forkserver_preload(preload_modules())
     if _stop_at_exit is None:  # once, however many jobs the process launches
         _stop_at_exit = util.Finalize(None, stop_server, exitpriority=STOP_EXIT_PRIORITY)
     first, _first_use[0] = _first_use[0], False
     if from_here and first and fork_is_safe():
         fork_server_here()
     return START_METHOD
+
+
+def preload_modules() -> list[str]:
+    """The modules the server imports when it starts: ``SERVER_MODULE``, then the extra ones
+    asked for (``use_server``'s ``preload``) where the torch build has no accelerator."""
+    import torch
+
+    if torch.accelerator.current_accelerator() is not None:
+        return [SERVER_MODULE]
+    return [SERVER_MODULE, *_extra_preload]
 
 
 def fork_is_safe() -> bool:
@@ -212,7 +232,7 @@ def _serve(server, listener_fd: int, alive_r: int, alive_w: int, mask) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(alive_w)
         server._lock = threading.Lock()  # the copy is held: the launcher forked inside it
-        mp_forkserver.main(listener_fd, alive_r, [SERVER_MODULE])
+        mp_forkserver.main(listener_fd, alive_r, preload_modules())
     except SystemExit:  # the loop's way out: no process holds the alive pipe any more
         pass
     except BaseException:
@@ -287,10 +307,13 @@ def adopt_launcher_state(launcher_env: dict[str, str]) -> None:
         )
 
 
-def plan_children(from_here: bool = False) -> None:
+def plan_children(from_here: bool = False, preload: Sequence[str] = ()) -> None:
     """Have the planner's measuring children forked from this process's server (started here
     if it is not yet, and stopped at exit like the workers'), instead of each spawned afresh.
-    ``from_here``: as ``use_server``'s (a launcher, or ``python -m hsdp_runner.plan``)."""
+    ``from_here`` and ``preload``: as ``use_server``'s (a launcher, or ``python -m
+    hsdp_runner.plan``)."""
     from hsdp_runner.planner import memory
 
-    memory.start_children_in(use_server(from_here), adopt_launcher_state, (dict(os.environ),))
+    memory.start_children_in(
+        use_server(from_here, preload), adopt_launcher_state, (dict(os.environ),)
+    )

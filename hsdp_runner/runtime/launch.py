@@ -28,6 +28,7 @@ from hsdp_runner.core.choices import LauncherName, RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
 from hsdp_runner.core.records import RunInfo, RunSummary
+from hsdp_runner.distributed import float8
 from hsdp_runner.distributed.hardware import cpu_threads
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
 from hsdp_runner.runtime import forkserver, reaper
@@ -137,6 +138,7 @@ def start_local_workers(
     shutdown_timeout: int = 30,
     agent_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     fork_server_here: bool = False,
+    preload: tuple[str, ...] = (),
 ) -> dict:
     """Run ``fn(*args)`` in ``nproc`` processes on this node with torch's elastic launcher,
     forked from a server that imported torch once (``forkserver``). Returns once what the
@@ -149,6 +151,8 @@ def start_local_workers(
     seconds to stop before killing them, then raises ``SignalException``; ``_launch_local``
     leaves SIGTERM/SIGINT out and handles them itself. ``fork_server_here``: this process is
     a job's launcher, which may fork the server from itself (``forkserver.use_server``).
+    ``preload``: modules the workers will import that the server should import once for them
+    (``job_imports``).
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -161,7 +165,7 @@ def start_local_workers(
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        start_method=forkserver.use_server(from_here=fork_server_here),
+        start_method=forkserver.use_server(from_here=fork_server_here, preload=preload),
         monitor_interval=0.1,
         shutdown_timeout=shutdown_timeout,
         signals_to_handle=agent_signals,
@@ -185,6 +189,25 @@ def start_local_workers(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = old
+
+
+# What a job's option makes each worker import beyond the forkserver's WORKER_IMPORTS, about
+# a CPU-second a worker (measured in a worker forked from the server, torch 2.13): a compiled
+# model's first compile imports Dynamo's AOT backends and Inductor's pattern matcher (for the
+# graph's CSE, aot_eager's too); torchao's float8 conversion patches Inductor's Triton codegen,
+# importing it (torchao itself the launcher imports in its checks: ``prelaunch``). HF datasets
+# is left out: importing it starts a native thread, and a server forks its workers from one
+# thread.
+COMPILE_IMPORTS = ("torch._dynamo.backends.common", "torch._inductor.pattern_matcher")
+FLOAT8_IMPORTS = ("torch._inductor.codegen.triton",)
+
+
+def job_imports(cfg: RunConfig) -> tuple[str, ...]:
+    """The modules ``cfg``'s workers will import that the forkserver can import once for them
+    (``forkserver.use_server``'s ``preload``): ``COMPILE_IMPORTS`` for a compiled model,
+    ``FLOAT8_IMPORTS`` for float8 training; () for neither."""
+    compiled = COMPILE_IMPORTS if cfg.parallel.compile else ()
+    return compiled + (FLOAT8_IMPORTS if float8.enabled(cfg.precision) else ())
 
 
 def _launch_local(
@@ -223,6 +246,7 @@ def _launch_local(
             shutdown_timeout=cfg.launcher.timeout_s,
             agent_signals="SIGHUP,SIGQUIT",
             fork_server_here=True,
+            preload=job_imports(cfg),
         )
     except SignalException as err:  # a stop signal while no worker was running
         print(
