@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
-from hsdp_runner.runtime.launch import start_local_workers
+from hsdp_runner.runtime.launch import COMPILE_IMPORTS, start_local_workers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,6 +30,7 @@ def _what_a_worker_sees() -> dict:
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigusr2_default": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "preloaded": [name for name in COMPILE_IMPORTS if name in sys.modules],
     }
 
 
@@ -47,6 +49,7 @@ def test_a_worker_gets_the_launchers_current_environment_and_default_signals(mon
         assert seen[rank]["sigterm_default"] and seen[rank]["sigusr2_default"]
         assert seen[rank]["sigint_raises"]
         assert seen[rank]["threads"][0] == int(seen[rank]["threads"][1])
+        assert seen[rank]["preloaded"] == list(COMPILE_IMPORTS)  # conftest's server preloads
 
 
 def _what_a_planning_child_sees() -> dict:
@@ -117,7 +120,7 @@ import json, os, sys, threading, time
 from multiprocessing import forkserver as mp_forkserver
 sys.path.insert(0, sys.argv[1])
 from hsdp_runner.runtime import forkserver
-from hsdp_runner.runtime.launch import start_local_workers
+from hsdp_runner.runtime.launch import COMPILE_IMPORTS, start_local_workers
 from test_forkserver import _what_a_worker_sees
 
 thread = threading.Thread(target=time.sleep, args=(0.5,))
@@ -131,12 +134,16 @@ os.environ["HSDP_TEST_ENV"] = "set before the workers start"
 import torch
 torch.set_num_threads(3)
 os.environ["OMP_NUM_THREADS"] = "1"
-seen = start_local_workers(_what_a_worker_sees, 2, fork_server_here=True)
+seen = start_local_workers(
+    _what_a_worker_sees, 2, fork_server_here=True, preload=COMPILE_IMPORTS
+)
+launcher_imported = [name for name in COMPILE_IMPORTS if name in sys.modules]
 server = forkserver.server_pids()[0]
 stat = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()
 same_command = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
 print(json.dumps({"running_with_a_thread": running_with_a_thread, "server_parent": int(stat[1]),
-                  "launcher": os.getpid(), "same_command": same_command, "seen": seen}))
+                  "launcher": os.getpid(), "same_command": same_command, "seen": seen,
+                  "launcher_imported": launcher_imported}))
 """
 
 
@@ -166,6 +173,40 @@ def test_a_launcher_forks_its_server_from_itself_only_when_that_is_safe():
         assert seen["env"] == "set before the workers start" and seen["rank"] == rank
         assert seen["sigterm_default"] and seen["sigusr2_default"] and seen["sigint_raises"]
         assert seen["threads"] == [1, "1"]  # the launcher's variable, not its torch's 3 threads
+        # What the job's options import, the server imported once for its workers.
+        assert seen["preloaded"] == list(COMPILE_IMPORTS)
+    assert facts["launcher_imported"] == []
+
+
+def test_a_jobs_options_name_what_its_workers_import_and_only_a_cpu_build_preloads_it(
+    monkeypatch,
+):
+    """Compile and float8 each add their modules (all importable: multiprocessing's preload
+    would skip a renamed one in silence); with an accelerator the server preloads only its
+    own module, whose imports are checked for a touched driver."""
+    import importlib
+
+    import torch
+
+    from hsdp_runner.config.compose import compose, to_run_config
+    from hsdp_runner.runtime import forkserver
+    from hsdp_runner.runtime.launch import FLOAT8_IMPORTS, job_imports
+
+    def imports(*overrides):
+        return job_imports(to_run_config(compose(["model=llama3_tiny", *overrides])))
+
+    assert imports() == ()
+    assert imports("parallel.compile=true") == COMPILE_IMPORTS
+    assert imports("precision=float8") == FLOAT8_IMPORTS
+    both = imports("parallel.compile=true", "precision=float8")
+    assert both == COMPILE_IMPORTS + FLOAT8_IMPORTS
+    for name in both:
+        importlib.import_module(name)
+    monkeypatch.setattr(forkserver, "_extra_preload", list(both))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
+    assert forkserver.preload_modules() == [forkserver.SERVER_MODULE, *both]
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    assert forkserver.preload_modules() == [forkserver.SERVER_MODULE]
 
 
 def test_forking_the_server_is_refused_with_an_accelerator_build_a_thread_a_server_or_a_key(

@@ -14,6 +14,10 @@ does not do is done here:
   agent's TCPStore thread and anything a job leaves behind). Anything else spawns the server,
   as multiprocessing does. The forked server closes its copy of the launcher's end of the
   pipe it watches, and ignores the stop signals before they are unblocked.
+- A job's options add imports of their own (a compiled model's backends, float8's Inductor
+  codegen: about a CPU-second a worker); the launcher names them (``launch.job_imports``) and
+  the server imports them once (``use_server``'s ``preload``), on a build without an
+  accelerator only.
 - The server must outlive the signals meant for the job: Ctrl-C signals the whole process
   group and a scheduler signals every process, the server included, and a dead server makes
   the launcher read every worker as exited with code 255 while they still run. The server
