@@ -75,6 +75,11 @@ def test_an_explicit_degree_is_a_constraint_and_one_no_layout_has_exits_naming_t
     assert all(e["shape"][3] == 2 for e in kept)
     with pytest.raises(ConfigError, match=r"parallel.tp=3: no layout of 4 ranks has that degree"):
         layouts.with_degrees(every, {"tp": 3}, 4)
+    # A degree tuple refused at every ep is one row; asked for at some ep, it keeps its reason.
+    experts = layouts.enumerate_layouts(to_run_config(compose(AUTO + ["model=moe_tiny"])), 4, 4)
+    (refused,) = layouts.with_degrees(experts, {"tp": 4, "ep": 2}, 4)
+    assert refused["shape"] == (1, 1, 1, 4, 1) and refused["same_refusal_eps"] == [2, 4]
+    assert refused["reason"].startswith("parallel.tp=4 does not divide model.n_kv_heads=2")
 
 
 def test_the_cluster_is_the_command_lines_else_the_gpus_preset_else_this_machine():

@@ -82,29 +82,36 @@ def enumerate_layouts(cfg: RunConfig, world: int, ranks_per_node: int) -> list[d
 
 def _one_row_per_refusal(entries: list[dict]) -> list[dict]:
     """``entries`` less the ep variants of a degree tuple refused for the same reason as its
-    first (a tp that does not divide the heads is refused at every ep: one row says it)."""
-    first: dict[tuple, str | None] = {}
+    first (a tp that does not divide the heads is refused at every ep: one row says it); the
+    row kept lists the ep degrees it stands for under ``"same_refusal_eps"``."""
+    first: dict[tuple, dict] = {}
     kept = []
     for entry in entries:
         base = entry["shape"][:-1]
-        if base in first and entry["dims"] is None and entry["reason"] == first[base]:
+        head = first.setdefault(base, entry)
+        if head is not entry and entry["dims"] is None and entry["reason"] == head["reason"]:
+            head.setdefault("same_refusal_eps", []).append(entry["shape"][-1])
             continue
-        first.setdefault(base, entry["reason"])
         kept.append(entry)
     return kept
 
 
 def with_degrees(layouts: list[dict], fixed: dict, world: int) -> list[dict]:
-    """The layouts whose degrees equal ``fixed``; ConfigError naming the keys if none does."""
+    """The layouts whose degrees equal ``fixed`` (a refused row matching at each ep degree it
+    stands for: ``_one_row_per_refusal``), so a refused layout keeps its reason; ConfigError
+    naming the keys if none does."""
     if not fixed:
         return layouts
-    kept = [
-        e
-        for e in layouts
-        if all(
-            dict(zip(PLANNED_DIMS, e["shape"]))[name] == degree for name, degree in fixed.items()
+
+    def matches(entry: dict) -> bool:
+        degrees = dict(zip(PLANNED_DIMS, entry["shape"]))
+        eps = {degrees["ep"], *entry.get("same_refusal_eps", ())}
+        return all(
+            degree in eps if name == "ep" else degrees[name] == degree
+            for name, degree in fixed.items()
         )
-    ]
+
+    kept = [e for e in layouts if matches(e)]
     if not kept:
         asked = " ".join(f"parallel.{name}={degree}" for name, degree in fixed.items())
         raise ConfigError(
