@@ -61,8 +61,12 @@ def test_published_moe_figures_are_all_held_out(bench):
 
 def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, moe_bench, capsys):
     """Three figures: two planned (errors -10% and +30%), one refused: the median is that of
-    the two (20%), the refused one named with its reason, the fit count over the planned."""
-    cases = [{"id": i, "role": "held_out", "tokens_per_s_per_gpu": 1000.0} for i in ("a", "b", "c")]
+    the two (20%), split by precision (the bf16 one's 10%, the float8 one's 30%), the refused
+    one named with its reason, the fit count over the planned."""
+    cases = [
+        {"id": i, "role": "held_out", "tokens_per_s_per_gpu": 1000.0, "overrides": [precision]}
+        for i, precision in (("a", "precision=bf16"), ("b", "precision=float8"), ("c", "x"))
+    ]
     rows = {
         "a": {"tps_per_device": 900.0, "fits": True, "mem_gib": 70.0},
         "b": {"tps_per_device": 1300.0, "fits": False, "mem_gib": 90.0},
@@ -70,6 +74,9 @@ def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, m
     moe_bench._moe_summary({"moe_throughput": cases}, rows, {"c": "parallel.pp=9: no"})
     out = capsys.readouterr().out
     assert "2 figures planned, median |error| 20.0%" in out
+    assert (
+        "precision=bf16: median |error| 10.0% over 1; precision=float8: median |error| 30.0%" in out
+    )
     assert "left out of the median: c: parallel.pp=9: no" in out
     assert "Fits where it ran: 1 of 2" in out and "b (90.0 GiB)" in out
 
