@@ -4,6 +4,7 @@ launcher's workers, started by ``start_local_workers``; ``run_workers`` forks it
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -31,6 +32,8 @@ def _what_a_worker_sees() -> dict:
         "sigusr2_default": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "preloaded": [name for name in COMPILE_IMPORTS if name in sys.modules],
+        # What the server imported, left out of the collector's passes.
+        "frozen": gc.get_freeze_count() > 100_000,
     }
 
 
@@ -50,6 +53,7 @@ def test_a_worker_gets_the_launchers_current_environment_and_default_signals(mon
         assert seen[rank]["sigint_raises"]
         assert seen[rank]["threads"][0] == int(seen[rank]["threads"][1])
         assert seen[rank]["preloaded"] == list(COMPILE_IMPORTS)  # conftest's server preloads
+        assert seen[rank]["frozen"]
 
 
 def _what_a_planning_child_sees() -> dict:
@@ -174,7 +178,7 @@ def test_a_launcher_forks_its_server_from_itself_only_when_that_is_safe():
         assert seen["sigterm_default"] and seen["sigusr2_default"] and seen["sigint_raises"]
         assert seen["threads"] == [1, "1"]  # the launcher's variable, not its torch's 3 threads
         # What the job's options import, the server imported once for its workers.
-        assert seen["preloaded"] == list(COMPILE_IMPORTS)
+        assert seen["preloaded"] == list(COMPILE_IMPORTS) and seen["frozen"]
     assert facts["launcher_imported"] == []
 
 

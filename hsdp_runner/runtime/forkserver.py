@@ -45,6 +45,7 @@ does not do is done here:
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import multiprocessing
 import os
@@ -296,10 +297,12 @@ def run_forked(launcher_env: dict[str, str], fn, *args):
 def adopt_launcher_state(launcher_env: dict[str, str]) -> None:
     """In a process forked from the server: take ``launcher_env`` (what the server's own start
     environment lacks or differs in stays: torch's agent's settings for a rank) and the default
-    handling of the stop signals the server ignores. Does nothing in any other process. Also
-    the initializer of the planner's measuring children (``plan_children``)."""
+    handling of the stop signals the server ignores, and leave what the server imported out of
+    the collector's passes (``gc.freeze``: never garbage). Does nothing in any other process.
+    Also the initializer of the planner's measuring children (``plan_children``)."""
     if _server_env is None:
         return
+    gc.freeze()
     check_cuda_untouched()
     own_env = {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
     os.environ.clear()
