@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import sys
 
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.runtime.app import main
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

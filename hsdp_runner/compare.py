@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.report import prediction
 from hsdp_runner.report.dashboard import page as dashboard_page
 from hsdp_runner.report.runs import Job, degrees, load_jobs, table
@@ -182,4 +183,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

@@ -20,6 +20,7 @@ from hsdp_runner.checkpoint.start import load_full_weights
 from hsdp_runner.core.choices import Dtype
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.models.base import model_spec
 from hsdp_runner.models.params import torch_dtype
 
@@ -73,4 +74,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

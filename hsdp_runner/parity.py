@@ -27,6 +27,7 @@ from hsdp_runner.config.schema import RunConfig
 from hsdp_runner.core.choices import RunStatus
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_FAILED, EXIT_OK
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.expert_layout import expert_refusal
 from hsdp_runner.distributed.hardware import usable_gpus
@@ -397,4 +398,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

@@ -30,6 +30,7 @@ from hsdp_runner.config.compose import compose as compose_config
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.exit_codes import EXIT_CONFIG, EXIT_OK
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.planner import matmul_shapes
 from hsdp_runner.planner import report as plan_report
 from hsdp_runner.planner.axes import check_axis_keys, check_plan_options
@@ -188,4 +189,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()
     sys.exit(main())

@@ -40,6 +40,15 @@ def pytest_configure(config):
     )
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, the runner, every test module) is never garbage: left
+    out of the collector's passes, as the runner's own processes leave theirs
+    (``core.frozen_imports``)."""
+    from hsdp_runner.core.frozen_imports import freeze_imports
+
+    freeze_imports()
+
+
 def cli_env(extra: dict | None = None) -> dict:
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     # Subprocesses (and the processes they start, e.g. submitit's) import the checkout under

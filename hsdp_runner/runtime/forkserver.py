@@ -45,7 +45,6 @@ does not do is done here:
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import multiprocessing
 import os
@@ -58,6 +57,7 @@ from collections.abc import Sequence
 from multiprocessing import connection, resource_tracker, util
 from multiprocessing import forkserver as mp_forkserver
 
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.runtime.reaper import wait_or_kill
 
 START_METHOD = "forkserver"
@@ -298,11 +298,11 @@ def adopt_launcher_state(launcher_env: dict[str, str]) -> None:
     """In a process forked from the server: take ``launcher_env`` (what the server's own start
     environment lacks or differs in stays: torch's agent's settings for a rank) and the default
     handling of the stop signals the server ignores, and leave what the server imported out of
-    the collector's passes (``gc.freeze``: never garbage). Does nothing in any other process.
+    the collector's passes (``frozen_imports``). Does nothing in any other process.
     Also the initializer of the planner's measuring children (``plan_children``)."""
     if _server_env is None:
         return
-    gc.freeze()
+    freeze_imports()
     check_cuda_untouched()
     own_env = {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
     os.environ.clear()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hsdp_runner.checkpoint import start as checkpoint_start
 from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.core.records import RunInfo, RunSummary
 from hsdp_runner.distributed.hardware import pick_device, set_cpu_threads
 from hsdp_runner.distributed.parallel_dims import ParallelDims
@@ -84,11 +85,9 @@ def run_worker(cfg: RunConfig, dims: ParallelDims, run_info: RunInfo) -> RunSumm
     ParallelDims and run facts (output dir, W&B group, run name, tags). Returns rank 0's
     summary (None on other ranks).
     """
-    # What the imports made (torch, the runner, Dynamo, sympy: about a million objects) is
-    # never garbage; frozen, the collector leaves it out of every pass, the teardown's
-    # gc.collect() included (about 0.25 CPU-s a rank otherwise), and a forked worker does not
-    # write to its parent's pages to scan them.
-    gc.freeze()
+    # Out of every collection, the teardown's gc.collect() included; a forked worker then
+    # does not write to its parent's pages to scan them either.
+    freeze_imports()
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # A stop signal (signals.py) only sets a flag: the ranks agree to stop at the next step
