@@ -48,6 +48,11 @@ def run_sweep(sweep_file: Path, sweep_dir: Path) -> int:
 def main() -> None:
     from hydra.plugins.sweeper import Sweeper
 
+    import hsdp_runner.runtime.app  # noqa: F401  (what ``python -m hsdp_runner`` imports)
+    from hsdp_runner.core.frozen_imports import freeze_imports
+
+    freeze_imports()  # as ``python -m hsdp_runner`` does before its main
+
     # On the base class: Hydra's plugin scan loads the basic sweeper's module afresh.
     Sweeper.validate_batch_is_legal = lambda self, batch: None
     out_root = Path(sys.argv[1])
