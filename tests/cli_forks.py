@@ -11,14 +11,18 @@ does what a new process would: it takes the working directory and the whole envi
 call, reads stdin from /dev/null, writes stdout and stderr to files, runs ``hsdp_runner`` as
 ``__main__`` with the arguments, and exits through the interpreter's own shutdown (the exit
 handlers that stop the runner's forkserver run as in a fresh process). The exit status comes
-back to the caller as ``subprocess.run``'s would.
+back to the caller as ``subprocess.run``'s would; or, started with ``CliServer.start``, the
+caller holds the child as it would a ``subprocess.Popen`` (pid, poll, wait) and signals it by
+pid, in a session of its own when asked (``start_new_session``).
 
 What differs from a fresh process: the launcher holds the workers' modules before its server
 forks (the server's own imports then find them there); modules are imported before the call's
 environment is set, so a variable read at import time (none in the runner; torch reads a few
-debug ones, e.g. ``TORCH_LOGS``) would be the server's; ``run_cli`` starts a fresh interpreter
-whenever the call sets one of ``ENV_READ_AT_IMPORT``, and for any other command (torchrun's
-prefix). Python's subprocess module cannot fork from an existing process, multiprocessing's
+debug ones, e.g. ``TORCH_LOGS``) would be the server's, and so is what ``/proc/<pid>/environ``
+shows of the child and of every process it forks without exec (an environment marker finds
+only the job's exec'd processes: tests/test_faults.py also finds them by session);
+``run_cli`` starts a fresh interpreter whenever the call sets one of ``ENV_READ_AT_IMPORT``,
+and for any other command (torchrun's prefix). Python's subprocess module cannot fork from an existing process, multiprocessing's
 forkserver runs functions rather than command lines with their own stdio and exit, hence this
 module.
 """
@@ -40,7 +44,8 @@ _POLL_S = 0.02
 
 
 class CliServer:
-    """The caller's handle on the server process: ``run(argv, env, cwd, timeout)``."""
+    """The caller's handle on the server process: ``run(argv, env, cwd, timeout, out_dir)`` runs
+    a command line to its end, ``start(...)`` starts one and returns at once."""
 
     def __init__(self, env: dict):
         self._proc = subprocess.Popen(
@@ -51,6 +56,14 @@ class CliServer:
             text=True,
         )
 
+    def _request(self, request: dict) -> dict:
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the CLI server exited (code {self._proc.poll()})")
+        return json.loads(line)
+
     def run(self, argv: list[str], env: dict, cwd: Path, timeout: float, out_dir: Path):
         """Run ``python -m hsdp_runner *argv`` in a forked child; return a
         ``subprocess.CompletedProcess`` (stdout and stderr as text), or raise
@@ -59,20 +72,17 @@ class CliServer:
         out_dir.mkdir(parents=True, exist_ok=True)
         stamp = f"{os.getpid()}_{time.monotonic_ns()}"
         out, err = out_dir / f"cli_{stamp}.out", out_dir / f"cli_{stamp}.err"
-        request = {
-            "argv": argv,
-            "env": env,
-            "cwd": str(cwd),
-            "out": str(out),
-            "err": str(err),
-            "timeout": timeout,
-        }
-        self._proc.stdin.write(json.dumps(request) + "\n")
-        self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the CLI server exited (code {self._proc.poll()})")
-        reply = json.loads(line)
+        reply = self._request(
+            {
+                "op": "run",
+                "argv": argv,
+                "env": env,
+                "cwd": str(cwd),
+                "out": str(out),
+                "err": str(err),
+                "timeout": timeout,
+            }
+        )
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         out.unlink()
         err.unlink()
@@ -81,10 +91,56 @@ class CliServer:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
 
+    def start(
+        self, argv: list[str], env: dict, cwd: Path, out: Path, err: Path, new_session: bool
+    ) -> StartedCli:
+        """Start ``python -m hsdp_runner *argv`` in a forked child (in a session of its own with
+        ``new_session``, as ``subprocess.Popen(start_new_session=True)``), its stdout and stderr
+        written to the files ``out`` and ``err``; return at once with its handle."""
+        reply = self._request(
+            {
+                "op": "start",
+                "argv": argv,
+                "env": env,
+                "cwd": str(cwd),
+                "out": str(out),
+                "err": str(err),
+                "new_session": new_session,
+            }
+        )
+        return StartedCli(self, reply["pid"], [sys.executable, "-m", "hsdp_runner", *argv])
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """The exit status of started child ``pid`` (``subprocess``'s convention), waiting up to
+        ``timeout`` seconds for it (0: a poll); None while it runs."""
+        return self._request({"op": "wait", "pid": pid, "timeout": timeout})["returncode"]
+
     def close(self) -> None:
         """End the server (it exits when its stdin closes) and reap it."""
         self._proc.stdin.close()
         self._proc.wait(timeout=30)
+
+
+class StartedCli:
+    """A command line started by ``CliServer.start``, held as a ``subprocess.Popen`` is: ``pid``,
+    ``poll()``, ``wait(timeout)``, ``returncode``. The server is its parent and reaps it; the
+    caller may signal it (and its process group) by pid."""
+
+    def __init__(self, server: CliServer, pid: int, args: list[str]):
+        self._server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.wait(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.wait(self.pid, 1e9 if timeout is None else timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
 
 
 # --- the server's side ------------------------------------------------------------------------
@@ -95,6 +151,8 @@ def _child(request: dict, channels) -> None:
     command line of ``request``. Does not return."""
     for channel in channels:
         channel.close()
+    if request.get("new_session"):
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -115,9 +173,30 @@ def _child(request: dict, channels) -> None:
     sys.exit(0)  # __main__ returned without sys.exit
 
 
+def _wait_child(pid: int, timeout: float, kill_past_timeout: bool) -> tuple[int | None, bool]:
+    """Wait up to ``timeout`` seconds for child ``pid``: (its exit status, or None while it
+    runs; whether it was SIGKILLed for running past ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    killed = False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), killed
+        if time.monotonic() > deadline:
+            if not kill_past_timeout:
+                return None, False
+            if not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        time.sleep(_POLL_S)
+
+
 def _serve() -> None:
-    """Read one JSON request a line from stdin, fork a child for it, wait (killing it past its
-    timeout) and write {returncode, timed_out} a line to stdout; exit when stdin closes."""
+    """Read one JSON request a line from stdin and answer it a line on stdout; exit when stdin
+    closes. ``run``: fork a child for the command line, wait for it (SIGKILL past its
+    timeout), reply {returncode, timed_out}. ``start``: fork a child, reply {pid} at once.
+    ``wait``: reply {returncode} of a started child once it ends, or null after ``timeout``
+    seconds."""
     import hsdp_runner.runtime.app  # noqa: F401  (what every child would import first)
     from hsdp_runner.runtime import forkserver
 
@@ -125,25 +204,28 @@ def _serve() -> None:
 
     requests = os.fdopen(os.dup(0), "r")
     replies = os.fdopen(os.dup(1), "w")
+    ended: dict[int, int] = {}  # started children reaped: their exit status
     for line in requests:
         request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(request, (requests, replies))
-        deadline = time.monotonic() + request["timeout"]
-        timed_out = False
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline and not timed_out:
-                os.kill(pid, signal.SIGKILL)
-                timed_out = True
-            time.sleep(_POLL_S)
-        returncode = os.waitstatus_to_exitcode(status)
-        replies.write(json.dumps({"returncode": returncode, "timed_out": timed_out}) + "\n")
+        if request["op"] == "wait":
+            pid = request["pid"]
+            if pid not in ended:
+                code, _ = _wait_child(pid, request["timeout"], kill_past_timeout=False)
+                if code is not None:
+                    ended[pid] = code
+            reply = {"returncode": ended.get(pid)}
+        else:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(request, (requests, replies))
+            if request["op"] == "start":
+                reply = {"pid": pid}
+            else:
+                code, timed_out = _wait_child(pid, request["timeout"], kill_past_timeout=True)
+                reply = {"returncode": code, "timed_out": timed_out}
+        replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
 

@@ -63,6 +63,19 @@ def cli_env(extra: dict | None = None) -> dict:
 _cli_server = None
 
 
+def cli_server():
+    """This pytest process's ``cli_forks.CliServer`` (started on the first call, ended at
+    exit): command lines of ``python -m hsdp_runner`` forked from one process that imported the
+    CLI once."""
+    global _cli_server
+    from cli_forks import CliServer
+
+    if _cli_server is None:
+        _cli_server = CliServer(cli_env())
+        atexit.register(_cli_server.close)
+    return _cli_server
+
+
 def run_cli(
     out_dir: Path,
     *overrides: str,
@@ -76,17 +89,13 @@ def run_cli(
     (``env``: extra environment variables). Without a ``prefix`` (torchrun's) it runs in a
     process forked from one that imported the CLI once (tests/cli_forks.py), else in a fresh
     interpreter; either way the result is ``subprocess.run``'s."""
-    global _cli_server
-    from cli_forks import ENV_READ_AT_IMPORT, CliServer
+    from cli_forks import ENV_READ_AT_IMPORT
 
     args = [f"hydra.run.dir={out_dir}"] if pin_dir else []
     args += list(overrides)
     full_env = cli_env(env)
     if prefix is None and not set(env or ()) & set(ENV_READ_AT_IMPORT):
-        if _cli_server is None:
-            _cli_server = CliServer(cli_env())
-            atexit.register(_cli_server.close)
-        return _cli_server.run(args, full_env, cwd or REPO, timeout, Path(out_dir).parent)
+        return cli_server().run(args, full_env, cwd or REPO, timeout, Path(out_dir).parent)
     cmd = (prefix or [sys.executable]) + ["-m", "hsdp_runner", *args]
     return subprocess.run(
         cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout

@@ -7,60 +7,67 @@ their ranks forked without torch's elastic launch (conftest's ``run_forked``).""
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, cli_env, rank_logs, read_job, run_forked
+from conftest import REPO, TINY, cli_env, cli_server, rank_logs, read_job, run_forked
 
 from hsdp_runner.runtime.signals import worker_pids
 
 pytestmark = pytest.mark.multiprocess
 
 
-def leftover_processes(marker: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``marker`` (the job's processes)."""
+def leftover_processes(marker: str, session: int | None = None) -> list[int]:
+    """PIDs of live processes of a job: those whose environment carries ``marker`` (what the
+    job started by exec, e.g. its sidecar) or, with ``session``, that are in that session
+    (what it forked: a process forked without exec shows its ancestor's first environment in
+    /proc, and a job started in a session of its own forks its launcher's forkserver and
+    workers into it)."""
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
                 if marker.encode() in (proc / "environ").read_bytes():
                     found.append(int(proc.name))
+                elif session is not None and session_of(int(proc.name)) == session:
+                    found.append(int(proc.name))
             except OSError:
                 continue
     return found
 
 
+def session_of(pid: int) -> int | None:
+    """The session id of process ``pid`` (/proc/<pid>/stat), None when none has that pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def run_marked(job_dir, *overrides, timeout=240):
-    """Run a job; return (its completed process, seconds, its environment marker, every
+    """Run a job (its launcher forked from the CLI server, in a session of its own) to its end;
+    return (its completed process, seconds, (its environment marker, its session), every
     process seen below the launcher while it ran: {(pid, start time): command line})."""
     marker = f"HSDP_TEST_JOB={uuid.uuid4().hex}"
-    env = cli_env({marker.split("=")[0]: marker.split("=")[1]})
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hsdp_runner", f"hydra.run.dir={job_dir}", *overrides],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_job(job_dir, *overrides, marker=marker.split("=")[1])
     seen = {}
-    while True:  # a process of the job may leave the launcher's tree (an orphan): note it early
+    while proc.poll() is None:  # a process of the job may leave the launcher's tree (an
+        # orphan): note it early
         for pid, cmdline in descendants(proc.pid):
             if (at := started(pid)) and cmdline:
                 seen[pid, at] = cmdline.replace(b"\0", b" ")[:100].decode(errors="replace")
-        try:
-            out, err = proc.communicate(timeout=0.1)
-            break
-        except subprocess.TimeoutExpired:
-            if time.monotonic() - start > timeout:
-                proc.kill()
-                raise
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    return result, time.monotonic() - start, marker, seen
+        if time.monotonic() - start > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.1)
+    out, err = (job_dir.parent / name for name in ("stdout.txt", "stderr.txt"))
+    result = subprocess.CompletedProcess(
+        proc.args, proc.returncode, out.read_text(), err.read_text()
+    )
+    return result, time.monotonic() - start, (marker, proc.pid), seen
 
 
 def started(pid: int) -> str | None:
@@ -127,7 +134,7 @@ def test_nan_step_is_skipped_and_counted_with_on_nan_skip(job_dir):
 
 
 def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
-    result, seconds, marker, _ = run_marked(
+    result, seconds, marks, _ = run_marked(
         job_dir,
         *TINY,
         "parallel=hsdp",
@@ -146,16 +153,16 @@ def test_hung_rank_ends_the_job_through_the_collective_timeout(job_dir):
     assert seconds < 150
     _, summary = read_job(job_dir)
     assert summary["status"] == "failed" and "Timed out" in summary["error"]
-    assert leftover_processes(marker) == []
+    assert leftover_processes(*marks) == []
 
 
 def test_sigkilled_rank_ends_the_job_and_leaves_no_orphans(job_dir):
-    result, seconds, marker, processes = run_marked(
+    result, seconds, marks, processes = run_marked(
         job_dir, *TINY, "parallel=fsdp", "fault.rank=2", "fault.step=2", "fault.kind=sigkill"
     )
     assert result.returncode == 1 and "rank 2 failed" in result.stderr
     assert "Signal 9" in result.stderr
-    assert leftover_processes(marker) == []
+    assert leftover_processes(*marks) == []
     # The launcher reaped every process of the job before it exited: the four ranks, the
     # forkserver and multiprocessing's resource tracker, rank 0's sidecar; none is left, not
     # even as a zombie for init to reap.
@@ -168,27 +175,25 @@ def test_sigkilled_rank_ends_the_job_and_leaves_no_orphans(job_dir):
 # it (Ctrl-C, scancel), to the workers alone (`kill <pid of a rank>`) or to the launcher alone.
 
 
-def start_job(
-    job_dir: Path, *overrides: str, marker: str = "", prefix: list[str] | None = None
-) -> subprocess.Popen:
-    """Start ``python -m hsdp_runner`` (``prefix``: e.g. torchrun's command instead of python)
-    in a new session; output goes to files in the job's parent dir (a pipe nobody reads could
-    block the job)."""
+def start_job(job_dir: Path, *overrides: str, marker: str = "", prefix: list[str] | None = None):
+    """Start ``python -m hsdp_runner`` in a new session (``prefix``: e.g. torchrun's command
+    instead of python, started afresh; else forked from the CLI server, conftest's
+    ``cli_server``, which runs the same command line in a process that imported the CLI
+    once); output goes to files in the job's parent dir (a pipe nobody reads could block the
+    job). Returns its ``subprocess.Popen`` or ``cli_forks.StartedCli`` (pid, poll, wait)."""
     job_dir.parent.mkdir(parents=True, exist_ok=True)
     env = cli_env({"HSDP_TEST_JOB": marker} if marker else None)
+    args = [f"hydra.run.dir={job_dir}", *overrides]
+    out, err = job_dir.parent / "stdout.txt", job_dir.parent / "stderr.txt"
+    if prefix is None:
+        return cli_server().start(args, env, REPO, out, err, new_session=True)
     return subprocess.Popen(
-        [
-            *(prefix or [sys.executable]),
-            "-m",
-            "hsdp_runner",
-            f"hydra.run.dir={job_dir}",
-            *overrides,
-        ],
+        [*prefix, "-m", "hsdp_runner", *args],
         cwd=REPO,
         env=env,
         start_new_session=True,
-        stdout=open(job_dir.parent / "stdout.txt", "w"),
-        stderr=open(job_dir.parent / "stderr.txt", "w"),
+        stdout=open(out, "w"),
+        stderr=open(err, "w"),
     )
 
 
@@ -325,9 +330,9 @@ def test_a_second_ctrl_c_two_seconds_later_stops_at_once_and_leaves_no_process(t
     assert summary["status"] == "interrupted" and summary["stopped_at_once"] is True
     assert summary["interrupted_at_step"] == 2 and "final_loss" not in summary
     deadline = time.monotonic() + 10  # the resource tracker ends once its pipe closes
-    while leftover_processes(f"HSDP_TEST_JOB={marker}") and time.monotonic() < deadline:
+    while leftover_processes(f"HSDP_TEST_JOB={marker}", proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert leftover_processes(f"HSDP_TEST_JOB={marker}") == []
+    assert leftover_processes(f"HSDP_TEST_JOB={marker}", proc.pid) == []
 
 
 def test_a_signal_during_the_last_step_completes_the_job(job_dir):
@@ -351,11 +356,8 @@ def test_slurm_time_limit_signal_to_every_task_checkpoints_and_requeues(tmp_path
     # SLURM's --signal=USR2@120 reaches every task of the step; with launcher.requeue the job
     # goes back to the queue (submitit's local executor restarts it) and resumes.
     sweep = tmp_path / "sweep"
-    proc = subprocess.Popen(
+    proc = cli_server().start(
         [
-            sys.executable,
-            "-m",
-            "hsdp_runner",
             "launcher=slurm_local",
             "launcher.nproc_per_node=2",
             "launcher.requeue=1",
@@ -366,11 +368,11 @@ def test_slurm_time_limit_signal_to_every_task_checkpoints_and_requeues(tmp_path
             "checkpoint.enable=true",
             f"hydra.sweep.dir={sweep}",
         ],
-        cwd=tmp_path,
-        env=cli_env(),
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "stderr.txt", "w"),
+        cli_env(),
+        tmp_path,
+        tmp_path / "stdout.txt",
+        tmp_path / "stderr.txt",
+        new_session=True,
     )
     deadline = time.monotonic() + 180
     while not list(sweep.glob("*/metrics.jsonl")):
