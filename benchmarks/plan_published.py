@@ -144,16 +144,52 @@ def _fixed_degrees(case: dict) -> dict:
     return fixed
 
 
+def efficiency_matching(
+    step_at, target: float, lo: float = 0.05, hi: float = 2.0, rel_tol: float = 1e-4
+) -> float:
+    """The ``compute_efficiency`` e in [``lo``, ``hi``] at which ``step_at(e)`` (a predicted
+    step time, or any figure proportional to it) equals ``target``, to ``rel_tol`` of e.
+
+    The predicted step is ``a / e + b``: the GEMMs and attention scale with 1 / e, the memory
+    traffic, the step end and the launch floor do not, so it is linear in x = 1 / e where no
+    launch floor takes over. Regula falsi on x (the Illinois variant, which keeps a stale end
+    from stalling it) finds the root of such a line in one step and needs a few where a floor
+    bends it; bisection needed 17 plans. Raises ConfigError when ``target`` is outside what
+    [``lo``, ``hi``] reaches."""
+    x_lo, x_hi = 1 / hi, 1 / lo  # the step rises with x
+    f_lo, f_hi = step_at(hi) - target, step_at(lo) - target
+    if not f_lo < 0 < f_hi:
+        raise ConfigError(
+            f"a step of {target:.4g} is not reached by compute_efficiency in [{lo}, {hi}]"
+        )
+    stale = 0  # which end was kept last time (-1 low, 1 high)
+    while x_hi / x_lo > 1 + rel_tol:
+        x = x_lo - f_lo * (x_hi - x_lo) / (f_hi - f_lo)
+        f = step_at(1 / x) - target
+        if abs(f) <= 1e-9 * target:
+            return 1 / x
+        if f < 0:
+            x_lo, f_lo = x, f
+            f_hi = f_hi / 2 if stale == 1 else f_hi
+            stale = 1
+        else:
+            x_hi, f_hi = x, f
+            f_lo = f_lo / 2 if stale == -1 else f_lo
+            stale = -1
+    return 2 / (x_lo + x_hi)
+
+
 def fit_efficiency(cases: list[dict]) -> float:
     """The compute efficiency at which the median fitted case is predicted exactly: per case
-    the efficiency matching its figure (fixed point of e <- e x published / predicted; the
-    throughput is nearly proportional to it), then the median over the cases."""
-    found = []
-    for case in cases:
-        e = 0.4
-        for _ in range(5):
-            e *= case["tokens_per_s_per_gpu"] / predict_tps(case, e)["tps_per_device"]
-        found.append(e)
+    the efficiency matching its figure (``efficiency_matching``: the step is proportional to
+    1 / tokens per second), then the median over the cases."""
+    found = [
+        efficiency_matching(
+            lambda e, case=case: 1 / predict_tps(case, e)["tps_per_device"],
+            1 / case["tokens_per_s_per_gpu"],
+        )
+        for case in cases
+    ]
     return statistics.median(found)
 
 

@@ -48,6 +48,9 @@ from hsdp_runner.core.records import RunSummary  # noqa: E402
 from hsdp_runner.distributed.hardware import cuda_available, cuda_unusable_cause  # noqa: E402
 from hsdp_runner.planner.cluster import resolve  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from plan_published import efficiency_matching  # noqa: E402
+
 JOBS = {  # in the order run: a lease cut short keeps the first
     "llama1b_bf16_ac_none": ["model=llama3_1b", "precision=bf16", "trainer.global_batch_size=4"],
     "qwen3moe_2blocks_bf16": [
@@ -238,23 +241,14 @@ def fit_efficiency(
     measured: Path = MEASURED, name: str = FITTED, cluster: str = "h200", rel_tol: float = 1e-4
 ) -> float:
     """The ``compute_efficiency`` at which job ``name``'s predicted step equals its measured
-    step in ``measured``. The predicted step falls as the efficiency rises (the GEMMs and
-    attention scale with its inverse, the memory traffic, the step end and the launch floor do
-    not), so it is bisected, geometrically, to ``rel_tol``."""
+    step in ``measured``, to ``rel_tol`` (``plan_published.efficiency_matching``)."""
     target = measured_step_s(measured, name)
-    lo, hi = 0.05, 2.0
-    if not predicted_step_s(name, cluster, hi) < target < predicted_step_s(name, cluster, lo):
-        raise ConfigError(
-            f"job {name}: measured step {target:.4g} s is not reached by compute_efficiency "
-            f"in [{lo}, {hi}] on cluster {cluster}"
+    try:
+        return efficiency_matching(
+            lambda e: predicted_step_s(name, cluster, e), target, rel_tol=rel_tol
         )
-    while hi / lo > 1 + rel_tol:
-        mid = (lo * hi) ** 0.5
-        if predicted_step_s(name, cluster, mid) > target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo * hi) ** 0.5
+    except ConfigError as err:
+        raise ConfigError(f"job {name} on cluster {cluster}: {err}") from None
 
 
 def fit(args) -> int:

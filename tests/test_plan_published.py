@@ -72,3 +72,23 @@ def test_interleaved_pipeline_figures_are_planned_at_their_published_vpp(bench):
     cfg = plan.compose(lost["overrides"] + [f"cluster={case['cluster']}"])
     with pytest.raises(ValueError, match="vpp 4 is planned at 2 stages per rank"):
         bench.pipeline_row(lost, cfg, None)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.9])
+def test_efficiency_matching_finds_the_root_of_a_step_with_and_without_a_launch_floor(bench, floor):
+    """A step of 0.6 / e + 0.1 (or that under a floor of 0.9 s, which bends it where e < 0.75):
+    the efficiency whose step is 1.0 s is 0.6667 either way, found to rel_tol in a few
+    predictions (bisection took 17); a step that no efficiency in range reaches is refused."""
+    from hsdp_runner.core.errors import ConfigError
+
+    calls = []
+
+    def step_at(e):
+        calls.append(e)
+        return max(0.6 / e + 0.1, floor)
+
+    found = bench.efficiency_matching(step_at, 1.0, rel_tol=1e-6)
+    assert found == pytest.approx(2 / 3, rel=1e-6)
+    assert len(calls) <= 8, calls
+    with pytest.raises(ConfigError, match="not reached by compute_efficiency"):
+        bench.efficiency_matching(step_at, 0.1)
