@@ -119,6 +119,7 @@ class CliServer:
         """End the server (it exits when its stdin closes) and reap it."""
         self._proc.stdin.close()
         self._proc.wait(timeout=30)
+        self._proc.stdout.close()
 
 
 class StartedCli:

@@ -17,7 +17,9 @@ from test_config import compose
 pytestmark = pytest.mark.multiprocess
 
 
-def _loss_and_embedding_grad(overrides):
+def _loss_and_embedding_grad(configs):
+    """{compiled: (loss, embedding gradient norm)} of one step of each of ``configs`` ({False:
+    eager, True: compiled}), and the graphs Dynamo made."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -26,8 +28,7 @@ def _loss_and_embedding_grad(overrides):
     from hsdp_runner.train.loss import loss_context, loss_parallel_on, next_token_loss
 
     out = {}
-    for compiled in (False, True):
-        cfg = compose(overrides + [f"parallel.compile={str(compiled).lower()}"])
+    for compiled, cfg in configs.items():
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, dist.get_world_size())
         world = dims.build_mesh("cpu")
         model = build_model(
@@ -51,7 +52,10 @@ def _loss_and_embedding_grad(overrides):
 
 def test_compiled_fsdp_tp_matches_eager_including_embedding_grad():
     overrides = ["parallel=fsdp_tp", "model=llama3_tiny", "parallel.compile_backend=aot_eager"]
-    result = run_workers(_loss_and_embedding_grad, 4, overrides)[0]
+    configs = {
+        c: compose(overrides + [f"parallel.compile={str(c).lower()}"]) for c in (False, True)
+    }
+    result = run_workers(_loss_and_embedding_grad, 4, configs)[0]
     (eager_loss, eager_grad), (comp_loss, comp_grad) = result[False], result[True]
     assert result["graphs"] > 0  # the blocks did compile
     assert eager_grad > 0

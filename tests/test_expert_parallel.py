@@ -197,16 +197,14 @@ def _stage_buffers() -> list[float]:
     return [float(b[0]) for b in chunk.buffers()]
 
 
-def _skipped_step_bias() -> dict:
-    """The balance step over one real moe_tiny layer per rank, fed uneven counts: its bias
-    after a step the optimizer skipped (applied 0) and after one it applied (applied 1)."""
-    from test_config import compose
-
-    from hsdp_runner.config.compose import to_run_config
+def _skipped_step_bias(cfg) -> dict:
+    """The balance step over one real moe_tiny layer per rank (``cfg``: the preset's typed
+    config), fed uneven counts: its bias after a step the optimizer skipped (applied 0) and
+    after one it applied (applied 1)."""
     from hsdp_runner.distributed.expert_balance import balance_step
     from hsdp_runner.models.base import model_spec
 
-    spec = model_spec(to_run_config(compose(["model=moe_tiny"])).model)
+    spec = model_spec(cfg.model)
     model = spec.build()
     with torch.device("meta"):
         meta = spec.build()
@@ -278,19 +276,26 @@ def _cross_node_bytes() -> dict:
     return out
 
 
-def _train(ep: int, ranks_per_node: int | None, *extra: str) -> dict:
-    """moe_tiny under FSDP 4 with ``ep`` (the ranks told they sit on nodes of
-    ``ranks_per_node``) and the ``extra`` overrides, 3 steps: the step records and the order
-    each MoE layer's exchange runs its chunks in."""
+def _train_config(ep: int, *extra: str):
+    """The typed config of moe_tiny under FSDP 4 with ``ep`` and the ``extra`` overrides, 3
+    steps (composed once, in the test's process, not on every rank)."""
     from test_config import compose
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from hsdp_runner.config.compose import to_run_config
+
+    overrides = ["model=moe_tiny", "parallel=fsdp", f"parallel.ep={ep}", "logger=none", *extra]
+    return to_run_config(compose([*overrides, "trainer.steps=3", "metrics.peak_tflops=1"]))
+
+
+def _train(cfg, ranks_per_node: int | None) -> dict:
+    """Train ``cfg`` (``_train_config``) on these ranks, told they sit on nodes of
+    ``ranks_per_node``: the step records and the order each MoE layer's exchange runs its
+    chunks in."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     from hsdp_runner.distributed.expert_parallel import moe_modules
     from hsdp_runner.runtime.rank_training import rank_trainer
 
-    overrides = ["model=moe_tiny", "parallel=fsdp", f"parallel.ep={ep}", "logger=none", *extra]
-    cfg = to_run_config(compose([*overrides, "trainer.steps=3", "metrics.peak_tflops=1"]))
     _clear_sharding_prop_cache()  # a second world in this process (tests/test_comm.py)
     trainer, _ = rank_trainer(cfg, ranks_per_node=ranks_per_node)
     orders = {
@@ -376,12 +381,26 @@ def _chunked_layer(
     }
 
 
-def _four_rank_cases() -> dict:
+def _four_rank_configs() -> dict:
+    """The typed configs ``_four_rank_cases`` trains or builds, by case."""
+    from test_config import compose
+
+    from hsdp_runner.config.compose import to_run_config
+
+    return {
+        "skipped_step_bias": to_run_config(compose(["model=moe_tiny"])),
+        "train_ep1": _train_config(1),
+        "train_ep4_flat": _train_config(4),
+        "train_ep4_2_nodes": _train_config(4, "parallel.ep_order=per_chunk"),
+    }
+
+
+def _four_rank_cases(configs: dict) -> dict:
     return {
         "chunked_layer": _chunked_layer(),
         "chunked_layer_by_node": _chunked_layer(4, 2),
         "chunked_layer_by_node_per_chunk": _chunked_layer(4, 2, "per_chunk"),
-        "skipped_step_bias": _skipped_step_bias(),
+        "skipped_step_bias": _skipped_step_bias(configs["skipped_step_bias"]),
         "stage_buffers": _stage_buffers(),
         "meshes": _meshes(),
         "exchange_ep4": _exchange(4, torch.float32),
@@ -394,15 +413,15 @@ def _four_rank_cases() -> dict:
         "exchange_ep2_2_nodes": _exchange(2, torch.float32, 1),
         "exchange_ep4_2_nodes_bf16": _exchange(4, torch.bfloat16, 2),
         "cross_node_bytes": _cross_node_bytes(),
-        "train_ep1": _train(1, None),
-        "train_ep4_flat": _train(4, None),
-        "train_ep4_2_nodes": _train(4, 2, "parallel.ep_order=per_chunk"),
+        "train_ep1": _train(configs["train_ep1"], None),
+        "train_ep4_flat": _train(configs["train_ep4_flat"], None),
+        "train_ep4_2_nodes": _train(configs["train_ep4_2_nodes"], 2),
     }
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict:
-    return run_workers(_four_rank_cases, 4)
+    return run_workers(_four_rank_cases, 4, _four_rank_configs())
 
 
 @pytest.mark.multiprocess

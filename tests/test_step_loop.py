@@ -27,6 +27,7 @@ BASE = [
     "metrics.peak_tflops=1",
 ]
 FSDP = ["parallel=fsdp", "parallel.dp_shard=2"]
+NAN_AT_2 = ["fault.rank=1", "fault.step=2"]  # a NaN loss on rank 1 in step 2
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 COLLECTIVES = (
     "all_reduce",
@@ -84,11 +85,24 @@ class Tally:
             setattr(owner, name, original)
 
 
-def _trainer(overrides, device=None):
+# Typed configs by their overrides, composed in the test's process before the workers start
+# (``_scenario_configs``) instead of on every rank.
+_COMPOSED: dict[tuple, object] = {}
+
+
+def _config(overrides):
     from hsdp_runner.config.compose import to_run_config
+
+    key = tuple(overrides)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = to_run_config(compose(BASE + overrides))
+    return _COMPOSED[key]
+
+
+def _trainer(overrides, device=None):
     from hsdp_runner.runtime.rank_training import rank_trainer
 
-    return rank_trainer(to_run_config(compose(BASE + overrides)), device)[0]
+    return rank_trainer(_config(overrides), device)[0]
 
 
 def _weights(trainer):
@@ -136,8 +150,7 @@ def _nan_skip():
             "trainer.steps=3",
             "trainer.on_nan=skip",
             "fault.kind=nan",
-            "fault.rank=1",
-            "fault.step=2",
+            *NAN_AT_2,
         ]
     )
     seen = {}
@@ -152,7 +165,7 @@ def _nan_skip():
 def _nan_stop():
     from hsdp_runner.train.trainer import NonFiniteError
 
-    trainer = _trainer(FSDP + ["trainer.steps=4", "fault.kind=nan", "fault.rank=1", "fault.step=2"])
+    trainer = _trainer(FSDP + ["trainer.steps=4", "fault.kind=nan", *NAN_AT_2])
     hooked = []
     after_one = {}
 
@@ -193,7 +206,17 @@ def _stop_request():
     }
 
 
-def _scenarios():
+# What the scenarios train (composed before the workers start).
+SCENARIO_OVERRIDES = (
+    FSDP + ["trainer.steps=4"],
+    FSDP + ["trainer.steps=3", "trainer.on_nan=skip", "fault.kind=nan", *NAN_AT_2],
+    FSDP + ["trainer.steps=4", "fault.kind=nan", "fault.rank=1", "fault.step=2"],
+    FSDP + ["trainer.steps=5"],
+)
+
+
+def _scenarios(configs: dict):
+    _COMPOSED.update(configs)
     return {
         "syncs": _count_syncs(),
         "skip": _nan_skip(),
@@ -205,7 +228,7 @@ def _scenarios():
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_workers(_scenarios, 2)
+    return run_workers(_scenarios, 2, {tuple(o): _config(o) for o in SCENARIO_OVERRIDES})
 
 
 @pytest.mark.multiprocess
