@@ -64,8 +64,17 @@ class CliServer:
             raise RuntimeError(f"the CLI server exited (code {self._proc.poll()})")
         return json.loads(line)
 
-    def run(self, argv: list[str], env: dict, cwd: Path, timeout: float, out_dir: Path):
-        """Run ``python -m hsdp_runner *argv`` in a forked child; return a
+    def run(
+        self,
+        argv: list[str],
+        env: dict,
+        cwd: Path,
+        timeout: float,
+        out_dir: Path,
+        module: str = "hsdp_runner",
+    ):
+        """Run ``python -m <module> *argv`` (the runner's CLI, or another of its entry points:
+        ``hsdp_runner.export``, ``hsdp_runner.compare``) in a forked child; return a
         ``subprocess.CompletedProcess`` (stdout and stderr as text), or raise
         ``subprocess.TimeoutExpired`` after ``timeout`` seconds (the child is SIGKILLed, as
         ``subprocess.run`` does)."""
@@ -75,6 +84,7 @@ class CliServer:
         reply = self._request(
             {
                 "op": "run",
+                "module": module,
                 "argv": argv,
                 "env": env,
                 "cwd": str(cwd),
@@ -86,7 +96,7 @@ class CliServer:
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         out.unlink()
         err.unlink()
-        cmd = [sys.executable, "-m", "hsdp_runner", *argv]
+        cmd = [sys.executable, "-m", module, *argv]
         if reply["timed_out"]:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
@@ -170,7 +180,7 @@ def _child(request: dict, channels) -> None:
 
     random.seed()  # not the server's sequence: temp file names differ between children
     sys.argv = ["-m", *request["argv"]]
-    runpy.run_module("hsdp_runner", run_name="__main__", alter_sys=True)
+    runpy.run_module(request.get("module", "hsdp_runner"), run_name="__main__", alter_sys=True)
     sys.exit(0)  # __main__ returned without sys.exit
 
 

@@ -1,13 +1,11 @@
 """safetensors export and import: transformers gives our logits; training starts from an export."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY, cli_env, read_job, run_forked
+from conftest import REPO, TINY, cli_env, cli_server, read_job, run_forked
 from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
@@ -80,10 +78,7 @@ def test_export_cli_splits_into_shards_with_an_index_above_the_size_limit(
 ):
     out = tmp_path / "bf16"
     # The checkpoints folder stands for its newest complete checkpoint (step-2).
-    cmd = [
-        sys.executable,
-        "-m",
-        "hsdp_runner.export",
+    argv = [
         str(trained_checkpoint / "checkpoints"),
         str(out),
         "--dtype",
@@ -91,9 +86,7 @@ def test_export_cli_splits_into_shards_with_an_index_above_the_size_limit(
         "--max-shard-gib",
         "0.0002",
     ]
-    result = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120
-    )
+    result = cli_server().run(argv, cli_env(), REPO, 120, tmp_path, module="hsdp_runner.export")
     assert result.returncode == 0, result.stderr
     index = json.loads((out / hf.INDEX_FILE).read_text())
     files = sorted(p.name for p in out.glob("*.safetensors"))

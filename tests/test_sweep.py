@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import METERS_OFF, REPO, cli_env, read_job, run_cli
+from conftest import METERS_OFF, REPO, cli_env, cli_server, read_job, run_cli
 from wandb_records import iter_records, read_run
 
 from hsdp_runner.runtime import sweep
@@ -140,13 +140,8 @@ def test_wandb_runs_of_a_sweep_share_one_group(four_jobs):
 @pytest.mark.multiprocess
 def test_compare_writes_the_table_and_both_plots(four_jobs):
     _, sweep_dir, _ = four_jobs
-    result = subprocess.run(
-        [sys.executable, "-m", "hsdp_runner.compare", str(sweep_dir)],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = cli_server().run(
+        [str(sweep_dir)], cli_env(), REPO, 120, sweep_dir.parent, module="hsdp_runner.compare"
     )
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
