@@ -164,3 +164,54 @@ def test_batch_must_split_over_dp_and_accumulation():
         validate_batch(cfg.trainer, dp_size=4)
     cfg = compose(["trainer.global_batch_size=16", "trainer.grad_accum_steps=2"])
     assert validate_batch(cfg.trainer, 4) == 2
+
+
+def test_a_config_file_is_parsed_once_per_content_and_every_caller_gets_its_own_copy(
+    tmp_path, monkeypatch
+):
+    from hsdp_runner.config import yaml_cache
+
+    path = tmp_path / "a.yaml"
+    path.write_text("x: 1\ny: [1, 2]\n")
+    parses = []
+    load = OmegaConf.load
+    monkeypatch.setattr(OmegaConf, "load", lambda p: parses.append(p) or load(p))
+    first = yaml_cache.load(path)
+    first.x = 5
+    del first["y"]  # Hydra takes the defaults list out of the config it loaded
+    assert yaml_cache.load(path) == {"x": 1, "y": [1, 2]} and len(parses) == 1
+    path.write_text("x: 2\ny: [1, 2]\n")  # the same size, perhaps the same modification time
+    assert yaml_cache.load(path).x == 2 and len(parses) == 2
+
+
+def test_hydra_reads_conf_through_the_parse_once_source_and_composes_what_its_file_source_does(
+    monkeypatch,
+):
+    """The search-path plugin puts ``hsdp-yaml`` in place of the file source where this
+    checkout's conf/ is on the search path (only there), and the configs it composes equal
+    those of Hydra's own file source."""
+    from hydra import initialize_config_dir
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    def schemes():
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return [s.scheme() for s in GlobalHydra.instance().config_loader().get_sources()]
+
+    cases = [
+        ["model=moe_tiny", "parallel=hsdp", "parallel.ep=2"],
+        ["parallel=fsdp_tp", "precision=float8", "trainer.steps=3"],
+        ["model=gpt2_tiny", "parallel=pp_fsdp", "launcher=slurm"],
+    ]
+    assert schemes() == ["pkg", "hsdp-yaml", "structured"]
+    parsed_once = [OmegaConf.to_container(compose(c)) for c in cases]
+    (plugin,) = [p for p in Plugins.instance().discover(SearchPathPlugin) if "hsdp" in p.__module__]
+    other_app = ConfigSearchPathImpl()
+    other_app.append("main", "file:///elsewhere/conf")
+    plugin().manipulate_search_path(other_app)
+    assert [e.path for e in other_app.get_path()] == ["file:///elsewhere/conf"]
+    monkeypatch.setattr(plugin, "manipulate_search_path", lambda self, search_path: None)
+    assert schemes() == ["pkg", "file", "structured"]
+    assert [OmegaConf.to_container(compose(c)) for c in cases] == parsed_once

@@ -1,0 +1,71 @@
+"""A config source that parses each YAML file of hsdp_runner's config once a process
+(``hsdp_runner.config.yaml_cache``), and the search-path plugin that puts it in place of
+Hydra's file source for the runner's own ``conf/`` (a ``--config-dir``, such as ``sweeps/``,
+joins the search path after the plugins ran and is read by Hydra's file source; its one file
+is the sweep's primary config, parsed again per job).
+
+Hydra finds config sources and search-path plugins only in the ``hydra_plugins`` package and
+lets none replace the ``file`` scheme, hence a scheme of its own (``hsdp-yaml``) and the
+search path rewritten to it. Other Hydra applications are left alone: the rewrite applies only
+where ``conf/`` of this checkout is on the search path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hydra._internal.core_plugins import file_config_source
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+SCHEME = "hsdp-yaml"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+class ParsedOnceConfigSource(file_config_source.FileConfigSource):
+    """Hydra's file source (listing, groups, headers) whose configs come from
+    ``yaml_cache.load``."""
+
+    @staticmethod
+    def scheme() -> str:
+        return SCHEME
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        from hsdp_runner.config import yaml_cache
+
+        full_path = os.path.realpath(
+            os.path.join(self.path, self._normalize_file_name(config_path))
+        )
+        if not os.path.exists(full_path):
+            raise ConfigLoadError(f"Config not found : {full_path}")
+        with open(full_path, encoding="utf-8") as f:
+            header = ConfigSource._get_header_dict(f.read(512))
+        return ConfigResult(
+            config=yaml_cache.load(full_path),
+            path=f"{self.scheme()}://{self.path}",
+            provider=self.provider,
+            header=header,
+        )
+
+
+class ParsedOnceSearchPath(SearchPathPlugin):
+    """Where this checkout's ``conf/`` is on the search path, every ``file://`` entry reads
+    through ``ParsedOnceConfigSource`` instead."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        elements = search_path.get_path()
+        if not any(_file_dir(e.path) == str(CONF_DIR) for e in elements):
+            return
+        for element in elements:
+            if (directory := _file_dir(element.path)) is not None:
+                element.path = f"{SCHEME}://{directory}"
+
+
+def _file_dir(path: str) -> str | None:
+    """The directory of a search-path entry Hydra reads with its file source (``file://<dir>``,
+    or a bare directory, as ``initialize_config_dir`` adds it); None for any other scheme."""
+    if path.startswith("file://"):
+        return path[len("file://") :]
+    return None if "://" in path else path
