@@ -187,9 +187,9 @@ def test_a_config_file_is_parsed_once_per_content_and_every_caller_gets_its_own_
 def test_hydra_reads_conf_through_the_parse_once_source_and_composes_what_its_file_source_does(
     monkeypatch,
 ):
-    """The search-path plugin puts ``hsdp-yaml`` in place of the file source where this
-    checkout's conf/ is on the search path (only there), and the configs it composes equal
-    those of Hydra's own file source."""
+    """The search-path plugin puts ``hsdp-yaml`` and ``hsdp-pkg`` in place of Hydra's file and
+    package sources where this checkout's conf/ is on the search path (only there), and the
+    configs it composes equal those of Hydra's own sources."""
     from hydra import initialize_config_dir
     from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
     from hydra.core.global_hydra import GlobalHydra
@@ -205,13 +205,14 @@ def test_hydra_reads_conf_through_the_parse_once_source_and_composes_what_its_fi
         ["parallel=fsdp_tp", "precision=float8", "trainer.steps=3"],
         ["model=gpt2_tiny", "parallel=pp_fsdp", "launcher=slurm"],
     ]
-    assert schemes() == ["pkg", "hsdp-yaml", "structured"]
+    assert schemes() == ["hsdp-pkg", "hsdp-yaml", "structured"]
     parsed_once = [OmegaConf.to_container(compose(c)) for c in cases]
     (plugin,) = [p for p in Plugins.instance().discover(SearchPathPlugin) if "hsdp" in p.__module__]
     other_app = ConfigSearchPathImpl()
+    other_app.append("hydra", "pkg://hydra.conf")
     other_app.append("main", "file:///elsewhere/conf")
     plugin().manipulate_search_path(other_app)
-    assert [e.path for e in other_app.get_path()] == ["file:///elsewhere/conf"]
+    assert [e.path for e in other_app.get_path()] == ["pkg://hydra.conf", "file:///elsewhere/conf"]
     monkeypatch.setattr(plugin, "manipulate_search_path", lambda self, search_path: None)
     assert schemes() == ["pkg", "file", "structured"]
     assert [OmegaConf.to_container(compose(c)) for c in cases] == parsed_once

@@ -5,9 +5,10 @@ joins the search path after the plugins ran and is read by Hydra's file source; 
 is the sweep's primary config, parsed again per job).
 
 Hydra finds config sources and search-path plugins only in the ``hydra_plugins`` package and
-lets none replace the ``file`` scheme, hence a scheme of its own (``hsdp-yaml``) and the
-search path rewritten to it. Other Hydra applications are left alone: the rewrite applies only
-where ``conf/`` of this checkout is on the search path.
+lets none replace the ``file`` and ``pkg`` schemes, hence schemes of their own
+(``hsdp-yaml``, ``hsdp-pkg``) and the search path rewritten to them. Other Hydra applications
+are left alone: the rewrite applies only where ``conf/`` of this checkout is on the search
+path.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hydra._internal.core_plugins import file_config_source
+from hydra._internal.core_plugins import file_config_source, importlib_resources_config_source
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 SCHEME = "hsdp-yaml"
+PACKAGE_SCHEME = "hsdp-pkg"
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
@@ -50,9 +52,39 @@ class ParsedOnceConfigSource(file_config_source.FileConfigSource):
         )
 
 
+class ParsedOncePackageSource(importlib_resources_config_source.ImportlibResourcesConfigSource):
+    """Hydra's package source (its own ``pkg://hydra.conf``: the hydra node's defaults, read at
+    every composition) whose configs come from ``yaml_cache.load`` where the package is a
+    folder, as installed; from a zip, as Hydra reads them."""
+
+    @staticmethod
+    def scheme() -> str:
+        return PACKAGE_SCHEME
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        from importlib import resources
+
+        from hsdp_runner.config import yaml_cache
+
+        res = resources.files(self.path).joinpath(self._normalize_file_name(config_path))
+        if not isinstance(res, Path):
+            return super().load_config(config_path)
+        if not res.is_file():
+            raise ConfigLoadError(f"Config not found : {self._normalize_file_name(config_path)}")
+        with open(res, encoding="utf-8") as f:
+            header = ConfigSource._get_header_dict(f.read(512))
+        return ConfigResult(
+            config=yaml_cache.load(res),
+            path=f"{self.scheme()}://{self.path}",
+            provider=self.provider,
+            header=header,
+        )
+
+
 class ParsedOnceSearchPath(SearchPathPlugin):
     """Where this checkout's ``conf/`` is on the search path, every ``file://`` entry reads
-    through ``ParsedOnceConfigSource`` instead."""
+    through ``ParsedOnceConfigSource`` and every ``pkg://`` one through
+    ``ParsedOncePackageSource`` instead."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         elements = search_path.get_path()
@@ -61,6 +93,8 @@ class ParsedOnceSearchPath(SearchPathPlugin):
         for element in elements:
             if (directory := _file_dir(element.path)) is not None:
                 element.path = f"{SCHEME}://{directory}"
+            elif element.path.startswith("pkg://"):
+                element.path = f"{PACKAGE_SCHEME}://{element.path[len('pkg://') :]}"
 
 
 def _file_dir(path: str) -> str | None:
