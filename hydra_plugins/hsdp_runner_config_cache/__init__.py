@@ -26,6 +26,21 @@ PACKAGE_SCHEME = "hsdp-pkg"
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
+def _parsed_once(source: ConfigSource, path: str | Path) -> ConfigResult:
+    """What Hydra's sources return for the config file at ``path``: its header (the first 512
+    characters' ``# @package`` lines) and its config, from ``yaml_cache.load``."""
+    from hsdp_runner.config import yaml_cache
+
+    with open(path, encoding="utf-8") as f:
+        header = ConfigSource._get_header_dict(f.read(512))
+    return ConfigResult(
+        config=yaml_cache.load(path),
+        path=f"{source.scheme()}://{source.path}",
+        provider=source.provider,
+        header=header,
+    )
+
+
 class ParsedOnceConfigSource(file_config_source.FileConfigSource):
     """Hydra's file source (listing, groups, headers) whose configs come from
     ``yaml_cache.load``."""
@@ -35,21 +50,12 @@ class ParsedOnceConfigSource(file_config_source.FileConfigSource):
         return SCHEME
 
     def load_config(self, config_path: str) -> ConfigResult:
-        from hsdp_runner.config import yaml_cache
-
         full_path = os.path.realpath(
             os.path.join(self.path, self._normalize_file_name(config_path))
         )
         if not os.path.exists(full_path):
             raise ConfigLoadError(f"Config not found : {full_path}")
-        with open(full_path, encoding="utf-8") as f:
-            header = ConfigSource._get_header_dict(f.read(512))
-        return ConfigResult(
-            config=yaml_cache.load(full_path),
-            path=f"{self.scheme()}://{self.path}",
-            provider=self.provider,
-            header=header,
-        )
+        return _parsed_once(self, full_path)
 
 
 class ParsedOncePackageSource(importlib_resources_config_source.ImportlibResourcesConfigSource):
@@ -64,21 +70,12 @@ class ParsedOncePackageSource(importlib_resources_config_source.ImportlibResourc
     def load_config(self, config_path: str) -> ConfigResult:
         from importlib import resources
 
-        from hsdp_runner.config import yaml_cache
-
         res = resources.files(self.path).joinpath(self._normalize_file_name(config_path))
         if not isinstance(res, Path):
             return super().load_config(config_path)
         if not res.is_file():
             raise ConfigLoadError(f"Config not found : {self._normalize_file_name(config_path)}")
-        with open(res, encoding="utf-8") as f:
-            header = ConfigSource._get_header_dict(f.read(512))
-        return ConfigResult(
-            config=yaml_cache.load(res),
-            path=f"{self.scheme()}://{self.path}",
-            provider=self.provider,
-            header=header,
-        )
+        return _parsed_once(self, res)
 
 
 class ParsedOnceSearchPath(SearchPathPlugin):
