@@ -154,7 +154,7 @@ def efficiency_matching(
     traffic, the step end and the launch floor do not, so it is linear in x = 1 / e where no
     launch floor takes over. Regula falsi on x (the Illinois variant, which keeps a stale end
     from stalling it) finds the root of such a line in one step and needs a few where a floor
-    bends it; bisection needed 17 plans. Raises ConfigError when ``target`` is outside what
+    bends it; bisection needed 18 plans. Raises ConfigError when ``target`` is outside what
     [``lo``, ``hi``] reaches."""
     x_lo, x_hi = 1 / hi, 1 / lo  # the step rises with x
     f_lo, f_hi = step_at(hi) - target, step_at(lo) - target

@@ -78,7 +78,7 @@ def test_interleaved_pipeline_figures_are_planned_at_their_published_vpp(bench):
 def test_efficiency_matching_finds_the_root_of_a_step_with_and_without_a_launch_floor(bench, floor):
     """A step of 0.6 / e + 0.1 (or that under a floor of 0.9 s, which bends it where e < 0.75):
     the efficiency whose step is 1.0 s is 0.6667 either way, found to rel_tol in a few
-    predictions (bisection took 17); a step that no efficiency in range reaches is refused."""
+    predictions (bisection took 18); a step that no efficiency in range reaches is refused."""
     from hsdp_runner.core.errors import ConfigError
 
     calls = []

@@ -6,9 +6,9 @@ cache, ``CachingConfigRepository``, lives for one composition), and this runner 
 times in one process: a sweep composes each job twice (the pre-launch check and the job), the
 planner and ``parity`` compose a config per layout, and the tests a few hundred. Parsing
 and building the files' configs is a quarter of a composition here (112 -> 86 ms with this
-cache for conf/ and Hydra's own configs; a copy costs a seventh of a parse). Hydra has no setting for this; its extension
-point is a config source plugin (``hydra_plugins/hsdp_runner_config_cache``), which reads
-through this module.
+cache for conf/ and Hydra's own configs; a copy costs a seventh of a parse). Hydra has no
+setting for this; its extension point is a config source plugin
+(``hydra_plugins/hsdp_runner_config_cache``), which reads through this module.
 """
 
 from __future__ import annotations
