@@ -50,7 +50,7 @@ BAD_INPUTS = [
     (["parallel=pp", "parallel.pp_microbatches=1"], "parallel.pp_microbatches=1 is fewer", None),
     (["parallel=pp", "parallel.pp_schedule=interleaved_1f1b"], "pp_stages_per_rank=2", None),
     (["parallel=pp", "trainer.grad_accum_steps=2"], "micro-batches are the accumulation", None),
-    (["parallel=pp", "parallel.pp_first_stage_less_blocks=2"], "without a block", None),
+    (["parallel=pp", "parallel.pp_first_stage_less_blocks=4"], "more than its share", None),
     (["parallel=pp", "parallel.pp_last_stage_less_blocks=-1"], "must be >= 0", None),
     (
         [

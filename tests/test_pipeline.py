@@ -36,19 +36,29 @@ def test_blocks_split_evenly_with_the_remainder_in_the_middle_never_on_the_last(
     assert [len(r) for r in stage_blocks(8, 4, 1, 1)] == [1, 3, 3, 1]
     assert [len(r) for r in stage_blocks(126, 8, 1, 1)] == [15] + [16] * 6 + [15]
     assert stage_blocks(4, 2, 2, 0) == [range(0, 1), range(1, 4)]
-    with pytest.raises(ConfigError, match="pp_first_stage_less_blocks=1 and .* without a block"):
-        stage_blocks(4, 4, 1, 0)
+    # An end stage weighted by all of its share holds no block and runs its ends alone: the
+    # layouts Megatron published for DeepSeek-V3 (61 blocks on 32 stages: 1, 2 x 30, 0) and
+    # Qwen3-235B (94 on 96: 0, 1 x 94, 0). A middle stage still needs a block.
+    assert [len(r) for r in stage_blocks(4, 4, 1, 0)] == [0, 2, 1, 1]
+    assert [len(r) for r in stage_blocks(61, 32, 1, 1)] == [1] + [2] * 30 + [0]
+    assert [len(r) for r in stage_blocks(94, 96, 1, 1)] == [0] + [1] * 94 + [0]
+    with pytest.raises(ConfigError, match="model.n_layers=94 cannot split over 97"):
+        stage_blocks(94, 97, 1, 1)
+    with pytest.raises(ConfigError, match="pp_first_stage_less_blocks=2 and .* more than its"):
+        stage_blocks(4, 4, 2, 0)
 
 
 @pytest.mark.parametrize("family", ["llama3_tiny", "gpt2_tiny"])
 def test_stages_keep_the_unsplit_names_and_together_hold_every_parameter(family):
     cfg = compose([f"model={family}", FOUR_LAYERS]).model
     whole = {n: p.shape for n, p in build_meta_model(cfg).named_parameters()}
-    for less in ((0, 0), (1, 1)):  # even, and the end stages weighted (blocks 1, 2, 1)
+    # Even, the end stages weighted (blocks 1, 2, 1), and weighted by their whole share on 4
+    # stages (0, 2, 2, 0: the ends alone).
+    for n_stages, less in ((3, (0, 0)), (3, (1, 1)), (4, (1, 1))):
         seen = {}
-        for stage in range(3):
+        for stage in range(n_stages):
             with torch.device("meta"):
-                part = keep_stage(model_spec(cfg).build(), stage, 3, *less)
+                part = keep_stage(model_spec(cfg).build(), stage, n_stages, *less)
             names = {n: p.shape for n, p in part.named_parameters()}
             assert not set(names) & set(seen)
             seen.update(names)
@@ -120,10 +130,23 @@ CASES = {
         "llama4",
         _case("llama3_tiny", 4, *PP, "parallel.pp_first_stage_less_blocks=2", COMM),
     ),
-    "llama_interleaved": (
+    # Both end stages weighted as a block: the first of the 4 stages runs the embedding alone,
+    # the last the norm, output layer and loss alone (blocks 0, 2, 2, 0: Megatron's layout for
+    # DeepSeek-V3 and Qwen3-235B), rank 0 holding the embedding and blocks 2-3, rank 1 blocks
+    # 0-1 and the output.
+    "llama_interleaved_ends_alone": (
         2,
         "llama4",
-        _case("llama3_tiny", 4, *PP, "parallel.pp_schedule=interleaved_1f1b", *INTERLEAVED, COMM),
+        _case(
+            "llama3_tiny",
+            4,
+            *PP,
+            "parallel.pp_schedule=interleaved_1f1b",
+            *INTERLEAVED,
+            "parallel.pp_first_stage_less_blocks=1",
+            "parallel.pp_last_stage_less_blocks=1",
+            COMM,
+        ),
     ),
     # Each rank's two stage chunks with their blocks compiled (through Dynamo and AOTAutograd:
     # the runner's compile path; inductor's C++ code generation is left to the GPU check).
@@ -400,8 +423,8 @@ def test_the_busiest_rank_of_an_interleaved_pipeline_holds_its_stages_blocks():
     """8 blocks on pp 2 with the first stage one block lighter: cut in 2 stages each rank
     holds 4; cut in 4 (2 a rank) the stages hold 1, 3, 2, 2 and rank 1 holds 5. The
     interleaved rows are priced from a stage of 5 blocks, planned apart from the 4-block
-    stage GPipe and 1F1B are priced from. A cut that leaves a stage without a block raises,
-    naming the keys."""
+    stage GPipe and 1F1B are priced from. End stages weighted by their whole share hold no
+    block; a weight above the share raises, naming the keys."""
     from hsdp_runner.config.compose import to_run_config
     from hsdp_runner.planner.pipeline import busiest_stage_blocks
 
@@ -413,10 +436,17 @@ def test_the_busiest_rank_of_an_interleaved_pipeline_holds_its_stages_blocks():
     assert planned == [4, 5]
     assert rows["1f1b"]["stage_step_time_s"] == 2.5 * 4 + 0.5
     assert rows["interleaved_1f1b"]["stage_step_time_s"] == 2.5 * 5 + 0.5
+    # Cut in 4 with both ends weighted: blocks 0, 2, 2, 0, each rank 2.
     ends = ["model.n_layers=4", "parallel.pp_first_stage_less_blocks=1"]
-    ends += ["parallel.pp_last_stage_less_blocks=1"]
-    with pytest.raises(ConfigError, match="leave an end stage of 4 without a block"):
-        busiest_stage_blocks(to_run_config(compose(ends)), 2, 2)
+    assert (
+        busiest_stage_blocks(
+            to_run_config(compose([*ends, "parallel.pp_last_stage_less_blocks=1"])), 2, 2
+        )
+        == 2
+    )
+    heavy = ["model.n_layers=4", "parallel.pp_first_stage_less_blocks=2"]
+    with pytest.raises(ConfigError, match="weigh an end stage of 4 more than its share"):
+        busiest_stage_blocks(to_run_config(compose(heavy)), 2, 2)
 
 
 @pytest.mark.multiprocess  # the planner measures memory in child processes

@@ -148,8 +148,9 @@ class Layout(Protocol):
 
 def layout_refusal(dims: Layout, model: ModelConfig | None, parallel: ParallelConfig) -> str | None:
     """Why the pipeline of ``dims`` cannot run (a message naming the keys and the fix), or None
-    (always without pp): a ``model`` (None: not checked) with fewer blocks than stages or
-    end-stage weights that leave a stage without one, fewer micro-batches than stages under
+    (always without pp): a ``model`` (None: not checked) whose blocks cannot split over the
+    stages (``models.base.stage_blocks``: a middle stage without a block, an end stage weighed
+    more than its share), fewer micro-batches than stages under
     1F1B, a schedule the ``parallel`` settings inside the stages cannot follow
     (``zero_bubble_refusal``), micro-batches an interleaved schedule cannot run in rounds of
     pp."""
@@ -157,17 +158,14 @@ def layout_refusal(dims: Layout, model: ModelConfig | None, parallel: ParallelCo
         return None
     pipeline, stages = dims.pipeline, dims.pp_stages
     m = pipeline.microbatches
-    if model is not None and model.n_layers < stages:
-        return (
-            f"model.n_layers={model.n_layers} cannot split over {stages} pipeline stages "
-            f"(parallel.pp={dims.pp} x parallel.pp_stages_per_rank={pipeline.stages_per_rank}): "
-            "every stage needs a block; lower parallel.pp or parallel.pp_stages_per_rank"
-        )
     if model is not None:
         try:
             pipeline.stage_blocks(model.n_layers, dims.pp)
-        except ConfigError as err:  # end stages left without a block
-            return str(err)
+        except ConfigError as err:  # a stage left without a block, or an end stage's weight
+            return (
+                f"{err} (parallel.pp={dims.pp} x parallel.pp_stages_per_rank="
+                f"{pipeline.stages_per_rank} = {stages} stages)"
+            )
     if pipeline.schedule is PPSchedule["1f1b"] and m < dims.pp:
         return (
             f"parallel.pp_microbatches={m} is fewer than the parallel.pp={dims.pp} stages: "

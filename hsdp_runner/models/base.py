@@ -276,25 +276,31 @@ def stage_blocks(
     The first stage counts as ``first_less`` blocks more than it holds and the last as
     ``last_less`` more (``parallel.pp_first_stage_less_blocks``, ``..._last_...``: room for the
     embedding, and for the output layer and the loss, which they also run; torchtitan's
-    ``pipeline_parallel_first/last_stage_less_layers``). Of the ``n_layers + first_less +
-    last_less`` so counted each stage gets ``// n_stages``; the remainder goes one each to the
-    middle stages first (1, 2, ...), then to the first stage, never to the last. Raises
-    ConfigError when a stage would get no block.
+    ``pipeline_parallel_first/last_stage_less_layers``, Megatron's embedding and loss counted
+    in its pipeline split). Of the ``n_layers + first_less + last_less`` so counted each stage
+    gets ``// n_stages``; the remainder goes one each to the middle stages first (1, 2, ...),
+    then to the first stage, never to the last. An end stage whose weight takes all of its
+    share holds no block and runs its ends alone (the embedding; the final norm, output layer
+    and loss), as Megatron's layouts for DeepSeek-V3 and Qwen3-235B place them. Raises
+    ConfigError when a middle stage would get no block or a weight exceeds its stage's share.
     """
-    if n_stages > n_layers:
+    end_only = (first_less > 0) + (last_less > 0)  # end stages that may hold no block
+    if n_stages > n_layers + end_only:
         raise ConfigError(
             f"model.n_layers={n_layers} cannot split over {n_stages} pipeline stages: every "
-            "stage needs a block; lower parallel.pp or parallel.pp_stages_per_rank"
+            "stage needs a block (an end stage may run the embedding or the output layer "
+            "alone when parallel.pp_first/last_stage_less_blocks count them); lower "
+            "parallel.pp or parallel.pp_stages_per_rank"
         )
     base, extra = divmod(n_layers + first_less + last_less, n_stages)
     takers = [*range(1, n_stages - 1), 0][:extra]
     sizes = [base + (stage in takers) for stage in range(n_stages)]
     sizes[0] -= first_less
     sizes[-1] -= last_less
-    if min(sizes) < 1:
+    if min(sizes) < 0 or min(sizes[1:-1], default=1) < 1:
         raise ConfigError(
             f"parallel.pp_first_stage_less_blocks={first_less} and parallel.pp_last_stage_less_"
-            f"blocks={last_less} leave an end stage of {n_stages} without a block "
+            f"blocks={last_less} weigh an end stage of {n_stages} more than its share "
             f"(model.n_layers={n_layers}); lower them"
         )
     starts = [sum(sizes[:stage]) for stage in range(n_stages)]
