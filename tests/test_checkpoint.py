@@ -11,7 +11,7 @@ from conftest import METERS_OFF, TINY, read_job, run_forked
 from omegaconf import OmegaConf
 
 from hsdp_runner.checkpoint import hf
-from hsdp_runner.checkpoint.checkpointer import expected_shapes
+from hsdp_runner.checkpoint.checkpointer import expected_shapes, own_param_groups
 from hsdp_runner.export import load_full_weights
 from hsdp_runner.models.base import model_spec
 
@@ -160,26 +160,54 @@ def test_gpt2_checkpoint_reshards_fsdp_tp_to_single_and_exports_for_transformers
         )
 
 
+def test_a_rank_loads_its_own_optimizer_groups_with_the_saved_hyperparameters():
+    """A checkpoint holds one rank's optimizer groups (DCP keeps one copy of a key every rank
+    saves): another pipeline rank keeps its own parameter names, and its groups, empty or
+    in another order, take the saved lr and betas of the group with their weight decay."""
+    saved = [
+        {"params": ["layers.0.w"], "weight_decay": 0.1, "lr": 2e-4, "betas": (0.9, 0.95)},
+        {"params": ["layers.0.norm"], "weight_decay": 0.0, "lr": 2e-4, "betas": (0.9, 0.95)},
+    ]
+    own = [
+        {"params": ["tok_embeddings.weight"], "weight_decay": 0.0, "lr": 0.0, "betas": (0, 0)},
+        {"params": [], "weight_decay": 0.1, "lr": 0.0, "betas": (0, 0)},
+    ]
+    assert own_param_groups(own, saved) == [
+        {
+            "params": ["tok_embeddings.weight"],
+            "weight_decay": 0.0,
+            "lr": 2e-4,
+            "betas": (0.9, 0.95),
+        },
+        {"params": [], "weight_decay": 0.1, "lr": 2e-4, "betas": (0.9, 0.95)},
+    ]
+
+
 def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
     """A 2-stage pipeline job's step-2 checkpoint (each stage saved its own parameters, named
     as in the whole model) continues in one process with the pipeline's losses; that job's
     step-3 checkpoint continues under an interleaved pipeline (2 stages per rank, saved and
-    loaded through one view of both chunks); the pipeline's last checkpoint exports to a
-    Hugging Face folder holding every parameter, through the CLI and at the job's end; a
-    pipeline job starts from that folder (``init_from_hf``) as one process does."""
+    loaded through one view of both chunks), whose step-4 checkpoint continues under a
+    pipeline whose first rank holds the embedding alone (blocks 0 and 4: a checkpoint holds
+    one rank's optimizer groups, and this rank's decayed group is empty); the pipeline's last
+    checkpoint exports to a Hugging Face folder holding every parameter, through the CLI and
+    at the job's end; a pipeline job starts from that folder (``init_from_hf``) as one
+    process does."""
     from hsdp_runner import export
 
-    job = [*TINY, "model.n_layers=4", "trainer.steps=4", *SAVE]
+    job = [*TINY, "model.n_layers=4", "trainer.steps=5", *SAVE]
     interleaved = "pp:parallel.pp_schedule=interleaved_1f1b:parallel.pp_stages_per_rank=2"
+    embedding_alone = "pp:parallel.pp_first_stage_less_blocks=4"
     at_end = ["checkpoint.export_at_end=true", "checkpoint.export_dtype=float32"]
     ref = run_forked(tmp_path / "pp", *job, "parallel=pp", "checkpoint.interval=2", *at_end)
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference, _ = read_job(tmp_path / "pp")
     source = tmp_path / "pp" / "checkpoints" / "step-2"
-    for layout, first in (("single", 3), (interleaved, 4)):
+    legs = (("single", 3), (interleaved, 4), (embedding_alone, 5))
+    for leg, (layout, first) in enumerate(legs):
         name, *extra = layout.split(":")
         result = run_forked(
-            tmp_path / f"{name}_resumed",
+            tmp_path / f"{leg}_{name}_resumed",
             *job,
             f"parallel={name}",
             *extra,
@@ -187,15 +215,15 @@ def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
             f"checkpoint.load_path={source}",
         )
         assert result.returncode == 0, (layout, result.stderr[-3000:])
-        records, summary = read_job(tmp_path / f"{name}_resumed")
+        records, summary = read_job(tmp_path / f"{leg}_{name}_resumed")
         assert summary["loaded_from"] == str(source) and records[0]["step"] == first
         for r in records:
             assert r["loss"] == pytest.approx(_loss_at(reference, r["step"]), rel=1e-5), layout
-        source = tmp_path / f"{name}_resumed" / "checkpoints" / f"step-{first}"
+        source = tmp_path / f"{leg}_{name}_resumed" / "checkpoints" / f"step-{first}"
 
-    step4 = tmp_path / "pp" / "checkpoints" / "step-4"
-    assert export.main([str(step4), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
-    weights, manifest = load_full_weights(step4)
+    last = tmp_path / "pp" / "checkpoints" / "step-5"
+    assert export.main([str(last), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    weights, manifest = load_full_weights(last)
     model_cfg = OmegaConf.create(manifest["model"])
     exported = hf.read_folder(tmp_path / "hf", model_cfg, expected_shapes(model_cfg))
     assert manifest["layout"]["mesh_shape"] == [2, 1, 1, 1, 1]

@@ -29,6 +29,7 @@ export folder is an error.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import json
@@ -139,6 +140,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def own_param_groups(own: list[dict], saved: list[dict]) -> list[dict]:
+    """The optimizer's parameter groups to load on this rank: its ``own`` groups (the names of
+    the parameters it holds), each with the hyperparameters (lr, betas, ...) of the ``saved``
+    group of the same weight decay, the first where several share it.
+
+    DCP keeps one copy of a value that every rank saves under the same key, so a checkpoint
+    holds one rank's groups, whose parameter names are that rank's only: under pipeline
+    parallel the other stages' names are missing, and torch's distributed state dict then
+    loads those ranks' groups without their hyperparameters (torch 2.13: ``KeyError:
+    'betas'`` at the next step). The groups differ between ranks only in their names.
+    """
+    loaded = []
+    for group in own:
+        match = next((g for g in saved if g.get("weight_decay") == group.get("weight_decay")), {})
+        loaded.append({**group, **{k: v for k, v in match.items() if k != "params"}})
+    return loaded
+
+
 class Checkpointer:
     """Saves and restores one job's training state; every rank holds one and calls it together.
 
@@ -205,6 +224,8 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = {**self._state(), "rng": None}
+        # Copied: dcp.load writes the saved groups into these very dicts.
+        own_groups = copy.deepcopy(state["optimizer"]["param_groups"])
         has_position = "position" in manifest.get("data", {})
         if has_position and self.trainer.batches.stateful:
             state["data_position"] = None
@@ -215,6 +236,9 @@ class Checkpointer:
                 f"checkpoint {path} could not be loaded ({load_failure(err)}); "
                 "it may be damaged, use an earlier one"
             ) from err
+        state["optimizer"]["param_groups"] = own_param_groups(
+            own_groups, state["optimizer"]["param_groups"]
+        )
         set_state_dict(
             self.model,
             self.optimizer,
