@@ -4,6 +4,7 @@ Signals, hangs and kills run CLI jobs (the launcher's handling is what they prov
 jobs, a rank's own signal and the reruns that resume run through the runner's job path with
 their ranks forked without torch's elastic launch (conftest's ``run_forked``)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -198,15 +199,26 @@ def start_job(job_dir: Path, *overrides: str, marker: str = "", prefix: list[str
 
 
 def wait_for_steps(metrics: Path, steps: int, proc: subprocess.Popen, timeout: float = 180):
+    """Return once ``metrics`` holds ``steps`` lines: looked at every 0.1 s until the job logs
+    its first step, then every millisecond, so that a signal sent next lands within a step or
+    two of ``steps`` (a tiny job's step takes 0.02-0.03 s here: looking every 0.1 s, with a
+    late wake-up on the loaded machine, one job trained out its 16 steps first)."""
     deadline = time.monotonic() + timeout
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+    logged = 0
+    while logged < steps:
         assert proc.poll() is None and time.monotonic() < deadline, "job ended or stalled"
-        time.sleep(0.1)
+        time.sleep(0.001 if logged else 0.1)
+        logged = len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
 def finish(proc: subprocess.Popen, job_dir: Path, timeout: float = 120) -> tuple[int, str]:
     proc.wait(timeout=timeout)
     return proc.returncode, (job_dir.parent / "stderr.txt").read_text()
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of live process ``pid`` (/proc/<pid>/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def descendants(pid: int) -> list[tuple[int, bytes]]:
@@ -233,6 +245,34 @@ def signal_pids(pids: list[int], sig: int) -> None:
     assert pids
     for pid in pids:
         os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def paused(pids: list[int]):
+    """Hold ``pids`` stopped (SIGSTOP) for the block, then let them go on (SIGCONT): a signal
+    that a launcher or torch's agent passes on to its workers meanwhile is pending when they
+    resume, so the workers cannot train out a tiny job's last steps while the process in the
+    middle waits for a CPU on the loaded machine."""
+    signal_pids(pids, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        signal_pids(pids, signal.SIGCONT)
+
+
+def wait_pending(pids: list[int], sig: int, timeout: float = 60) -> None:
+    """Wait until ``sig`` is pending for every one of ``pids`` (stopped processes: the
+    process-wide pending mask of /proc/<pid>/status)."""
+    deadline = time.monotonic() + timeout
+
+    def pending(pid: int) -> bool:
+        status = Path(f"/proc/{pid}/status").read_text()
+        mask = next(line for line in status.splitlines() if line.startswith("ShdPnd:"))
+        return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
+
+    while not all(pending(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"signal {sig} never reached {pids}"
+        time.sleep(0.05)
 
 
 def steps_once(job_dir: Path, steps: int) -> bool:
@@ -293,7 +333,10 @@ def test_sigterm_to_the_launcher_only_reaches_the_workers(tmp_path):
     job_dir = tmp_path / "job"
     proc = start_job(job_dir, *RUN)
     wait_for_steps(job_dir / "metrics.jsonl", 3, proc)
-    os.kill(proc.pid, signal.SIGTERM)
+    workers = worker_pids(proc.pid)
+    with paused(workers):  # resumed once the launcher has passed the signal on to each
+        os.kill(proc.pid, signal.SIGTERM)
+        wait_pending(workers, signal.SIGTERM)
     code, stderr = finish(proc, job_dir)
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
     _, summary = read_job(job_dir)

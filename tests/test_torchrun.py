@@ -42,14 +42,29 @@ def test_ctrl_c_to_torchrun_checkpoints_and_the_rerun_resumes(tmp_path):
     import os
     import signal
 
-    from test_faults import finish, start_job, steps_once, wait_for_steps
+    from test_faults import (
+        descendants,
+        finish,
+        parent_pid,
+        paused,
+        start_job,
+        steps_once,
+        wait_for_steps,
+        wait_pending,
+    )
 
     job_dir = tmp_path / "job"
     steps = 16  # a signal after step 3 stops the job long before its end
     run = [*TINY, "parallel=ddp", f"trainer.steps={steps}", "checkpoint.enable=true"]
     proc = start_job(job_dir, *run, prefix=TORCHRUN)
     wait_for_steps(job_dir / "metrics.jsonl", 3, proc)
-    os.killpg(proc.pid, signal.SIGINT)
+    # The agent's workers: its children (`python -u -m hsdp_runner ...`, each in a session of
+    # its own; rank 0's own helper process below it is left running).
+    ranks = [pid for pid, _ in descendants(proc.pid) if parent_pid(pid) == proc.pid]
+    assert len(ranks) == 2, descendants(proc.pid)
+    with paused(ranks):  # resumed once the agent has passed the signal on to each
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_pending(ranks, signal.SIGINT)
     code, stderr = finish(proc, job_dir)
     # The ranks exit 130; torchrun exits 1: its agent raises SignalException out of main.
     assert code == 1 and "SignalException" in stderr, stderr[-3000:]
