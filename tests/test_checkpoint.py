@@ -183,6 +183,23 @@ def test_a_rank_loads_its_own_optimizer_groups_with_the_saved_hyperparameters():
     ]
 
 
+def test_an_empty_optimizer_group_goes_last():
+    """``trainer.freeze`` leaving no decayed weight (or a pipeline rank holding only GPT-2's
+    embeddings): the empty group goes last, the one place torch 2.13's distributed state dict
+    loads an empty group's hyperparameters into (first, a resumed fsdp job with
+    ``trainer.freeze=[layers.*,output.*]`` failed with ``KeyError: 'betas'``)."""
+    from hsdp_runner.config.schema import OptimConfig
+    from hsdp_runner.train.optimizer import build_optimizer
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.requires_grad_(False)
+    optimizer = build_optimizer([layer], OptimConfig(), lambda name: name.endswith("bias"))
+    assert [(len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups] == [
+        (1, 0.0),
+        (0, OptimConfig().weight_decay),
+    ]
+
+
 def test_pipeline_checkpoint_resumes_without_pp_and_back_and_exports(tmp_path):
     """A 2-stage pipeline job's step-2 checkpoint (each stage saved its own parameters, named
     as in the whole model) continues in one process with the pipeline's losses; that job's
