@@ -221,6 +221,11 @@ def parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def process_state(pid: int) -> str:
+    """The state letter of live process ``pid`` (/proc/<pid>/stat: R, S, T stopped, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def descendants(pid: int) -> list[tuple[int, bytes]]:
     """(pid, command line) of every live process below ``pid``, read from /proc."""
     children: dict[int, list[int]] = {}
@@ -252,8 +257,15 @@ def paused(pids: list[int]):
     """Hold ``pids`` stopped (SIGSTOP) for the block, then let them go on (SIGCONT): a signal
     that a launcher or torch's agent passes on to its workers meanwhile is pending when they
     resume, so the workers cannot train out a tiny job's last steps while the process in the
-    middle waits for a CPU on the loaded machine."""
+    middle waits for a CPU on the loaded machine. The block starts once each one has stopped:
+    a process not yet scheduled since the SIGSTOP would take a signal sent meanwhile first
+    (the kernel hands out the lowest-numbered pending signal first: SIGINT before SIGSTOP), so
+    that signal would be gone, not pending."""
     signal_pids(pids, signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while not all(process_state(pid) == "T" for pid in pids):
+        assert time.monotonic() < deadline, f"{pids} never stopped"
+        time.sleep(0.001)
     try:
         yield
     finally:
