@@ -76,8 +76,8 @@ def build_optimizer(
         {"params": decay, "weight_decay": optim_cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # A group may be empty (a pipeline rank that holds only the embedding has no decayed
-    # weight under GPT-2's rule): it goes last, the one place torch 2.13's distributed state
+    # A group may be empty (a pipeline rank that holds only the embedding, which no family
+    # decays; ``trainer.freeze`` leaving no decayed weight): it goes last, the one place torch 2.13's distributed state
     # dict loads an empty group's hyperparameters into (``_split_optim_state_dict`` maps it
     # through its loop's last group). Every rank keeps two groups, so the LR scheduler's
     # per-group state, which a checkpoint holds once, fits every rank.
