@@ -77,10 +77,11 @@ def build_optimizer(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # A group may be empty (a pipeline rank that holds only the embedding, which no family
-    # decays; ``trainer.freeze`` leaving no decayed weight): it goes last, the one place torch 2.13's distributed state
-    # dict loads an empty group's hyperparameters into (``_split_optim_state_dict`` maps it
-    # through its loop's last group). Every rank keeps two groups, so the LR scheduler's
-    # per-group state, which a checkpoint holds once, fits every rank.
+    # decays; ``trainer.freeze`` leaving no decayed weight): it goes last, the one place
+    # torch 2.13's distributed state dict loads an empty group's hyperparameters into
+    # (``_split_optim_state_dict`` maps it through its loop's last group). Every rank keeps
+    # two groups, so the LR scheduler's per-group state, which a checkpoint holds once, fits
+    # every rank.
     groups.sort(key=lambda group: not group["params"])
     # fused: one kernel per device and dtype, and it takes ``found_inf``, which lets the trainer
     # skip a non-finite step's update on the device without reading anything on the host.
