@@ -75,6 +75,7 @@ ORDER = (
     "pp_fsdp:parallel.ep=2",
     "fsdp:parallel.ep=2:parallel.ac=full",
     "fsdp:parallel.ep=2:parallel.ac=selective",
+    "fsdp:parallel.ep=2:parallel.ac=moe",
     "fsdp:parallel.ep=2:trainer.grad_accum_steps=2",
 )
 # Default tolerances (--rtol). On CPU every layout agrees with one process to ~2e-7 over 20

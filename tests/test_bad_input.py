@@ -29,6 +29,8 @@ BAD_INPUTS = [
     (["parallel=fsdp", "launcher.nproc_per_node=4"], "exceeds the 2 visible GPUs", 2),
     (["device=cuda"], "device=cuda but no GPU is usable: this torch", None),
     (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible", None),
+    # The MoE feed-forward's recompute on a dense model: nothing to recompute.
+    (["parallel.ac=moe"], "model.name=llama3_tiny has no MoE block; set parallel.ac=full", None),
     (
         ["parallel=tp", "model.seq_len=31"],
         "model.seq_len=31 is not divisible by parallel.tp=2",

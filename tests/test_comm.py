@@ -146,13 +146,28 @@ LAYOUTS |= {
         "parallel.sequence_parallel=false",
         "parallel.ac=selective",
     ],
-    # ep = cp: the exchange over the cp group, the auxiliary loss's counts summed over it.
-    "moe_fsdp_cp_ep2_accum": [
+    # ep = cp: the exchange over the cp group, the auxiliary loss's counts summed over it;
+    # the MoE feed-forward recomputed alone (parallel.ac=moe): its exchange and count
+    # all-reduce run again, attention's K/V all-gather does not.
+    "moe_fsdp_cp_ep2_accum_moe_ac": [
         *MOE,
         "parallel=fsdp_cp",
         "parallel.ep=2",
         "trainer.grad_accum_steps=2",
         "trainer.accum_reduce=last",
+        "parallel.ac=moe",
+    ],
+    # TP alone without sequence parallel, the MoE feed-forward recomputed alone: its exchange
+    # runs again; attention's all-reduces do not, nor the MoE's output all-gather (the
+    # checkpoint's recompute stops once backward's saved tensors are rebuilt).
+    "moe_tp_ep2_no_sp_moe_ac": [
+        *MOE,
+        "parallel=tp",
+        "parallel.tp=4",
+        "model.n_kv_heads=4",
+        "parallel.ep=2",
+        "parallel.sequence_parallel=false",
+        "parallel.ac=moe",
     ],
     # pp 2 x tp 2, ep = tp: every micro-batch of the schedule exchanges its tokens; the MoE
     # layers' own units, without a wrap around them, gather and reduce in each micro-batch.

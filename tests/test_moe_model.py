@@ -344,7 +344,8 @@ def test_forward_and_selective_recompute_flops_are_the_counted_ones():
     """One forward of moe_tiny costs the blocks' ``block_forward_flops_per_token`` (less
     attention, which FlopCounterMode does not count in torch's CPU kernel) plus the output
     layer per token; selective AC adds exactly ``selective_recompute_flops_per_token`` (the
-    experts' grouped matmuls taking turns with the other matmuls)."""
+    experts' grouped matmuls taking turns with the other matmuls), and ``parallel.ac=moe``
+    exactly ``moe_recompute_flops_per_token`` (the MoE blocks' router and experts again)."""
     spec = tiny_spec()
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
     forward = counted_flops(spec, tokens, "none", backward=False)
@@ -353,6 +354,8 @@ def test_forward_and_selective_recompute_flops_are_the_counted_ones():
     assert forward == per_token * tokens.numel()
     extra = counted_flops(spec, tokens, "selective") - counted_flops(spec, tokens, "none")
     assert extra == spec.selective_recompute_flops_per_token() * tokens.numel()
+    extra = counted_flops(spec, tokens, "moe") - counted_flops(spec, tokens, "none")
+    assert extra == spec.moe_recompute_flops_per_token() * tokens.numel() > 0
 
 
 PRESETS = ["moe_tiny", "moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"]

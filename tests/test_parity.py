@@ -400,6 +400,7 @@ EP2 = ["parallel=fsdp", "parallel.dp_shard=2", "parallel.ep=2"]
 EP_TWO_RANK_CASES = {
     "ac=full": [*EP2, "parallel.ac=full"],
     "ac=selective": [*EP2, "parallel.ac=selective"],
+    "ac=moe": [*EP2, "parallel.ac=moe"],
     "grad_accum_steps=2": [*EP2, "trainer.grad_accum_steps=2"],
     # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
     # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only

@@ -475,7 +475,7 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
             ["plan.axes.parallel.ac=none,sometimes"],
             (
                 "plan.axes.parallel.ac: parallel.ac='sometimes' "
-                "is not one of none, full, selective; set parallel.ac to one of them"
+                "is not one of none, full, selective, moe; set parallel.ac to one of them"
             ),
         ),
         (
@@ -496,7 +496,10 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
             ["plan.axes.trainer.steps=0"],
             ("plan.axes.trainer.steps=0: trainer.steps=0 must be a positive integer"),
         ),
-        (["parallel.ac=sometimes"], "parallel.ac='sometimes' is not one of none, full, selective"),
+        (
+            ["parallel.ac=sometimes"],
+            "parallel.ac='sometimes' is not one of none, full, selective, moe",
+        ),
     ],
 )
 def test_an_axis_value_is_checked_like_the_same_override_in_one_line(args, message, capsys):

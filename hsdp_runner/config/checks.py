@@ -22,10 +22,18 @@ from hsdp_runner.config.schema import (
     RunConfig,
     TrainerConfig,
 )
-from hsdp_runner.core.choices import Choice, DataKind, Dtype, FaultKind, Float8Recipe, LauncherName
+from hsdp_runner.core.choices import (
+    AC,
+    Choice,
+    DataKind,
+    Dtype,
+    FaultKind,
+    Float8Recipe,
+    LauncherName,
+)
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.core.signal_names import parse_signal
-from hsdp_runner.models.base import family_schema, model_spec
+from hsdp_runner.models.base import family_schema, model_spec, routed_experts
 
 
 def _field_types(schema, prefix: str = "") -> dict[str, type]:
@@ -185,6 +193,12 @@ def validate_config(cfg: RunConfig) -> None:
             f"{c.model.n_heads}; pick a head count that divides the width"
         )
     model_spec(c.model).validate()  # the family's own checks
+    moe_blocks = c.model.n_layers - (getattr(c.model, "n_dense_layers", 0) or 0)
+    if AC(c.parallel.ac) is AC.moe and (routed_experts(c.model) == 0 or moe_blocks < 1):
+        raise ConfigError(
+            f"parallel.ac=moe recomputes the MoE blocks' feed-forward, and model.name="
+            f"{c.model.name} has no MoE block; set parallel.ac=full or selective"
+        )
     if c.data.kind == DataKind.text and c.model.vocab_size < 256:
         raise ConfigError(
             f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "

@@ -28,11 +28,20 @@ class Choice(str, enum.Enum):
 
 
 class AC(Choice):
-    """``parallel.ac``: activation checkpointing of each block."""
+    """``parallel.ac``: activation checkpointing of each block; ``moe``: of each MoE block's
+    feed-forward alone (its norm, router, token exchange and experts: Megatron's
+    ``--recompute-modules layernorm moe``)."""
 
     none = "none"
     full = "full"
     selective = "selective"
+    moe = "moe"
+
+    @property
+    def reruns_moe_forward(self) -> bool:
+        """True where backward runs each MoE layer's forward again, its token exchange
+        included: full AC (the whole block) and ``moe``."""
+        return self in (AC.full, AC.moe)
 
 
 class CompileBackend(Choice):

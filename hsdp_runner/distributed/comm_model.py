@@ -423,6 +423,8 @@ def _tensor_parallel(
         tally.add("reduce_scatter/tp", calls * accum, calls * act)
     else:
         tally.add("all_reduce/tp", calls * accum, calls * act)
+        # parallel.ac=moe does not run the output all-gather again: the checkpoint's recompute
+        # stops once the tensors backward saved are rebuilt (torch's early stop), before it
         tally.add("all_gather/tp", 2 * moe * accum, 2 * moe * act)
 
 

@@ -10,7 +10,7 @@ input, an all-reduce by its tensor):
   the rows its experts received (M rows); backward all-to-alls their gradients (M rows, then
   N). In C chunks (``expert_parallel.exchange_chunks``, ``exchange_overlap``) the counts of
   all chunks go in one call (C x ``n_experts``) and every other call is made once a chunk:
-  the same rows in C times the calls. Rows are ``dim`` wide in the compute dtype. ``parallel.ac=full`` runs the forward's three
+  the same rows in C times the calls. Rows are ``dim`` wide in the compute dtype. ``parallel.ac=full`` (or ``moe``) runs the forward's three
   again in backward (the MoE is recomputed whole: the experts' inputs and outputs are saved
   activations); ``selective`` saves their outputs. N and M are the counted step's routing
   (``expert_parallel.recording_routing``: the rows each forward dispatch sent and received on
@@ -71,7 +71,7 @@ def stage_moe_comm(
     layers = len(moe_blocks(model_cfg, dims, stage))
     if not layers:
         return
-    again = 2 if AC(parallel.ac) is AC.full else 1  # full AC runs the forward's again
+    again = 2 if AC(parallel.ac).reruns_moe_forward else 1  # full or moe AC: forward again
     passes = layers * micro_batches
     experts = routed_experts(model_cfg)
     chunks = exchange_chunks(parallel, dims)
@@ -112,7 +112,7 @@ def routed_rows(
         return {}
     if routing is None:
         routing = planned_routing(model_cfg, dims, trainer, stages)
-    again = 2 if AC(parallel.ac) is AC.full else 1
+    again = 2 if AC(parallel.ac).reruns_moe_forward else 1
     row_bytes = model_cfg.dim * torch_dtype(precision.param_dtype).itemsize
     if dims.ep_nodes > 1:
         return _by_node_rows(routing, again, row_bytes, dims.ep > dims.ep_nodes)

@@ -152,11 +152,13 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy())
 
 
-# parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping).
+# parallel.ac -> the checkpoint_wrapper arguments of each block (None: no wrapping; ``moe``
+# checkpoints inside the block, see apply_ac).
 _AC_WRAPPER_KWARGS = {
     AC.none: None,
     AC.full: dict,
     AC.selective: lambda: {"context_fn": _selective_contexts},
+    AC.moe: None,
 }
 
 
@@ -166,8 +168,15 @@ def apply_ac(model: ParallelModule, mode: AC) -> None:
     'full' recomputes the whole block in backward (TP's forward collectives included);
     'selective' (torchtitan's op-level policy, ``_selective_contexts``) saves every other
     matmul output, attention and TP collective outputs and recomputes the rest, so it repeats
-    no communication.
+    no communication. 'moe' wraps no block: each block that holds an MoE layer checkpoints its
+    feed-forward itself (``recompute_moe``), so parameter names stay the block's own and the
+    attention's activations are kept.
     """
+    if AC(mode) is AC.moe:
+        for block in model.blocks().values():
+            if hasattr(block, "recompute_moe"):
+                block.recompute_moe = True
+        return
     make_kwargs = _AC_WRAPPER_KWARGS[AC(mode)]
     if make_kwargs is None:
         return

@@ -136,6 +136,10 @@ class ModelSpec(Protocol):
         """Forward FLOPs per token of the matmuls selective activation checkpointing recomputes
         (``parallelize._selective_contexts``: a block's 2nd, 4th, ... matmul in call order)."""
 
+    def moe_recompute_flops_per_token(self) -> float:
+        """Forward matmul FLOPs per token of the MoE blocks' feed-forward, which
+        ``parallel.ac=moe`` recomputes (models with routed experts only)."""
+
     def kv_dim(self) -> int:
         """Width of one token's keys (and of its values) in a block: what context parallel
         all-gathers per token and layer."""

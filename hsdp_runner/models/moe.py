@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import checkpoint
 
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import ModelConfig
@@ -168,6 +169,13 @@ class MoEConfig(ModelConfig, MoEHF):
             self._attention_flops()
         )
 
+    def moe_recompute_flops_per_token(self) -> float:
+        """The forward matmul FLOPs of the MoE blocks' feed-forward (router gate, routed and
+        shared experts): what ``parallel.ac=moe`` runs again."""
+        return 2.0 * sum(
+            sum(self.block_matmuls(i)[4:]) for i in range(self.n_dense_layers, self.n_layers)
+        )
+
     def selective_recompute_flops_per_token(self) -> float:
         """The forward FLOPs of each block's 2nd, 4th, ... matmul in call order (the expert
         matmuls counted as matmuls: ``torch._grouped_mm`` is in the policy's matmul set):
@@ -248,7 +256,11 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: attention, then a dense SwiGLU (``feed_forward``) or an MoE (``moe``)."""
+    """Pre-norm block: attention, then a dense SwiGLU (``feed_forward``) or an MoE (``moe``).
+    ``recompute_moe`` (set by the runtime for ``parallel.ac=moe``): an MoE block keeps only its
+    feed-forward's input and runs its norm and MoE layer again in backward."""
+
+    recompute_moe = False
 
     def __init__(self, cfg: MoEConfig, dense: bool):
         super().__init__()
@@ -277,8 +289,14 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        ffn = self.feed_forward if self.dense else self.moe
-        return h + ffn(self.ffn_norm(h))
+        if self.dense:
+            return h + self.feed_forward(self.ffn_norm(h))
+        if self.recompute_moe:
+            return h + checkpoint(self._moe, h, use_reentrant=False, preserve_rng_state=False)
+        return h + self._moe(h)
+
+    def _moe(self, h: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.ffn_norm(h))
 
 
 class MoETransformer(RotaryDecoder):
