@@ -192,3 +192,26 @@ def test_traffic_of_a_model_with_dense_and_moe_blocks_counts_each_kind(dense):
     whole = traffic._trace_model(key, "none", 4, 48, False)
     fitted = sum(moved.bytes(part, 48) for part in ("block_forward", "block_backward", "rest"))
     assert fitted == pytest.approx(sum(whole.values()), rel=1e-6)
+
+
+def test_the_moe_recompute_is_traced_as_backwards_work_of_each_moe_block():
+    """``parallel.ac=moe`` reruns each MoE block's norm and MoE layer in backward, as the job's
+    build does: the traced forward is unchanged, backward grows by the same bytes and launches
+    for each MoE block and by none for a dense one (4 blocks, 3 or 0 of them dense), and by
+    less than a whole block's forward (attention is not run again)."""
+    growth = {}
+    for dense in (3, 0):
+        cfg = plan.compose(["model=moe_tiny", "model.n_layers=4", f"model.n_dense_layers={dense}"])
+        kept, rerun = (
+            traffic.traffic(cfg.model, cfg.precision, False, "cuda", 1, recompute)
+            for recompute in (False, True)
+        )
+        assert rerun.block_forward == kept.block_forward
+        growth[4 - dense] = (
+            rerun.bytes("block_backward", 48) - kept.bytes("block_backward", 48),
+            rerun.launches["block_backward"] - kept.launches["block_backward"],
+            kept.bytes("block_forward", 48) / cfg.model.n_layers,
+        )
+    one, four = growth[1], growth[4]
+    assert four[0] == pytest.approx(4 * one[0], rel=1e-6) and four[1] == 4 * one[1] > 0
+    assert 0 < four[0] / 4 < four[2]

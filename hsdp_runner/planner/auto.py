@@ -344,7 +344,9 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
     nodes."""
     tried: list[tuple[str, Scenario]] = []
     order = [AC.none, AC.selective, AC.full]
-    for ac in order[order.index(AC(cfg.parallel.ac)) + 1 :]:
+    # From moe (the MoE feed-forward alone) the stronger setting is full.
+    current = AC.selective if AC(cfg.parallel.ac) is AC.moe else AC(cfg.parallel.ac)
+    for ac in order[order.index(current) + 1 :]:
         variant = cfg.copy()
         variant.parallel.ac = ac
         tried.append((f"parallel.ac={ac.value}", Scenario(variant, cluster, {}, fixed)))

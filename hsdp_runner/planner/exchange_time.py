@@ -85,7 +85,8 @@ def exposed_exchange(
     all-to-all of the step, as ``timeline`` takes them; ``by_node``: the exchange by node's)
     that its ``experts`` (the grouped matmuls' seconds, recompute included) do not hide with
     ``chunks`` chunks; ``recompute``: the share of a forward that backward recomputes;
-    ``full_ac``: the exchange runs again with it (module docstring); ``overlap``:
+    ``full_ac``: the exchange runs again with it (module docstring: full AC, or ``moe``'s
+    recompute of the MoE layer alone); ``overlap``:
     ``cluster.overlap``, the share of compute a collective can hide behind (as for FSDP's: 1.0
     on a GPU, measured on a CPU, where gloo's threads and the experts share the cores);
     ``order``: the exchange by node's (``parallel.ep_order``)."""

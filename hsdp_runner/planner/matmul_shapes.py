@@ -24,7 +24,8 @@ work between matmuls. A GEMM is (M, N, K): an (M, K) operand times a (K, N) one.
 - **Steps.** Each runs once per micro-batch. Activation checkpointing runs the blocks' forward
   GEMMs once more (full), or a share of them: selective recomputes every other matmul of a
   block, ``ModelSpec.selective_recompute_flops_per_token`` of the blocks' forward matmul
-  FLOPs, priced as that share of each of the blocks' forward GEMMs.
+  FLOPs, priced as that share of each of the blocks' forward GEMMs; ``moe`` runs the MoE
+  layers' forward GEMMs (router, experts, shared experts) once more and no other.
 - **Float8.** The linears ``precision.float8`` converts (``float8.high_precision_linears``
   keeps the output layer and misaligned ones in the compute dtype) run all three GEMMs (and
   their recompute) in float8, as torchao's recipes do; the routed experts stay in the compute
@@ -87,13 +88,17 @@ def _moe_prefixes(model: nn.Module) -> dict[str, nn.Module]:
     return {f"{name}.": m for name, m in model.named_modules() if id(m) in layers}
 
 
-def recompute_share(cfg: RunConfig) -> float:
+def recompute_share(cfg: RunConfig, in_moe: bool = False) -> float:
     """How many times over activation checkpointing runs the blocks' forward GEMMs again in
-    one step: 0 without AC, 1 with full, and with selective the share of the blocks' forward
-    matmul FLOPs its policy recomputes (``ModelSpec.selective_recompute_flops_per_token``)."""
+    one step (``in_moe``: those inside the MoE layers): 0 without AC, 1 with full, with
+    ``moe`` 1 inside the MoE layers and 0 outside, and with selective the share of the blocks'
+    forward matmul FLOPs its policy recomputes
+    (``ModelSpec.selective_recompute_flops_per_token``)."""
     ac = AC(cfg.parallel.ac)
     if ac is AC.none:
         return 0.0
+    if ac is AC.moe:
+        return 1.0 if in_moe else 0.0
     if ac is AC.full:
         return 1.0
     model = build_meta_model(cfg.model)
@@ -130,7 +135,8 @@ def _linears(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float) -> 
         model_spec(cfg.model),
         cfg.parallel.sequence_parallel,
     )
-    micro, again = cfg.trainer.grad_accum_steps, recompute_share(cfg)
+    micro = cfg.trainer.grad_accum_steps
+    again_in = {in_moe: recompute_share(cfg, in_moe) for in_moe in (False, True)}
     blocks, moe = block_prefix(model) + ".", _moe_prefixes(model)
     converted = set()
     if float8.enabled(cfg.precision):
@@ -146,6 +152,7 @@ def _linears(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float) -> 
         gemms = _linear_gemms(rows / dims.tp if in_moe else rows, out, inn)
         for shape in gemms:
             runs[(*shape, *key)] += micro
+        again = again_in[in_moe]
         if again and fqn.startswith(blocks):
             runs[(*gemms[0], *key)] += micro * again
 
@@ -156,7 +163,7 @@ def _experts(runs: Counter, cfg: RunConfig, dims: ParallelDims, rows: float, loa
     model, micro, again = (
         build_meta_model(cfg.model),
         cfg.trainer.grad_accum_steps,
-        recompute_share(cfg),
+        recompute_share(cfg, in_moe=True),
     )
     chunks = exchange_chunks(cfg.parallel, dims)
     for layer in moe_layers(model):

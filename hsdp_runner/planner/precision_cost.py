@@ -31,7 +31,8 @@ efficiency standing in for everything a step does on the device. Here (``compute
   block through Inductor; the debugging backends of ``parallel.compile_backend`` are priced
   eager).
   Activation checkpointing (full or selective: both recompute every element-wise op)
-  runs the blocks' forward bytes once more. With TP the bytes of a rank's tokens split over
+  runs the blocks' forward bytes once more; ``moe`` reruns the MoE blocks' feed-forward alone,
+  which the trace itself runs as the job does (its backward's bytes hold it). With TP the bytes of a rank's tokens split over
   the tp ranks (sequence parallel shards the norms and residual stream, TP the heads and FFN).
 - **Launches** (``launch_seconds``): the same traces count the kernels a micro-batch launches
   (``traffic._launches``: every matmul and attention call, and every element-wise op eager or every
@@ -115,12 +116,21 @@ def launch_seconds(cfg: RunConfig, cluster: Cluster, chunks: int = 1) -> float:
         return 0.0
     parallel = cfg.parallel
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
-    counts = traffic(cfg.model, cfg.precision, fused, device_type_of(cluster), chunks).launches
-    recomputes = 0 if AC(parallel.ac) is AC.none else 1
+    ac = AC(parallel.ac)
+    counts = traffic(
+        cfg.model, cfg.precision, fused, device_type_of(cluster), chunks, ac is AC.moe
+    ).launches
+    recomputes = _block_recomputes(ac)
     per_micro = (
         counts["block_forward"] * (1 + recomputes) + counts["block_backward"] + counts["rest"]
     )
     return per_micro * cfg.trainer.grad_accum_steps * kernel_rates.launch_seconds(found[1])
+
+
+def _block_recomputes(ac: AC) -> int:
+    """Times AC runs the traced blocks' forward once more: 1 for full and selective, 0 for
+    none and for ``moe``, whose recompute the trace holds as backward's."""
+    return 0 if ac in (AC.none, AC.moe) else 1
 
 
 def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> float:
@@ -129,13 +139,19 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
     trainer, parallel = cfg.trainer, cfg.parallel
     # Only inductor generates fused kernels; the debugging backends run the blocks' ops as eager.
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
+    ac = AC(parallel.ac)
     t = traffic(
-        cfg.model, cfg.precision, fused, device_type_of(cluster), exchange_chunks(parallel, dims)
+        cfg.model,
+        cfg.precision,
+        fused,
+        device_type_of(cluster),
+        exchange_chunks(parallel, dims),
+        ac is AC.moe,
     )
     # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).
     micro_tokens = trainer.global_batch_size * cfg.model.seq_len / dims.dp / dims.cp
     micro_tokens /= trainer.grad_accum_steps
-    recomputes = 0 if AC(parallel.ac) is AC.none else 1
+    recomputes = _block_recomputes(ac)
     per_micro = (
         t.bytes("block_forward", micro_tokens) * (1 + recomputes)
         + t.bytes("block_backward", micro_tokens)

@@ -86,6 +86,8 @@ def step_flops(
         hardware += spec.block_forward_flops_per_token() * tokens / world_size
     elif ac == AC.selective:
         hardware += spec.selective_recompute_flops_per_token() * tokens / world_size
+    elif ac == AC.moe:
+        hardware += spec.moe_recompute_flops_per_token() * tokens / world_size
     return model, hardware
 
 
@@ -314,8 +316,8 @@ def step_time(
                     [times.get(key, 0.0) for key in exchange],
                     compute_parts.get(matmul_shapes.EXPERTS, 0.0),
                     chunks,
-                    matmul_shapes.recompute_share(cfg),
-                    AC(cfg.parallel.ac) is AC.full,
+                    matmul_shapes.recompute_share(cfg, in_moe=True),
+                    AC(cfg.parallel.ac).reruns_moe_forward,
                     cluster.overlap,
                     by_node=by_node,
                     order=order,

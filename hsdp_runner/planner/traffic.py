@@ -30,9 +30,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hsdp_runner.config.schema import PrecisionConfig
-from hsdp_runner.core.choices import DPMode
+from hsdp_runner.core.choices import AC, DPMode
 from hsdp_runner.distributed import float8
-from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS
+from hsdp_runner.distributed.parallelize import SDPA_FORWARD_OPS, apply_ac
 from hsdp_runner.models import norm_rope
 from hsdp_runner.models.base import (
     ModelConfig,
@@ -273,10 +273,13 @@ def _trace_model(
     compiled: bool,
     device_type: str = "cuda",
     chunks: int = 1,
+    recompute_moe: bool = False,
 ) -> dict:
     """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens, the
-    kernels as a ``device_type`` job runs them (its MoE layers' tokens in ``chunks``)."""
-    return _moved(_run_trace(fields, recipe, layers, tokens, device_type, chunks), compiled)
+    kernels as a ``device_type`` job runs them (its MoE layers' tokens in ``chunks``, rerun in
+    backward with ``recompute_moe``)."""
+    trace = _run_trace(fields, recipe, layers, tokens, device_type, chunks, recompute_moe)
+    return _moved(trace, compiled)
 
 
 def _trace_launches(
@@ -286,29 +289,40 @@ def _trace_launches(
     compiled: bool,
     device_type: str = "cuda",
     chunks: int = 1,
+    recompute_moe: bool = False,
 ) -> dict[str, int]:
     """Kernel launches per pass of ``layers`` blocks (model ``fields``, JSON), as a
     ``device_type`` job runs them, eager or ``compiled`` (its MoE layers' tokens in
-    ``chunks``)."""
-    trace = _run_trace(fields, recipe, layers, TRACE_TOKENS[0], device_type, chunks)
+    ``chunks``, rerun in backward with ``recompute_moe``)."""
+    trace = _run_trace(fields, recipe, layers, TRACE_TOKENS[0], device_type, chunks, recompute_moe)
     return _launches(trace, compiled)
 
 
 @functools.lru_cache(maxsize=16)
 def _run_trace(
-    fields: str, recipe: str, layers: int, tokens: int, device_type: str, chunks: int = 1
+    fields: str,
+    recipe: str,
+    layers: int,
+    tokens: int,
+    device_type: str,
+    chunks: int = 1,
+    recompute_moe: bool = False,
 ) -> _Trace:
     """The trace of ``layers`` blocks of model ``fields`` (JSON) on ``tokens`` tokens: the
     trainer's forward, loss and backward, its kernels as a ``device_type`` job runs them; a
     model with experts routes its tokens in ``chunks`` (the token exchange's: each chunk's
     routing, grouped matmuls and weighted sum are kernels of their own; the all-to-alls are
-    communication, priced there)."""
+    communication, priced there) and, with ``recompute_moe`` (``parallel.ac=moe``), runs
+    its MoE blocks' feed-forward again in backward, as the job's build has it
+    (``parallelize.apply_ac``): the recompute is traced as backward's work."""
     cfg = dict(json.loads(fields), n_layers=layers, seq_len=tokens)
     spec = model_spec(cfg)
     with torch.device("meta"):
         model = spec.build().to(torch.bfloat16)
     for layer in moe_layers(model):
         layer.exchange.chunks = chunks  # its own LocalExchange: every expert on this process
+    if recompute_moe:
+        apply_ac(model, AC.moe)
     precision = PrecisionConfig(name="trace", float8=recipe)
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
     # The routed experts stay unconverted (``float8_experts.convert`` is not called): their
@@ -375,11 +389,13 @@ def _traffic(
     n_dense: int | None = None,
     device_type: str = "cuda",
     chunks: int = 1,
+    recompute_moe: bool = False,
 ) -> Traffic:
     """The traffic of the model ``fields`` (JSON): each kind of block traced apart (a model
     with experts, ``n_dense`` its dense blocks before the MoE ones: ``_block_kinds``; None: a
     dense model) and counted as often as the model holds it; the rest from one- and two-block
-    traces of one kind."""
+    traces of one kind; ``recompute_moe``: the MoE blocks' feed-forward recomputed in
+    backward (``_run_trace``)."""
     a, b = TRACE_TOKENS
     n_layers = json.loads(fields)["n_layers"]
 
@@ -395,16 +411,20 @@ def _traffic(
     kinds = _block_kinds(fields, n_layers, n_dense)
     for kind, count in kinds:
         one_l, two_l = (
-            _trace_launches(kind, recipe, n, compiled, device_type, chunks) for n in (1, 2)
+            _trace_launches(kind, recipe, n, compiled, device_type, chunks, recompute_moe)
+            for n in (1, 2)
         )
         launches["block_forward"] += (two_l["forward"] - one_l["forward"]) * count
         launches["block_backward"] += (two_l["backward"] - one_l["backward"]) * count
-        one = {
-            n: _trace_model(kind, recipe, 1, n, compiled, device_type, chunks) for n in TRACE_TOKENS
-        }
-        two = {
-            n: _trace_model(kind, recipe, 2, n, compiled, device_type, chunks) for n in TRACE_TOKENS
-        }
+        one, two = (
+            {
+                n: _trace_model(
+                    kind, recipe, depth, n, compiled, device_type, chunks, recompute_moe
+                )
+                for n in TRACE_TOKENS
+            }
+            for depth in (1, 2)
+        )
         f, w = block(one, two, "forward"), block(one, two, "backward")
         fwd = (fwd[0] + f[0] * count, fwd[1] + f[1] * count)
         bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
@@ -447,11 +467,14 @@ def traffic(
     compiled: bool,
     device_type: str = "cuda",
     chunks: int = 1,
+    recompute_moe: bool = False,
 ) -> Traffic:
     """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
     included), eager or ``compiled`` (module docstring), its kernels as a ``device_type``
     ('cuda', 'cpu': ``device_type_of``) job runs them, a model with experts routing its tokens
-    in ``chunks`` (``expert_parallel.exchange_chunks``); cached per shape."""
+    in ``chunks`` (``expert_parallel.exchange_chunks``) and with ``recompute_moe``
+    (``parallel.ac=moe``) running its MoE blocks' feed-forward again in backward; cached per
+    shape."""
     fields = model_fields(model_cfg)
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
@@ -467,6 +490,7 @@ def traffic(
         n_dense,
         device_type,
         chunks if n_dense is not None else 1,
+        recompute_moe and n_dense is not None,
     )
 
 
