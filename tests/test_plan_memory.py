@@ -251,6 +251,27 @@ def _moments(req: dict) -> dict:
     return {k: v.get("act", 0) for k, v in phases.items() if "/at:" in k}
 
 
+def test_a_gpu_jobs_cp_attention_is_measured_without_the_mask_a_cpu_job_holds():
+    """cp 2 in bf16, 256 tokens: rank 0 holds chunks 0 and 3 of 4 (64 tokens each); chunk 3's
+    queries attend to all 256 keys under the lower-right causal bias, which torch materialises
+    on CPU as a 64 x 256 mask that attention saves, and CUDA's flash kernel takes as a flag
+    (``memory.cuda_causal_bias``). Measured for a CPU cluster every block holds that mask;
+    for a GPU cluster it holds the flash kernel's random-number state instead (a seed and an
+    offset, 24 bytes), and nothing else differs."""
+    overrides = [*TINY, "precision=bf16", "parallel.cp=2"]
+    cfg = plan.compose(overrides)
+    pool = plan_memory._children()
+    held = {}
+    for device_type in ("cpu", "cuda"):
+        req = one_request(overrides, shape=(1, 1, 2, 1), world=2)
+        req["device_type"] = device_type
+        held[device_type] = pool.submit(_moments, req).result()
+    mask, rng_state = 64 * 256 * 2, 24
+    assert held["cpu"]["0/at:blocks_end"] - held["cuda"]["0/at:blocks_end"] == (
+        cfg.model.n_layers * (mask - rng_state)
+    )
+
+
 def test_what_a_micro_batch_leaves_held_is_the_blocks_inputs_and_the_last_output():
     """What a pipeline stage holds per micro-batch in flight (``saved_activations_gib``):
     under full AC every block keeps its input and the last block's output is kept, exactly

@@ -134,6 +134,12 @@ class Cluster:
     calibrated_from: str | None = None
 
     @property
+    def device_type(self) -> str:
+        """The torch device type this cluster's jobs run on: 'cpu' for a CPU cluster
+        (``device`` 'cpu': ``this_machine``), else 'cuda'."""
+        return "cpu" if self.device.lower() == "cpu" else "cuda"
+
+    @property
     def world_size(self) -> int:
         """Ranks in the cluster: nodes x GPUs (ranks) per node."""
         return self.nodes * self.gpus_per_node

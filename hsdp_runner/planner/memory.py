@@ -34,7 +34,8 @@ Three things are worked out instead of measured, and said so in the plan:
 What differs on a GPU: the fake step runs with the flash-attention backend forced
 (``sdpa_kernel(FLASH_ATTENTION)``, on CPU ``_scaled_dot_product_flash_attention_for_cpu``), which
 saves only the output and the log-sum-exp per row, as CUDA's flash kernel does, so no
-seq x seq scores are counted; the cluster's ``memory_reserve_gib`` adds the CUDA caching
+seq x seq scores are counted, and for a GPU cluster context parallel's lower-right causal
+attention saves no mask either (``cuda_causal_bias``; a CPU job holds that mask); the cluster's ``memory_reserve_gib`` adds the CUDA caching
 allocator's slack above live tensors.
 
 Context parallel: the measured step feeds each rank ``seq_len / cp`` tokens per sequence, as the
@@ -58,6 +59,7 @@ compared (docs/planner.md, "Memory on this machine").
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,7 +69,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 16  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 17  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
@@ -79,7 +81,9 @@ CACHE_VERSION = 16  # bump when what a measurement holds changes (5: phases and 
 # 14: a rank's experts sharded on dim 1 where dim 0 would be padded,
 # ``param_sizes.expert_shard_dim``: a model with fewer experts a rank than efsdp ranks; 15: a
 # request carries ``trainer.chunked_loss``, the job's loss in chunks of tokens; 16: the flat
-# token exchange in chunks, ``parallel.ep_chunks``: a model with experts under ep)
+# token exchange in chunks, ``parallel.ep_chunks``: a model with experts under ep; 17: a
+# request carries its device type, and a GPU's context-parallel attention saves no mask,
+# ``cuda_causal_bias``)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -102,13 +106,16 @@ def request(
     accum_reduce: str,
     experts: dict | None = None,
     chunked_loss: bool = False,
+    device_type: str = "cpu",
 ) -> dict:
     """Describe one fake measurement as a plain dict (what the child process needs):
     ``n_layers`` the blocks to build (a ``mem_phases.depth_key``: a count, or (dense, MoE)
     blocks of a model with experts), ``accum_reduce`` is ``trainer.accum_reduce``'s value,
     ``every`` or ``last``; ``experts`` for a model with experts: {'ep': degree, 'imbalance':
     ``plan.expert_imbalance``} (``expert_memory``); ``chunked_loss`` is
-    ``trainer.chunked_loss`` (the job's loss, ``loss.trainer_loss``)."""
+    ``trainer.chunked_loss`` (the job's loss, ``loss.trainer_loss``); ``device_type`` the
+    torch device type the planned job runs on (``Cluster.device_type``), whose attention
+    kernels the step saves for (``cuda_causal_bias``)."""
     if isinstance(n_layers, int):
         blocks = {"n_layers": n_layers}
     else:
@@ -124,6 +131,7 @@ def request(
         "accum": min(accum, 2),
         "accum_reduce": accum_reduce if accum > 1 else "every",  # one micro-batch: no choice
         "chunked_loss": chunked_loss,
+        "device_type": device_type,
         "world_size": world_size,
         "ranks_per_node": ranks_per_node,
         **extra,
@@ -306,12 +314,32 @@ def build_measured(req: dict):
     return model, dims, model_cfg
 
 
+@contextlib.contextmanager
+def cuda_causal_bias():
+    """Within it, attention under torch's lower-right causal bias takes the branch CUDA takes.
+
+    Context parallel's query chunks attend under that bias (``context_parallel``). On CPU
+    torch's dispatch (``CausalBias._dispatch``, torch 2.13) materialises it as a queries x
+    keys mask, which attention saves for backward: 1 GiB a block for 8K queries over 64K keys
+    in bf16. On CUDA the flash (or memory-efficient) kernel takes the alignment as a flag and
+    saves queries, keys, values, output and log-sum-exp only. Here the dispatch's flash check
+    says yes, so the fake step of a GPU job calls the flash op, whose fake kernel saves what
+    CUDA's does. Only for fake tensors: the op has no CPU kernel."""
+    from torch.nn.attention import bias
+
+    check = bias.can_use_flash_attention
+    bias.can_use_flash_attention = lambda params, debug=False: True
+    try:
+        yield
+    finally:
+        bias.can_use_flash_attention = check
+
+
 def _measure_one(req: dict, fake: bool = True) -> dict:
     """The tracked step of one request (module docstring), on fake tensors; ``fake=False``
     runs the same step on real ones (uninitialised memory, collectives of the fake process
-    group doing nothing), which the tests compare it with."""
-    import contextlib
-
+    group doing nothing), which the tests compare it with. The step saves what the request's
+    ``device_type`` saves (``cuda_causal_bias``; on real tensors, what a CPU saves)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -339,7 +367,9 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
             tracker.track_external(model, tokens)
         recorder = PhaseRecorder(tracker, model, model_cfg.n_layers)
         sharded_loss = loss_context(loss_parallel_on(req["parallel"]["loss_parallel"], dims.tp))
-        with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]), sharded_loss:
+        on_gpu = fake and req["device_type"] == "cuda"
+        bias = cuda_causal_bias() if on_gpu else contextlib.nullcontext()
+        with tracker, sdpa_kernel([SDPBackend.FLASH_ATTENTION]), bias, sharded_loss:
             for micro in range(accum):
                 if micro:
                     # The trackers refuse a second root forward as "another iteration" unless

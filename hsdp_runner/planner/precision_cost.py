@@ -55,7 +55,7 @@ from hsdp_runner.models.base import build_meta_model, moe_layers
 from hsdp_runner.models.params import torch_dtype
 from hsdp_runner.planner import attention_time, kernel_rates, matmul_shapes, matmul_time
 from hsdp_runner.planner.cluster import Cluster
-from hsdp_runner.planner.traffic import device_type_of, traffic
+from hsdp_runner.planner.traffic import traffic
 from hsdp_runner.train.metrics import lookup_sm_count
 
 
@@ -118,7 +118,7 @@ def launch_seconds(cfg: RunConfig, cluster: Cluster, chunks: int = 1) -> float:
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
     ac = AC(parallel.ac)
     counts = traffic(
-        cfg.model, cfg.precision, fused, device_type_of(cluster), chunks, ac is AC.moe
+        cfg.model, cfg.precision, fused, cluster.device_type, chunks, ac is AC.moe
     ).launches
     recomputes = _block_recomputes(ac)
     per_micro = (
@@ -144,7 +144,7 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
         cfg.model,
         cfg.precision,
         fused,
-        device_type_of(cluster),
+        cluster.device_type,
         exchange_chunks(parallel, dims),
         ac is AC.moe,
     )

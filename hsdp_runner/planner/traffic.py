@@ -42,7 +42,6 @@ from hsdp_runner.models.base import (
     routed_experts,
 )
 from hsdp_runner.models.norm_rope import fused_rms_norm as _fused_rms_norm
-from hsdp_runner.planner.cluster import Cluster
 
 _aten = torch.ops.aten
 # Ops that are fusion boundaries and are priced as FLOPs, not bytes: matmuls (the experts'
@@ -471,7 +470,7 @@ def traffic(
 ) -> Traffic:
     """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
     included), eager or ``compiled`` (module docstring), its kernels as a ``device_type``
-    ('cuda', 'cpu': ``device_type_of``) job runs them, a model with experts routing its tokens
+    ('cuda', 'cpu': ``Cluster.device_type``) job runs them, a model with experts routing its tokens
     in ``chunks`` (``expert_parallel.exchange_chunks``) and with ``recompute_moe``
     (``parallel.ac=moe``) running its MoE blocks' feed-forward again in backward; cached per
     shape."""
@@ -492,9 +491,3 @@ def traffic(
         chunks if n_dense is not None else 1,
         recompute_moe and n_dense is not None,
     )
-
-
-def device_type_of(cluster: Cluster) -> str:
-    """The torch device type ``cluster``'s jobs run on: 'cpu' for a CPU cluster
-    (``cluster.device`` 'cpu': ``this_machine``), else 'cuda'."""
-    return "cpu" if cluster.device.lower() == "cpu" else "cuda"
