@@ -184,7 +184,8 @@ class TrainerConfig:
     freeze: list = field(default_factory=list)
     on_nan: OnNan = OnNan.stop
     # The loss in chunks of tokens, each recomputed in backward (train/loss.py), where the
-    # whole logits exceed loss.CHUNK_ELEMENTS: less memory for a large vocabulary.
+    # rank's logits (whole, or its vocabulary slice under loss parallel) exceed
+    # loss.CHUNK_ELEMENTS: less memory for a large vocabulary.
     chunked_loss: bool = False
 
 

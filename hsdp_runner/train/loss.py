@@ -9,16 +9,21 @@ vocabulary's fp32 log-probabilities. torch requires the backward to run inside t
 as the loss (``loss_context``), so the trainer holds it around a step's forward and backward
 (a pipeline schedule's too), the planner's memory measurement likewise.
 
-With ``trainer.chunked_loss`` (``trainer_loss``), whole logits larger than ``CHUNK_ELEMENTS``
-are taken in chunks of tokens, each chunk's fp32
+With ``trainer.chunked_loss`` (``trainer_loss``), a rank's logits larger than
+``CHUNK_ELEMENTS`` (whole, or its slice of the vocabulary under loss parallel) are taken in
+chunks of tokens, each chunk's fp32
 log-softmax recomputed in backward (``torch.utils.checkpoint``): one cross-entropy over all of
 them would hold the fp32 copy of every logit and its log-probabilities (4 + 4 bytes per
 logit) in forward and the log-probabilities and their fp32 gradient in backward, where the
 chunks hold the logits as they are (2 bytes in bf16) and one chunk's fp32 work at a time.
 For Qwen3's 151,936-token vocabulary at 16,384 tokens a rank (4 x 4,096) that is about 20 GB
-of a step's peak against about 5 GB plus a chunk. Taken in chunks, the loss is the same sum
-in another order (fp32 rounding, ~1e-7 relative), and the gradients are the same. Off by
-default, as torchtitan's loss (whose published memory figures the planner is checked on)."""
+of a step's peak against about 5 GB plus a chunk. torch's ``loss_parallel`` holds as much per
+vocabulary slice (its fp32 log-probabilities and backward's fp32 temporaries: 9.3 GiB at the
+peak on top of the 1.2 GiB of bf16 logits, for 16,384 tokens x a quarter of that vocabulary,
+against 2.3 GiB in chunks; measured on fake tensors), so sharded logits are chunked the same
+way, each chunk through ``loss_parallel``. Taken in chunks, the loss is the same sum in another order (fp32 rounding,
+~1e-7 relative), and the gradients are the same. Off by default, as torchtitan's loss (whose
+published memory figures the planner is checked on)."""
 
 from __future__ import annotations
 
@@ -67,17 +72,20 @@ def next_token_loss(
     ``chunk_elements`` elements (None: no limit) are taken in chunks of tokens, each
     recomputed in backward (module docstring). Returns a plain 0-dim tensor."""
     flat, flat_targets = logits.flatten(0, 1), targets.flatten()
-    if isinstance(flat, DTensor) or chunk_elements is None or flat.numel() <= chunk_elements:
+    # A rank's part: under loss parallel its slice of the vocabulary.
+    local = flat.to_local() if isinstance(flat, DTensor) else flat
+    if chunk_elements is None or local.numel() <= chunk_elements:
         loss = F.cross_entropy(flat.float(), flat_targets)
-        return loss.to_local() if isinstance(loss, DTensor) else loss
-    from torch.utils.checkpoint import checkpoint
+    else:
+        from torch.utils.checkpoint import checkpoint
 
-    rows = max(1, chunk_elements // flat.shape[-1])
-    total = sum(
-        checkpoint(_summed_loss, part, part_targets, use_reentrant=False)
-        for part, part_targets in zip(flat.split(rows), flat_targets.split(rows))
-    )
-    return total / flat_targets.numel()
+        rows = max(1, chunk_elements // local.shape[-1])
+        total = sum(
+            checkpoint(_summed_loss, part, part_targets, use_reentrant=False)
+            for part, part_targets in zip(flat.split(rows), flat_targets.split(rows))
+        )
+        loss = total / flat_targets.numel()
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
