@@ -31,6 +31,12 @@ BAD_INPUTS = [
     (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible", None),
     # The MoE feed-forward's recompute on a dense model: nothing to recompute.
     (["parallel.ac=moe"], "model.name=llama3_tiny has no MoE block; set parallel.ac=full", None),
+    # Saving sequence parallel's shards through saved-tensor hooks: compiled blocks bypass them.
+    (
+        ["parallel=tp", "parallel.sp_save_shard=true", "parallel.compile=true"],
+        "parallel.sp_save_shard=true with parallel.compile=true",
+        None,
+    ),
     (
         ["parallel=tp", "model.seq_len=31"],
         "model.seq_len=31 is not divisible by parallel.tp=2",

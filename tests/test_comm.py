@@ -42,11 +42,14 @@ LAYOUTS = {
         "trainer.grad_accum_steps=2",
         "trainer.accum_reduce=every",
     ],
+    # ... its gathered block inputs saved as the rank's shards and gathered again in backward
+    # (parallel.sp_save_shard), each micro-batch.
     "hsdp_tp": [
         "parallel=hsdp_tp",
         "precision=bf16",
         "trainer.grad_accum_steps=2",
         "trainer.accum_reduce=last",
+        "parallel.sp_save_shard=true",
     ],
     # Float8 all-gather: the float8 linears' weights gathered at one byte per element, the
     # scales' amax all-reduce after the optimizer step (distributed/float8.py). The default
@@ -78,8 +81,14 @@ LAYOUTS = {
     # blocks' forward ones in backward (with or without sequence parallel: the same rule).
     "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.ac=selective"],
     "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.ac=full"],
-    # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel).
-    "gpt2_hsdp_tp": ["model=gpt2_tiny", "parallel=hsdp_tp", "precision=bf16"],
+    # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel),
+    # its attention and MLP inputs saved as shards.
+    "gpt2_hsdp_tp": [
+        "model=gpt2_tiny",
+        "parallel=hsdp_tp",
+        "precision=bf16",
+        "parallel.sp_save_shard=true",
+    ],
     # ... and its logits all-gathered for the loss (the other TP layouts run the loss on
     # vocabulary-sharded logits: three all-reduces of a float per token).
     "gpt2_ddp_tp_no_sp": [

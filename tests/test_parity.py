@@ -392,6 +392,14 @@ EP_CASES = {
     "fsdp:parallel.ep=4": ["parallel=fsdp", "parallel.ep=4"],
     "fsdp:parallel.ep=2": ["parallel=fsdp", "parallel.ep=2"],
     "fsdp_tp:parallel.ep=2": ["parallel=fsdp_tp", "parallel.ep=2"],
+    # Sequence parallel saving its gathered inputs as shards (the dense block's attention and
+    # feed-forward, the MoE blocks' attention), the MoE feed-forward recomputed.
+    "fsdp_tp:parallel.ep=2:parallel.sp_save_shard=true:parallel.ac=moe": [
+        "parallel=fsdp_tp",
+        "parallel.ep=2",
+        "parallel.sp_save_shard=true",
+        "parallel.ac=moe",
+    ],
     "hsdp:parallel.ep=2": ["parallel=hsdp", "parallel.ep=2"],
     "cp:parallel.dp_shard=2:parallel.ep=2": ["parallel=cp", "parallel.dp_shard=2", "parallel.ep=2"],
     "pp_fsdp:parallel.ep=2": ["parallel=pp_fsdp", "parallel.ep=2"],

@@ -272,6 +272,26 @@ def test_a_gpu_jobs_cp_attention_is_measured_without_the_mask_a_cpu_job_holds():
     )
 
 
+def test_sequence_parallel_saving_shards_holds_one_shard_of_each_gathered_input():
+    """TP 2 with sequence parallel, fp32, 2 x 256 tokens: each block's attention and
+    feed-forward linears save the gathered input (rows x seq x dim); with
+    ``parallel.sp_save_shard`` they keep the rank's shard of it instead (``sp_saves``), so
+    through the blocks' forward each block holds (1 - 1/tp) of two gathered inputs less, to
+    the byte."""
+    overrides = [*TINY, "parallel.tp=2"]
+    cfg = plan.compose(overrides)
+    pool = plan_memory._children()
+    held = {
+        save: pool.submit(
+            _moments,
+            one_request([*overrides, f"parallel.sp_save_shard={save}"], (1, 1, 1, 2), world=2),
+        ).result()["0/at:blocks_end"]
+        for save in ("false", "true")
+    }
+    gathered = 2 * cfg.model.seq_len * cfg.model.dim * 4
+    assert held["false"] - held["true"] == cfg.model.n_layers * 2 * gathered // 2
+
+
 def test_what_a_micro_batch_leaves_held_is_the_blocks_inputs_and_the_last_output():
     """What a pipeline stage holds per micro-batch in flight (``saved_activations_gib``):
     under full AC every block keeps its input and the last block's output is kept, exactly

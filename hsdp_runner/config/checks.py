@@ -199,6 +199,7 @@ def validate_config(cfg: RunConfig) -> None:
             f"parallel.ac=moe recomputes the MoE blocks' feed-forward, and model.name="
             f"{c.model.name} has no MoE block; set parallel.ac=full or selective"
         )
+    _validate_sp_save_shard(c)
     if c.data.kind == DataKind.text and c.model.vocab_size < 256:
         raise ConfigError(
             f"model.vocab_size={c.model.vocab_size} is too small for the byte-level "
@@ -208,6 +209,29 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={c.optim.min_lr_ratio} must lie in [0, 1]")
     if c.optim.lr <= 0:
         raise ConfigError(f"optim.lr={c.optim.lr} must be positive")
+
+
+def _validate_sp_save_shard(c: RunConfig) -> None:
+    """``parallel.sp_save_shard`` needs autograd's saved tensors to itself
+    (``distributed/sp_saves.py``): no compile, no float8 linears (torchao's TP styles gather
+    float8). Where it has nothing to change (tp 1, no sequence parallel, a checkpoint of the
+    whole block) it does nothing, as ``loss_parallel`` does without TP: the planner varies
+    those keys."""
+    p = c.parallel
+    if not p.sp_save_shard:
+        return
+    key = "parallel.sp_save_shard=true"
+    if p.compile:
+        raise ConfigError(
+            f"{key} with parallel.compile=true: compiled blocks save their own tensors, out "
+            "of reach of the saved-tensor hooks it uses; set one of them false"
+        )
+    if Float8Recipe(c.precision.float8) is not Float8Recipe.none:
+        raise ConfigError(
+            f"{key} with precision.float8={Float8Recipe(c.precision.float8).value}: the "
+            "float8 linears gather their inputs in float8 themselves; set precision.float8="
+            "none or sp_save_shard=false"
+        )
 
 
 def _validate_hf_data(data: DataConfig) -> None:

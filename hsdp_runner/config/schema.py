@@ -64,6 +64,11 @@ class ParallelConfig:
     # both and names the faster in its row (parallel=auto runs it).
     ep_order: Optional[ExchangeOrder] = None
     sequence_parallel: bool = True
+    # Sequence parallel saves each block's gathered attention and dense feed-forward input as
+    # the rank's shard and all-gathers it again in backward, as Megatron does
+    # (distributed/sp_saves.py): tp - 1 shards less a block, one more all-gather. No effect
+    # without TP and sequence parallel or under parallel.ac=full/selective.
+    sp_save_shard: bool = False
     # tp > 1: the output layer leaves the logits sharded over the vocabulary and the loss is
     # computed on them (torch's loss_parallel), instead of all-gathering them on every rank.
     loss_parallel: bool = True

@@ -65,7 +65,9 @@ follows what the runner builds (``parallelize.py``):
   per block the 2 all-gathers and the attention output's reduce-scatter with sequence
   parallel, the attention output's all-reduce without; the FFN output's reduce is the block's
   output, which backward never needs. ``selective`` saves their outputs
-  (``parallelize.apply_ac``) and repeats none.
+  (``parallelize.apply_ac``) and repeats none. With ``parallel.sp_save_shard`` backward
+  all-gathers each block's attention input and dense feed-forward input once more
+  (``sp_saves``: the shard its linears saved).
 - Pipeline parallel: each of the rank's stages (``ParallelDims.local_stages``) is counted as
   above with its own parameters (its blocks, the embedding on the first stage, the output
   layer and logits on the last; ``unit_sizes`` and ``float8_weight_sizes`` with ``stage``),
@@ -131,6 +133,7 @@ from hsdp_runner.distributed.param_sizes import (
     unit_sizes,
     unit_views,
 )
+from hsdp_runner.distributed.sp_saves import saves_shard
 from hsdp_runner.distributed.step_passes import (
     StagePasses,
     fsdp_gathers,
@@ -410,6 +413,9 @@ def _tensor_parallel(
         for kind, (per_dense, per_moe) in again.items():
             calls = per_dense * dense + per_moe * moe
             tally.add(kind, calls * accum, calls * act)
+    if saves_shard(parallel):  # each saved shard gathered again in backward (sp_saves)
+        calls = 2 * dense + moe
+        tally.add("all_gather/tp", calls * accum, calls * act)
     if last and loss_parallel:  # per token: the row max, the sum of exponentials, the target
         tally.add("all_reduce/tp", 3 * accum, 3 * tokens * LOSS_BYTES)
     elif last:

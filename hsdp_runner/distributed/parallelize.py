@@ -10,6 +10,7 @@ Mixed precision in every data-parallel mode comes from ``MixedPrecisionPolicy``,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import warnings
@@ -28,6 +29,7 @@ from hsdp_runner.distributed.expert_parallel import (
     exchange_order,
 )
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
+from hsdp_runner.distributed.sp_saves import PrepareInputSavingShard, saves_shard
 from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
@@ -57,13 +59,21 @@ def mixed_precision_policy(precision: PrecisionConfig, cast_forward_inputs: bool
 
 
 def apply_tp(
-    model: ParallelModule, world: WorldMesh, sequence_parallel: bool, loss_parallel: bool
+    model: ParallelModule,
+    world: WorldMesh,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    save_shard: bool = False,
 ) -> None:
     """Shard the model's linear layers over the ``tp`` mesh with the plan beside the model
     (torchao's float8 styles for float8 linears on GPUs, ``float8.tp_styles``); with
-    ``loss_parallel`` the logits stay sharded over the vocabulary for the loss."""
+    ``loss_parallel`` the logits stay sharded over the vocabulary for the loss; with
+    ``save_shard`` (``parallel.sp_save_shard``) the blocks' gathered inputs are saved as the
+    rank's shard (``sp_saves``)."""
     tp_mesh = world["tp"]
     styles = float8.tp_styles(model, tp_mesh.device_type)
+    if save_shard:
+        styles = dataclasses.replace(styles, prepare_input=PrepareInputSavingShard)
     model.tp_plan(tp_mesh, sequence_parallel, styles, loss_parallel)
 
 
@@ -331,7 +341,13 @@ def parallelize(
     that order. ``frozen``: the names of the parameters ``trainer.freeze`` froze, kept frozen
     through TP."""
     if dims.tp > 1:
-        apply_tp(model, world, parallel.sequence_parallel, parallel.loss_parallel)
+        apply_tp(
+            model,
+            world,
+            parallel.sequence_parallel,
+            parallel.loss_parallel,
+            saves_shard(parallel),
+        )
         # torch 2.13's sequence-parallel style (and GPT-2's position table's) makes the
         # modules it replicates new parameters with requires_grad=True: freeze them again.
         params = dict(model.named_parameters())

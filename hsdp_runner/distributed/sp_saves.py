@@ -1,0 +1,139 @@
+"""Sequence parallel that saves each column-parallel input as the rank's shard
+(``parallel.sp_save_shard``): Megatron's rule, where torch's keeps the gathered input.
+
+Under sequence parallel a block's attention and dense feed-forward take the residual stream
+sharded on the sequence over the TP ranks and all-gather it before their column-parallel
+linears (``PrepareModuleInput``: ``Shard(1)`` -> ``Replicate()``). Those linears (wq, wk, wv;
+w1, w3) save the gathered input for their weight gradients, so every block holds tp shards'
+worth of it through backward: 128 MiB a block for 16,384 tokens of a 4,096-wide model in bf16.
+Megatron's linears save the rank's shard and all-gather it again in backward
+(``LinearWithGradAccumulationAndAsyncCommunication``).
+
+This does the same through autograd's saved-tensor hooks (``torch.autograd.graph.
+saved_tensors_hooks``), on the job's own linears: while such a module runs forward, a saved
+tensor that is the gathered input (or a view of it) is packed as the module's input shard and
+a note of the view; in backward the first unpack all-gathers the shard again (one collective
+for the module's linears, under no grad) and each unpack gets its view of that. Nothing else
+changes: the same ops, the same values, the same gradients; backward runs one more all-gather
+per module (the comm model counts it, ``comm_model``). The shard itself is what the module's
+norm produced and is otherwise freed, so a block holds one shard instead of tp.
+
+Why hooks and not torch: no torch ParallelStyle saves the shard, and a custom linear would
+replace the job's linears (float8's among them). It applies where sequence parallel gathers
+and nothing else packs the module's saved tensors (``saves_shard``): TP with sequence
+parallel, no activation checkpoint around the block (``parallel.ac`` none or moe: full and
+selective recompute or keep what their own rule says); compile and float8 are refused
+(``config.checks``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import PrepareModuleInput
+
+from hsdp_runner.config.schema import ParallelConfig
+from hsdp_runner.core.choices import AC
+
+
+def saves_shard(parallel: ParallelConfig) -> bool:
+    """Whether a job of ``parallel`` with TP (the caller knows its degree:
+    ``parallel.tp`` may be -1, or the planner's default) saves sequence parallel's gathered
+    inputs as shards: ``sp_save_shard`` with sequence parallel, its blocks' attention not
+    under a checkpoint (``parallel.ac`` none or moe)."""
+    return bool(
+        parallel.sp_save_shard
+        and parallel.sequence_parallel
+        and AC(parallel.ac) in (AC.none, AC.moe)
+    )
+
+
+class _ShardSaves:
+    """One module's forward: its input shard, the gathered input, and the regathered copy
+    backward shares between the module's linears."""
+
+    def __init__(self, shard: DTensor):
+        self.shard = shard
+        self.gathered: int | None = None  # the gathered input's storage (``_memory``)
+        self.packed = 0
+        self.unpacked = 0
+        self.again: torch.Tensor | None = None
+
+    def pack(self, saved: torch.Tensor):
+        """Autograd's pack hook: the gathered input's views become a note; the rest as is."""
+        local = saved._local_tensor if isinstance(saved, DTensor) else saved
+        if self.gathered is None or _memory(local) != self.gathered:
+            return saved
+        self.packed += 1
+        spec = saved._spec if isinstance(saved, DTensor) else None
+        return (self, local.size(), local.stride(), local.storage_offset(), spec)
+
+    def regathered(self) -> torch.Tensor:
+        """The gathered input's local tensor again: all-gathered at the first unpack, dropped
+        after the last."""
+        if self.again is None:
+            with torch.no_grad():
+                self.again = self.shard.redistribute(placements=[Replicate()]).to_local()
+        self.unpacked += 1
+        again = self.again
+        if self.unpacked == self.packed:
+            self.again = None
+        return again
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` lies in: its storage's C++ object (a view and the matmul's
+    ``_unsafe_view`` of the input share it; ``Tensor._base`` misses the latter). Fake tensors
+    have no data pointer to compare (the planner's measured step)."""
+    return tensor.untyped_storage()._cdata
+
+
+def _unpack(packed):
+    if not isinstance(packed, tuple):
+        return packed
+    saves, size, stride, offset, spec = packed
+    local = saves.regathered().as_strided(size, stride, offset)
+    if spec is None:
+        return local
+    return DTensor(local, spec, requires_grad=False)
+
+
+def save_input_shard(module: nn.Module) -> None:
+    """Make ``module`` (a block's attention or dense feed-forward, after its TP plan) save its
+    sequence-sharded input's shard in place of the gathered input (module docstring)."""
+    state: dict = {}
+
+    def before_gather(mod, args):
+        state["saves"] = _ShardSaves(args[0])
+
+    def after_gather(mod, args):
+        saves = state["saves"]
+        gathered = args[0]
+        saves.gathered = _memory(
+            gathered._local_tensor if isinstance(gathered, DTensor) else gathered
+        )
+        state["hooks"] = torch.autograd.graph.saved_tensors_hooks(saves.pack, _unpack)
+        state["hooks"].__enter__()
+
+    def after_forward(mod, args, output):
+        state.pop("hooks").__exit__(None, None, None)
+        state.pop("saves").gathered = None  # the packed notes keep the shard, not the input
+        return output
+
+    # Ahead of the TP plan's input hook (which gathers), and after it.
+    module.register_forward_pre_hook(before_gather, prepend=True)
+    module.register_forward_pre_hook(after_gather)
+    module.register_forward_hook(after_forward, always_call=True)
+
+
+class PrepareInputSavingShard(PrepareModuleInput):
+    """torch's ``PrepareModuleInput`` (the TP plans' gather of a block's attention and dense
+    feed-forward input) whose module also saves that input as the rank's shard
+    (``save_input_shard``): the ``prepare_input`` style ``parallelize.apply_tp`` hands the
+    plans under ``parallel.sp_save_shard``."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        save_input_shard(module)
+        return module
