@@ -251,25 +251,43 @@ def _moments(req: dict) -> dict:
     return {k: v.get("act", 0) for k, v in phases.items() if "/at:" in k}
 
 
+def _moments_unshared(req: dict) -> dict:
+    """``_moments`` with context parallel's two attention outputs saved apart, as torch saves
+    them (``context_parallel._SharedOutput`` left out)."""
+    from hsdp_runner.distributed import context_parallel
+
+    point_at = context_parallel._SharedOutput.point_at
+    context_parallel._SharedOutput.point_at = lambda self, outs, joined: None
+    try:
+        return _moments(req)
+    finally:
+        context_parallel._SharedOutput.point_at = point_at
+
+
 def test_a_gpu_jobs_cp_attention_is_measured_without_the_mask_a_cpu_job_holds():
-    """cp 2 in bf16, 256 tokens: rank 0 holds chunks 0 and 3 of 4 (64 tokens each); chunk 3's
-    queries attend to all 256 keys under the lower-right causal bias, which torch materialises
-    on CPU as a 64 x 256 mask that attention saves, and CUDA's flash kernel takes as a flag
-    (``memory.cuda_causal_bias``). Measured for a CPU cluster every block holds that mask;
-    for a GPU cluster it holds the flash kernel's random-number state instead (a seed and an
-    offset, 24 bytes), and nothing else differs."""
+    """cp 2 in bf16, 2 x 256 tokens: rank 0 holds chunks 0 and 3 of 4 (64 tokens each);
+    chunk 3's queries attend to all 256 keys under the lower-right causal bias, which torch
+    materialises on CPU as a 64 x 256 mask that attention saves, and CUDA's flash kernel takes
+    as a flag (``memory.cuda_causal_bias``). Measured for a CPU cluster every block holds that
+    mask; for a GPU cluster it holds the flash kernel's random-number state instead (a seed
+    and an offset, 24 bytes), and nothing else differs. Each block saves its attention output
+    once (the two chunks' outputs are views of the joined one): saved apart, a block holds
+    one more output, 2 rows x 128 tokens x 4 heads x 16 channels."""
     overrides = [*TINY, "precision=bf16", "parallel.cp=2"]
     cfg = plan.compose(overrides)
     pool = plan_memory._children()
     held = {}
-    for device_type in ("cpu", "cuda"):
+    for name, device_type, measure in (
+        ("cpu", "cpu", _moments),
+        ("cuda", "cuda", _moments),
+        ("cuda_unshared", "cuda", _moments_unshared),
+    ):
         req = one_request(overrides, shape=(1, 1, 2, 1), world=2)
         req["device_type"] = device_type
-        held[device_type] = pool.submit(_moments, req).result()
-    mask, rng_state = 64 * 256 * 2, 24
-    assert held["cpu"]["0/at:blocks_end"] - held["cuda"]["0/at:blocks_end"] == (
-        cfg.model.n_layers * (mask - rng_state)
-    )
+        held[name] = pool.submit(measure, req).result()["0/at:blocks_end"]
+    mask, rng_state, output = 64 * 256 * 2, 24, 2 * 128 * 4 * 16 * 2
+    assert held["cpu"] - held["cuda"] == cfg.model.n_layers * (mask - rng_state)
+    assert held["cuda_unshared"] - held["cuda"] == cfg.model.n_layers * output
 
 
 def test_sequence_parallel_saving_shards_holds_one_shard_of_each_gathered_input():

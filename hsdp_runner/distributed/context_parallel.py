@@ -13,7 +13,9 @@ repeats them, ``common.grouped_kv``), and put in position order; each of the ran
 chunks then attends to the keys up to its own end, causally within the chunk (a lower-right
 causal bias). The all-gather is torch's functional collective, whose autograd formula
 reduce-scatters the keys' and values' gradients back to the ranks that produced them in
-backward.
+backward. The two chunks' outputs are joined in the layout the fused kernels write, and what
+attention saves of them is the joined tensor the output projection saves too
+(``_SharedOutput``): one copy of the rank's attention output through backward, not two.
 
 Why not torch's ``context_parallel``: on CPU it has no sharding rule for the CPU attention
 kernel, and flex attention (its all-gather mode) has no CPU backward; this one runs the same
@@ -21,6 +23,8 @@ code on CPU (the tests) and GPU. Ring attention is not offered.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +53,15 @@ class SequenceShard:
     """What a model needs to run on one cp rank's part of each sequence (``models/base.py``
     hands it to the model): its token positions and causal attention over the whole sequence.
 
-    Takes the 1-D ``cp`` DeviceMesh and the sequence length (``model.seq_len``: the data's).
+    Takes the 1-D ``cp`` DeviceMesh, the sequence length (``model.seq_len``: the data's) and
+    ``share_output``: whether attention's saved outputs may be packed as views of the
+    concatenated output (``_SharedOutput``; only where no activation checkpoint or compile
+    packs the block's saved tensors: ``parallelize.apply_cp``).
     """
 
-    def __init__(self, cp_mesh, seq_len: int):
+    def __init__(self, cp_mesh, seq_len: int, share_output: bool = False):
         self.mesh, self.cp, self.rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
+        self.share_output = share_output
         self.local_len = seq_len // self.cp
         self._positions = head_tail_positions(seq_len, self.cp, self.rank)
         self._order = torch.cat(
@@ -119,19 +127,67 @@ class SequenceShard:
         # keys (flash takes grouped heads); on CPU it runs SDPA with the bias as a mask.
         k_all, v_all, gqa = grouped_kv(q, k_all, v_all)
         chunk = seq // 2
-        return torch.cat(
-            [
-                F.scaled_dot_product_attention(
-                    q[:, :, start : start + chunk],
-                    k_all[:, :, :end],
-                    v_all[:, :, :end],
-                    attn_mask=bias,
-                    enable_gqa=gqa,
+        shared = _SharedOutput() if self.share_output and torch.is_grad_enabled() else None
+        outs = []
+        for start, end, bias in self._chunks:
+            with shared.saving() if shared else contextlib.nullcontext():
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, start : start + chunk],
+                        k_all[:, :, :end],
+                        v_all[:, :, :end],
+                        attn_mask=bias,
+                        enable_gqa=gqa,
+                    )
                 )
-                for start, end, bias in self._chunks
-            ],
-            dim=2,
-        )
+        # Joined in (batch, seq, heads, dim) order, the layout the fused kernels write: the
+        # caller's transpose and reshape for the output projection are then views of it.
+        out = torch.cat([o.transpose(1, 2) for o in outs], dim=1)
+        if shared:
+            shared.point_at(outs, out)
+        return out.transpose(1, 2)
+
+
+class _SharedOutput:
+    """The two query chunks' attention outputs, saved once (why torch alone does not).
+
+    Each chunk's attention saves its output for backward, and the output projection saves
+    the two joined (``torch.cat`` copies them): two copies of the rank's attention output
+    through backward, 64 MiB a block for 16 query heads x 16,384 tokens in bf16. Within
+    ``saving`` each saved tensor is packed in a box; ``point_at`` then swaps each chunk's
+    saved output for the view of the joined output that holds the same values (same shape,
+    dtype and strides but the batch's), so the chunks' own outputs are freed. Used only where
+    nothing else packs these tensors (``SequenceShard``'s ``share_output``)."""
+
+    def __init__(self):
+        self.boxes: list[list] = []
+
+    @contextlib.contextmanager
+    def saving(self):
+        def pack(tensor):
+            box = [tensor]
+            self.boxes.append(box)
+            return box
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unbox):
+            yield
+
+    def point_at(self, outs: list[torch.Tensor], joined: torch.Tensor) -> None:
+        """Swap every box holding one of ``outs`` (in ``joined``'s dim 1 order) for its
+        view of ``joined``, (batch, seq, heads, dim)."""
+        start, views = 0, []
+        for o in outs:
+            views.append(joined[:, start : start + o.shape[2]].transpose(1, 2))
+            start += o.shape[2]
+        for box in self.boxes:
+            for o, view in zip(outs, views):
+                if box[0] is o:
+                    box[0] = view
+        self.boxes = []
+
+
+def _unbox(box: list) -> torch.Tensor:
+    return box[0]
 
 
 def _causal_lower_right(q_len: int, kv_len: int):

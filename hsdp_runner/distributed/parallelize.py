@@ -77,11 +77,15 @@ def apply_tp(
     model.tp_plan(tp_mesh, sequence_parallel, styles, loss_parallel)
 
 
-def apply_cp(model: ParallelModule, world: WorldMesh, seq_len: int) -> None:
+def apply_cp(
+    model: ParallelModule, world: WorldMesh, seq_len: int, parallel: ParallelConfig
+) -> None:
     """Run the model on this rank's part of each ``seq_len``-token sequence: positions and
     attention come from a ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V
-    all-gathered per layer)."""
-    model.shard_sequence(SequenceShard(world["cp"], seq_len))
+    all-gathered per layer), its two query chunks' outputs saved once where no checkpoint of
+    the block (``parallel.ac`` none or moe) and no compile packs its saved tensors."""
+    share = AC(parallel.ac) in (AC.none, AC.moe) and not parallel.compile
+    model.shard_sequence(SequenceShard(world["cp"], seq_len, share_output=share))
 
 
 # Every fused attention kernel scaled_dot_product_attention can dispatch to in torch 2.13
@@ -355,7 +359,7 @@ def parallelize(
             if name in params:
                 params[name].requires_grad_(False)
     if dims.cp > 1:
-        apply_cp(model, world, seq_len)
+        apply_cp(model, world, seq_len, parallel)
     apply_ac(model, parallel.ac)
     if parallel.compile:
         apply_compile(model, dims.tp, parallel.compile_backend)

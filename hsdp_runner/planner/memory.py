@@ -69,7 +69,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 18  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 19  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
@@ -84,7 +84,8 @@ CACHE_VERSION = 18  # bump when what a measurement holds changes (5: phases and 
 # token exchange in chunks, ``parallel.ep_chunks``: a model with experts under ep; 17: a
 # request carries its device type, and a GPU's context-parallel attention saves no mask,
 # ``cuda_causal_bias``; 18: ``trainer.chunked_loss`` takes vocabulary-sharded logits in chunks
-# too, ``loss.next_token_loss``: a TP layout with loss parallel)
+# too, ``loss.next_token_loss``: a TP layout with loss parallel; 19: context parallel's two query
+# chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
