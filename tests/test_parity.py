@@ -391,9 +391,8 @@ EP_BASE = ["model=moe_tiny", "logger=none", *METERS_OFF, f"trainer.steps={STEPS}
 EP_CASES = {
     "fsdp:parallel.ep=4": ["parallel=fsdp", "parallel.ep=4"],
     "fsdp:parallel.ep=2": ["parallel=fsdp", "parallel.ep=2"],
-    "fsdp_tp:parallel.ep=2": ["parallel=fsdp_tp", "parallel.ep=2"],
-    # Sequence parallel saving its gathered inputs as shards (the dense block's attention and
-    # feed-forward, the MoE blocks' attention), the MoE feed-forward recomputed.
+    # ep = tp, sequence parallel saving its gathered inputs as shards (the dense block's
+    # attention and feed-forward, the MoE blocks' attention), the MoE feed-forward recomputed.
     "fsdp_tp:parallel.ep=2:parallel.sp_save_shard=true:parallel.ac=moe": [
         "parallel=fsdp_tp",
         "parallel.ep=2",
