@@ -117,8 +117,12 @@ def save_input_shard(module: nn.Module) -> None:
         state["hooks"].__enter__()
 
     def after_forward(mod, args, output):
-        state.pop("hooks").__exit__(None, None, None)
-        state.pop("saves").gathered = None  # the packed notes keep the shard, not the input
+        # Also after a forward that raised (``always_call``), which may not have got this far.
+        hooks, saves = state.pop("hooks", None), state.pop("saves", None)
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        if saves is not None:
+            saves.gathered = None  # the packed notes keep the shard, not the input
         return output
 
     # Ahead of the TP plan's input hook (which gathers), and after it.
