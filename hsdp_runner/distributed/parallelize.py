@@ -29,7 +29,11 @@ from hsdp_runner.distributed.expert_parallel import (
     exchange_order,
 )
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
-from hsdp_runner.distributed.sp_saves import PrepareInputSavingShard, saves_shard
+from hsdp_runner.distributed.sp_saves import (
+    PrepareInputSavingShard,
+    saves_shard,
+    saves_unpacked,
+)
 from hsdp_runner.models.base import ModelConfig, ParallelModule, keep_stage, model_spec
 from hsdp_runner.models.params import freeze_parameters, torch_dtype
 
@@ -84,7 +88,7 @@ def apply_cp(
     attention come from a ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V
     all-gathered per layer), its two query chunks' outputs saved once where no checkpoint of
     the block (``parallel.ac`` none or moe) and no compile packs its saved tensors."""
-    share = AC(parallel.ac) in (AC.none, AC.moe) and not parallel.compile
+    share = saves_unpacked(parallel)
     model.shard_sequence(SequenceShard(world["cp"], seq_len, share_output=share))
 
 

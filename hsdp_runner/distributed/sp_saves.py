@@ -37,16 +37,18 @@ from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.choices import AC
 
 
+def saves_unpacked(parallel: ParallelConfig) -> bool:
+    """Whether nothing else packs what a block's attention saves in a job of ``parallel``:
+    no activation checkpoint around it (``parallel.ac`` none or moe) and no compile. Saved-
+    tensor hooks of the runner's own (these, ``context_parallel._SharedOutput``) apply then."""
+    return AC(parallel.ac) in (AC.none, AC.moe) and not parallel.compile
+
+
 def saves_shard(parallel: ParallelConfig) -> bool:
     """Whether a job of ``parallel`` with TP (the caller knows its degree:
     ``parallel.tp`` may be -1, or the planner's default) saves sequence parallel's gathered
-    inputs as shards: ``sp_save_shard`` with sequence parallel, its blocks' attention not
-    under a checkpoint (``parallel.ac`` none or moe)."""
-    return bool(
-        parallel.sp_save_shard
-        and parallel.sequence_parallel
-        and AC(parallel.ac) in (AC.none, AC.moe)
-    )
+    inputs as shards: ``sp_save_shard`` with sequence parallel where ``saves_unpacked``."""
+    return bool(parallel.sp_save_shard and parallel.sequence_parallel and saves_unpacked(parallel))
 
 
 class _ShardSaves:
