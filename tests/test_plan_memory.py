@@ -178,7 +178,7 @@ def one_request(
     (dp_replicate, dp_shard, cp, tp) of ``world`` ranks: one micro-batch of ``rows`` rows,
     ``n_layers`` blocks (default the model's; (dense, MoE) blocks for a model with experts),
     ``experts`` ({'ep', 'imbalance'}) for a model with experts; the loss as
-    ``trainer.chunked_loss`` says."""
+    ``trainer.chunked_loss`` and ``trainer.loss_fp32`` say."""
     cfg = plan.compose(overrides)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return plan_memory.request(
@@ -195,18 +195,29 @@ def one_request(
         accum_reduce="every",
         experts=experts,
         chunked_loss=cfg.trainer.chunked_loss,
+        loss_fp32=cfg.trainer.loss_fp32,
     )
 
 
-def test_the_loss_in_chunks_is_measured_as_a_job_computes_it():
+def test_the_loss_in_chunks_or_in_bf16_is_measured_as_a_job_computes_it():
     """Tiny Llama in bf16 with a 65,536-token vocabulary, 2 x 1,024 tokens: 2^27 logits, two
-    chunks of 2^26 with ``trainer.chunked_loss``. One cross-entropy holds the fp32 copy and
-    log-probabilities (512 MiB each) and their fp32 gradient; the chunks hold the bf16 logits,
-    their bf16 gradient and one chunk's fp32 work."""
+    chunks of 2^26 with ``trainer.chunked_loss``. One cross-entropy holds at backward's peak
+    three fp32 tensors of the logits' size (the log-probabilities, their gradient and the fp32
+    copy's: 512 MiB each); the chunks the bf16 logits' gradient and one chunk's fp32 work:
+    384 MiB less at the step's peak. With ``trainer.loss_fp32=false`` the one cross-entropy
+    holds the same three in bf16: 3 x 256 MiB less."""
     base = ["model=llama3_tiny", "model.vocab_size=65536", "model.seq_len=1024", "precision=bf16"]
-    requests = [one_request([*base, f"trainer.chunked_loss={c}"]) for c in (False, True)]
-    whole, chunked = (sum(r["peak"].values()) for r in plan_memory.measure(requests, False))
-    assert chunked < whole - 2**29, (whole / 2**20, chunked / 2**20)
+    requests = [
+        one_request([*base, *overrides])
+        for overrides in (
+            ["trainer.chunked_loss=false"],
+            ["trainer.chunked_loss=true"],
+            ["trainer.loss_fp32=false"],
+        )
+    ]
+    whole, chunked, in_bf16 = (r["peak"]["total"] for r in plan_memory.measure(requests, False))
+    assert whole - chunked == 3 * 2**27, (whole / 2**20, chunked / 2**20)
+    assert whole - in_bf16 == 3 * 2**28, (whole / 2**20, in_bf16 / 2**20)
 
 
 def _fake_and_real_steps(req: dict) -> tuple[dict, dict]:

@@ -215,3 +215,21 @@ def test_the_moe_recompute_is_traced_as_backwards_work_of_each_moe_block():
     one, four = growth[1], growth[4]
     assert four[0] == pytest.approx(4 * one[0], rel=1e-6) and four[1] == 4 * one[1] > 0
     assert 0 < four[0] / 4 < four[2]
+
+
+def test_the_loss_in_the_logits_dtype_is_traced_as_the_job_runs_it():
+    """``trainer.loss_fp32=false``: the trace's loss runs on the bf16 logits, as the job's:
+    the blocks move what they moved, the rest 28 bytes less per token and logit (the fp32 copy
+    and its gradient's cast back, 6 + 6; the log-softmax's and its backward's reads and writes
+    at 2 bytes instead of 4, 4 + 6; the NLL's read and its gradient's write, 2 + 2)."""
+    cfg = plan.compose(["model=llama3_tiny", "precision=bf16"])
+    fp32, in_bf16 = (
+        traffic.traffic(cfg.model, cfg.precision, False, "cuda", 1, False, loss_fp32)
+        for loss_fp32 in (True, False)
+    )
+    assert (in_bf16.block_forward, in_bf16.block_backward) == (
+        fp32.block_forward,
+        fp32.block_backward,
+    )
+    per_logit = (fp32.rest[0] - in_bf16.rest[0]) / cfg.model.vocab_size
+    assert 27.5 < per_logit < 28.5, per_logit

@@ -192,6 +192,9 @@ class TrainerConfig:
     # rank's logits (whole, or its vocabulary slice under loss parallel) exceed
     # loss.CHUNK_ELEMENTS: less memory for a large vocabulary.
     chunked_loss: bool = False
+    # The cross-entropy in fp32 (an fp32 copy of the logits); false: in the logits' own dtype,
+    # half the loss's memory at bf16's rounding of the log-probabilities (train/loss.py).
+    loss_fp32: bool = True
 
 
 @dataclass

@@ -256,6 +256,7 @@ def _memory_requests(
                     depth,
                     accum_reduce=plain_value(cfg.trainer.accum_reduce),
                     chunked_loss=cfg.trainer.chunked_loss,
+                    loss_fp32=cfg.trainer.loss_fp32,
                     device_type=cluster.device_type,
                     experts=(
                         {"ep": group["shape"][-1], "imbalance": cfg.plan.expert_imbalance}

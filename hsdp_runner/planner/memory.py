@@ -69,7 +69,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 19  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 20  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
@@ -85,7 +85,8 @@ CACHE_VERSION = 19  # bump when what a measurement holds changes (5: phases and 
 # request carries its device type, and a GPU's context-parallel attention saves no mask,
 # ``cuda_causal_bias``; 18: ``trainer.chunked_loss`` takes vocabulary-sharded logits in chunks
 # too, ``loss.next_token_loss``: a TP layout with loss parallel; 19: context parallel's two query
-# chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout)
+# chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout; 20: a
+# request carries ``trainer.loss_fp32``, the job's loss in the logits' dtype where false)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -108,6 +109,7 @@ def request(
     accum_reduce: str,
     experts: dict | None = None,
     chunked_loss: bool = False,
+    loss_fp32: bool = True,
     device_type: str = "cpu",
 ) -> dict:
     """Describe one fake measurement as a plain dict (what the child process needs):
@@ -115,7 +117,8 @@ def request(
     blocks of a model with experts), ``accum_reduce`` is ``trainer.accum_reduce``'s value,
     ``every`` or ``last``; ``experts`` for a model with experts: {'ep': degree, 'imbalance':
     ``plan.expert_imbalance``} (``expert_memory``); ``chunked_loss`` is
-    ``trainer.chunked_loss`` (the job's loss, ``loss.trainer_loss``); ``device_type`` the
+    ``trainer.chunked_loss`` and ``loss_fp32`` ``trainer.loss_fp32`` (the job's loss,
+    ``loss.trainer_loss``); ``device_type`` the
     torch device type the planned job runs on (``Cluster.device_type``), whose attention
     kernels the step saves for (``cuda_causal_bias``)."""
     if isinstance(n_layers, int):
@@ -133,6 +136,7 @@ def request(
         "accum": min(accum, 2),
         "accum_reduce": accum_reduce if accum > 1 else "every",  # one micro-batch: no choice
         "chunked_loss": chunked_loss,
+        "loss_fp32": loss_fp32,
         "device_type": device_type,
         "world_size": world_size,
         "ranks_per_node": ranks_per_node,
@@ -384,7 +388,7 @@ def _measure_one(req: dict, fake: bool = True) -> dict:
                 recorder.mark("end_fw")
                 # The trainer's loss; its logits die with the loss call, so backward holds
                 # only what autograd saved (the fp32 log-probabilities), not the logits.
-                loss = trainer_loss(req["chunked_loss"])(logits, tokens)
+                loss = trainer_loss(req["chunked_loss"], req["loss_fp32"])(logits, tokens)
                 recorder.moment("at:loss_end")
                 del logits
                 loss.backward()

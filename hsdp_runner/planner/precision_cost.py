@@ -118,7 +118,13 @@ def launch_seconds(cfg: RunConfig, cluster: Cluster, chunks: int = 1) -> float:
     fused = parallel.compile and CompileBackend(parallel.compile_backend) is CompileBackend.inductor
     ac = AC(parallel.ac)
     counts = traffic(
-        cfg.model, cfg.precision, fused, cluster.device_type, chunks, ac is AC.moe
+        cfg.model,
+        cfg.precision,
+        fused,
+        cluster.device_type,
+        chunks,
+        ac is AC.moe,
+        cfg.trainer.loss_fp32,
     ).launches
     recomputes = _block_recomputes(ac)
     per_micro = (
@@ -147,6 +153,7 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
         cluster.device_type,
         exchange_chunks(parallel, dims),
         ac is AC.moe,
+        trainer.loss_fp32,
     )
     # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).
     micro_tokens = trainer.global_batch_size * cfg.model.seq_len / dims.dp / dims.cp

@@ -273,11 +273,14 @@ def _trace_model(
     device_type: str = "cuda",
     chunks: int = 1,
     recompute_moe: bool = False,
+    loss_fp32: bool = True,
 ) -> dict:
     """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens, the
     kernels as a ``device_type`` job runs them (its MoE layers' tokens in ``chunks``, rerun in
-    backward with ``recompute_moe``)."""
-    trace = _run_trace(fields, recipe, layers, tokens, device_type, chunks, recompute_moe)
+    backward with ``recompute_moe``; the loss in fp32 where ``loss_fp32``)."""
+    trace = _run_trace(
+        fields, recipe, layers, tokens, device_type, chunks, recompute_moe, loss_fp32
+    )
     return _moved(trace, compiled)
 
 
@@ -289,11 +292,15 @@ def _trace_launches(
     device_type: str = "cuda",
     chunks: int = 1,
     recompute_moe: bool = False,
+    loss_fp32: bool = True,
 ) -> dict[str, int]:
     """Kernel launches per pass of ``layers`` blocks (model ``fields``, JSON), as a
     ``device_type`` job runs them, eager or ``compiled`` (its MoE layers' tokens in
-    ``chunks``, rerun in backward with ``recompute_moe``)."""
-    trace = _run_trace(fields, recipe, layers, TRACE_TOKENS[0], device_type, chunks, recompute_moe)
+    ``chunks``, rerun in backward with ``recompute_moe``; the loss in fp32 where
+    ``loss_fp32``)."""
+    trace = _run_trace(
+        fields, recipe, layers, TRACE_TOKENS[0], device_type, chunks, recompute_moe, loss_fp32
+    )
     return _launches(trace, compiled)
 
 
@@ -306,9 +313,11 @@ def _run_trace(
     device_type: str,
     chunks: int = 1,
     recompute_moe: bool = False,
+    loss_fp32: bool = True,
 ) -> _Trace:
     """The trace of ``layers`` blocks of model ``fields`` (JSON) on ``tokens`` tokens: the
-    trainer's forward, loss and backward, its kernels as a ``device_type`` job runs them; a
+    trainer's forward, loss (in fp32 where ``loss_fp32``: ``trainer.loss_fp32``) and
+    backward, its kernels as a ``device_type`` job runs them; a
     model with experts routes its tokens in ``chunks`` (the token exchange's: each chunk's
     routing, grouped matmuls and weighted sum are kernels of their own; the all-to-alls are
     communication, priced there) and, with ``recompute_moe`` (``parallel.ac=moe``), runs
@@ -335,7 +344,7 @@ def _run_trace(
             for w in layer.parameters()
             if w.dim() == 3
         }
-        _forward_backward(model, tokens_in, trace)
+        _forward_backward(model, tokens_in, trace, loss_fp32)
     trace.keep = []  # the ids are read; the tensors need not stay alive
     return trace
 
@@ -365,15 +374,16 @@ def _kernels_of(device_type: str):
         _Attention.trace = None
 
 
-def _forward_backward(model, tokens_in, trace: _Trace) -> None:
-    """The trainer's forward, loss and backward on ``tokens_in`` (targets: the same tokens).
+def _forward_backward(model, tokens_in, trace: _Trace, loss_fp32: bool) -> None:
+    """The trainer's forward, loss (in fp32 where ``loss_fp32``) and backward on
+    ``tokens_in`` (targets: the same tokens).
     The trace's token counts keep the logits below ``loss.CHUNK_ELEMENTS``: a job's loss in
     chunks also recomputes each chunk's fp32 log-softmax in backward, one more pass over the
     logits that is not counted (about 1.5 MB a token at a 151,936-token vocabulary)."""
     from hsdp_runner.train.loss import next_token_loss
 
     logits = model(tokens_in)
-    loss = next_token_loss(logits, tokens_in)
+    loss = next_token_loss(logits, tokens_in, fp32=loss_fp32)
     trace.phase = "backward"
     # autograd.grad, not backward(): no accumulation into .grad (FSDP reduce-scatters the
     # gradients; its copies are communication's, priced there).
@@ -389,12 +399,13 @@ def _traffic(
     device_type: str = "cuda",
     chunks: int = 1,
     recompute_moe: bool = False,
+    loss_fp32: bool = True,
 ) -> Traffic:
     """The traffic of the model ``fields`` (JSON): each kind of block traced apart (a model
     with experts, ``n_dense`` its dense blocks before the MoE ones: ``_block_kinds``; None: a
-    dense model) and counted as often as the model holds it; the rest from one- and two-block
-    traces of one kind; ``recompute_moe``: the MoE blocks' feed-forward recomputed in
-    backward (``_run_trace``)."""
+    dense model) and counted as often as the model holds it; the rest (the loss in fp32 where
+    ``loss_fp32``) from one- and two-block traces of one kind; ``recompute_moe``: the MoE
+    blocks' feed-forward recomputed in backward (``_run_trace``)."""
     a, b = TRACE_TOKENS
     n_layers = json.loads(fields)["n_layers"]
 
@@ -427,17 +438,21 @@ def _traffic(
         f, w = block(one, two, "forward"), block(one, two, "backward")
         fwd = (fwd[0] + f[0] * count, fwd[1] + f[1] * count)
         bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
-    eager_one = {
-        n: _trace_model(kinds[0][0], recipe, 1, n, False, device_type) for n in TRACE_TOKENS
-    }
-    eager_two = {
-        n: _trace_model(kinds[0][0], recipe, 2, n, False, device_type) for n in TRACE_TOKENS
-    }
+    eager_one, eager_two = (
+        {
+            n: _trace_model(kinds[0][0], recipe, depth, n, False, device_type, loss_fp32=loss_fp32)
+            for n in TRACE_TOKENS
+        }
+        for depth in (1, 2)
+    )
     # Outside the blocks: the one-block model less one block of the same kind, eager.
     rest = fit(
         {n: 2 * sum(eager_one[n].values()) - sum(eager_two[n].values()) for n in TRACE_TOKENS}
     )
-    one_l, two_l = (_trace_launches(kinds[0][0], recipe, n, False, device_type) for n in (1, 2))
+    one_l, two_l = (
+        _trace_launches(kinds[0][0], recipe, n, False, device_type, loss_fp32=loss_fp32)
+        for n in (1, 2)
+    )
     launches["rest"] = 2 * sum(one_l.values()) - sum(two_l.values())
     return Traffic(block_forward=fwd, block_backward=bwd, rest=rest, launches=launches)
 
@@ -467,13 +482,14 @@ def traffic(
     device_type: str = "cuda",
     chunks: int = 1,
     recompute_moe: bool = False,
+    loss_fp32: bool = True,
 ) -> Traffic:
     """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
     included), eager or ``compiled`` (module docstring), its kernels as a ``device_type``
     ('cuda', 'cpu': ``Cluster.device_type``) job runs them, a model with experts routing its tokens
     in ``chunks`` (``expert_parallel.exchange_chunks``) and with ``recompute_moe``
-    (``parallel.ac=moe``) running its MoE blocks' feed-forward again in backward; cached per
-    shape."""
+    (``parallel.ac=moe``) running its MoE blocks' feed-forward again in backward, the loss in
+    fp32 where ``loss_fp32`` (``trainer.loss_fp32``); cached per shape."""
     fields = model_fields(model_cfg)
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
@@ -490,4 +506,5 @@ def traffic(
         device_type,
         chunks if n_dense is not None else 1,
         recompute_moe and n_dense is not None,
+        loss_fp32,
     )

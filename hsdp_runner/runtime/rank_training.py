@@ -176,7 +176,7 @@ def build_rank_model(
         cfg.precision,
         cfg.trainer,
         device,
-        trainer_loss(cfg.trainer.chunked_loss),
+        trainer_loss(cfg.trainer.chunked_loss, cfg.trainer.loss_fp32),
     )
 
 

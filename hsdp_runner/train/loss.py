@@ -23,7 +23,15 @@ peak on top of the 1.2 GiB of bf16 logits, for 16,384 tokens x a quarter of that
 against 2.3 GiB in chunks; measured on fake tensors), so sharded logits are chunked the same
 way, each chunk through ``loss_parallel``. Taken in chunks, the loss is the same sum in another order (fp32 rounding,
 ~1e-7 relative), and the gradients are the same. Off by default, as torchtitan's loss (whose
-published memory figures the planner is checked on)."""
+published memory figures the planner is checked on).
+
+With ``trainer.loss_fp32=false`` the cross-entropy runs in the logits' own dtype (bf16 under
+the bf16 policies), as NeMo AutoModel's ``MaskedCrossEntropy(fp32_upcast=False)``: no fp32
+copy of the logits, and the log-probabilities and their gradient at 2 bytes a logit instead
+of 4 (half the loss's peak), at bf16's rounding of the log-probabilities: each token's loss
+to about 2^-9 relative (reduced over the tokens in fp32, so the mean is not rounded again;
+``tests/test_loss.py``: 5e-5 relative over 150 tokens) and the logits' gradient, which
+backward's softmax recomputes from them, to about 1e-2. fp32 (true) by default."""
 
 from __future__ import annotations
 
@@ -57,37 +65,58 @@ def loss_context(enabled: bool):
 CHUNK_ELEMENTS = 1 << 26
 
 
-def trainer_loss(chunked: bool):
+def trainer_loss(chunked: bool, fp32: bool = True):
     """The job's loss function ``(logits, targets) -> mean loss``: ``next_token_loss``, in
-    chunks of ``CHUNK_ELEMENTS`` logits where ``chunked`` (``trainer.chunked_loss``)."""
-    return functools.partial(next_token_loss, chunk_elements=CHUNK_ELEMENTS if chunked else None)
+    chunks of ``CHUNK_ELEMENTS`` logits where ``chunked`` (``trainer.chunked_loss``), in fp32
+    where ``fp32`` (``trainer.loss_fp32``), else in the logits' dtype."""
+    return functools.partial(
+        next_token_loss, chunk_elements=CHUNK_ELEMENTS if chunked else None, fp32=fp32
+    )
 
 
 def next_token_loss(
-    logits: torch.Tensor, targets: torch.Tensor, chunk_elements: int | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_elements: int | None = None,
+    fp32: bool = True,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy (in fp32) of (batch, seq, vocab) ``logits`` over
-    ``targets`` (batch, seq). Logits sharded over the vocabulary (a DTensor) need
-    ``loss_context(True)`` around this call and the backward. Whole logits of more than
-    ``chunk_elements`` elements (None: no limit) are taken in chunks of tokens, each
-    recomputed in backward (module docstring). Returns a plain 0-dim tensor."""
+    """Mean next-token cross-entropy of (batch, seq, vocab) ``logits`` over ``targets``
+    (batch, seq), computed in fp32 where ``fp32``, else in the logits' dtype. Logits sharded
+    over the vocabulary (a DTensor) need ``loss_context(True)`` around this call and the
+    backward. Whole logits of more than ``chunk_elements`` elements (None: no limit) are
+    taken in chunks of tokens, each recomputed in backward (module docstring). Returns a
+    plain fp32 0-dim tensor."""
     flat, flat_targets = logits.flatten(0, 1), targets.flatten()
     # A rank's part: under loss parallel its slice of the vocabulary.
     local = flat.to_local() if isinstance(flat, DTensor) else flat
     if chunk_elements is None or local.numel() <= chunk_elements:
-        loss = F.cross_entropy(flat.float(), flat_targets)
+        loss = _cross_entropy(flat, flat_targets, fp32, "mean")
     else:
         from torch.utils.checkpoint import checkpoint
 
         rows = max(1, chunk_elements // local.shape[-1])
         total = sum(
-            checkpoint(_summed_loss, part, part_targets, use_reentrant=False)
+            checkpoint(_summed_loss, part, part_targets, fp32, use_reentrant=False)
             for part, part_targets in zip(flat.split(rows), flat_targets.split(rows))
         )
         loss = total / flat_targets.numel()
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def _summed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of (tokens, vocab) ``logits`` in fp32 (one chunk)."""
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    """Summed cross-entropy of (tokens, vocab) ``logits`` (one chunk), computed in fp32 where
+    ``fp32``, else in the logits' dtype."""
+    return _cross_entropy(logits, targets, fp32, "sum")
+
+
+def _cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, fp32: bool, reduction: str
+) -> torch.Tensor:
+    """Cross-entropy of (tokens, vocab) ``logits``, ``reduction`` 'mean' or 'sum', returned in
+    fp32: on an fp32 copy of the logits where ``fp32``, else in their own dtype, each token's
+    loss then reduced in fp32 (a bf16 mean of thousands of tokens would round the loss to
+    bf16's 2^-8: 0.06 at a loss of 9)."""
+    if fp32:
+        return F.cross_entropy(logits.float(), targets, reduction=reduction)
+    per_token = F.cross_entropy(logits, targets, reduction="none").float()
+    return per_token.sum() if reduction == "sum" else per_token.mean()
