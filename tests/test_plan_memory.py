@@ -321,6 +321,45 @@ def test_sequence_parallel_saving_shards_holds_one_shard_of_each_gathered_input(
     assert held["false"] - held["true"] == cfg.model.n_layers * 2 * gathered // 2
 
 
+def _gathers_again(req: dict) -> list[tuple[bool, int, int]]:
+    """In a measuring child: one request's step, and for each gather again of a saved shard
+    (``sp_saves._ShardSaves.prefetch``) whether another saved tensor's unpack started it, and
+    how many of the shard's views had been unpacked and were packed."""
+    from hsdp_runner.distributed import sp_saves
+
+    events = []
+    prefetch = sp_saves._ShardSaves.prefetch
+
+    def recorded(self, early=False):
+        issued = self.again is None and self.unpacked < self.packed
+        prefetch(self, early)
+        if issued:
+            events.append((self.early, self.unpacked, self.packed))
+
+    sp_saves._ShardSaves.prefetch = recorded
+    try:
+        plan_memory._untracked_dtensor_meta()
+        plan_memory._join(req["world_size"])
+        plan_memory._measure_one(req)
+    finally:
+        sp_saves._ShardSaves.prefetch = prefetch
+    return events
+
+
+def test_each_saved_shard_is_gathered_again_once_before_its_linears_backward():
+    """TP 2 with sequence parallel saving shards: each block's attention and feed-forward
+    gather their input again once a step, started at the first unpack of another tensor the
+    module saved (its last linear's backward), before any of the column-parallel linears that
+    saved the views (attention's wq, wk, wv; the feed-forward's w1, w3) unpacks one."""
+    overrides = [*TINY, "parallel.tp=2", "parallel.sp_save_shard=true"]
+    cfg = plan.compose(overrides)
+    req = one_request(overrides, (1, 1, 1, 2), world=2)
+    events = plan_memory._children().submit(_gathers_again, req).result()
+    # Backward's order, block by block from the last: the feed-forward's (w1, w3), then the
+    # attention's (wq, wk, wv).
+    assert events == [(True, 0, 2), (True, 0, 3)] * cfg.model.n_layers, events
+
+
 def test_what_a_micro_batch_leaves_held_is_the_blocks_inputs_and_the_last_output():
     """What a pipeline stage holds per micro-batch in flight (``saved_activations_gib``):
     under full AC every block keeps its input and the last block's output is kept, exactly

@@ -12,11 +12,19 @@ Megatron's linears save the rank's shard and all-gather it again in backward
 This does the same through autograd's saved-tensor hooks (``torch.autograd.graph.
 saved_tensors_hooks``), on the job's own linears: while such a module runs forward, a saved
 tensor that is the gathered input (or a view of it) is packed as the module's input shard and
-a note of the view; in backward the first unpack all-gathers the shard again (one collective
-for the module's linears, under no grad) and each unpack gets its view of that. Nothing else
-changes: the same ops, the same values, the same gradients; backward runs one more all-gather
-per module (the comm model counts it, ``comm_model``). The shard itself is what the module's
-norm produced and is otherwise freed, so a block holds one shard instead of tp.
+a note of the view; each unpack gets its view of one all-gather of the shard again (one
+collective for the module's linears, under no grad). Nothing else changes: the same ops, the
+same values, the same gradients; backward runs one more all-gather per module (the comm
+model counts it, ``comm_model``). The shard itself is what the module's norm produced and is
+otherwise freed, so a block holds one shard instead of tp.
+
+The all-gather is issued ahead of its use, as Megatron overlaps it with the input-gradient
+GEMM: at the first unpack of anything else the module saved (the other saved tensors pass
+through the same hooks unchanged), which is its last linear's backward (attention's output
+projection, a feed-forward's w2), so the gather runs while that linear's and the ops before
+it run their backward (attention's: the whole fused attention backward) and the first
+column-parallel linear waits for it (``async_op``: on NCCL the collective's stream). The
+gathered input is then held from that unpack to the column-parallel linears' backward.
 
 Why hooks and not torch: no torch ParallelStyle saves the shard, and a custom linear would
 replace the job's linears (float8's among them). It applies where sequence parallel gathers
@@ -61,27 +69,47 @@ class _ShardSaves:
         self.packed = 0
         self.unpacked = 0
         self.again: torch.Tensor | None = None
+        self.early = False  # the gather was started by another saved tensor's unpack
 
     def pack(self, saved: torch.Tensor):
-        """Autograd's pack hook: the gathered input's views become a note; the rest as is."""
+        """Autograd's pack hook: the gathered input's views become a note; the rest is kept as
+        it is, beside the note that its unpack starts the gather (``_Kept``)."""
         local = saved._local_tensor if isinstance(saved, DTensor) else saved
         if self.gathered is None or _memory(local) != self.gathered:
-            return saved
+            return _Kept(self, saved)
         self.packed += 1
         spec = saved._spec if isinstance(saved, DTensor) else None
         return (self, local.size(), local.stride(), local.storage_offset(), spec)
 
-    def regathered(self) -> torch.Tensor:
-        """The gathered input's local tensor again: all-gathered at the first unpack, dropped
-        after the last."""
-        if self.again is None:
+    def prefetch(self, early: bool = False) -> None:
+        """Start the all-gather of the shard (not waited for: its first use waits) unless it
+        is under way or no view of it is left to unpack; ``early``: started by the unpack of
+        another tensor the module saved."""
+        if self.again is None and self.unpacked < self.packed:
             with torch.no_grad():
-                self.again = self.shard.redistribute(placements=[Replicate()]).to_local()
+                gathered = self.shard.redistribute(placements=[Replicate()], async_op=True)
+                self.again = gathered.to_local()
+            self.early = early
+
+    def regathered(self) -> torch.Tensor:
+        """The gathered input's local tensor again: all-gathered at the first unpack (or
+        before it, ``prefetch``), dropped after the last."""
+        self.prefetch()
         self.unpacked += 1
         again = self.again
         if self.unpacked == self.packed:
             self.again = None
         return again
+
+
+class _Kept:
+    """A tensor the module saved that is not the gathered input, with the module's saves:
+    its unpack (the module's backward has begun) starts the gather."""
+
+    __slots__ = ("saves", "tensor")
+
+    def __init__(self, saves: _ShardSaves, tensor: torch.Tensor):
+        self.saves, self.tensor = saves, tensor
 
 
 def _memory(tensor: torch.Tensor) -> int:
@@ -92,8 +120,9 @@ def _memory(tensor: torch.Tensor) -> int:
 
 
 def _unpack(packed):
-    if not isinstance(packed, tuple):
-        return packed
+    if isinstance(packed, _Kept):
+        packed.saves.prefetch(early=True)
+        return packed.tensor
     saves, size, stride, offset, spec = packed
     local = saves.regathered().as_strided(size, stride, offset)
     if spec is None:
