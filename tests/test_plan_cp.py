@@ -9,7 +9,11 @@ from clusters import fake_cluster
 from hsdp_runner import plan
 from hsdp_runner.config.compose import to_run_config
 from hsdp_runner.core.errors import ConfigError
-from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
+from hsdp_runner.distributed.comm_model import (
+    analytic_comm,
+    attention_regather_comm,
+    context_parallel_comm,
+)
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.planner import layouts as layouts_mod
 from hsdp_runner.planner.cluster import Cluster, resolve
@@ -184,3 +188,29 @@ def test_activation_collectives_move_the_same_bytes_whatever_the_micro_batches()
     for key in ("all_gather/tp", "reduce_scatter/tp", "all_gather/cp", "reduce_scatter/cp"):
         one, two = per_accum[1][key], per_accum[2][key]
         assert two["bytes"] == one["bytes"] and two["calls"] == 2 * one["calls"], key
+
+
+@pytest.mark.parametrize("overlap", [1.0, 0.0])
+def test_the_attention_input_gathered_again_runs_beside_the_attention_backward(overlap):
+    """TP 4 with sequence parallel saving shards (``parallel.sp_save_shard``): backward
+    gathers each block's attention and feed-forward input again, equal gathers. The
+    attention's starts at the output projection's backward and runs beside the attention
+    backward (``sp_saves``), which at 4,096 tokens outlasts it: hidden with
+    ``cluster.overlap`` 1, exposed with 0; the feed-forward's is exposed either way."""
+    base = [*TINY, "model.n_layers=2", "model.seq_len=4096", "precision=bf16", "parallel.tp=4"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=4, world_size=4)
+    cluster = _cluster(overlap=overlap)
+    times = {}
+    for save in (False, True):
+        cfg = plan.compose([*base, f"parallel.sp_save_shard={save}"])
+        times[save] = step_time(cfg, dims, cluster)
+        regather = attention_regather_comm(
+            cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer
+        )
+    tokens = 8 * 4096  # the rank's tokens a step: no dp
+    assert regather == {"all_gather/tp": {"calls": 2, "bytes": 2 * tokens * 64 * 2}}
+    one_kind = sum(comm_times(regather, dims, cluster).values())
+    attention_backward = 2 / 3 * times[True]["compute_parts_s"]["attention"]
+    assert attention_backward > one_kind  # the long sequence's attention hides it
+    grown = times[True]["exposed_comm_s"]["tp"] - times[False]["exposed_comm_s"]["tp"]
+    assert grown == pytest.approx(one_kind * (1 if overlap else 2), rel=1e-9)

@@ -67,7 +67,9 @@ follows what the runner builds (``parallelize.py``):
   output, which backward never needs. ``selective`` saves their outputs
   (``parallelize.apply_ac``) and repeats none. With ``parallel.sp_save_shard`` backward
   all-gathers each block's attention input and dense feed-forward input once more
-  (``sp_saves``: the shard its linears saved).
+  (``sp_saves``: the shard its linears saved); the attention's, which runs beside the
+  attention backward, is also returned alone (``attention_regather_comm``) for the planner
+  to price apart.
 - Pipeline parallel: each of the rank's stages (``ParallelDims.local_stages``) is counted as
   above with its own parameters (its blocks, the embedding on the first stage, the output
   layer and logits on the last; ``unit_sizes`` and ``float8_weight_sizes`` with ``stage``),
@@ -263,16 +265,48 @@ def _stage(
             rows * model_cfg.seq_len // dims.cp,
             compute,
             m,
-            (
-                len(dims.stage_blocks(model_cfg.n_layers)[stage]),
-                len(moe_blocks(model_cfg, dims, stage)),
-            ),
+            _stage_layers(model_cfg, dims, stage),
             ends,
         )
         # The norms' partial gradients (sequence parallel): each all-reduced on its own.
         times, width = partial_grad_reductions(dims, precision, passes)
         partial = tp_partial_grads(model_cfg, dims, trainer.freeze, sp, stage)
         tally.add("all_reduce/tp", len(partial) * times, sum(partial) * width * times)
+
+
+def _stage_layers(model_cfg: ModelConfig, dims: ParallelDims, stage: int) -> tuple[int, int]:
+    """(blocks, blocks with an MoE layer) of pipeline ``stage``."""
+    return len(dims.stage_blocks(model_cfg.n_layers)[stage]), len(
+        moe_blocks(model_cfg, dims, stage)
+    )
+
+
+def attention_regather_comm(
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+    pp_rank: int = 0,
+    pipeline_stage: bool = False,
+) -> dict[str, dict[str, int]]:
+    """Return the part of ``analytic_comm`` that is each block's attention input all-gathered
+    again in backward under ``parallel.sp_save_shard`` ({'all_gather/tp': {'calls',
+    'bytes'}}; empty where its shards are not saved): started at the output projection's
+    backward, it runs beside the attention backward (``sp_saves``), which the planner prices
+    as hiding it. Same arguments as ``analytic_comm``."""
+    tally = _Tally()
+    if dims.tp > 1 and saves_shard(parallel):
+        passes = stage_passes(dims, parallel, trainer, pipeline_stage)
+        act = (
+            (trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp)
+            * model_cfg.dim
+            * _dtype_bytes(precision.param_dtype)
+        )
+        for stage in dims.local_stages(pp_rank):
+            calls = _stage_layers(model_cfg, dims, stage)[0]
+            tally.add("all_gather/tp", calls * passes.micro_batches, calls * act)
+    return tally.result()
 
 
 def stage_send_bytes(

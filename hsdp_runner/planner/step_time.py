@@ -37,7 +37,12 @@
   on different links (HSDP: the shard group's reduce-scatter on NVLink, the replicate
   all-reduce on the NICs) they run side by side, so the backward's communication takes its
   latencies plus its busiest link's time. TP collectives and the loss all-reduce sit on the
-  critical path: exposed, and so does context parallel's key/value exchange; expert
+  critical path: exposed, but for each block's attention input gathered again in backward
+  under ``parallel.sp_save_shard`` (``comm_model.attention_regather_comm``), which starts at
+  the output projection's backward and runs beside the attention backward (``sp_saves``):
+  exposed where it outlasts ``cluster.overlap`` x that backward's seconds (2/3 of the
+  attention part); the dense feed-forward's, started at w2's backward, is exposed. Context
+  parallel's key/value exchange is exposed too; expert
   parallel's token exchange too, but for what the experts' compute hides when it runs in
   chunks (``exchange_time``, ``parallel.ep_chunks``)
   (``comm_model.context_parallel_comm``): each block's attention waits for its all-gather, and
@@ -59,7 +64,11 @@ from __future__ import annotations
 
 from hsdp_runner.config.schema import RunConfig, TrainerConfig
 from hsdp_runner.core.choices import AC, ExchangeOrder
-from hsdp_runner.distributed.comm_model import analytic_comm, context_parallel_comm
+from hsdp_runner.distributed.comm_model import (
+    analytic_comm,
+    attention_regather_comm,
+    context_parallel_comm,
+)
 from hsdp_runner.distributed.expert_parallel import exchange_chunks
 from hsdp_runner.distributed.moe_comm import planned_routing
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims
@@ -225,7 +234,10 @@ def step_time(
         routing=routing,
     )
     kv = context_parallel_comm(cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
-    prices = comm_prices(_without(comm, kv), dims, cluster)
+    regather = attention_regather_comm(
+        cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer, pipeline_stage=pipeline_stage
+    )
+    prices = comm_prices(_without(_without(comm, kv), regather), dims, cluster)
     times = {key: p.seconds for key, p in prices.items()}
     kv_prices = comm_prices(kv, dims, cluster)
     groups = fsdp_groups(dims)
@@ -332,6 +344,11 @@ def step_time(
             expose(key.split("/")[1], seconds * (exposed_part if key in exchange else 1.0))
     for price in kv_prices.values():
         expose("cp", price.seconds)
+    # The attention input gathered again (sp_save_shard) runs beside the attention backward.
+    regather_prices = comm_prices(regather, dims, cluster)
+    attention_backward = 2 / 3 * compute_parts.get("attention", 0.0)
+    regathered = sum(p.seconds for p in regather_prices.values())
+    expose("tp", max(0.0, regathered - cluster.overlap * attention_backward))
     views = view_sizes(cfg.model, dims, cfg.trainer.freeze, cfg.parallel.sequence_parallel)
     trainable = sum(sizes[1] // dims.group_size(view) for view, sizes in views.items())
     step_end = cluster.step_end_seconds(trainable, torch_dtype(cfg.precision.master_dtype).itemsize)
@@ -349,12 +366,16 @@ def step_time(
         "compute_parts_s": compute_parts,
         "step_end_s": step_end,
         "exposed_comm_s": {d: s for d, s in sorted(exposed.items())},
-        "comm_total_s": sum(times.values()) + sum(p.seconds for p in kv_prices.values()),
+        "comm_total_s": sum(times.values())
+        + sum(p.seconds for p in (*kv_prices.values(), *regather_prices.values())),
         "tps_per_device": tps,
-        "comm_latency_s": sum(p.latency_s for p in (*prices.values(), *kv_prices.values())),
+        "comm_latency_s": sum(
+            p.latency_s for p in (*prices.values(), *kv_prices.values(), *regather_prices.values())
+        ),
         "comm_links": {
             **link_facts(prices, dims),
             **{f"{k} (K/V)": v for k, v in link_facts(kv_prices, dims).items()},
+            **{f"{k} (again)": v for k, v in link_facts(regather_prices, dims).items()},
         },
         "mfu": model_flops / step / (cluster.peak_tflops * 1e12),
         "dominant": max(terms, key=terms.get),
