@@ -76,6 +76,22 @@ _FREE_PACKETS = {
 TRACE_TOKENS = (16, 32)  # two token counts: bytes = per token x tokens + per forward
 
 
+@dataclass(frozen=True)
+class TraceSetting:
+    """How the traced step runs: its kernels as a ``device_type`` job runs them ('cuda',
+    'cpu': ``Cluster.device_type``), a model with experts routing its tokens in ``chunks``
+    (``expert_parallel.exchange_chunks``: each chunk's routing, grouped matmuls and weighted
+    sum are kernels of their own; the all-to-alls are communication, priced there) and, with
+    ``recompute_moe`` (``parallel.ac=moe``), running its MoE blocks' feed-forward again in
+    backward, as the job's build has it (``parallelize.apply_ac``: traced as backward's work);
+    the loss in fp32 where ``loss_fp32`` (``trainer.loss_fp32``)."""
+
+    device_type: str = "cuda"
+    chunks: int = 1
+    recompute_moe: bool = False
+    loss_fp32: bool = True
+
+
 def _nbytes(t: torch.Tensor) -> int:
     data = getattr(t, "_data", None)  # torchao's Float8TrainingTensor: its float8 payload
     return (data if isinstance(data, torch.Tensor) else t).numel() * (
@@ -270,66 +286,32 @@ def _trace_model(
     layers: int,
     tokens: int,
     compiled: bool,
-    device_type: str = "cuda",
-    chunks: int = 1,
-    recompute_moe: bool = False,
-    loss_fp32: bool = True,
+    setting: TraceSetting = TraceSetting(),
 ) -> dict:
     """Bytes per pass of ``layers`` blocks (model ``fields``, JSON) on ``tokens`` tokens, the
-    kernels as a ``device_type`` job runs them (its MoE layers' tokens in ``chunks``, rerun in
-    backward with ``recompute_moe``; the loss in fp32 where ``loss_fp32``)."""
-    trace = _run_trace(
-        fields, recipe, layers, tokens, device_type, chunks, recompute_moe, loss_fp32
-    )
-    return _moved(trace, compiled)
+    step run as ``setting`` says."""
+    return _moved(_run_trace(fields, recipe, layers, tokens, setting), compiled)
 
 
 def _trace_launches(
-    fields: str,
-    recipe: str,
-    layers: int,
-    compiled: bool,
-    device_type: str = "cuda",
-    chunks: int = 1,
-    recompute_moe: bool = False,
-    loss_fp32: bool = True,
+    fields: str, recipe: str, layers: int, compiled: bool, setting: TraceSetting = TraceSetting()
 ) -> dict[str, int]:
-    """Kernel launches per pass of ``layers`` blocks (model ``fields``, JSON), as a
-    ``device_type`` job runs them, eager or ``compiled`` (its MoE layers' tokens in
-    ``chunks``, rerun in backward with ``recompute_moe``; the loss in fp32 where
-    ``loss_fp32``)."""
-    trace = _run_trace(
-        fields, recipe, layers, TRACE_TOKENS[0], device_type, chunks, recompute_moe, loss_fp32
-    )
-    return _launches(trace, compiled)
+    """Kernel launches per pass of ``layers`` blocks (model ``fields``, JSON), eager or
+    ``compiled``, the step run as ``setting`` says."""
+    return _launches(_run_trace(fields, recipe, layers, TRACE_TOKENS[0], setting), compiled)
 
 
 @functools.lru_cache(maxsize=16)
-def _run_trace(
-    fields: str,
-    recipe: str,
-    layers: int,
-    tokens: int,
-    device_type: str,
-    chunks: int = 1,
-    recompute_moe: bool = False,
-    loss_fp32: bool = True,
-) -> _Trace:
+def _run_trace(fields: str, recipe: str, layers: int, tokens: int, setting: TraceSetting) -> _Trace:
     """The trace of ``layers`` blocks of model ``fields`` (JSON) on ``tokens`` tokens: the
-    trainer's forward, loss (in fp32 where ``loss_fp32``: ``trainer.loss_fp32``) and
-    backward, its kernels as a ``device_type`` job runs them; a
-    model with experts routes its tokens in ``chunks`` (the token exchange's: each chunk's
-    routing, grouped matmuls and weighted sum are kernels of their own; the all-to-alls are
-    communication, priced there) and, with ``recompute_moe`` (``parallel.ac=moe``), runs
-    its MoE blocks' feed-forward again in backward, as the job's build has it
-    (``parallelize.apply_ac``): the recompute is traced as backward's work."""
+    trainer's forward, loss and backward, run as ``setting`` says (``TraceSetting``)."""
     cfg = dict(json.loads(fields), n_layers=layers, seq_len=tokens)
     spec = model_spec(cfg)
     with torch.device("meta"):
         model = spec.build().to(torch.bfloat16)
     for layer in moe_layers(model):
-        layer.exchange.chunks = chunks  # its own LocalExchange: every expert on this process
-    if recompute_moe:
+        layer.exchange.chunks = setting.chunks  # its own LocalExchange: every expert here
+    if setting.recompute_moe:
         apply_ac(model, AC.moe)
     precision = PrecisionConfig(name="trace", float8=recipe)
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
@@ -337,14 +319,14 @@ def _run_trace(
     # float8 grouped matmul is refused by the planner (matmul_shapes.check_plannable).
     float8.convert(model, precision, torch.device("meta"), DPMode.none, cfg["vocab_size"])
     tokens_in = torch.zeros((1, tokens), dtype=torch.long, device="meta")
-    with _kernels_of(device_type) as trace:
+    with _kernels_of(setting.device_type) as trace:
         trace.expert_shapes = {
             tuple(w.shape)
             for layer in moe_layers(model)
             for w in layer.parameters()
             if w.dim() == 3
         }
-        _forward_backward(model, tokens_in, trace, loss_fp32)
+        _forward_backward(model, tokens_in, trace, setting.loss_fp32)
     trace.keep = []  # the ids are read; the tensors need not stay alive
     return trace
 
@@ -396,16 +378,12 @@ def _traffic(
     recipe: str,
     compiled: bool,
     n_dense: int | None = None,
-    device_type: str = "cuda",
-    chunks: int = 1,
-    recompute_moe: bool = False,
-    loss_fp32: bool = True,
+    setting: TraceSetting = TraceSetting(),
 ) -> Traffic:
-    """The traffic of the model ``fields`` (JSON): each kind of block traced apart (a model
-    with experts, ``n_dense`` its dense blocks before the MoE ones: ``_block_kinds``; None: a
-    dense model) and counted as often as the model holds it; the rest (the loss in fp32 where
-    ``loss_fp32``) from one- and two-block traces of one kind; ``recompute_moe``: the MoE
-    blocks' feed-forward recomputed in backward (``_run_trace``)."""
+    """The traffic of the model ``fields`` (JSON), its step run as ``setting`` says: each kind
+    of block traced apart (a model with experts, ``n_dense`` its dense blocks before the MoE
+    ones: ``_block_kinds``; None: a dense model) and counted as often as the model holds it;
+    the rest from one- and two-block traces of one kind."""
     a, b = TRACE_TOKENS
     n_layers = json.loads(fields)["n_layers"]
 
@@ -420,39 +398,27 @@ def _traffic(
     launches = {"block_forward": 0, "block_backward": 0}
     kinds = _block_kinds(fields, n_layers, n_dense)
     for kind, count in kinds:
-        one_l, two_l = (
-            _trace_launches(kind, recipe, n, compiled, device_type, chunks, recompute_moe)
-            for n in (1, 2)
-        )
+        one_l, two_l = (_trace_launches(kind, recipe, n, compiled, setting) for n in (1, 2))
         launches["block_forward"] += (two_l["forward"] - one_l["forward"]) * count
         launches["block_backward"] += (two_l["backward"] - one_l["backward"]) * count
         one, two = (
-            {
-                n: _trace_model(
-                    kind, recipe, depth, n, compiled, device_type, chunks, recompute_moe
-                )
-                for n in TRACE_TOKENS
-            }
+            {n: _trace_model(kind, recipe, depth, n, compiled, setting) for n in TRACE_TOKENS}
             for depth in (1, 2)
         )
         f, w = block(one, two, "forward"), block(one, two, "backward")
         fwd = (fwd[0] + f[0] * count, fwd[1] + f[1] * count)
         bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
+    # Outside the blocks: the one-block model less one block of the same kind, eager (the
+    # blocks' chunks and recompute cancel there).
+    outside = dataclasses.replace(setting, chunks=1, recompute_moe=False)
     eager_one, eager_two = (
-        {
-            n: _trace_model(kinds[0][0], recipe, depth, n, False, device_type, loss_fp32=loss_fp32)
-            for n in TRACE_TOKENS
-        }
+        {n: _trace_model(kinds[0][0], recipe, depth, n, False, outside) for n in TRACE_TOKENS}
         for depth in (1, 2)
     )
-    # Outside the blocks: the one-block model less one block of the same kind, eager.
     rest = fit(
         {n: 2 * sum(eager_one[n].values()) - sum(eager_two[n].values()) for n in TRACE_TOKENS}
     )
-    one_l, two_l = (
-        _trace_launches(kinds[0][0], recipe, n, False, device_type, loss_fp32=loss_fp32)
-        for n in (1, 2)
-    )
+    one_l, two_l = (_trace_launches(kinds[0][0], recipe, n, False, outside) for n in (1, 2))
     launches["rest"] = 2 * sum(one_l.values()) - sum(two_l.values())
     return Traffic(block_forward=fwd, block_backward=bwd, rest=rest, launches=launches)
 
@@ -503,8 +469,10 @@ def traffic(
         str(precision.float8),
         compiled,
         n_dense,
-        device_type,
-        chunks if n_dense is not None else 1,
-        recompute_moe and n_dense is not None,
-        loss_fp32,
+        TraceSetting(
+            device_type,
+            chunks if n_dense is not None else 1,
+            recompute_moe and n_dense is not None,
+            loss_fp32,
+        ),
     )
