@@ -82,10 +82,11 @@ LAYOUTS = {
     "fsdp_tp_selective_ac": ["parallel=fsdp_tp", "parallel.ac=selective"],
     "fsdp_tp_full_ac": ["parallel=fsdp_tp", "parallel.ac=full"],
     # GPT-2 (biases, LayerNorms with biases, a position table split by sequence parallel),
-    # its attention and MLP inputs saved as shards.
-    "gpt2_hsdp_tp": [
+    # its attention and MLP inputs saved as shards; on four ranks (its replicate all-reduce is
+    # gpt2_ddp_tp_no_sp's below).
+    "gpt2_fsdp_tp": [
         "model=gpt2_tiny",
-        "parallel=hsdp_tp",
+        "parallel=fsdp_tp",
         "precision=bf16",
         "parallel.sp_save_shard=true",
     ],
@@ -188,7 +189,7 @@ LAYOUTS |= {
     # ep_inter (a rank of each node) and ep_intra (a node's ranks); full AC recomputes both.
     "moe_fsdp_ep4_2_nodes_full_ac": [*MOE, "parallel=fsdp", "parallel.ep=4", "parallel.ac=full"],
 }
-EIGHT_RANKS = ("hsdp_tp", "gpt2_hsdp_tp", "fsdp_cp_tp", "moe_hsdp_cp_tp_ep4")
+EIGHT_RANKS = ("hsdp_tp", "fsdp_cp_tp", "moe_hsdp_cp_tp_ep4")
 # Layouts whose ranks are told they sit on nodes of this many (a launch's LOCAL_WORLD_SIZE).
 RANKS_PER_NODE = {"moe_fsdp_ep4_2_nodes_full_ac": 2}
 
