@@ -85,8 +85,8 @@ CACHE_VERSION = 20  # bump when what a measurement holds changes (5: phases and 
 # request carries its device type, and a GPU's context-parallel attention saves no mask,
 # ``cuda_causal_bias``; 18: ``trainer.chunked_loss`` takes vocabulary-sharded logits in chunks
 # too, ``loss.next_token_loss``: a TP layout with loss parallel; 19: context parallel's two query
-# chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout; 20: a
-# request carries ``trainer.loss_fp32``, the job's loss in the logits' dtype where false)
+# chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout; 20:
+# ``trainer.loss_fp32`` in a request)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
@@ -116,11 +116,10 @@ def request(
     ``n_layers`` the blocks to build (a ``mem_phases.depth_key``: a count, or (dense, MoE)
     blocks of a model with experts), ``accum_reduce`` is ``trainer.accum_reduce``'s value,
     ``every`` or ``last``; ``experts`` for a model with experts: {'ep': degree, 'imbalance':
-    ``plan.expert_imbalance``} (``expert_memory``); ``chunked_loss`` is
-    ``trainer.chunked_loss`` and ``loss_fp32`` ``trainer.loss_fp32`` (the job's loss,
-    ``loss.trainer_loss``); ``device_type`` the
-    torch device type the planned job runs on (``Cluster.device_type``), whose attention
-    kernels the step saves for (``cuda_causal_bias``)."""
+    ``plan.expert_imbalance``} (``expert_memory``); ``chunked_loss`` and ``loss_fp32`` are
+    ``trainer.*``'s (the job's loss, ``loss.trainer_loss``); ``device_type`` the torch device
+    type the planned job runs on (``Cluster.device_type``), whose attention kernels the step
+    saves for (``cuda_causal_bias``)."""
     if isinstance(n_layers, int):
         blocks = {"n_layers": n_layers}
     else:
