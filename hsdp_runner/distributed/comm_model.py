@@ -262,7 +262,7 @@ def _stage(
             tally,
             model_cfg,
             parallel,
-            rows * model_cfg.seq_len // dims.cp,
+            _rank_tokens(model_cfg, dims, trainer),
             compute,
             m,
             _stage_layers(model_cfg, dims, stage),
@@ -272,6 +272,11 @@ def _stage(
         times, width = partial_grad_reductions(dims, precision, passes)
         partial = tp_partial_grads(model_cfg, dims, trainer.freeze, sp, stage)
         tally.add("all_reduce/tp", len(partial) * times, sum(partial) * width * times)
+
+
+def _rank_tokens(model_cfg: ModelConfig, dims: ParallelDims, trainer: TrainerConfig) -> int:
+    """The tokens of a rank's data and context slice in one step, over its micro-batches."""
+    return trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp
 
 
 def _stage_layers(model_cfg: ModelConfig, dims: ParallelDims, stage: int) -> tuple[int, int]:
@@ -298,11 +303,8 @@ def attention_regather_comm(
     tally = _Tally()
     if dims.tp > 1 and saves_shard(parallel):
         passes = stage_passes(dims, parallel, trainer, pipeline_stage)
-        act = (
-            (trainer.global_batch_size // dims.dp * model_cfg.seq_len // dims.cp)
-            * model_cfg.dim
-            * _dtype_bytes(precision.param_dtype)
-        )
+        act = _rank_tokens(model_cfg, dims, trainer) * model_cfg.dim
+        act *= _dtype_bytes(precision.param_dtype)  # one activation, as _tensor_parallel's
         for stage in dims.local_stages(pp_rank):
             calls = _stage_layers(model_cfg, dims, stage)[0]
             tally.add("all_gather/tp", calls * passes.micro_batches, calls * act)
