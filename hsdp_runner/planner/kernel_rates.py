@@ -20,11 +20,12 @@ preset's ``compute_efficiency`` is chosen on its own fitted figures over them.
   counts (every query against every key, backward twice forward), by tokens of one sequence:
   causal (a whole sequence, or a context-parallel ring's diagonal chunk) and full (a ring's
   off-diagonal chunk, which the causal mask keeps or skips whole).
-- **Launch** (``LAUNCH_SECONDS``): the device time one eager kernel launch takes when the
-  kernels are too small to hide it, from the runner's profiled eager step of Llama-3 1B shape
+- **Launch** (``LAUNCH_SECONDS``): the device's idle time per eager kernel launch, from the
+  runner's profiled eager step of Llama-3 1B shape
   (16 blocks, 4 x 2,048 tokens, selective AC) on the same H200 (``PROFILE_FILE``): the step
   unprofiled (its tokens over its tokens/s) less the kernels' busy time, over its launches
-  (24.6 us). The planner prices a step at least its launches at this cost.
+  (24.6 us). The planner adds it to the step's kernels per launch its trace counts
+  (``precision_cost``: why added, not a floor).
 """
 
 from __future__ import annotations
@@ -94,5 +95,5 @@ def attention_share(arch: str, causal: bool, tokens: float) -> float:
 
 
 def launch_seconds(arch: str) -> float:
-    """Device time one eager kernel launch adds on ``arch`` (module docstring)."""
+    """Seconds the device idles per eager kernel launch on ``arch`` (module docstring)."""
     return LAUNCH_SECONDS[measured_arch(arch)]

@@ -36,12 +36,17 @@ efficiency standing in for everything a step does on the device. Here (``compute
   the tp ranks (sequence parallel shards the norms and residual stream, TP the heads and FFN).
 - **Launches** (``launch_seconds``): the same traces count the kernels a micro-batch launches
   (``traffic._launches``: every matmul and attention call, and every element-wise op eager or every
-  fused run compiled), each at the architecture's measured cost per launch
-  (``kernel_rates.launch_seconds``). The host launches while earlier kernels run, so they
-  cost time only where they outlast the device's work (part 'launch': the excess). The
-  trace does not see FSDP's copies, the optimizer's and clipping's foreach kernels or
-  autograd's accumulation: the count is a lower bound (a profiled H200 step launched 3,286
-  kernels where its trace counts about 1,550).
+  fused run compiled), each at the architecture's measured idle per launch
+  (``kernel_rates.launch_seconds``: the runner's profiled eager step, its unprofiled step less
+  its kernels' busy time, over its launches), added to the kernels' time (part 'launch').
+  Added, not a floor under the step: that profile shows the idle as a share of the step
+  (31%) on a step whose kernels outlast its launches, which a floor (the host running ahead,
+  idle only where the launches outlast the work) prices at zero; a floor left that idle to
+  ``cluster.compute_efficiency``, which then slowed every kernel of every job by it, large
+  and small (benchmarks/planner_gpu_heldout.py: the held-out H200 jobs 14.7% median |error|
+  with the floor, 6.6% added; docs/planner.md). The trace does not see FSDP's copies, the
+  optimizer's and clipping's foreach kernels or autograd's accumulation: the count is a lower
+  bound (a profiled H200 step launched 3,286 kernels where its trace counts about 1,550).
 """
 
 from __future__ import annotations
@@ -98,10 +103,10 @@ def compute_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster, hw_flo
         max(hw_flops - linear, 0.0), cluster, cfg.model.seq_len, dims.cp
     )
     parts["memory"] = memory_seconds(cfg, dims, cluster)
-    # The host launches kernels while earlier ones run, so launches cost time only where they
-    # outlast the device's work: the step is launch bound.
+    # Each launch leaves the device idle for the time measured per launch on the runner's own
+    # profiled step, on top of its kernels (module docstring: why added, not a floor).
     chunks = exchange_chunks(cfg.parallel, dims)
-    parts["launch"] = max(0.0, launch_seconds(cfg, cluster, chunks) - sum(parts.values()))
+    parts["launch"] = launch_seconds(cfg, cluster, chunks)
     return parts
 
 
