@@ -124,16 +124,18 @@ def _by_precision(data: dict, errors: dict) -> str:
 
 
 def _moe_pairs(data: dict, rows: dict, refused: dict) -> None:
-    """Per ``moe_pairs`` entry: each figure against its pair's first as a ratio of tokens/s/GPU,
-    published vs predicted (the rows ``moe_published`` planned; a figure not among them planned
-    here), and whether the faster one is predicted faster."""
+    """Per ``moe_pairs`` entry: each figure (an id of a ``moe_throughput`` figure) against its
+    pair's first as a ratio of tokens/s/GPU, published vs predicted (the rows ``moe_published``
+    planned; a figure not among them planned here from its table entry), and whether the faster
+    one is predicted faster."""
     print(
         "\n| MoE pair | figure / base | published ratio | predicted ratio | error | faster "
         "predicted faster |\n|---|---|---|---|---|---|"
     )
     total, kept, refused_pairs = 0, 0, 0
+    table = {case["id"]: case for case in data["moe_throughput"]}
     for pair in data["moe_pairs"]:
-        base, *others = pair["figures"]
+        base, *others = (table[figure] for figure in pair["figures"])
         for fig in others:
             total += 1
             pub = fig["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
@@ -158,7 +160,8 @@ def _moe_pairs(data: dict, rows: dict, refused: dict) -> None:
 
 
 def _moe_tps(fig: dict, pair: dict, rows: dict, refused: dict) -> float:
-    """Predicted tokens/s/GPU of pair figure ``fig`` (its cluster the pair's)."""
+    """Predicted tokens/s/GPU of the table's figure ``fig`` in ``pair`` (its cluster the
+    pair's)."""
     if fig["id"] in refused:
         raise ConfigError(refused[fig["id"]])
     if fig["id"] not in rows:

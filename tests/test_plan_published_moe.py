@@ -48,15 +48,22 @@ def test_published_moe_figures_fix_their_degrees_and_ep(bench):
 
 
 def test_published_moe_figures_are_all_held_out(bench):
-    """No MoE figure chose a constant, and every pair's figure is one of the table's."""
+    """No MoE figure chose a constant; every pair names its figures by the table's ids (no copy
+    of a figure to drift from it, as the pairs' copies once lacked the table's
+    ``parallel.sp_save_shard``); every FP8 figure is planned compiled with the caveat that
+    says why, and no bf16 one is compiled."""
     data = bench.load()
     figures = {c["id"]: c for c in data["moe_throughput"]}
     for case in data["moe_throughput"]:
         assert case["role"] == "held_out" and "fits" not in case, case["id"]
         assert case["source"] and case["table"] and case["setup"], case["id"]
+        float8 = "precision=float8" in case["overrides"]
+        assert ("parallel.compile=true" in case["overrides"]) is float8, case["id"]
+        assert ("float8_compiled" in case["caveats"]) is float8, case["id"]
     for pair in data["moe_pairs"]:
+        assert len(pair["figures"]) >= 2, pair["id"]
         for fig in pair["figures"]:
-            assert fig["id"] in figures, fig["id"]
+            assert isinstance(fig, str) and fig in figures, fig
 
 
 def test_published_moe_summary_leaves_refused_figures_out_of_the_median(bench, moe_bench, capsys):
