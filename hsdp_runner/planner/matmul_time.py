@@ -37,8 +37,8 @@ the H100 and assumed for the A100) x ``cluster.compute_efficiency``, the one con
 (sm90's fitted to this runner's one H200 job, benchmarks/planner_gpu_heldout.py; the A100's to
 the single-node figures marked ``role: fitted`` in benchmarks/published_figures.yaml): the
 kernels' rate in a job against their measured one (the launches' idle is priced apart,
-``precision_cost``). float8 GEMMs run at the float8 peak x the same product (assumed, as before). Not
-modelled: operands re-read from L2 rather than memory (bytes are one read each), and a tile's
+``precision_cost``). float8 GEMMs run at the float8 peak x the same product (assumed, as
+before). Not modelled: operands re-read from L2 rather than memory (bytes are one read each), and a tile's
 rate falling as its K gets short (pipeline fill: the measured GEMMs with K = 512 ran at 0.32 of
 peak per tile against 0.76; the expert GEMMs' weight gradients over few rows per expert).
 

@@ -1,6 +1,6 @@
 """The compute part of a step's time, split by what limits each part: the matmuls by their
 shapes (float8 ones at the float8 peak), attention at its measured rate, the work between
-matmuls at memory bandwidth or its kernels' launches; eager or compiled.
+matmuls at memory bandwidth, and the device's idle at each kernel launch; eager or compiled.
 
 ``planner.step_time`` once priced every hardware FLOP at ``peak x compute_efficiency``, one
 efficiency standing in for everything a step does on the device. Here (``compute_seconds``):
@@ -44,7 +44,7 @@ efficiency standing in for everything a step does on the device. Here (``compute
   idle only where the launches outlast the work) prices at zero; a floor left that idle to
   ``cluster.compute_efficiency``, which then slowed every kernel of every job by it, large
   and small (benchmarks/planner_gpu_heldout.py: the held-out H200 jobs 14.7% median |error|
-  with the floor, 6.6% added; docs/planner.md). The trace does not see FSDP's copies, the
+  with the floor, 6.4% added; docs/planner.md). The trace does not see FSDP's copies, the
   optimizer's and clipping's foreach kernels or autograd's accumulation: the count is a lower
   bound (a profiled H200 step launched 3,286 kernels where its trace counts about 1,550).
 """
