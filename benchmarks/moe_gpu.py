@@ -97,6 +97,7 @@ def matmul_figures(
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(rows, cfg.dim, generator=gen, device=device, dtype=dtype)
     grad = torch.randn(rows, cfg.dim, generator=gen, device=device, dtype=dtype)
+    weight = torch.rand(rows, generator=gen, device=device)  # each row's router weight
     offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     w1, w2, w3 = (w.detach() for w in (grouped.w1, grouped.w2, grouped.w3))
 
@@ -108,7 +109,7 @@ def matmul_figures(
     def forward_backward(experts):
         def run():
             x.requires_grad_(True)
-            experts(x, counts).backward(grad)
+            experts(x, counts, weight).backward(grad)
             experts.zero_grad(set_to_none=True)
             x.grad = None
 
@@ -117,7 +118,7 @@ def matmul_figures(
     forward_flops = rows * 3 * 2 * cfg.dim * cfg.expert_ffn_dim
     cases = {
         "grouped forward": (grouped_forward, forward_flops),
-        "loop forward": (lambda: loop(x.detach(), counts), forward_flops),
+        "loop forward": (lambda: loop(x.detach(), counts, weight), forward_flops),
         "grouped fwd+bwd": (forward_backward(grouped), 3 * forward_flops),
         "loop fwd+bwd": (forward_backward(loop), 3 * forward_flops),
     }
@@ -148,10 +149,11 @@ def float8_figures(cfg: MoEConfig, tokens: int, repeats: int, warmup: int) -> di
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(rows, cfg.dim, generator=gen, device=device, dtype=dtype)
     grad = torch.randn(rows, cfg.dim, generator=gen, device=device, dtype=dtype)
+    weight = torch.rand(rows, generator=gen, device=device)  # each row's router weight
 
     def forward_backward(experts):
         xi = x.detach().requires_grad_(True)
-        out = experts(xi, counts)
+        out = experts(xi, counts, weight)
         out.backward(grad)
         grads = [xi.grad, *(p.grad for p in experts.parameters())]
         experts.zero_grad(set_to_none=True)

@@ -489,11 +489,12 @@ def test_partial_gradients_are_the_norms_the_model_spec_lists(family):
 def test_analytic_token_exchange_matches_a_hand_count():
     """moe_tiny (2 MoE blocks of 8 experts, top 2, dim 64) under FSDP 4 with ep 2, fp32: a
     rank reads 2 sequences of 32 tokens and sends 128 routed rows per MoE block. Per block,
-    forward all-to-alls the counts (8 int64), the 128 rows sent and the rows received (combine),
-    backward the received rows' gradients and the sent rows'; full AC repeats the forward's
-    three. Here the rank receives 131 rows in block 1 and 125 in block 2; balanced, 128 each.
-    In C chunks (``parallel.ep_chunks``; null: 2 here) the counts of all chunks go in one call
-    (C x 8 int64) and the rows in C calls each way: the same rows."""
+    forward all-to-alls the counts (8 int64), the 128 rows sent, their 128 router weights
+    (fp32) and the rows received (combine), backward the received rows' gradients, the
+    received weights' and the sent rows'; full AC repeats the forward's four. Here the rank
+    receives 131 rows in block 1 and 125 in block 2; balanced, 128 each. In C chunks
+    (``parallel.ep_chunks``; null: 2 here) the counts of all chunks go in one call (C x 8
+    int64) and the rows and weights in C calls each: the same rows."""
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.distributed.parallel_dims import ParallelDims
 
@@ -507,22 +508,25 @@ def test_analytic_token_exchange_matches_a_hand_count():
         dims = ParallelDims.from_config(cfg.parallel, cfg.model, 4)
         args = (cfg.model, dims, cfg.parallel, cfg.precision, cfg.trainer)
         rows = sum(sent + received for sent, received in routing)
+        weights = sum(passes * sent + received for sent, received in routing) * 4
         assert analytic_comm(*args, routing=routing)["all_to_all/ep"] == {
-            "calls": 2 * ((1 + 2 * c) * passes + 2 * c),
-            "bytes": 2 * passes * c * counts + (passes + 1) * rows * row,
+            "calls": 2 * ((1 + 3 * c) * passes + 3 * c),
+            "bytes": 2 * passes * c * counts + (passes + 1) * rows * row + weights,
         }, (ac, chunks)
         balanced = analytic_comm(*args)["all_to_all/ep"]["bytes"]
-        assert balanced == 2 * passes * c * counts + (passes + 1) * 4 * 128 * row, (ac, chunks)
+        want = 2 * passes * c * counts + (passes + 1) * 4 * 128 * row + 2 * (passes + 1) * 128 * 4
+        assert balanced == want, (ac, chunks)
 
 
 def test_analytic_token_exchange_by_node_matches_a_hand_count():
     """moe_tiny (2 MoE blocks of 8 experts, top 2, dim 64, fp32) under FSDP 4 with ep 4 over
     2 nodes of 2. Per block and dispatch the rank sends D rows (its distinct (node, token)
     pairs) and N = 128 copies' slots (int64) and weights (fp32) over ep_inter and gets D'
-    rows and C' copies; its node's relay forwards C' rows over ep_intra and its experts get
-    M. Forward over ep_inter: the counts (8 + 2 int64), D rows, N slots, N weights, D' summed
-    rows; backward D', C' weights' gradients, D. Over ep_intra: the counts (8 int64), C', M;
-    backward M, C'. Full AC repeats each forward. In C chunks (null: 2) each stage's counts go
+    rows and C' copies; its node's relay forwards C' rows and their weights over ep_intra
+    and its experts get M. Forward over ep_inter: the counts (8 + 2 int64), D rows, N slots,
+    N weights, D' summed rows; backward D', C' weights' gradients, D. Over ep_intra: the
+    counts (8 int64), C' rows, C' weights, M; backward M, M weights' gradients, C'. Full AC
+    repeats each forward. In C chunks (null: 2) each stage's counts go
     in one call (C times the bytes), every other call once a chunk."""
     from hsdp_runner.distributed.comm_model import analytic_comm
     from hsdp_runner.distributed.moe_comm import expected_nodes
@@ -553,12 +557,13 @@ def test_analytic_token_exchange_by_node_matches_a_hand_count():
         calls = 2 * ((1 + 4 * c) * passes + 3 * c)
         assert comm["all_to_all/ep_inter"] == {"calls": calls, "bytes": inter}, (ac, c)
         intra = sum(
-            passes * (c * 8 * 8 + (c_in + m) * row) + (m + c_in) * row for *_, c_in, m in routing
+            passes * (c * 8 * 8 + (c_in + m) * row + c_in * 4) + (m + c_in) * row + m * 4
+            for *_, c_in, m in routing
         )
-        calls = 2 * ((1 + 2 * c) * passes + 2 * c)
+        calls = 2 * ((1 + 3 * c) * passes + 3 * c)
         assert comm["all_to_all/ep_intra"] == {"calls": calls, "bytes": intra}, (ac, c)
         # Balanced: 2 sequences of 32 tokens, each on 2 x (1 - C(4, 2) / C(8, 2)) nodes.
         pairs = round(64 * expected_nodes(8, 2, 2))
         assert pairs == round(64 * 2 * (1 - 6 / 28)) == 101
         balanced = analytic_comm(*args)["all_to_all/ep_intra"]["bytes"]
-        assert balanced == 2 * (passes * c * 8 * 8 + (passes + 1) * 2 * 128 * row), ac
+        assert balanced == 2 * (passes * c * 8 * 8 + (passes + 1) * (2 * 128 * row + 128 * 4)), ac

@@ -122,7 +122,7 @@ def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2)
     import torch.distributed as dist
 
     from hsdp_runner.distributed.expert_parallel import make_exchange
-    from hsdp_runner.models.moe_routing import LocalExchange, WeightedCombine, expert_counts
+    from hsdp_runner.models.moe_routing import LocalExchange, expert_counts, sum_copies
 
     d = ParallelDims.from_config(ParallelConfig(dp_shard=4, tp=1, ep=ep), MOE, 4, ranks_per_node)
     world = d.build_mesh("cpu")
@@ -140,11 +140,11 @@ def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2)
     peers = _group_ranks(world["ep"])  # in ep order
     me, local = peers.index(rank), n_experts // ep
     x, w = tokens.clone().requires_grad_(), weight.clone().requires_grad_()
-    got, local_counts, state = exchange.dispatch(x, token, counts)
+    got, local_counts, got_weight, state = exchange.dispatch(x, token, counts, w[order])
     expert_of_row = torch.repeat_interleave(torch.arange(local) + me * local, local_counts)
-    out = exchange.combine(
-        got * (expert_of_row + 1).to(dtype)[:, None], w[order], state, WeightedCombine.apply
-    )
+    # The "experts": each row times its expert's id + 1, weighed by its arrived weight.
+    weighed = got * (expert_of_row + 1).to(dtype)[:, None] * got_weight[:, None]
+    out = exchange.combine(weighed.to(dtype), state, sum_copies)
     (out * upstream).sum().backward()
     # The reference: each local expert's rows from every ep peer (in any order within the
     # expert: the by-node exchange brings them by relay, then source node).
@@ -164,7 +164,9 @@ def _exchange(ep: int, dtype, ranks_per_node: int | None = None, top_k: int = 2)
     xr, wr = tokens.clone().requires_grad_(), weight.clone().requires_grad_()
     scale = (chosen.flatten()[order] + 1).to(dtype)[:, None]
     state = (token, n_tokens, dtype)
-    ref = LocalExchange().combine(xr[token] * scale, wr[order], state, WeightedCombine.apply)
+    ref = LocalExchange().combine(
+        (xr[token] * scale * wr[order][:, None]).to(dtype), state, sum_copies
+    )
     (ref * upstream).sum().backward()
     return {
         "kind": type(exchange).__name__,
@@ -255,7 +257,7 @@ def _cross_node_bytes() -> dict:
     to one expert of every ep rank, two per node. What the flat exchange and the by-node one
     send across nodes in one dispatch, combine and backward ({exchange: _CrossNodeBytes})."""
     from hsdp_runner.distributed.expert_parallel import TokenExchange, make_exchange
-    from hsdp_runner.models.moe_routing import WeightedCombine, expert_counts
+    from hsdp_runner.models.moe_routing import expert_counts, sum_copies
 
     d = ParallelDims.from_config(ParallelConfig(dp_shard=4, tp=1, ep=4), MOE, 4, 2)
     world = d.build_mesh("cpu")
@@ -269,8 +271,8 @@ def _cross_node_bytes() -> dict:
         x = torch.randn(n_tokens, dim, generator=gen, requires_grad=True)
         w = torch.rand(n_tokens * top_k, generator=gen, requires_grad=True)
         with _CrossNodeBytes(2) as mode:
-            local, local_counts, state = exchange.dispatch(x, token, counts)
-            summed = exchange.combine(local * 2.0, w[order], state, WeightedCombine.apply)
+            local, _, local_weight, state = exchange.dispatch(x, token, counts, w[order])
+            summed = exchange.combine(local * 2.0 * local_weight[:, None], state, sum_copies)
             summed.sum().backward()
         out[type(exchange).__name__] = mode.sent
     return out
@@ -483,16 +485,19 @@ def test_token_exchange_carries_bf16(four_ranks, case):
 def test_by_node_exchange_sends_a_token_across_nodes_once_per_node(four_ranks):
     """Each token has two experts on the other node: the flat exchange sends both copies
     across (and both outputs back, and their gradients), the by-node one a single row each
-    way, plus per copy an int64 slot and an fp32 weight (its gradient back) and the counts."""
+    way; both send each copy's fp32 weight (and its gradient back), the by-node one an int64
+    slot per copy besides, and the counts."""
     for rank, result in four_ranks.items():
         sent = result["cross_node_bytes"]
         flat, by_node = sent["TokenExchange"], sent["NodeExchange"]
         rows = 5 * 16 * 4  # the rank's 5 tokens, 16 fp32 wide
         # Dispatch, combine, their two gradients: 2 copies a token across (flat), 1 (by node).
         assert flat["rows"] == 4 * 2 * rows and by_node["rows"] == 4 * rows, (rank, sent)
-        # Flat: half its 8 int64 counts; by node: a node's 4 counts and 1 row count, the 10
-        # copies' slots (int64) and weights (fp32) and the weights' gradients.
-        assert flat["routing"] == 4 * 8 and by_node["routing"] == 5 * 8 + 10 * (8 + 4 + 4)
+        # Flat: half its 8 int64 counts, the 10 copies' weights (fp32) and their gradients;
+        # by node: a node's 4 counts and 1 row count, the 10 copies' slots (int64), weights
+        # and the weights' gradients.
+        assert flat["routing"] == 4 * 8 + 10 * (4 + 4)
+        assert by_node["routing"] == 5 * 8 + 10 * (8 + 4 + 4)
 
 
 @pytest.mark.multiprocess
@@ -530,20 +535,23 @@ def test_moe_trains_with_expert_parallel_from_the_command_line(job_dir):
 @pytest.mark.parametrize(
     "case, order, one_piece",
     [
-        # Flat, ep 2. Forward: the counts, dispatch 0 and 1, then per chunk its arrival, its
-        # experts and its combine; the combines' arrivals last. Backward: both combines'
-        # gradients, chunk 1's experts, its dispatch gradient, chunk 0's experts, its
-        # dispatch gradient. In one piece the dispatch is used at once, and backward waits
-        # each gradient as it comes.
-        ("chunked_layer", ["AAAWGAWGAWW", "AAGAGA"], ["AAGA", "AWGAW"]),
+        # Flat, ep 2. Forward: the counts, dispatch 0 and 1 (each its rows and their
+        # weights), then per chunk the arrival of both, its experts and its combine; the
+        # combines' arrivals last. Backward: both combines' gradients, chunk 1's experts, its
+        # dispatch gradients (rows, weights), chunk 0's experts, its dispatch gradients. In
+        # one piece the dispatch is used at once, and backward waits each gradient as it
+        # comes.
+        ("chunked_layer", ["AAAAAWWGAWWGAWW", "AAGAAGAA"], ["AAAGA", "AWGAWAW"]),
         # By node, ep 4 over 2 nodes of 2: both stages' counts, then both chunks' pairs,
-        # slots and weights out before the first wait; the relays forward both chunks, the
-        # experts run both, the relays sum both, the sources sum both. Backward: both chunks'
-        # sums' and the relays' gradients out before any experts' backward, then as flat.
+        # slots and weights out before the first wait; the relays forward both chunks (rows,
+        # then weights), the experts run both, the relays sum both, the sources sum both.
+        # Backward: both chunks' sums' and the relays' sums' gradients out before any
+        # experts' backward, then per chunk its experts and their rows' and weights'
+        # gradients, then the relays' (rows and weights over the NICs).
         (
             "chunked_layer_by_node",
-            ["AAAAAAAAWWAWWAWGAWGAWWAWWAWW", "AAAAAAGAGAAA"],
-            ["AAAAWWAWGAAWWAW", "AAAGAA"],
+            ["AAAAAAAAWWAWAWWAWAWWGAWWGAWAWAWW", "AAAAGAAGAAAAAA"],
+            ["AAAAAWWAWAWWGAWAW", "AAGAAAA"],
         ),
         # By node per chunk (``parallel.ep_order=per_chunk``): after the same issues, chunk
         # 0's relay and experts, then chunk 1's relay, then chunk 0's relay sum (its rows
@@ -552,8 +560,8 @@ def test_moe_trains_with_expert_parallel_from_the_command_line(job_dir):
         # chunk 1's relay gradients, then chunk 0's experts.
         (
             "chunked_layer_by_node_per_chunk",
-            ["AAAAAAAAWWAWGAWWAWWAWGAWWAWW", "AAAAGAAAAGAA"],
-            ["AAAAWWAWGAAWWAW", "AAAGAA"],
+            ["AAAAAAAAWWAWAWWGAWWAWAWAWWGAWAWW", "AAAGAAAAAGAAAA"],
+            ["AAAAAWWAWAWWGAWAW", "AAGAAAA"],
         ),
     ],
 )

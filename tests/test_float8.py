@@ -342,11 +342,12 @@ def test_float8_experts_run_their_grouped_matmuls_through_torchao_with_aligned_g
     counts = torch.tensor([3, 0, 17, 5])
     x = torch.randn(25, 32)
     grad = torch.randn(25, 32)
+    weight = torch.rand(25)
     results = []
     for m in (ref, model):
-        xi = x.clone().requires_grad_(True)
-        m.experts(xi, counts).backward(grad)
-        results.append([xi.grad, *(p.grad for p in m.experts.parameters())])
+        xi, wi = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        m.experts(xi, counts, wi).backward(grad)
+        results.append([xi.grad, wi.grad, *(p.grad for p in m.experts.parameters())])
     assert len(calls) == 3  # the forward's three (backward: the stand-in's autograd)
     assert calls[0][2] == [16, 16, 48, 96]  # 3 -> 16, 0, 17 -> 32, 5 -> 16 + the spare rows
     for a, b in zip(*results):
@@ -435,7 +436,7 @@ def test_float8_experts_stay_wrapped_under_expert_parallel_and_fsdp_and_save_pla
             assert isinstance(p, DTensor)
             assert type(p._local_tensor).__name__ == "Float8TrainingWeightWrapperTensor"
         x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
-        experts(x, torch.tensor([4, 2])).sum().backward()
+        experts(x, torch.tensor([4, 2]), torch.rand(6)).sum().backward()
         # 2 local experts of (48, 32); 4 + 2 rows padded to [16, 32 + the spare 16]
         assert [c[1:] for c in calls[:1]] == [((2, 32, 48), [16, 48])] and len(calls) == 3
         assert all(p.grad is not None for p in experts.parameters())

@@ -16,7 +16,7 @@ from hsdp_runner.config.compose import compose
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import build_meta_model, model_spec, moe_layers
 from hsdp_runner.models.common import clean_name, initial_value
-from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, SwiGLU, WeightedCombine
+from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, WeightedSwiGLU, sum_copies
 
 
 def tiny_spec(*overrides: str):
@@ -43,12 +43,13 @@ def test_grouped_experts_match_the_per_expert_loop_with_an_empty_expert():
     counts = torch.tensor([3, 0, 5, 2])
     x = torch.randn(10, 16)
     g = torch.randn(10, 16)
+    weight = torch.rand(10)
     results = []
     for experts in (grouped, loop):
-        xi = x.clone().requires_grad_()
-        out = experts(xi, counts)
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = experts(xi, counts, wi)
         (out * g).sum().backward()
-        results.append((out, xi.grad, *(w.grad for w in experts.parameters())))
+        results.append((out, xi.grad, wi.grad, *(w.grad for w in experts.parameters())))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert all(w.grad[1].abs().max() == 0 for w in grouped.parameters())
@@ -149,50 +150,78 @@ def routed_copies(dtype: torch.dtype, n_tokens: int = 6, top_k: int = 3, dim: in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weighted_combine_sums_each_tokens_weighted_copies_in_fp32(dtype):
-    """Value and both gradients of ``WeightedCombine`` equal the autograd of the expression it
-    replaces, ``zeros.index_add(token, routed.float() * weight).to(dtype)`` (fp32 products
-    and sums, one rounding to ``dtype``), and the float64 sum within that rounding; a token
-    without copies gets zeros."""
-    routed, weight, token = routed_copies(dtype)
+def test_sum_copies_sums_each_tokens_copies_in_fp32_and_saves_only_the_index(dtype):
+    """Value and gradient of ``sum_copies`` equal the autograd of the expression it replaces,
+    ``zeros.index_add(token, routed.float()).to(dtype)`` (fp32 sums, one rounding to
+    ``dtype``), and the float64 sum within that rounding; a token without copies gets zeros;
+    autograd keeps the index only (the expression's ``index_add`` keeps its fp32 source)."""
+    routed, _, token = routed_copies(dtype)
     grad_out = torch.randn(6, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
     results = []
     for combine in (
-        lambda r, w: WeightedCombine.apply(r, w, token, 6, dtype),
-        lambda r, w: torch.zeros(6, 16).index_add(0, token, r.float() * w[:, None]).to(dtype),
+        lambda r: sum_copies(r, token, 6, dtype),
+        lambda r: torch.zeros(6, 16).index_add(0, token, r.float()).to(dtype),
     ):
-        r, w = routed.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = combine(r, w)
+        r = routed.clone().requires_grad_()
+        out = combine(r)
         out.backward(grad_out)
-        results.append((out, r.grad, w.grad))
-    (out, grad_routed, grad_weight), (want, want_routed, want_weight) = results
-    assert out.dtype == grad_routed.dtype == dtype and grad_weight.dtype == torch.float32
+        results.append((out, r.grad))
+    (out, grad_routed), (want, want_routed) = results
+    assert out.dtype == grad_routed.dtype == dtype
     assert torch.equal(out, want) and torch.equal(grad_routed, want_routed)
-    torch.testing.assert_close(grad_weight, want_weight, rtol=1e-6, atol=1e-6)
     assert out[5].abs().max() == 0
-    exact = torch.zeros(6, 16, dtype=torch.float64)
-    exact.index_add_(0, token, routed.double() * weight.double()[:, None])
+    exact = torch.zeros(6, 16, dtype=torch.float64).index_add_(0, token, routed.double())
     torch.testing.assert_close(out.double(), exact, **TOL[dtype])
-    exact_weight = (grad_out.double()[token] * routed.double()).sum(-1)
-    torch.testing.assert_close(grad_weight.double(), exact_weight, rtol=1e-5, atol=1e-5)
+    saved = saved_by(lambda r: sum_copies(r, token, 6, dtype), routed.clone().requires_grad_())
+    assert [t.dtype for t in saved] == [torch.int64]
 
 
 TOL = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 8e-3, "atol": 8e-3}}
 
 
-def test_weighted_combine_gradients_pass_gradcheck():
-    """Backward against finite differences, in float64."""
-    routed, weight, token = routed_copies(torch.float64, n_tokens=4, top_k=2, dim=5)
-    inputs = (routed.requires_grad_(), weight.double().requires_grad_(), token, 4, torch.float64)
-    assert torch.autograd.gradcheck(WeightedCombine.apply, inputs)
+def test_weighted_swiglu_and_sum_copies_pass_gradcheck():
+    """Backward against finite differences, in float64: the experts' weighted activation
+    (all three inputs) and the copies' sum."""
+    gen = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(5, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    weight = torch.rand(5, dtype=torch.float64, generator=gen)
+    inputs = tuple(t.requires_grad_() for t in (gate, up, weight))
+    assert torch.autograd.gradcheck(WeightedSwiGLU.apply, inputs)
+    routed, _, token = routed_copies(torch.float64, n_tokens=4, top_k=2, dim=5)
+    inputs = (routed.requires_grad_(), token, 4, torch.float64)
+    assert torch.autograd.gradcheck(sum_copies, inputs)
+
+
+def test_weighing_in_the_experts_is_weighing_their_outputs():
+    """The layer's output equals the order HF's and torchtitan's MoE take (each expert's
+    output times its weight, summed per token), within fp32 rounding, gradients included:
+    the down projection is linear, so the weight may come before it."""
+    spec = tiny_spec()
+    model = built(spec)
+    moe = model.moe_layers()[0]
+    x = torch.randn(2, 8, spec.dim, generator=torch.Generator().manual_seed(7))
+    ours = moe(x.clone().requires_grad_())
+    tokens = x.reshape(-1, spec.dim)
+    weights, chosen, _ = moe.router(tokens)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    theirs = torch.zeros_like(tokens)
+    for slot in range(moe.top_k):
+        for t in range(tokens.shape[0]):
+            e = int(chosen[t, slot])
+            h = torch.nn.functional.silu(tokens[t] @ w1[e].T) * (tokens[t] @ w3[e].T)
+            theirs[t] += weights[t, slot] * (h @ w2[e].T)
+    theirs = theirs + moe.shared_experts(tokens)
+    torch.testing.assert_close(ours.reshape(-1, spec.dim), theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_layer_saves_no_fp32_copy_of_the_routed_outputs():
     """What a bf16 MoE layer keeps for backward (autograd's saved tensors, each storage once,
     its weights and input aside): the routed copies' inputs and outputs and three of the
-    experts' SwiGLU tensors in bf16 (its two inputs and the product: ``SwiGLU`` recomputes the
-    SiLU), plus the router's fp32 scores, the copies' weights and the
-    int64 indices (about 100 bytes a token here); no fp32 tensor as large as the routed rows."""
+    experts' SwiGLU tensors in bf16 (its two inputs and the weighted product:
+    ``WeightedSwiGLU`` recomputes the SiLU), plus the router's fp32 scores, the copies'
+    weights and the int64 indices (about 100 bytes a token here); no fp32 tensor as large as
+    the routed rows, and none of the experts' outputs (the experts weigh them, so the combine
+    keeps nothing of them)."""
     dim, k, ffn, n_experts, tokens = 64, 2, 32, 8, 64
     moe = MoE(
         dim,
@@ -214,30 +243,39 @@ def test_bf16_layer_saves_no_fp32_copy_of_the_routed_outputs():
     routed_rows = tokens * k * dim
     assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= routed_rows]
     held = sum(t.untyped_storage().nbytes() for t in saved)
-    needed = tokens * k * (2 * dim + 3 * ffn) * 2  # bf16: inputs, outputs, SwiGLU
+    needed = tokens * k * (dim + 3 * ffn) * 2  # bf16: inputs, SwiGLU
     # fp32: the scores (n_experts), the chosen ones (k) and their sum (1), the routed copies'
-    # weights (k); int64: the choice, the sort order, each copy's token (k each); int32 offsets.
-    small = tokens * (4 * (n_experts + 1) + k * (4 + 4 + 3 * 8)) + 4 * n_experts
+    # weights (k, twice: the gather's and the experts'); int64: the choice, the sort order,
+    # each copy's token (k each); int32 offsets.
+    small = tokens * (4 * (n_experts + 1) + k * (4 + 4 + 4 + 3 * 8)) + 4 * n_experts
     assert needed <= held <= needed + small
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_is_bit_for_bit_the_expression_it_replaces(dtype):
-    """``SwiGLU`` (saving its two inputs, the SiLU recomputed in backward): value and both
-    gradients equal autograd's of ``silu(gate) * up``, bit for bit, and it keeps only the two
-    inputs for backward."""
+def test_weighted_swiglu_is_bit_for_bit_the_expression_it_replaces(dtype):
+    """``WeightedSwiGLU`` (saving its three inputs, the SiLU and the product recomputed in
+    backward): value and every gradient equal autograd's of ``(silu(gate) * up * weight[:,
+    None]).to(dtype)`` with an fp32 weight, bit for bit but the weight's (its sum's order),
+    and it keeps only the inputs for backward."""
     gen = torch.Generator().manual_seed(5)
     gate, up, grad_out = (torch.randn(7, 12, generator=gen).to(dtype) for _ in range(3))
+    weight = torch.rand(7, generator=gen)
     results = []
-    for fn in (SwiGLU.apply, lambda g, u: torch.nn.functional.silu(g) * u):
-        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
-        out = fn(g, u)
+    for fn in (
+        WeightedSwiGLU.apply,
+        lambda g, u, w: (torch.nn.functional.silu(g) * u * w[:, None]).to(dtype),
+    ):
+        g, u, w = (t.clone().requires_grad_() for t in (gate, up, weight))
+        out = fn(g, u, w)
         out.backward(grad_out)
-        results.append((out, g.grad, u.grad))
-    for got, want in zip(*results):
-        assert got.dtype == dtype and torch.equal(got, want)
-    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
-    saved = saved_by(lambda a, b: SwiGLU.apply(a, b), g, u)
+        results.append((out, g.grad, u.grad, w.grad))
+    (*got, got_weight), (*want, want_weight) = results
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and torch.equal(a, b)
+    assert got_weight.dtype == torch.float32
+    torch.testing.assert_close(got_weight, want_weight, rtol=1e-6, atol=1e-6)
+    g, u, w = (t.clone().requires_grad_() for t in (gate, up, weight))
+    saved = saved_by(lambda a, b, c: WeightedSwiGLU.apply(a, b, c), g, u, w)
     assert saved == []  # only the inputs, which saved_by leaves aside
 
 

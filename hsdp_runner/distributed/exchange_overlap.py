@@ -15,15 +15,17 @@ and for the planner, which times the same order (``planner/exchange_time.py``). 
 exchange (``flat_overlap``) has three:
 
     dispatch: the counts of all chunks (one all-to-all, one host read); issue each chunk's rows
-    experts:  per chunk i: wait its rows, the experts on them, issue its outputs back
-    combine:  per chunk: wait its outputs, weigh and sum each token's copies
+              and their router weights
+    experts:  per chunk i: wait its rows and weights, the experts on them (each row's output
+              weighed), issue its outputs back
+    combine:  per chunk: wait its outputs, sum each token's copies
 
 so dispatch i+1 (and combine i) travel while the experts compute chunk i (i+1): what stays
 exposed is the first dispatch and the last combine, a 1/C share of the exchange, where the
 experts' compute is the longer of the two. The exchange by node (``node_exchange``) has five
 (the pairs to the relays over ``ep_inter``, the relays on to the experts over ``ep_intra``,
-the experts and their outputs back to the relays, the weighted sums back over ``ep_inter``,
-the sum at the source), each stage of one chunk in flight while another chunk computes.
+the experts and their weighted outputs back to the relays, the relays' sums back over
+``ep_inter``, the sum at the source), each stage of one chunk in flight while another chunk computes.
 
 Backward mirrors forward, and autograd gives it that order: the engine runs the
 latest-created ready node first. The all-to-alls are issued outside autograd (``issue``:
@@ -168,19 +170,15 @@ def pipelined(
 
 
 def flat_overlap(
-    exchange,
-    tokens: list,
-    routing: list,
-    compute: Callable,
-    weights: list,
-    weighted_sum: Callable,
+    exchange, tokens: list, routing: list, compute: Callable, weights: list, sum_copies: Callable
 ) -> list[torch.Tensor]:
     """The flat exchange (``expert_parallel.TokenExchange``) of C chunks on the schedule above.
     ``tokens``: each chunk's (T_i, dim); ``routing``: each chunk's (token (N_i,) the token of
     each routed copy sorted by global expert, counts (n_experts,) int64); ``compute(rows (M_i,
-    dim) sorted by local expert, local counts (L,))``: the experts; ``weights``: each chunk's
-    router weight of each copy (N_i,) fp32; ``weighted_sum``: the layer's
-    ``WeightedCombine.apply``. Returns each chunk's (T_i, dim)."""
+    dim) sorted by local expert, local counts (L,), their weights (M_i,))``: the experts;
+    ``weights``: each chunk's router weight of each copy (N_i,) fp32, which travels with its
+    rows; ``sum_copies``: the layer's (``moe_routing.sum_copies``). Returns each chunk's
+    (T_i, dim)."""
     from torch.distributed._functional_collectives import _resolve_group_name
 
     group_name = _resolve_group_name(exchange.group)
@@ -194,21 +192,23 @@ def flat_overlap(
 
     def dispatch(i):
         out, into = splits[i]
-        return i, send(copies[i], into, out, group_name)
+        return i, send(copies[i], into, out, group_name), send(weights[i], into, out, group_name)
 
     def experts(state):
-        i, (pending, source) = state
+        i, rows, weight = state
         out, into = splits[i]
-        arrived = arrive(pending, source, into, out, group_name)
-        local, inverse = exchange.by_local_expert(arrived, received[i])
-        outputs = compute(local, exchange.local_counts(received[i])).index_select(0, inverse)
-        return i, send(outputs, out, into, group_name)
+        arrived = arrive(*rows, into, out, group_name)
+        arrived_weight = arrive(*weight, into, out, group_name)
+        order, inverse = exchange.by_local_expert(received[i], arrived.shape[0])
+        local, local_weight = arrived.index_select(0, order), arrived_weight.index_select(0, order)
+        outputs = compute(local, exchange.local_counts(received[i]), local_weight)
+        return i, send(outputs.index_select(0, inverse), out, into, group_name)
 
     def combine(state):
         i, (pending, source) = state
         out, into = splits[i]
         back = arrive(pending, source, out, into, group_name)
-        return weighted_sum(back, weights[i], routing[i][0], tokens[i].shape[0], tokens[i].dtype)
+        return sum_copies(back, routing[i][0], tokens[i].shape[0], tokens[i].dtype)
 
     # ``FLAT``'s segments, which the planner times in the same order (one order for both).
     return pipelined(list(range(len(tokens))), [dispatch, experts, combine], FLAT)

@@ -11,10 +11,11 @@ after TP, activation checkpointing and compile, before the blocks' data-parallel
   ``dp_shard x cp x tp`` ranks of a replica (ep innermost: ``world_mesh.EXPERT_SPLIT``); ep
   rank r holds experts ``[r E/ep, (r+1) E/ep)``. ``TokenExchange.dispatch`` sends each rank's
   routed token copies (sorted by expert) to the ranks holding their experts with one
-  all-to-all of the counts (host read: the split sizes) and one of the tokens at uneven splits
-  (torch's differentiable functional ``all_to_all_single``), then reorders what arrived from
-  (source rank, local expert) to (local expert, source rank) for the grouped matmul;
-  ``combine`` undoes both.
+  all-to-all of the counts (host read: the split sizes), one of the tokens and one of their
+  router weights (fp32: the experts weigh their outputs) at uneven splits (torch's
+  differentiable functional ``all_to_all_single``), then reorders what arrived from (source
+  rank, local expert) to (local expert, source rank) for the grouped matmul; ``combine``
+  sends the weighted outputs back and sums each token's copies.
 - **Sharding**: the experts' weights become DTensors ``Shard(0)`` over ``ep`` and
   ``fully_shard`` shards each share over ``efsdp`` (+ ``dp_replicate``: HSDP) on the dim
   ``param_sizes.expert_shard_dim`` picks (dim 1 where a rank holds fewer experts than efsdp
@@ -37,6 +38,7 @@ per-step figures) is ``expert_balance.py``'s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -60,7 +62,7 @@ class TokenExchange:
     # marked a dynamic dim for the compiled code they enter.
     rows_dynamic = False
     # The methods a compiled block runs eagerly (``keep_out_of_compiled_code``): the
-    # all-to-alls and their host reads; the copies' gather and the weighted sum compile.
+    # all-to-alls and their host reads; the copies' gather and their sum compile.
     EAGER = ("send", "send_back")
 
     def __init__(self, ep_mesh, chunks: int = 1):
@@ -72,25 +74,28 @@ class TokenExchange:
         # a forward, recomputations left out; what the comm model's token-exchange bytes read.
         self.routing: list[tuple[int, int]] | None = None
 
-    def dispatch(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
+    def dispatch(
+        self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor
+    ):
         """Send the routed copies ``tokens[token]`` (N, dim: this rank's, sorted by global
-        expert) to the ranks holding their experts (``counts``: (n_experts,) int64 copies per
-        expert). Returns (local tokens (M, dim) sorted by local expert, local counts (L,)
-        int64, the state ``combine`` needs)."""
-        local, local_counts, state = self.send(tokens[token], counts)
-        return local, local_counts, (state, token, tokens.shape[0], tokens.dtype)
+        expert) and their router weights ``weight`` (N,) to the ranks holding their experts
+        (``counts``: (n_experts,) int64 copies per expert). Returns (local tokens (M, dim)
+        sorted by local expert, local counts (L,) int64, their weights (M,), the state
+        ``combine`` needs)."""
+        local, local_counts, local_weight, state = self.send(tokens[token], counts, weight)
+        return local, local_counts, local_weight, (state, token, tokens.shape[0], tokens.dtype)
 
-    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state, weighted_sum):
-        """Send the local experts' ``outputs`` (M, dim, dispatch's order) back to the ranks
-        the tokens came from, where each token's copies are weighed by ``weight`` (N,) and
-        summed (``weighted_sum``: the layer's ``WeightedCombine.apply``); returns (T, dim) in
-        the tokens' dtype."""
+    def combine(self, outputs: torch.Tensor, state, sum_copies):
+        """Send the local experts' weighted ``outputs`` (M, dim, dispatch's order) back to the
+        ranks the tokens came from, where each token's copies are summed (``sum_copies``: the
+        layer's); returns (T, dim) in the tokens' dtype."""
         sent, token, n_tokens, dtype = state
-        return weighted_sum(self.send_back(outputs, sent), weight, token, n_tokens, dtype)
+        return sum_copies(self.send_back(outputs, sent), token, n_tokens, dtype)
 
-    def send(self, tokens: torch.Tensor, counts: torch.Tensor):
-        """The all-to-alls of ``dispatch`` (its copies ``tokens``, N rows): (local tokens,
-        local counts, the state ``send_back`` needs)."""
+    def send(self, tokens: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor):
+        """The all-to-alls of ``dispatch`` (its copies ``tokens``, N rows, and their
+        ``weight``): (local tokens, local counts, local weights, the state ``send_back``
+        needs)."""
         from torch.distributed._functional_collectives import all_to_all_single
 
         sent, received = self.exchange_counts(counts)
@@ -99,19 +104,22 @@ class TokenExchange:
         if self.routing is not None and torch._C._current_graph_task_id() == -1:
             self.routing.append((sum(splits[0]), sum(splits[1])))
         arrived = all_to_all_single(tokens, splits[1], splits[0], self.group)
-        local, inverse = self.by_local_expert(arrived, received)
+        arrived_weight = all_to_all_single(weight, splits[1], splits[0], self.group)
+        order, inverse = self.by_local_expert(received, arrived.shape[0])
+        local, local_weight = arrived.index_select(0, order), arrived_weight.index_select(0, order)
         if self.rows_dynamic:
-            for rows in (local, inverse):
+            for rows in (local, local_weight, inverse):
                 torch._dynamo.maybe_mark_dynamic(rows, 0)
-        return local, received.sum(0), (inverse, splits)
+        return local, received.sum(0), local_weight, (inverse, splits)
 
-    def by_local_expert(self, arrived: torch.Tensor, received: torch.Tensor):
-        """(``arrived``'s rows, come as blocks of ``received[source, local expert]`` rows,
-        reordered local-expert-major for the grouped matmul; the index that puts them back)."""
-        order = _by_local_expert(received, arrived.shape[0])
+    def by_local_expert(self, received: torch.Tensor, total: int):
+        """(The order that takes ``total`` arrived rows, come as blocks of ``received[source,
+        local expert]`` rows, local-expert-major for the grouped matmul; the index that puts
+        them back)."""
+        order = _by_local_expert(received, total)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return arrived.index_select(0, order), inverse
+        return order, inverse
 
     def chunk_counts(self, copies: list[torch.Tensor], counts: list[torch.Tensor]):
         """``exchange_counts`` of C chunks at once (``exchange_overlap``): one all-to-all of
@@ -133,11 +141,11 @@ class TokenExchange:
         both = torch.stack([torch.stack([s.sum(1), r.sum(1)]) for s, r in zip(sent, received)])
         return [tuple(pair) for pair in both.tolist()]
 
-    def overlap(self, tokens, routing, compute, weights, weighted_sum) -> list[torch.Tensor]:
+    def overlap(self, tokens, routing, compute, weights, sum_copies) -> list[torch.Tensor]:
         """The chunks' exchange with ``compute`` (the experts) between its all-to-alls
         (``exchange_overlap.flat_overlap``, which says the arguments): each chunk's (T_i,
         dim)."""
-        return flat_overlap(self, tokens, routing, compute, weights, weighted_sum)
+        return flat_overlap(self, tokens, routing, compute, weights, sum_copies)
 
     def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sent, received): (ep, L) int64 rows this rank sends to [destination rank, its local
@@ -252,6 +260,10 @@ def apply_expert_parallel(
         if sequence_sum is not None:
             moe.sequence_sum = sequence_sum
     if dims.ep > 1 or dims.tp > 1:
+        # The experts take their rows' router weights as an argument, in fp32 (the product
+        # with them is taken in fp32); their rows come in the compute dtype already (the
+        # block's), so their unit casts nothing.
+        experts_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
         for moe in moes.values():
             if dims.ep > 1:
                 _distribute_experts(moe.experts, world["ep"])
@@ -260,7 +272,7 @@ def apply_expert_parallel(
                 world,
                 dims,
                 "efsdp",
-                mp_policy,
+                experts_policy,
                 reshard_after_forward,
                 _expert_placement(dims.group_size("efsdp")),
             )
@@ -332,12 +344,12 @@ def keep_out_of_compiled_code(
 
     - ``exchange`` (ep > 1): its all-to-alls never compiled (``EAGER``: their split sizes
       are read on the host each step; a compiled all-to-all would guard on them; the flat
-      exchange's gather of the copies and its weighted sum compile, the by-node exchange runs
-      whole), the arrived rows (M, a new count every step) and their order marked dynamic on
-      dim 0;
-    - the experts' inputs and outputs (ep > 1) marked again by a forward pre-hook and hook
-      registered after FSDP's: FSDP's pre-forward hook hands the experts new tensors (its
-      post-backward autograd function), which lose the exchange's marking;
+      exchange's gather of the copies and its sum compile, the by-node exchange runs whole),
+      the arrived rows and weights (M, a new count every step) and their order marked
+      dynamic on dim 0;
+    - the experts' inputs (rows and weights) and outputs (ep > 1) marked again by a forward
+      pre-hook and hook registered after FSDP's: FSDP's pre-forward hook hands the experts
+      new tensors (its post-backward autograd function), which lose the exchange's marking;
     - the per-expert loop (``model.grouped_mm=false``, the reference) never compiled: it
       splits the rows by counts read on the host, and Dynamo specialises a count of 0 or 1,
       so a compiled loop recompiles whenever an expert gets 0 or 1 rows.
@@ -357,9 +369,11 @@ def keep_out_of_compiled_code(
 
 
 def _rows_dynamic(experts: nn.Module, args: tuple, output: torch.Tensor | None = None) -> None:
-    """Forward pre-hook (``args[0]``: the rows the experts receive) and hook (``output``: the
-    rows they return) of the experts: mark dim 0 dynamic for the compiled code around them."""
-    torch._dynamo.maybe_mark_dynamic(args[0] if output is None else output, 0)
+    """Forward pre-hook (``args``: the rows the experts receive, their counts, their router
+    weights) and hook (``output``: the rows they return) of the experts: mark dim 0 dynamic
+    for the compiled code around them."""
+    for rows in (args[0], args[2]) if output is None else (output,):
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
 
 
 def _distribute_experts(experts: nn.Module, ep_mesh) -> None:

@@ -6,9 +6,9 @@ input, an all-reduce by its tensor):
 
 - **Token exchange** (``parallel.ep`` > 1, ``expert_parallel.TokenExchange`` over ``ep``):
   per MoE layer and micro-batch, forward all-to-alls the counts (``n_experts`` int64), the
-  rank's routed token copies (N rows: its tokens x ``top_k``) and, in combine, the outputs of
-  the rows its experts received (M rows); backward all-to-alls their gradients (M rows, then
-  N). In C chunks (``expert_parallel.exchange_chunks``, ``exchange_overlap``) the counts of
+  rank's routed token copies (N rows: its tokens x ``top_k``) and their router weights (N
+  fp32) and, in combine, the outputs of the rows its experts received (M rows); backward
+  all-to-alls their gradients (M rows, then M weights and N rows). In C chunks (``expert_parallel.exchange_chunks``, ``exchange_overlap``) the counts of
   all chunks go in one call (C x ``n_experts``) and every other call is made once a chunk:
   the same rows in C times the calls. Rows are ``dim`` wide in the compute dtype. ``parallel.ac=full`` (or ``moe``) runs the forward's three
   again in backward (the MoE is recomputed whole: the experts' inputs and outputs are saved
@@ -18,11 +18,11 @@ input, an all-reduce by its tensor):
 - **Token exchange by node** (an ep group spanning ``ParallelDims.ep_nodes`` > 1 nodes of k
   ranks, ``node_exchange.NodeExchange``): over ``ep_inter`` per MoE layer and micro-batch,
   forward the counts ((n_experts + nodes) int64), the D rows of the rank's distinct (node,
-  token) pairs, the N copies' slots (int64) and, in combine, their weights (fp32) and the
-  D' rows of summed outputs for the pairs it received; backward the D' rows' gradients, the
+  token) pairs, the N copies' slots (int64) and weights (fp32) and, in combine, the D' rows
+  of summed outputs for the pairs it received; backward the D' rows' gradients, the
   weights' (C' fp32: the copies it received) and the D rows'. Over ``ep_intra`` (k > 1):
-  forward the counts (n_experts int64), the C' copies it forwards and the M outputs of its
-  experts; backward M, then C'. Full AC repeats every forward call; selective saves them.
+  forward the counts (n_experts int64), the C' copies it forwards and their weights (fp32)
+  and the M outputs of its experts; backward M, then M weights and C' rows. Full AC repeats every forward call; selective saves them.
   The routing a dispatch records is (D, D', N, C', M). In C chunks, as the flat exchange:
   each stage's counts in one call for all chunks (C times the bytes), every other call once
   a chunk.
@@ -52,7 +52,7 @@ from hsdp_runner.models.base import ModelConfig, routed_experts
 from hsdp_runner.models.params import torch_dtype
 
 COUNT_BYTES = 8  # the exchange's counts (and the by-node exchange's copies' slots): int64
-WEIGHT_BYTES = 4  # the by-node exchange's router weight of a copy: fp32
+WEIGHT_BYTES = 4  # the router weight of a copy, travelling with it to its expert: fp32
 STAT_BYTES = 4  # the auxiliary loss's counts and the balance step's vector: fp32
 
 
@@ -81,12 +81,12 @@ def stage_moe_comm(
         count_bytes = passes * again * chunks * header * COUNT_BYTES
         tally.add("all_to_all/ep_inter", passes * calls, count_bytes)
         if dims.ep > nodes:  # more than one rank a node: the second stage
-            calls = again * (1 + 2 * chunks) + 2 * chunks
+            calls = again * (1 + 3 * chunks) + 3 * chunks
             count_bytes = passes * again * chunks * experts * COUNT_BYTES
             tally.add("all_to_all/ep_intra", passes * calls, count_bytes)
     elif dims.ep > 1:
         key = f"all_to_all/{dims.same_group('ep')}"
-        calls = again * (1 + 2 * chunks) + 2 * chunks
+        calls = again * (1 + 3 * chunks) + 3 * chunks
         tally.add(key, passes * calls, passes * again * chunks * experts * COUNT_BYTES)
     if dims.cp * dims.tp > 1 and getattr(model_cfg, "aux_loss_coef", 0) > 0:
         rows = trainer.global_batch_size // dims.dp // micro_batches
@@ -103,11 +103,12 @@ def routed_rows(
     stages: Sequence[int],
     routing: Sequence[tuple[int, int]] | None,
 ) -> dict[str, int]:
-    """{'all_to_all/<ep>': bytes} of the token exchange's rows in a step of a rank holding
-    pipeline ``stages`` (empty without expert parallel): each forward dispatch's N rows sent
-    and M received (``routing``: the counted step's (N, M) per dispatch; None: balanced,
-    ``planned_routing``), each row moved by forward's dispatch
-    and combine and backward's two mirrors, and once more each under full AC."""
+    """{'all_to_all/<ep>': bytes} of the token exchange's rows and their router weights in a
+    step of a rank holding pipeline ``stages`` (empty without expert parallel): each forward
+    dispatch's N rows sent and M received (``routing``: the counted step's (N, M) per
+    dispatch; None: balanced, ``planned_routing``), each row moved by forward's dispatch and
+    combine and backward's two mirrors, and once more each under full AC; the N weights by
+    each forward's dispatch, the M weights' gradients once."""
     if dims.ep == 1 or not dims.moe:
         return {}
     if routing is None:
@@ -117,7 +118,8 @@ def routed_rows(
     if dims.ep_nodes > 1:
         return _by_node_rows(routing, again, row_bytes, dims.ep > dims.ep_nodes)
     rows = sum(sent + received for sent, received in routing)
-    return {f"all_to_all/{dims.same_group('ep')}": (again + 1) * rows * row_bytes}
+    weights = sum(again * sent + received for sent, received in routing) * WEIGHT_BYTES
+    return {f"all_to_all/{dims.same_group('ep')}": (again + 1) * rows * row_bytes + weights}
 
 
 def _by_node_rows(routing, again: int, row_bytes: int, intra: bool) -> dict[str, int]:
@@ -133,7 +135,8 @@ def _by_node_rows(routing, again: int, row_bytes: int, intra: bool) -> dict[str,
     out = {"all_to_all/ep_inter": inter}
     if intra:
         rows = sum(copies_in + mine for _, _, _, copies_in, mine in routing)
-        out["all_to_all/ep_intra"] = (again + 1) * rows * row_bytes
+        weights = sum(again * copies_in + mine for _, _, _, copies_in, mine in routing)
+        out["all_to_all/ep_intra"] = (again + 1) * rows * row_bytes + weights * WEIGHT_BYTES
     return out
 
 

@@ -14,18 +14,17 @@ nodes; ep rank r = (node r // k, place r % k) holds experts [r L, (r+1) L)):
 - **stage 1, ``ep_inter``** (the ep ranks with this rank's place on their node, one per
   node): each distinct (destination node, token) pair once, to the peer with this rank's
   place on that node (the *relay*; a rank is its own relay for its own node), with, per
-  routed copy, the index of its token among those sent to that node (int64) and, in
-  combine, its router weight (fp32, differentiable: the weighted sum happens on the relay,
-  with the layer's own ``WeightedCombine``, which ``combine`` is handed);
+  routed copy, the index of its token among those sent to that node (int64) and its router
+  weight (fp32, differentiable: the experts weigh their outputs with it);
   first the counts: per destination node its experts' copy counts and the distinct tokens;
-- **stage 2, ``ep_intra``** (the ep ranks of this node): the relay forwards one row per
-  copy to the rank holding its expert, ordered (destination place, source node, local
-  expert); first the counts, (source node, local expert) for each destination place. The
-  expert rank reorders what arrived to local-expert-major for the grouped matmul;
-- **combine**: the experts' outputs back to the relay over ``ep_intra``, weighed and summed
-  per token there (``WeightedCombine``: fp32 products and sums, rounded once to the compute
-  dtype), one row per (node, token) back over ``ep_inter``, and the source sums its tokens'
-  rows from every node in fp32, rounded once.
+- **stage 2, ``ep_intra``** (the ep ranks of this node): the relay forwards one row and one
+  weight per copy to the rank holding its expert, ordered (destination place, source node,
+  local expert); first the counts, (source node, local expert) for each destination place.
+  The expert rank reorders what arrived to local-expert-major for the grouped matmul;
+- **combine**: the experts' weighted outputs back to the relay over ``ep_intra``, summed per
+  token there (the layer's ``sum_copies``: fp32 sums, rounded once to the compute dtype),
+  one row per (node, token) back over ``ep_inter``, and the source sums its tokens' rows
+  from every node in fp32, rounded once.
 
 Backward is autograd's: torch's functional ``all_to_all_single`` is differentiable, the
 index operations too. The counts are host values (two reads a layer and pass: the relay's
@@ -39,6 +38,8 @@ its first.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -98,45 +99,46 @@ class NodeExchange:
         # experts received over ep_intra); what the comm model reads (``moe_comm``).
         self.routing: list[tuple[int, ...]] | None = None
 
-    def dispatch(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
+    def dispatch(
+        self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor
+    ):
         """Send each of ``tokens`` (T, dim) once to every node holding one of its copies'
         experts (``token``: (N,) the token of each copy, sorted by global expert; ``counts``:
-        (n_experts,) int64 copies per expert), then on to the ranks of those experts.
-        Returns (local tokens (M, dim) sorted by local expert, local counts (L,), the state
-        ``combine`` needs)."""
-        (state,) = self._plan([tokens], [(token, counts, None)])
+        (n_experts,) int64 copies per expert), then on to the ranks of those experts, each
+        copy with its router ``weight`` (N,). Returns (local tokens (M, dim) sorted by local
+        expert, local counts (L,), their weights (M,), the state ``combine`` needs)."""
+        (state,) = self._plan([tokens], [(token, counts, weight)])
         state = self._relay(self._send_pairs(state))
-        mine, order = self._at_experts(state)
+        mine, mine_weight, order = self._at_experts(state)
         if self.rows_dynamic:
-            torch._dynamo.maybe_mark_dynamic(mine, 0)
+            for rows in (mine, mine_weight):
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
         state["order"] = order
-        return mine, state["landed"].sum((0, 1)), state
+        return mine, state["landed"].sum((0, 1)), mine_weight, state
 
-    def combine(self, outputs: torch.Tensor, weight: torch.Tensor, state, weighted_sum):
-        """The local experts' ``outputs`` (M, dim, dispatch's order) back to the relays, there
-        weighed by their copies' ``weight`` (N,) and summed per token (``weighted_sum``: the
-        layer's ``WeightedCombine.apply``), one row per (node, token) back to the source,
-        which sums its tokens' rows; returns (T, dim) in the tokens' dtype."""
-        state["weights"] = self._send(weight, "copies_in", "copies_out", state, "inter")
+    def combine(self, outputs: torch.Tensor, state, sum_copies):
+        """The local experts' weighted ``outputs`` (M, dim, dispatch's order) back to the
+        relays, there summed per token (``sum_copies``: the layer's), one row per (node,
+        token) back to the source, which sums its tokens' rows; returns (T, dim) in the
+        tokens' dtype."""
         state = self._back_to_relay(state, outputs.index_select(0, _inverse(state["order"])))
-        return self._sum_at_source(self._sum_on_relay(state, weighted_sum))
+        return self._sum_at_source(self._sum_on_relay(state, sum_copies), sum_copies)
 
-    def overlap(self, tokens, routing, compute, weights, weighted_sum) -> list[torch.Tensor]:
+    def overlap(self, tokens, routing, compute, weights, sum_copies) -> list[torch.Tensor]:
         """C chunks' exchange with ``compute`` (the experts) between its stages, each stage of
         a chunk in flight while another chunk computes (``exchange_overlap.pipelined``, in
         ``self.order``; the arguments as ``exchange_overlap.flat_overlap``'s): each chunk's
         (T_i, dim)."""
 
         def experts(state):
-            mine, order = self._at_experts(state)
-            out = compute(mine, state["landed"].sum((0, 1)))
+            mine, mine_weight, order = self._at_experts(state)
+            out = compute(mine, state["landed"].sum((0, 1)), mine_weight)
             return self._back_to_relay(state, out.index_select(0, _inverse(order)))
 
-        def on_relay(state):
-            return self._sum_on_relay(state, weighted_sum)
-
         # ``exchange_overlap.BY_NODE``'s segments, which the planner times in the same order.
-        segments = [self._send_pairs, self._relay, experts, on_relay, self._sum_at_source]
+        on_relay = functools.partial(self._sum_on_relay, sum_copies=sum_copies)
+        at_source = functools.partial(self._sum_at_source, sum_copies=sum_copies)
+        segments = [self._send_pairs, self._relay, experts, on_relay, at_source]
         routing = [(token, counts, weight) for (token, counts), weight in zip(routing, weights)]
         return pipelined(self._plan(tokens, routing), segments, BY_NODE, self.order)
 
@@ -144,8 +146,7 @@ class NodeExchange:
         """Every chunk's routing by node and both stages' counts, for all the chunks at once:
         over ``ep_inter`` per destination node its experts' copy counts and the distinct
         tokens, then over ``ep_intra`` per destination place the copies by (source node,
-        local expert); two host reads. ``routing``: per chunk (token, counts, weight or
-        None). Returns each chunk's state (the split sizes as host values)."""
+        local expert); two host reads. ``routing``: per chunk (token, counts, weight). Returns each chunk's state (the split sizes as host values)."""
         from torch.distributed._functional_collectives import all_to_all_single
 
         nodes, per_node, states = self.nodes, self.per_node, []
@@ -214,7 +215,7 @@ class NodeExchange:
 
     def _send_pairs(self, state: dict) -> dict:
         """Stage 1 out: each distinct (node, token) pair's row, each copy's slot among its
-        node's rows and (where known) its router weight, over ``ep_inter``."""
+        node's rows and its router weight, over ``ep_inter``."""
         rows_out, node, tokens = state["rows_out"], state["node"], state["tokens"]
         first = torch.cumsum(rows_out, 0) - rows_out
         picked = tokens.index_select(0, state["pairs"] % tokens.shape[0])
@@ -222,16 +223,13 @@ class NodeExchange:
         state["slots"] = self._send(
             state["slot"] - first[node], "copies_in", "copies_out", state, "inter"
         )
-        if state["weight"] is not None:
-            state["weights"] = self._send(
-                state["weight"], "copies_in", "copies_out", state, "inter"
-            )
+        state["weights"] = self._send(state["weight"], "copies_in", "copies_out", state, "inter")
         return state
 
     def _relay(self, state: dict) -> dict:
         """Stage 2 out, on the relay: each arrived copy's row (by its slot, from (source node,
-        node expert) order to (place, source node, local expert)) to the rank of its expert
-        over ``ep_intra``."""
+        node expert) order to (place, source node, local expert)) and its weight to the rank
+        of its expert over ``ep_intra``."""
         rows = self._land(state["rows"])
         slot_in = wait(state["slots"][0])
         splits, device = state["splits"], slot_in.device
@@ -248,34 +246,34 @@ class NodeExchange:
         state["forward"] = self._send(
             rows.index_select(0, slot_in[relay_order]), "places_in", "places_out", state, "intra"
         )
+        weight_in = self._land(state["weights"]).index_select(0, relay_order)
+        state["forward_weights"] = self._send(weight_in, "places_in", "places_out", state, "intra")
         return state
 
     def _at_experts(self, state: dict):
-        """(The rows arrived at this rank's experts, local-expert-major; their order from
-        (relay, source node, local expert))."""
+        """(The rows arrived at this rank's experts, local-expert-major; their weights; their
+        order from (relay, source node, local expert))."""
         forwarded = self._land(state["forward"])
+        weights = self._land(state["forward_weights"])
         order = permute_blocks(state["landed"], (2, 0, 1), forwarded.shape[0])
-        return forwarded.index_select(0, order), order
+        return forwarded.index_select(0, order), weights.index_select(0, order), order
 
     def _back_to_relay(self, state: dict, outputs: torch.Tensor) -> dict:
         """The experts' ``outputs`` (in the order their rows arrived) back to the relays."""
         state["back"] = self._send(outputs, "places_out", "places_in", state, "intra")
         return state
 
-    def _sum_on_relay(self, state: dict, weighted_sum) -> dict:
-        """On the relay: each copy's output weighed and summed per (node, token) pair, the
-        sums sent back to their sources over ``ep_inter``."""
+    def _sum_on_relay(self, state: dict, sum_copies) -> dict:
+        """On the relay: the copies' weighted outputs summed per (node, token) pair, the sums
+        sent back to their sources over ``ep_inter``."""
         back = self._land(state["back"])
         copies = back.index_select(0, _inverse(state["relay_order"]))
-        weight_in = self._land(state["weights"])
         rows = sum(state["splits"]["rows_in"])
-        partial = weighted_sum(copies, weight_in, state["slot_in"], rows, state["tokens"].dtype)
+        partial = sum_copies(copies, state["slot_in"], rows, state["tokens"].dtype)
         state["partial"] = self._send(partial, "rows_out", "rows_in", state, "inter")
         return state
 
-    def _sum_at_source(self, state: dict) -> torch.Tensor:
+    def _sum_at_source(self, state: dict, sum_copies) -> torch.Tensor:
         """Each token's rows from every node summed in fp32, rounded once: (T, dim)."""
         rows, tokens = self._land(state["partial"]), state["tokens"]
-        total = torch.zeros(tokens.shape, dtype=torch.float32, device=rows.device)
-        pairs = state["pairs"] % tokens.shape[0]
-        return total.index_add(0, pairs, rows.float()).to(tokens.dtype)
+        return sum_copies(rows, state["pairs"] % tokens.shape[0], tokens.shape[0], tokens.dtype)

@@ -6,12 +6,13 @@ load-balance statistics, read top to bottom in the order a token meets them.
   changes the choice, never the weights) and weighs them by their scores (renormalised to sum
   1 if asked, times ``route_scale``). Dropless: every token reaches all k of its experts.
 - ``TokenExchange`` / ``LocalExchange``: the seam expert parallel enters through (as
-  ``attend`` is context parallel's): the layer hands its tokens and their copies' order
-  (sorted by expert) to ``exchange.dispatch`` and takes each token's weighted sum of its
-  experts' outputs back from ``exchange.combine``, to which it hands how to sum
-  (``WeightedCombine.apply``): where the sum is taken is the exchange's choice, so one that
-  sends a token to a node once can sum its copies there. The default keeps every expert on this
-  process; the runtime installs one that all-to-alls.
+  ``attend`` is context parallel's): the layer hands its tokens, their copies' order (sorted
+  by expert) and each copy's router weight to ``exchange.dispatch``, which brings the copies
+  and their weights to the experts, and takes each token's sum of its experts' weighted
+  outputs back from ``exchange.combine``, to which it hands how to sum (``sum_copies``):
+  where the sum is taken is the exchange's choice, so one that sends a token to a node once
+  can sum its copies there. The default keeps every expert on this process; the runtime
+  installs one that all-to-alls.
 - ``GroupedExperts``: the SwiGLU experts' weights stacked (experts, out, in), run on tokens
   sorted by expert either in three grouped matmuls (``torch._grouped_mm``, the op torch's
   public ``F.grouped_mm`` calls and the one torchao's float8 weight wrapper intercepts by
@@ -19,10 +20,16 @@ load-balance statistics, read top to bottom in the order a token meets them.
   (``distributed/float8.py`` sets ``group_rows`` = 16) each expert's rows are first padded
   with zero rows to a multiple of 16 (``aligned_groups``), which float8's grouped matmul
   needs.
-- ``SwiGLU``: the experts' activation, saving its two inputs only (``silu`` recomputed in
-  backward).
-- ``WeightedCombine``: each token's expert outputs weighed by the router and summed in fp32,
-  as one autograd function that saves the outputs in their own dtype (no fp32 copy of them).
+- ``WeightedSwiGLU``: the experts' activation times each row's router weight, saving its two
+  inputs and the weights only (``silu`` recomputed in backward). The weight is applied
+  before the down projection, as Megatron's grouped experts apply their permuted
+  probabilities in the activation: ``w2(p h) = p w2(h)``, so the output is the same sum,
+  and the combine then needs nothing of the experts' outputs for backward. Weighing after
+  the experts instead (HF's and torchtitan's order) makes the weight's gradient read every
+  routed output, so the layer keeps one more (rows, dim) tensor per routed copy: about a
+  third of what an MoE layer saves.
+- ``sum_copies`` (``SumCopies``): each token's copies summed in fp32 and rounded once,
+  saving only the index.
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
   reads and sets: ``Router.tokens_per_expert`` (counts of the step's forwards),
   ``MoE.aux_loss_sum`` (the sequence-wise auxiliary loss' value), ``MoE.sequence_sum`` (sums
@@ -110,51 +117,51 @@ class Router(nn.Module):
 
 
 class TokenExchange(Protocol):
-    """Moves routed token copies to the ranks holding their experts and the outputs back."""
+    """Moves routed token copies and their router weights to the ranks holding their experts
+    and the weighted outputs back."""
 
     def dispatch(
-        self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """tokens: (T, dim) this rank's tokens; token: (N,) int64 the token of each routed
         copy, the copies sorted by global expert id (stable); counts: (n_experts,) int64
-        copies per global expert. Returns (local_tokens (M, dim) sorted by LOCAL expert,
-        local_counts (n_local_experts,) int64, state) where the rank holds experts
-        [r*E/ep, (r+1)*E/ep) of ep rank r."""
+        copies per global expert; weight: (N,) fp32 the router's weight of each copy, in the
+        copies' order. Returns (local_tokens (M, dim) sorted by LOCAL expert, local_counts
+        (n_local_experts,) int64, local_weight (M,) their weights, state) where the rank
+        holds experts [r*E/ep, (r+1)*E/ep) of ep rank r."""
 
-    def combine(
-        self, outputs: torch.Tensor, weight: torch.Tensor, state: Any, weighted_sum: Callable
-    ) -> torch.Tensor:
-        """outputs: (M, dim) the local experts' outputs in dispatch's order; weight: (N,) fp32
-        the router's weight of each copy (dispatch's copy order); weighted_sum: the layer's
-        ``WeightedCombine.apply`` (rows, weights, token index, tokens, dtype). Returns (T, dim)
-        in the tokens' dtype: each token's copies weighed and summed with it."""
+    def combine(self, outputs: torch.Tensor, state: Any, sum_copies: Callable) -> torch.Tensor:
+        """outputs: (M, dim) the local experts' weighted outputs in dispatch's order;
+        sum_copies: the layer's ``sum_copies`` (rows, token index, tokens, dtype). Returns (T,
+        dim) in the tokens' dtype: each token's copies summed with it."""
 
 
 class LocalExchange:
-    """Every expert on this process: dispatch gathers the copies, combine weighs and sums
-    them. ``chunks`` > 1 (the planner's trace of a chunked exchange's kernels,
+    """Every expert on this process: dispatch gathers the copies, combine sums them.
+    ``chunks`` > 1 (the planner's trace of a chunked exchange's kernels,
     ``planner/traffic.py``; no job runs it: without expert parallel nothing travels) runs the
     layer's chunks one after another through ``overlap``."""
 
     def __init__(self, chunks: int = 1):
         self.chunks = chunks
 
-    def overlap(self, tokens, routing, compute, weights, weighted_sum):
+    def overlap(self, tokens, routing, compute, weights, sum_copies):
         """Each chunk's copies through ``compute`` and summed (the arguments as the
         exchanges' ``overlap``, ``distributed/exchange_overlap.py``): each chunk's (T_i,
         dim)."""
         return [
-            weighted_sum(compute(rows[token], counts), weight, token, rows.shape[0], rows.dtype)
+            sum_copies(compute(rows[token], counts, weight), token, rows.shape[0], rows.dtype)
             for rows, (token, counts), weight in zip(tokens, routing, weights)
         ]
 
-    def dispatch(self, tokens, token, counts):
-        """Returns (the copies ``tokens[token]``, counts, what combine sums by)."""
-        return tokens[token], counts, (token, tokens.shape[0], tokens.dtype)
+    def dispatch(self, tokens, token, counts, weight):
+        """Returns (the copies ``tokens[token]``, counts, their weights, what combine sums
+        by)."""
+        return tokens[token], counts, weight, (token, tokens.shape[0], tokens.dtype)
 
-    def combine(self, outputs, weight, state, weighted_sum):
-        """Each token's copies of ``outputs`` weighed and summed."""
-        return weighted_sum(outputs, weight, *state)
+    def combine(self, outputs, state, sum_copies):
+        """Each token's copies of ``outputs`` summed."""
+        return sum_copies(outputs, *state)
 
 
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -165,7 +172,8 @@ def local_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU experts of hidden width ``hidden_dim``, weights stacked per expert
-    in Linear layout (out, in): w1, w3 (E, hidden, dim), w2 (E, dim, hidden)."""
+    in Linear layout (out, in): w1, w3 (E, hidden, dim), w2 (E, dim, hidden). Each row's
+    output is weighed by its router weight (``WeightedSwiGLU``)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, grouped_mm: bool):
         super().__init__()
@@ -179,40 +187,49 @@ class GroupedExperts(nn.Module):
     # 16-byte aligned start in float8 (the weight gradient's reduction runs over them).
     group_rows = 1
 
-    def forward(self, x, counts, overlap: Callable | None = None):
-        """``compute(x, counts)``; with ``overlap`` (the exchange's, chunks of tokens:
-        ``exchange_overlap``), ``x`` is the chunks' tokens and ``counts`` their routing, and
-        ``overlap(x, counts, compute)`` exchanges them and runs the experts on what arrives,
-        one call of this module (one FSDP unshard) for all the chunks."""
+    def forward(self, x, counts, weight, overlap: Callable | None = None):
+        """``compute(x, counts, weight)``; with ``overlap`` (the exchange's, chunks of tokens:
+        ``exchange_overlap``), ``x`` is the chunks' tokens, ``counts`` their routing and
+        ``weight`` their copies' weights, and ``overlap(x, counts, compute, weight)``
+        exchanges them and runs the experts on what arrives, one call of this module (one
+        FSDP unshard) for all the chunks. The weights reach this module in fp32: its FSDP
+        unit does not cast its inputs (``expert_parallel.apply_expert_parallel``)."""
         if overlap is not None:
-            return overlap(x, counts, self.compute)
-        return self.compute(x, counts)
+            return overlap(x, counts, self.compute, weight)
+        return self.compute(x, counts, weight)
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Run tokens ``x`` (M, dim), sorted by local expert with ``counts`` (n_local,) int64
-        per expert, through the experts this rank holds (as many as the local w1's dim 0).
-        Returns (M, dim). The gradient reaching the output must be contiguous (torch 2.13's
-        grouped matmul backward fails on an expanded one); the MoE layer's is. torch 2.13's
-        kernels take fp32 and bf16, but its meta function (fake tensors: torch.compile, the
-        planner's memory run) takes bf16 only: those run the grouped path in bf16 alone."""
+        per expert, through the experts this rank holds (as many as the local w1's dim 0),
+        each row's output times its ``weight`` (M,). Returns (M, dim). The gradient reaching
+        the output must be contiguous (torch 2.13's grouped matmul backward fails on an
+        expanded one); the MoE layer's is. torch 2.13's kernels take fp32 and bf16, but its
+        meta function (fake tensors: torch.compile, the planner's memory run) takes bf16
+        only: those run the grouped path in bf16 alone."""
         w1, w2, w3 = (local_weight(w) for w in (self.w1, self.w2, self.w3))
         if not self.grouped_mm:
-            return self._loop(x, counts, w1, w2, w3)
+            return self._loop(x, counts, weight, w1, w2, w3)
         rows = None
         if self.group_rows > 1:
             x, counts, rows = aligned_groups(x, counts, self.group_rows)
+            # Padded rows weigh zero (their outputs are zero anyway).
+            weight = weight.new_zeros(x.shape[0]).index_copy(0, rows, weight)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-        hidden = SwiGLU.apply(gate, torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
+        up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        hidden = WeightedSwiGLU.apply(gate, up, weight)
         out = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
         return out if rows is None else out[rows]
 
-    def _loop(self, x, counts, w1, w2, w3) -> torch.Tensor:
+    def _loop(self, x, counts, weight, w1, w2, w3) -> torch.Tensor:
         """The reference: one SwiGLU per local expert on its rows (``counts`` read on the
         host; compiled blocks keep it out of their graphs: ``expert_parallel``)."""
         outputs = []
-        for expert, part in enumerate(torch.split(x, counts.tolist())):
-            hidden = F.silu(part @ w1[expert].T) * (part @ w3[expert].T)
+        sizes = counts.tolist()
+        for expert, (part, part_weight) in enumerate(
+            zip(torch.split(x, sizes), torch.split(weight, sizes))
+        ):
+            hidden = WeightedSwiGLU.apply(part @ w1[expert].T, part @ w3[expert].T, part_weight)
             outputs.append(hidden @ w2[expert].T)
         return torch.cat(outputs)
 
@@ -242,23 +259,64 @@ def aligned_groups(
     return out, padded, rows
 
 
-class SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up``, saving only ``gate`` and ``up``: backward recomputes ``silu(gate)``
-    (one elementwise op) instead of keeping it. Autograd of the plain expression keeps both
-    inputs and the SiLU's output (the product's other factor), a third (M, hidden) tensor per
-    routed copy. Forward and backward run the ops autograd would (``silu_backward`` on the
-    product's gradient), so values and gradients are bit for bit the expression's."""
+class WeightedSwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` times each row's router ``weight``: ``apply(gate (M, hidden), up
+    (M, hidden), weight (M,) fp32)`` -> (M, hidden) in gate's dtype, the product with the
+    weight in fp32 and rounded once. Saves its three inputs only: backward recomputes
+    ``silu(gate) * up`` (two elementwise ops) where autograd of the expression would keep the
+    SiLU's output and the product besides, two more (M, hidden) tensors per routed copy.
+    Backward runs the ops autograd of ``(silu(gate) * up * weight[:, None]).to(gate.dtype)``
+    would: the weight's gradient from fp32 products summed in fp32, the rest through
+    ``silu_backward``."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, weight)
+        return (F.silu(gate) * up * weight[:, None]).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
-        return grad_gate, grad_out * F.silu(gate)
+        gate, up, weight = ctx.saved_tensors
+        silu = F.silu(gate)
+        grad_weight = None
+        if ctx.needs_input_grad[2]:
+            # addcmul with a zero of the weight's dtype computes in it (type promotion): the
+            # products of the two rows without an fp32 copy of either.
+            zero = torch.zeros((1, 1), dtype=weight.dtype, device=gate.device)
+            grad_weight = torch.addcmul(zero, grad_out, silu * up).sum(dim=-1)
+        grad = (grad_out * weight[:, None]).to(gate.dtype)
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return grad_gate, grad * silu, grad_weight
+
+
+class SumCopies(torch.autograd.Function):
+    """``apply(rows (M, dim), token (M,) int64, n_tokens, dtype)`` -> (n_tokens, dim): each
+    token's copies among ``rows`` summed, ``out[t] = sum of rows[i]`` over ``token[i] == t``,
+    in fp32 (float64 rows in float64), rounded once to ``dtype``. Saves ``token`` only; its
+    backward gathers the output's gradient for each copy. Our own function, not
+    ``zeros.index_add(0, token, rows.float())``: autograd of ``index_add`` keeps its source
+    for the gradient's shape, an fp32 copy of every routed row."""
+
+    @staticmethod
+    def forward(ctx, rows, token, n_tokens: int, dtype: torch.dtype):
+        ctx.save_for_backward(token)
+        ctx.rows_dtype = rows.dtype
+        acc = torch.promote_types(rows.dtype, torch.float32)
+        out = torch.zeros((n_tokens, rows.shape[1]), dtype=acc, device=rows.device)
+        return out.index_add_(0, token, rows.to(acc)).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (token,) = ctx.saved_tensors
+        return grad_out.index_select(0, token).to(ctx.rows_dtype), None, None, None
+
+
+def sum_copies(
+    rows: torch.Tensor, token: torch.Tensor, n_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Each token's copies among ``rows`` (M, dim) summed (``SumCopies``): (n_tokens, dim)
+    in ``dtype``, ``token`` (M,) the token of each row."""
+    return SumCopies.apply(rows, token, n_tokens, dtype)
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -276,46 +334,6 @@ class AuxLossScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
-
-
-class WeightedCombine(torch.autograd.Function):
-    """Each token's routed outputs, weighed and summed: ``out[t] = sum_i weight[i] *
-    routed[i]`` over the copies ``i`` of token ``t`` (``token[i] == t``), products and sum in
-    fp32, returned in ``dtype``. ``apply(routed (M, dim), weight (M,) fp32, token (M,) int64,
-    n_tokens, dtype)`` -> (n_tokens, dim).
-
-    Our own function, not ``zeros.index_add(0, token, routed.float() * weight)``: autograd
-    would save two fp32 copies of every routed row (the product's input for the weight's
-    gradient, and index_add's source), 16 bytes an element against routed's own 2 under bf16,
-    and backward would write and read more fp32 copies. This one saves what backward reads,
-    in the dtype it came in: ``routed`` (the experts' outputs, which nothing else keeps),
-    ``weight`` and ``token``. Backward: ``grad_routed[i] = weight[i] * grad_out[token[i]]``
-    computed in fp32 and rounded once to routed's dtype, ``grad_weight[i] = <grad_out[token[i]],
-    routed[i]>`` with fp32 products and sum: the same arithmetic as the autograd of the
-    expression above, without its fp32 copies."""
-
-    @staticmethod
-    def forward(ctx, routed, weight, token, n_tokens: int, dtype: torch.dtype):
-        ctx.save_for_backward(routed, weight, token)
-        # routed x fp32 weight promotes to fp32: exact products of bf16 rows, summed in fp32
-        # (in float64 where the weights are: the gradient check).
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        out = torch.zeros((n_tokens, routed.shape[1]), dtype=acc, device=routed.device)
-        return out.index_add_(0, token, routed * weight[:, None]).to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        routed, weight, token = ctx.saved_tensors
-        grad = grad_out.index_select(0, token)  # (M, dim): each copy's token's gradient
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            # addcmul with an fp32 operand computes in fp32 (type promotion): the products of
-            # the two rows without an fp32 copy of either.
-            zero = torch.zeros((1, 1), dtype=weight.dtype, device=grad.device)
-            grad_weight = torch.addcmul(zero, grad, routed).sum(dim=-1)
-        # In place with an fp32 factor: computed in fp32, rounded once to grad's dtype.
-        grad_routed = grad.mul_(weight[:, None]).to(routed.dtype)
-        return grad_routed, grad_weight, None, None, None
 
 
 def sum_over_nothing(counts: torch.Tensor) -> torch.Tensor:
@@ -388,31 +406,25 @@ class MoE(nn.Module):
         counts = expert_counts(chosen, self.n_experts)
         # One index tensor for the gather and the combine: autograd keeps it once for both.
         token = order // self.top_k
-        local, local_counts, state = self.exchange.dispatch(tokens, token, counts)
-        # Weighted after the experts and summed per token in fp32, returned in x's dtype.
+        local, local_counts, local_weights, state = self.exchange.dispatch(
+            tokens, token, counts, weights.flatten()[order]
+        )
+        # Weighed in the experts, summed per token in fp32, returned in x's dtype.
         return self.exchange.combine(
-            self.experts(local, local_counts),
-            weights.flatten()[order],
-            state,
-            WeightedCombine.apply,
+            self.experts(local, local_counts, local_weights), state, sum_copies
         )
 
     def _routed_in_chunks(self, tokens, weights, chosen, chunks: int) -> torch.Tensor:
         """``_routed`` with the tokens cut into ``chunks`` contiguous chunks, each routed on
-        its own and exchanged while the experts compute another (``exchange.overlap``). The
-        router's weights reach the exchange beside the experts' call, not through it: FSDP
-        casts a module's floating-point arguments to its compute dtype, and the weights are
-        summed in fp32."""
+        its own and exchanged while the experts compute another (``exchange.overlap``)."""
         parts, routing, copy_weights = [], [], []
         for t, w, c in zip(*(x.tensor_split(chunks) for x in (tokens, weights, chosen))):
             order = c.flatten().argsort(stable=True)
             parts.append(t)
             routing.append((order // self.top_k, expert_counts(c, self.n_experts)))
             copy_weights.append(w.flatten()[order])
-        overlap = functools.partial(
-            self.exchange.overlap, weights=copy_weights, weighted_sum=WeightedCombine.apply
-        )
-        return torch.cat(self.experts(parts, routing, overlap=overlap))
+        overlap = functools.partial(self.exchange.overlap, sum_copies=sum_copies)
+        return torch.cat(self.experts(parts, routing, copy_weights, overlap=overlap))
 
     def aux_loss(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss of this rank's tokens: ``chosen`` (batch,

@@ -50,15 +50,15 @@ class PlannedLocalExchange:
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
 
-    def dispatch(self, tokens: torch.Tensor, token: torch.Tensor, counts: torch.Tensor):
-        """Returns (the copies ``tokens[token]``, planned counts (n_experts,), what combine
-        sums by)."""
+    def dispatch(self, tokens, token, counts, weight):
+        """Returns (the copies ``tokens[token]``, planned counts (n_experts,), their weights,
+        what combine sums by)."""
         planned = _host(even_split(token.shape[0], self.n_experts), (-1,))
-        return tokens[token], planned, (token, tokens.shape[0], tokens.dtype)
+        return tokens[token], planned, weight, (token, tokens.shape[0], tokens.dtype)
 
-    def combine(self, outputs, weight, state, weighted_sum) -> torch.Tensor:
-        """Each token's copies of ``outputs`` weighed and summed (``weighted_sum``)."""
-        return weighted_sum(outputs, weight, *state)
+    def combine(self, outputs, state, sum_copies) -> torch.Tensor:
+        """Each token's copies of ``outputs`` summed (``sum_copies``: the layer's)."""
+        return sum_copies(outputs, *state)
 
 
 class PlannedTokenExchange(TokenExchange):
@@ -73,18 +73,19 @@ class PlannedTokenExchange(TokenExchange):
         self.imbalance = imbalance
         self._planned: list[list[int]] = []  # [sent, received] (ep x L, row-major)
 
-    def send(self, tokens: torch.Tensor, counts: torch.Tensor):
-        """The job's all-to-alls of the copies ``tokens`` (N, dim), with the planned counts;
-        the local experts' counts returned as host values (the per-expert loop reads them)."""
+    def send(self, tokens: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor):
+        """The job's all-to-alls of the copies ``tokens`` (N, dim) and their ``weight``, with
+        the planned counts; the local experts' counts returned as host values (the
+        per-expert loop reads them)."""
         experts = counts.numel()
         received = round(tokens.shape[0] * self.imbalance)
         self._planned = [even_split(tokens.shape[0], experts), even_split(received, experts)]
-        local, _, state = super().send(tokens, counts)
+        local, _, local_weight, state = super().send(tokens, counts, weight)
         per_expert = [
             sum(self._planned[1][r * (experts // self.ep) + e] for r in range(self.ep))
             for e in range(experts // self.ep)
         ]
-        return local, _host(per_expert, (-1,)), state
+        return local, _host(per_expert, (-1,)), local_weight, state
 
     def chunk_counts(self, copies: list[torch.Tensor], counts: list[torch.Tensor]):
         """The chunked exchange's (sent, received) (``exchange_overlap``): per chunk of

@@ -69,10 +69,11 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 20  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 21  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
-# their own dtype, ``moe_routing.WeightedCombine``: a model with experts holds less; 10: RMSNorm
+# their own dtype, ``moe_routing.WeightedCombine`` (gone since 21): a model with experts holds
+# less; 10: RMSNorm
 # and RoPE save no fp32 copies, ``norm_rope.RMSNormFunction`` and ``RopeFunction``: every model;
 # 11: the experts' SwiGLU saves its two inputs only, ``moe_routing.SwiGLU``: a model with experts;
 # 12: fp16/bf16 attention saves grouped-query keys and values un-repeated, ``common.grouped_kv``:
@@ -86,7 +87,8 @@ CACHE_VERSION = 20  # bump when what a measurement holds changes (5: phases and 
 # ``cuda_causal_bias``; 18: ``trainer.chunked_loss`` takes vocabulary-sharded logits in chunks
 # too, ``loss.next_token_loss``: a TP layout with loss parallel; 19: context parallel's two query
 # chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout; 20:
-# ``trainer.loss_fp32`` in a request)
+# ``trainer.loss_fp32`` in a request; 21: the experts weigh their outputs by the router,
+# ``moe_routing.WeightedSwiGLU``, and the combine keeps none of them: a model with experts)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
