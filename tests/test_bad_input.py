@@ -31,6 +31,18 @@ BAD_INPUTS = [
     (["trainer.global_batch_size=6"], "trainer.global_batch_size=6 is not divisible", None),
     # The MoE feed-forward's recompute on a dense model: nothing to recompute.
     (["parallel.ac=moe"], "model.name=llama3_tiny has no MoE block; set parallel.ac=full", None),
+    (["parallel.ac=moe_act"], "model.name=llama3_tiny has no MoE block; set parallel.ac=", None),
+    # The experts' float8 matmuls keep their own saved inputs: nothing to recompute from.
+    (
+        [
+            "model=moe_tiny",
+            "precision=float8",
+            "precision.float8_experts=true",
+            "parallel.ac=moe_act",
+        ],
+        "parallel.ac=moe_act with precision.float8_experts=true",
+        None,
+    ),
     # Saving sequence parallel's shards through saved-tensor hooks: compiled blocks bypass them.
     (
         ["parallel=tp", "parallel.sp_save_shard=true", "parallel.compile=true"],

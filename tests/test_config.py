@@ -93,7 +93,7 @@ def test_wrong_type_fails_at_composition_naming_the_key():
 @pytest.mark.parametrize(
     "override, allowed",
     [
-        ("parallel.ac=sometimes", "[none, full, selective, moe]"),
+        ("parallel.ac=sometimes", "[none, full, selective, moe, moe_act]"),
         ("parallel.ddp_impl=ddp", "[replicate, fully_shard]"),
         ("precision.param_dtype=float8", "[float32, bfloat16, float16]"),
         ("data.kind=images", "[synthetic, text, hf]"),
@@ -138,7 +138,7 @@ def test_a_plain_dict_config_gets_the_same_choice_check():
 
 def test_a_bad_choice_on_the_command_line_reads_as_one_line():
     assert bad_choice_override(["parallel=fsdp", "parallel.ac=full,sometimes"]) == (
-        "parallel.ac='sometimes' is not one of none, full, selective, moe; set parallel.ac to one "
+        "parallel.ac='sometimes' is not one of none, full, selective, moe, moe_act; set parallel.ac to one "
         "of them"
     )
     assert bad_choice_override(["parallel.ac=full", "+logger.mode=online", "device=cpu"]) is None

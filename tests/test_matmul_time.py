@@ -112,7 +112,7 @@ def test_the_shapes_sum_to_the_runners_flops(model, tp, ep):
     """The GEMMs' FLOPs plus attention equal flops_per_token x tokens (plus recompute) per
     rank: no linear lost or counted twice under TP, expert parallel or AC."""
     experts = model.startswith(("qwen3", "moe"))
-    for ac in ("none", "full", "selective", *(["moe"] if experts else [])):
+    for ac in ("none", "full", "selective", *(["moe", "moe_act"] if experts else [])):
         cfg = _run(model, f"parallel.ac={ac}")
         linear = sum(g.flops for g in matmul_shapes.step_gemms(cfg, _dims(tp, ep)))
         tokens = cfg.trainer.global_batch_size * cfg.model.seq_len / 8

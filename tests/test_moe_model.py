@@ -16,7 +16,8 @@ from hsdp_runner.config.compose import compose
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.models.base import build_meta_model, model_spec, moe_layers
 from hsdp_runner.models.common import clean_name, initial_value
-from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, WeightedSwiGLU, sum_copies
+from hsdp_runner.models.expert_activation import WeightedSwiGLU, WeightedSwiGLUDown
+from hsdp_runner.models.moe_routing import GroupedExperts, MoE, Router, sum_copies
 
 
 def tiny_spec(*overrides: str):
@@ -187,6 +188,9 @@ def test_weighted_swiglu_and_sum_copies_pass_gradcheck():
     weight = torch.rand(5, dtype=torch.float64, generator=gen)
     inputs = tuple(t.requires_grad_() for t in (gate, up, weight))
     assert torch.autograd.gradcheck(WeightedSwiGLU.apply, inputs)
+    w2 = torch.randn(3, 4, dtype=torch.float64, generator=gen).requires_grad_()
+    # One expert's down projection (a plain matmul): float64 has no grouped matmul on the CPU.
+    assert torch.autograd.gradcheck(WeightedSwiGLUDown.apply, (*inputs, w2, None))
     routed, _, token = routed_copies(torch.float64, n_tokens=4, top_k=2, dim=5)
     inputs = (routed.requires_grad_(), token, 4, torch.float64)
     assert torch.autograd.gradcheck(sum_copies, inputs)
@@ -277,6 +281,37 @@ def test_weighted_swiglu_is_bit_for_bit_the_expression_it_replaces(dtype):
     g, u, w = (t.clone().requires_grad_() for t in (gate, up, weight))
     saved = saved_by(lambda a, b, c: WeightedSwiGLU.apply(a, b, c), g, u, w)
     assert saved == []  # only the inputs, which saved_by leaves aside
+
+
+@pytest.mark.parametrize(
+    "dtype,grouped", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
+)
+def test_the_recomputed_activation_changes_no_bit_and_keeps_one_tensor_less(dtype, grouped):
+    """``recompute_act`` (``parallel.ac=moe_act``): the experts' output and every gradient
+    equal the kept activation's bit for bit (grouped matmuls and the per-expert loop, an
+    expert with no row among them), and what the experts keep for backward is one (rows,
+    hidden) tensor less, the down projection's input."""
+    gen = torch.Generator().manual_seed(9)
+    counts = torch.tensor([5, 0, 7, 4])
+    x, grad_out = (torch.randn(16, 16, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.rand(16, generator=gen)
+    results, held = [], []
+    for recompute in (False, True):
+        experts = GroupedExperts(dim=16, hidden_dim=8, n_experts=4, grouped_mm=grouped)
+        for w in experts.parameters():
+            w.data = torch.randn(w.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+        experts.recompute_act = recompute
+        inputs = (x.clone().requires_grad_(), counts, weight.clone().requires_grad_())
+        out = experts(*inputs)
+        out.backward(grad_out)
+        results.append(
+            [out, inputs[0].grad, inputs[2].grad, *(w.grad for w in experts.parameters())]
+        )
+        saved = saved_by(experts, *inputs)
+        held.append(sum(t.untyped_storage().nbytes() for t in saved))
+    for kept, recomputed in zip(*results):
+        assert torch.equal(kept, recomputed)
+    assert held[0] - held[1] == 16 * 8 * x.element_size()
 
 
 def explicit_aux_loss(moe, x: torch.Tensor, coef: float) -> torch.Tensor:
@@ -383,7 +418,8 @@ def test_forward_and_selective_recompute_flops_are_the_counted_ones():
     attention, which FlopCounterMode does not count in torch's CPU kernel) plus the output
     layer per token; selective AC adds exactly ``selective_recompute_flops_per_token`` (the
     experts' grouped matmuls taking turns with the other matmuls), and ``parallel.ac=moe``
-    exactly ``moe_recompute_flops_per_token`` (the MoE blocks' router and experts again)."""
+    exactly ``moe_recompute_flops_per_token`` (the MoE blocks' router and experts again);
+    ``parallel.ac=moe_act`` nothing."""
     spec = tiny_spec()
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len))
     forward = counted_flops(spec, tokens, "none", backward=False)
@@ -394,6 +430,8 @@ def test_forward_and_selective_recompute_flops_are_the_counted_ones():
     assert extra == spec.selective_recompute_flops_per_token() * tokens.numel()
     extra = counted_flops(spec, tokens, "moe") - counted_flops(spec, tokens, "none")
     assert extra == spec.moe_recompute_flops_per_token() * tokens.numel() > 0
+    # moe_act recomputes elementwise ops only: the same matmuls.
+    assert counted_flops(spec, tokens, "moe_act") == counted_flops(spec, tokens, "none")
 
 
 PRESETS = ["moe_tiny", "moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"]

@@ -407,7 +407,9 @@ EP2 = ["parallel=fsdp", "parallel.dp_shard=2", "parallel.ep=2"]
 EP_TWO_RANK_CASES = {
     "ac=full": [*EP2, "parallel.ac=full"],
     "ac=selective": [*EP2, "parallel.ac=selective"],
-    "ac=moe": [*EP2, "parallel.ac=moe"],
+    # The experts' activation recomputed (the MoE feed-forward's recompute, parallel.ac=moe,
+    # is the ep = tp case's).
+    "ac=moe_act": [*EP2, "parallel.ac=moe_act"],
     "grad_accum_steps=2": [*EP2, "trainer.grad_accum_steps=2"],
     # Compiled blocks (through aot_eager, as tests/test_compile.py), their experts in the
     # per-expert loop: torch 2.13 compiles the grouped matmul for bfloat16 only

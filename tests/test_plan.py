@@ -475,7 +475,7 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
             ["plan.axes.parallel.ac=none,sometimes"],
             (
                 "plan.axes.parallel.ac: parallel.ac='sometimes' "
-                "is not one of none, full, selective, moe; set parallel.ac to one of them"
+                "is not one of none, full, selective, moe, moe_act; set parallel.ac to one of them"
             ),
         ),
         (
@@ -498,7 +498,7 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
         ),
         (
             ["parallel.ac=sometimes"],
-            "parallel.ac='sometimes' is not one of none, full, selective, moe",
+            "parallel.ac='sometimes' is not one of none, full, selective, moe, moe_act",
         ),
     ],
 )

@@ -7,6 +7,7 @@ import torch
 from clusters import fake_cluster
 
 from hsdp_runner import plan
+from hsdp_runner.core.choices import AC
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 from hsdp_runner.models import norm_rope
@@ -194,17 +195,19 @@ def test_traffic_of_a_model_with_dense_and_moe_blocks_counts_each_kind(dense):
     assert fitted == pytest.approx(sum(whole.values()), rel=1e-6)
 
 
-def test_the_moe_recompute_is_traced_as_backwards_work_of_each_moe_block():
+@pytest.mark.parametrize("ac", [AC.moe, AC.moe_act])
+def test_the_moe_recompute_is_traced_as_backwards_work_of_each_moe_block(ac):
     """``parallel.ac=moe`` reruns each MoE block's norm and MoE layer in backward, as the job's
-    build does: the traced forward is unchanged, backward grows by the same bytes and launches
-    for each MoE block and by none for a dense one (4 blocks, 3 or 0 of them dense), and by
-    less than a whole block's forward (attention is not run again)."""
+    build does, and ``moe_act`` its experts' activation: the traced forward is unchanged,
+    backward grows by the same bytes and launches for each MoE block and by none for a dense
+    one (4 blocks, 3 or 0 of them dense), and by less than a whole block's forward (attention
+    is not run again). moe_act's activation is three kernels (the SiLU, the product, the
+    weight in place), each reading and writing (rows, hidden) rows."""
     growth = {}
     for dense in (3, 0):
         cfg = plan.compose(["model=moe_tiny", "model.n_layers=4", f"model.n_dense_layers={dense}"])
         kept, rerun = (
-            traffic.traffic(cfg.model, cfg.precision, False, "cuda", 1, recompute)
-            for recompute in (False, True)
+            traffic.traffic(cfg.model, cfg.precision, False, "cuda", 1, a) for a in (AC.none, ac)
         )
         assert rerun.block_forward == kept.block_forward
         growth[4 - dense] = (
@@ -215,6 +218,8 @@ def test_the_moe_recompute_is_traced_as_backwards_work_of_each_moe_block():
     one, four = growth[1], growth[4]
     assert four[0] == pytest.approx(4 * one[0], rel=1e-6) and four[1] == 4 * one[1] > 0
     assert 0 < four[0] / 4 < four[2]
+    if ac is AC.moe_act:
+        assert one[1] == 3
 
 
 def test_the_loss_in_the_logits_dtype_is_traced_as_the_job_runs_it():
@@ -224,7 +229,7 @@ def test_the_loss_in_the_logits_dtype_is_traced_as_the_job_runs_it():
     at 2 bytes instead of 4, 4 + 6; the NLL's read and its gradient's write, 2 + 2)."""
     cfg = plan.compose(["model=llama3_tiny", "precision=bf16"])
     fp32, in_bf16 = (
-        traffic.traffic(cfg.model, cfg.precision, False, "cuda", 1, False, loss_fp32)
+        traffic.traffic(cfg.model, cfg.precision, False, "cuda", 1, AC.none, loss_fp32)
         for loss_fp32 in (True, False)
     )
     assert (in_bf16.block_forward, in_bf16.block_backward) == (

@@ -194,10 +194,20 @@ def validate_config(cfg: RunConfig) -> None:
         )
     model_spec(c.model).validate()  # the family's own checks
     moe_blocks = c.model.n_layers - (getattr(c.model, "n_dense_layers", 0) or 0)
-    if AC(c.parallel.ac) is AC.moe and (routed_experts(c.model) == 0 or moe_blocks < 1):
+    ac = AC(c.parallel.ac)
+    if ac.needs_moe and (routed_experts(c.model) == 0 or moe_blocks < 1):
+        what = "feed-forward" if ac is AC.moe else "routed experts' activation"
         raise ConfigError(
-            f"parallel.ac=moe recomputes the MoE blocks' feed-forward, and model.name="
+            f"parallel.ac={ac.value} recomputes the MoE blocks' {what}, and model.name="
             f"{c.model.name} has no MoE block; set parallel.ac=full or selective"
+        )
+    if ac is AC.moe_act and c.precision.float8_experts:
+        # torchao's float8 grouped matmul is its own autograd function: it saves its inputs
+        # its way, and the recomputing function would run its backward in bf16.
+        raise ConfigError(
+            "parallel.ac=moe_act with precision.float8_experts=true: the experts' float8 "
+            "matmuls keep their own saved inputs, so their activation cannot be recomputed; "
+            "set precision.float8_experts=false or parallel.ac=none (or moe)"
         )
     _validate_sp_save_shard(c)
     if c.data.kind == DataKind.text and c.model.vocab_size < 256:

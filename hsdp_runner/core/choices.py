@@ -30,12 +30,27 @@ class Choice(str, enum.Enum):
 class AC(Choice):
     """``parallel.ac``: activation checkpointing of each block; ``moe``: of each MoE block's
     feed-forward alone (its norm, router, token exchange and experts: Megatron's
-    ``--recompute-modules layernorm moe``)."""
+    ``--recompute-modules layernorm moe``); ``moe_act``: of the routed experts' activation
+    alone (its output, the down projection's input, computed again in backward from what
+    it saves anyway: Megatron's ``--recompute-modules moe_act``)."""
 
     none = "none"
     full = "full"
     selective = "selective"
     moe = "moe"
+    moe_act = "moe_act"
+
+    @property
+    def wraps_blocks(self) -> bool:
+        """True where a checkpoint wraps each whole block (full, selective); the other
+        modes keep what a block saves outside its MoE feed-forward as without AC."""
+        return self in (AC.full, AC.selective)
+
+    @property
+    def needs_moe(self) -> bool:
+        """True for the modes that recompute part of the MoE blocks only (``moe``,
+        ``moe_act``): a model without one is refused."""
+        return self in (AC.moe, AC.moe_act)
 
     @property
     def reruns_moe_forward(self) -> bool:

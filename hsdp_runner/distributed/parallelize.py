@@ -87,7 +87,7 @@ def apply_cp(
     """Run the model on this rank's part of each ``seq_len``-token sequence: positions and
     attention come from a ``context_parallel.SequenceShard`` over the ``cp`` mesh (K/V
     all-gathered per layer), its two query chunks' outputs saved once where no checkpoint of
-    the block (``parallel.ac`` none or moe) and no compile packs its saved tensors."""
+    the block (``parallel.ac`` none, moe or moe_act) and no compile packs its saved tensors."""
     share = saves_unpacked(parallel)
     model.shard_sequence(SequenceShard(world["cp"], seq_len, share_output=share))
 
@@ -177,6 +177,7 @@ _AC_WRAPPER_KWARGS = {
     AC.full: dict,
     AC.selective: lambda: {"context_fn": _selective_contexts},
     AC.moe: None,
+    AC.moe_act: None,
 }
 
 
@@ -188,12 +189,18 @@ def apply_ac(model: ParallelModule, mode: AC) -> None:
     matmul output, attention and TP collective outputs and recomputes the rest, so it repeats
     no communication. 'moe' wraps no block: each block that holds an MoE layer checkpoints its
     feed-forward itself (``recompute_moe``), so parameter names stay the block's own and the
-    attention's activations are kept.
+    attention's activations are kept. 'moe_act' wraps nothing either: each routed experts'
+    module recomputes its activation's output in backward (``GroupedExperts.recompute_act``).
     """
     if AC(mode) is AC.moe:
         for block in model.blocks().values():
             if hasattr(block, "recompute_moe"):
                 block.recompute_moe = True
+        return
+    if AC(mode) is AC.moe_act:
+        for module in model.modules():
+            if hasattr(module, "recompute_act"):
+                module.recompute_act = True
         return
     make_kwargs = _AC_WRAPPER_KWARGS[AC(mode)]
     if make_kwargs is None:

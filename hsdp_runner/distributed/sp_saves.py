@@ -29,7 +29,7 @@ gathered input is then held from that unpack to the column-parallel linears' bac
 Why hooks and not torch: no torch ParallelStyle saves the shard, and a custom linear would
 replace the job's linears (float8's among them). It applies where sequence parallel gathers
 and nothing else packs the module's saved tensors (``saves_shard``): TP with sequence
-parallel, no activation checkpoint around the block (``parallel.ac`` none or moe: full and
+parallel, no activation checkpoint around the block (``parallel.ac`` none, moe or moe_act: full and
 selective recompute or keep what their own rule says); compile and float8 are refused
 (``config.checks``).
 """
@@ -47,9 +47,9 @@ from hsdp_runner.core.choices import AC
 
 def saves_unpacked(parallel: ParallelConfig) -> bool:
     """Whether nothing else packs what a block's attention saves in a job of ``parallel``:
-    no activation checkpoint around it (``parallel.ac`` none or moe) and no compile. Saved-
+    no activation checkpoint around it (``parallel.ac`` none, moe or moe_act) and no compile. Saved-
     tensor hooks of the runner's own (these, ``context_parallel._SharedOutput``) apply then."""
-    return AC(parallel.ac) in (AC.none, AC.moe) and not parallel.compile
+    return not AC(parallel.ac).wraps_blocks and not parallel.compile
 
 
 def saves_shard(parallel: ParallelConfig) -> bool:

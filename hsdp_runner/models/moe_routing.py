@@ -20,9 +20,10 @@ load-balance statistics, read top to bottom in the order a token meets them.
   (``distributed/float8.py`` sets ``group_rows`` = 16) each expert's rows are first padded
   with zero rows to a multiple of 16 (``aligned_groups``), which float8's grouped matmul
   needs.
-- ``WeightedSwiGLU``: the experts' activation times each row's router weight, saving its two
-  inputs and the weights only (``silu`` recomputed in backward). The weight is applied
-  before the down projection, as Megatron's grouped experts apply their permuted
+- ``WeightedSwiGLU`` (``expert_activation``): the experts' activation times each row's router
+  weight, saving its two inputs and the weights only (``silu`` recomputed in backward); under
+  ``parallel.ac=moe_act``, ``WeightedSwiGLUDown``, which keeps not even its output, the down
+  projection's input. The weight is applied before the down projection, as Megatron's grouped experts apply their permuted
   probabilities in the activation: ``w2(p h) = p w2(h)``, so the output is the same sum,
   and the combine then needs nothing of the experts' outputs for backward. Weighing after
   the experts instead (HF's and torchtitan's order) makes the weight's gradient read every
@@ -48,11 +49,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hsdp_runner.models.common import FeedForward
+from hsdp_runner.models.expert_activation import WeightedSwiGLU, WeightedSwiGLUDown
 
 
 def recomputing() -> bool:
@@ -186,6 +187,9 @@ class GroupedExperts(nn.Module):
     # 16 on experts it converts: torch._scaled_grouped_mm reads each group's rows at a
     # 16-byte aligned start in float8 (the weight gradient's reduction runs over them).
     group_rows = 1
+    # True (``parallel.ac=moe_act``, set by the runtime): the activation's output, the down
+    # projection's input, is recomputed in backward instead of kept (``WeightedSwiGLUDown``).
+    recompute_act = False
 
     def forward(self, x, counts, weight, overlap: Callable | None = None):
         """``compute(x, counts, weight)``; with ``overlap`` (the exchange's, chunks of tokens:
@@ -217,8 +221,11 @@ class GroupedExperts(nn.Module):
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
         up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-        hidden = WeightedSwiGLU.apply(gate, up, weight)
-        out = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
+        if self.recompute_act:
+            out = WeightedSwiGLUDown.apply(gate, up, weight, w2, offs)
+        else:
+            hidden = WeightedSwiGLU.apply(gate, up, weight)
+            out = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offs)
         return out if rows is None else out[rows]
 
     def _loop(self, x, counts, weight, w1, w2, w3) -> torch.Tensor:
@@ -229,8 +236,11 @@ class GroupedExperts(nn.Module):
         for expert, (part, part_weight) in enumerate(
             zip(torch.split(x, sizes), torch.split(weight, sizes))
         ):
-            hidden = WeightedSwiGLU.apply(part @ w1[expert].T, part @ w3[expert].T, part_weight)
-            outputs.append(hidden @ w2[expert].T)
+            gate, up = part @ w1[expert].T, part @ w3[expert].T
+            if self.recompute_act:
+                outputs.append(WeightedSwiGLUDown.apply(gate, up, part_weight, w2[expert], None))
+            else:
+                outputs.append(WeightedSwiGLU.apply(gate, up, part_weight) @ w2[expert].T)
         return torch.cat(outputs)
 
 
@@ -257,38 +267,6 @@ def aligned_groups(
     rows = start[group] + torch.arange(n, device=x.device) - first[group]
     out = x.new_zeros((size, x.shape[1])).index_copy(0, rows, x)
     return out, padded, rows
-
-
-class WeightedSwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` times each row's router ``weight``: ``apply(gate (M, hidden), up
-    (M, hidden), weight (M,) fp32)`` -> (M, hidden) in gate's dtype, the product with the
-    weight in fp32 and rounded once. Saves its three inputs only: backward recomputes
-    ``silu(gate) * up`` (two elementwise ops) where autograd of the expression would keep the
-    SiLU's output and the product besides, two more (M, hidden) tensors per routed copy.
-    Backward runs the ops autograd of ``(silu(gate) * up * weight[:, None]).to(gate.dtype)``
-    would: the weight's gradient from fp32 products summed in fp32, the rest through
-    ``silu_backward``."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up, weight)
-        # In place: the product with the fp32 weight computed in fp32 and stored in gate's
-        # dtype, one kernel and no fp32 copy (``* weight`` then ``.to`` would write one).
-        return (F.silu(gate) * up).mul_(weight[:, None])
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        gate, up, weight = ctx.saved_tensors
-        silu = F.silu(gate)
-        grad_weight = None
-        if ctx.needs_input_grad[2]:
-            # addcmul with a zero of the weight's dtype computes in it (type promotion): the
-            # products of the two rows without an fp32 copy of either.
-            zero = torch.zeros((1, 1), dtype=weight.dtype, device=gate.device)
-            grad_weight = torch.addcmul(zero, grad_out, silu * up).sum(dim=-1)
-        grad = (grad_out * weight[:, None]).to(gate.dtype)
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-        return grad_gate, grad * silu, grad_weight
 
 
 class SumCopies(torch.autograd.Function):

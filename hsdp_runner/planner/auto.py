@@ -344,8 +344,10 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
     nodes."""
     tried: list[tuple[str, Scenario]] = []
     order = [AC.none, AC.selective, AC.full]
-    # From moe (the MoE feed-forward alone) the stronger setting is full.
-    current = AC.selective if AC(cfg.parallel.ac) is AC.moe else AC(cfg.parallel.ac)
+    # From moe (the MoE feed-forward alone) the stronger setting is full; from moe_act (the
+    # experts' activation alone) selective and full.
+    current = {AC.moe: AC.selective, AC.moe_act: AC.none}.get(AC(cfg.parallel.ac))
+    current = current or AC(cfg.parallel.ac)
     for ac in order[order.index(current) + 1 :]:
         variant = cfg.copy()
         variant.parallel.ac = ac

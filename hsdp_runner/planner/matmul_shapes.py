@@ -90,12 +90,12 @@ def _moe_prefixes(model: nn.Module) -> dict[str, nn.Module]:
 
 def recompute_share(cfg: RunConfig, in_moe: bool = False) -> float:
     """How many times over activation checkpointing runs the blocks' forward GEMMs again in
-    one step (``in_moe``: those inside the MoE layers): 0 without AC, 1 with full, with
-    ``moe`` 1 inside the MoE layers and 0 outside, and with selective the share of the blocks'
-    forward matmul FLOPs its policy recomputes
+    one step (``in_moe``: those inside the MoE layers): 0 without AC or with ``moe_act``, 1
+    with full, with ``moe`` 1 inside the MoE layers and 0 outside, and with selective the
+    share of the blocks' forward matmul FLOPs its policy recomputes
     (``ModelSpec.selective_recompute_flops_per_token``)."""
     ac = AC(cfg.parallel.ac)
-    if ac is AC.none:
+    if ac in (AC.none, AC.moe_act):  # moe_act recomputes elementwise ops, no matmul
         return 0.0
     if ac is AC.moe:
         return 1.0 if in_moe else 0.0

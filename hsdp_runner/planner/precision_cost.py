@@ -128,7 +128,7 @@ def launch_seconds(cfg: RunConfig, cluster: Cluster, chunks: int = 1) -> float:
         fused,
         cluster.device_type,
         chunks,
-        ac is AC.moe,
+        ac,
         cfg.trainer.loss_fp32,
     ).launches
     recomputes = _block_recomputes(ac)
@@ -140,8 +140,8 @@ def launch_seconds(cfg: RunConfig, cluster: Cluster, chunks: int = 1) -> float:
 
 def _block_recomputes(ac: AC) -> int:
     """Times AC runs the traced blocks' forward once more: 1 for full and selective, 0 for
-    none and for ``moe``, whose recompute the trace holds as backward's."""
-    return 0 if ac in (AC.none, AC.moe) else 1
+    none, ``moe`` and ``moe_act``, whose recompute the trace holds as backward's."""
+    return 1 if ac.wraps_blocks else 0
 
 
 def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> float:
@@ -157,7 +157,7 @@ def memory_seconds(cfg: RunConfig, dims: ParallelDims, cluster: Cluster) -> floa
         fused,
         cluster.device_type,
         exchange_chunks(parallel, dims),
-        ac is AC.moe,
+        ac,
         trainer.loss_fp32,
     )
     # A micro-batch's tokens on one rank (each TP rank holds 1/tp of their activations).

@@ -82,13 +82,14 @@ class TraceSetting:
     'cpu': ``Cluster.device_type``), a model with experts routing its tokens in ``chunks``
     (``expert_parallel.exchange_chunks``: each chunk's routing, grouped matmuls and weighted
     sum are kernels of their own; the all-to-alls are communication, priced there) and, with
-    ``recompute_moe`` (``parallel.ac=moe``), running its MoE blocks' feed-forward again in
-    backward, as the job's build has it (``parallelize.apply_ac``: traced as backward's work);
-    the loss in fp32 where ``loss_fp32`` (``trainer.loss_fp32``)."""
+    ``moe_ac`` ``AC.moe`` or ``AC.moe_act`` (``parallel.ac``), recomputing its MoE blocks'
+    feed-forward or its experts' activation in backward, as the job's build has it
+    (``parallelize.apply_ac``: traced as backward's work); the loss in fp32 where
+    ``loss_fp32`` (``trainer.loss_fp32``)."""
 
     device_type: str = "cuda"
     chunks: int = 1
-    recompute_moe: bool = False
+    moe_ac: AC = AC.none
     loss_fp32: bool = True
 
 
@@ -311,8 +312,8 @@ def _run_trace(fields: str, recipe: str, layers: int, tokens: int, setting: Trac
         model = spec.build().to(torch.bfloat16)
     for layer in moe_layers(model):
         layer.exchange.chunks = setting.chunks  # its own LocalExchange: every expert here
-    if setting.recompute_moe:
-        apply_ac(model, AC.moe)
+    if setting.moe_ac is not AC.none:
+        apply_ac(model, setting.moe_ac)
     precision = PrecisionConfig(name="trace", float8=recipe)
     # Traced as a GPU runs it (not emulated): on meta, emulation would add its own upcasts.
     # The routed experts stay unconverted (``float8_experts.convert`` is not called): their
@@ -410,7 +411,7 @@ def _traffic(
         bwd = (bwd[0] + w[0] * count, bwd[1] + w[1] * count)
     # Outside the blocks: the one-block model less one block of the same kind, eager (the
     # blocks' chunks and recompute cancel there).
-    outside = dataclasses.replace(setting, chunks=1, recompute_moe=False)
+    outside = dataclasses.replace(setting, chunks=1, moe_ac=AC.none)
     eager_one, eager_two = (
         {n: _trace_model(kinds[0][0], recipe, depth, n, False, outside) for n in TRACE_TOKENS}
         for depth in (1, 2)
@@ -447,15 +448,15 @@ def traffic(
     compiled: bool,
     device_type: str = "cuda",
     chunks: int = 1,
-    recompute_moe: bool = False,
+    moe_ac: AC = AC.none,
     loss_fp32: bool = True,
 ) -> Traffic:
     """The memory traffic outside matmuls of ``model_cfg`` in ``precision`` (float8 casts
     included), eager or ``compiled`` (module docstring), its kernels as a ``device_type``
     ('cuda', 'cpu': ``Cluster.device_type``) job runs them, a model with experts routing its tokens
-    in ``chunks`` (``expert_parallel.exchange_chunks``) and with ``recompute_moe``
-    (``parallel.ac=moe``) running its MoE blocks' feed-forward again in backward, the loss in
-    fp32 where ``loss_fp32`` (``trainer.loss_fp32``); cached per shape."""
+    in ``chunks`` (``expert_parallel.exchange_chunks``) and with ``moe_ac`` (``parallel.ac``
+    moe or moe_act; any other mode counts as none here) recomputing its MoE blocks'
+    feed-forward or its experts' activation in backward, the loss in fp32 where ``loss_fp32`` (``trainer.loss_fp32``); cached per shape."""
     fields = model_fields(model_cfg)
     fields.pop("seq_len", None)
     fields["seq_len"] = 1
@@ -472,7 +473,7 @@ def traffic(
         TraceSetting(
             device_type,
             chunks if n_dense is not None else 1,
-            recompute_moe and n_dense is not None,
+            AC(moe_ac) if AC(moe_ac).needs_moe and n_dense is not None else AC.none,
             loss_fp32,
         ),
     )
