@@ -23,12 +23,13 @@ load-balance statistics, read top to bottom in the order a token meets them.
 - ``WeightedSwiGLU`` (``expert_activation``): the experts' activation times each row's router
   weight, saving its two inputs and the weights only (``silu`` recomputed in backward); under
   ``parallel.ac=moe_act``, ``WeightedSwiGLUDown``, which keeps not even its output, the down
-  projection's input. The weight is applied before the down projection, as Megatron's grouped experts apply their permuted
-  probabilities in the activation: ``w2(p h) = p w2(h)``, so the output is the same sum,
-  and the combine then needs nothing of the experts' outputs for backward. Weighing after
-  the experts instead (HF's and torchtitan's order) makes the weight's gradient read every
-  routed output, so the layer keeps one more (rows, dim) tensor per routed copy: about a
-  third of what an MoE layer saves.
+  projection's input. The weight is applied before the down projection, as Megatron's
+  grouped experts apply their permuted probabilities in the activation:
+  ``w2(p h) = p w2(h)``, so the output is the same sum, and the combine then needs nothing
+  of the experts' outputs for backward. Weighing after the experts instead (HF's and
+  torchtitan's order) makes the weight's gradient read every routed output, so the layer
+  keeps one more (rows, dim) tensor per routed copy: about a third of what an MoE layer
+  saves.
 - ``sum_copies`` (``SumCopies``): each token's copies summed in fp32 and rounded once,
   saving only the index.
 - ``MoE``: the layer (router, exchange, experts, shared experts), plus the hooks the runtime
