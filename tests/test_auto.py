@@ -285,6 +285,34 @@ def test_fits_nowhere_plans_each_remedy_and_lists_those_that_fit(monkeypatch):
     )
 
 
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        ([], ["moe_act", "selective", "moe", "full"]),
+        (["parallel.ac=moe_act"], ["selective", "moe", "full"]),
+        (["parallel.ac=moe"], ["full"]),
+        # The experts' activation is not recomputed beside float8 experts (refused there).
+        (["precision=float8", "precision.float8_experts=true"], ["selective", "moe", "full"]),
+        (["model.n_dense_layers=2", "model.n_layers=2"], ["selective", "full"]),
+    ],
+)
+def test_a_moe_job_that_fits_nowhere_tries_each_stronger_recompute(monkeypatch, extra, expected):
+    """A model with MoE blocks climbs the recompute settings that keep less: the experts'
+    activation, selective, the MoE feed-forward, full; a model of dense blocks only (every
+    block dense) the dense ladder."""
+    seen = []
+
+    def fake_plan(scenarios, on_error=None):
+        seen.extend(scenarios)
+        return [None] * len(scenarios)
+
+    monkeypatch.setattr(auto, "plan_scenarios", fake_plan)
+    cfg = compose([*AUTO, "model=moe_tiny", *extra])
+    auto.remedies(cfg, _cluster(), {})
+    assert [s.cfg.parallel.ac for s in seen[: len(expected)]] == expected
+    assert seen[len(expected)].cfg.parallel.ac == cfg.parallel.ac  # then the batch's remedies
+
+
 def test_job_prediction_puts_predicted_next_to_measured_and_names_the_runner_up(tmp_path):
     rows = [
         _row((1, 2, 1), 0.5, 1.0),

@@ -38,6 +38,7 @@ from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
+from hsdp_runner.models.base import routed_experts
 from hsdp_runner.planner import matmul_shapes
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
@@ -336,19 +337,28 @@ def _degrees(entry: dict) -> str:
     return " ".join(degrees + others)
 
 
+def _ac_ladder(cfg: DictConfig) -> list[AC]:
+    """The activation-checkpointing settings of ``cfg``'s model from the one that keeps most
+    to the one that keeps least. With MoE blocks: the experts' activation alone (``moe_act``,
+    no matmul again; not beside float8 experts, which it is refused with), then selective,
+    then the MoE feed-forward alone (``moe``: in an MoE model it keeps less than selective,
+    docs/moe.md), then full; without: none, selective, full."""
+    moe_blocks = cfg.model.n_layers - (cfg.model.get("n_dense_layers", 0) or 0)
+    if routed_experts(cfg.model) == 0 or moe_blocks < 1:
+        return [AC.none, AC.selective, AC.full]
+    act = [] if cfg.precision.float8_experts else [AC.moe_act]
+    return [AC.none, *act, AC.selective, AC.moe, AC.full]
+
+
 def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, dict | None]]:
     """What could make the job fit, each planned: (the change as an override, its best
-    fitting row or None). Tried, one step each (each costs fake measurements): stronger
-    activation checkpointing, half the global batch, twice the micro-batches at the same
+    fitting row or None). Tried, one step each (each costs fake measurements): each stronger
+    activation checkpointing (``_ac_ladder``), half the global batch, twice the micro-batches at the same
     global batch (gradients reduced every micro-batch, so FSDP's stay sharded), twice the
     nodes."""
     tried: list[tuple[str, Scenario]] = []
-    order = [AC.none, AC.selective, AC.full]
-    # From moe (the MoE feed-forward alone) the stronger setting is full; from moe_act (the
-    # experts' activation alone) selective and full.
-    current = {AC.moe: AC.selective, AC.moe_act: AC.none}.get(AC(cfg.parallel.ac))
-    current = current or AC(cfg.parallel.ac)
-    for ac in order[order.index(current) + 1 :]:
+    order = _ac_ladder(cfg)  # the job's own setting is on it: the config checks refuse others
+    for ac in order[order.index(AC(cfg.parallel.ac)) + 1 :]:
         variant = cfg.copy()
         variant.parallel.ac = ac
         tried.append((f"parallel.ac={ac.value}", Scenario(variant, cluster, {}, fixed)))
