@@ -34,11 +34,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from hsdp_runner.config.compose import CONF_DIR, to_run_config
-from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, RunConfig
+from hsdp_runner.config.schema import ClusterConfig, ParallelConfig, PrecisionConfig, RunConfig
 from hsdp_runner.core.choices import AC, AccumReduce
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.pipeline_settings import checkpoint_refusal
-from hsdp_runner.models.base import routed_experts
+from hsdp_runner.models.base import ModelConfig, routed_experts
 from hsdp_runner.planner import matmul_shapes
 from hsdp_runner.planner import memory as plan_memory
 from hsdp_runner.planner import report as plan_report
@@ -337,16 +337,16 @@ def _degrees(entry: dict) -> str:
     return " ".join(degrees + others)
 
 
-def _ac_ladder(cfg: DictConfig) -> list[AC]:
-    """The activation-checkpointing settings of ``cfg``'s model from the one that keeps most
-    to the one that keeps least. With MoE blocks: the experts' activation alone (``moe_act``,
-    no matmul again; not beside float8 experts, which it is refused with), then selective,
-    then the MoE feed-forward alone (``moe``: in an MoE model it keeps less than selective,
-    docs/moe.md), then full; without: none, selective, full."""
-    moe_blocks = cfg.model.n_layers - (cfg.model.get("n_dense_layers", 0) or 0)
-    if routed_experts(cfg.model) == 0 or moe_blocks < 1:
+def _ac_ladder(model: ModelConfig, precision: PrecisionConfig) -> list[AC]:
+    """The activation-checkpointing settings of ``model`` in ``precision``, from the one that
+    keeps most to the one that keeps least. With MoE blocks: the experts' activation alone
+    (``moe_act``, no matmul again; not beside float8 experts, which it is refused with), then
+    selective, then the MoE feed-forward alone (``moe``: in an MoE model it keeps less than
+    selective, docs/moe.md), then full; without: none, selective, full."""
+    moe_blocks = model.n_layers - (getattr(model, "n_dense_layers", 0) or 0)
+    if routed_experts(model) == 0 or moe_blocks < 1:
         return [AC.none, AC.selective, AC.full]
-    act = [] if cfg.precision.float8_experts else [AC.moe_act]
+    act = [] if precision.float8_experts else [AC.moe_act]
     return [AC.none, *act, AC.selective, AC.moe, AC.full]
 
 
@@ -357,7 +357,9 @@ def remedies(cfg: DictConfig, cluster: Cluster, fixed: dict) -> list[tuple[str, 
     global batch (gradients reduced every micro-batch, so FSDP's stay sharded), twice the
     nodes."""
     tried: list[tuple[str, Scenario]] = []
-    order = _ac_ladder(cfg)  # the job's own setting is on it: the config checks refuse others
+    order = _ac_ladder(
+        cfg.model, cfg.precision
+    )  # the job's own setting is on it: the config checks refuse others
     for ac in order[order.index(AC(cfg.parallel.ac)) + 1 :]:
         variant = cfg.copy()
         variant.parallel.ac = ac
