@@ -13,7 +13,7 @@ from conftest import read_job, run_cli
 from distributed import run_workers
 
 from hsdp_runner.config.schema import ParallelConfig
-from hsdp_runner.core.choices import ExchangeOrder
+from hsdp_runner.core.choices import Dtype, ExchangeOrder
 from hsdp_runner.core.errors import ConfigError
 from hsdp_runner.distributed.parallel_dims import ParallelDims
 
@@ -383,6 +383,32 @@ def _chunked_layer(
     }
 
 
+def _held_gradient_dtypes(cfg) -> dict:
+    """Train one step of ``cfg`` (two micro-batches, the first's gradients held unreduced) and
+    return, by unit ('experts': the routed experts', 'dense': the rest), the dtypes FSDP2 held
+    the first micro-batch's unsharded gradients in (``FSDPParam.to_accumulated_grad_if_needed``
+    runs at each unsynced unit's post-backward)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    held = {"experts": set(), "dense": set()}
+    convert = FSDPParam.to_accumulated_grad_if_needed
+
+    def record(self):
+        convert(self)
+        grad = self.unsharded_accumulated_grad
+        if grad is None and self._unsharded_param.grad is not None:
+            grad = self._unsharded_param.grad
+        if grad is not None:
+            held["experts" if ".experts." in self._param_fqn else "dense"].add(str(grad.dtype))
+
+    FSDPParam.to_accumulated_grad_if_needed = record
+    try:
+        _train(cfg, None)
+    finally:
+        FSDPParam.to_accumulated_grad_if_needed = convert
+    return {unit: sorted(dtypes) for unit, dtypes in held.items()}
+
+
 def _four_rank_configs() -> dict:
     """The typed configs ``_four_rank_cases`` trains or builds, by case."""
     from test_config import compose
@@ -394,6 +420,15 @@ def _four_rank_configs() -> dict:
         "train_ep1": _train_config(1),
         "train_ep4_flat": _train_config(4),
         "train_ep4_2_nodes": _train_config(4, "parallel.ep_order=per_chunk"),
+        # ep 4 = dp_shard: no other rank holds a rank's experts (efsdp 1); bf16 master weights.
+        "held_grads_ep4_bf16_master": _train_config(
+            4,
+            "precision=bf16",
+            "precision.master_dtype=bfloat16",
+            "trainer.grad_accum_steps=2",
+            "trainer.accum_reduce=last",
+            "trainer.steps=1",
+        ),
     }
 
 
@@ -418,12 +453,36 @@ def _four_rank_cases(configs: dict) -> dict:
         "train_ep1": _train(configs["train_ep1"], None),
         "train_ep4_flat": _train(configs["train_ep4_flat"], None),
         "train_ep4_2_nodes": _train(configs["train_ep4_2_nodes"], 2),
+        "held_grads": _held_gradient_dtypes(configs["held_grads_ep4_bf16_master"]),
     }
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict:
     return run_workers(_four_rank_cases, 4, _four_rank_configs())
+
+
+@pytest.mark.multiprocess
+def test_experts_no_other_rank_holds_accumulate_their_gradients_in_the_master_dtype(four_ranks):
+    """With bf16 master weights, a micro-batch's unreduced expert gradients are held in bf16
+    where no other rank holds those experts (nothing to reduce: the fp32 reduce dtype would
+    only double them), the dense units' in the fp32 reduce dtype, on every rank."""
+    for result in four_ranks.values():
+        assert result["held_grads"] == {"experts": ["torch.bfloat16"], "dense": ["torch.float32"]}
+
+
+def test_a_unit_without_peers_reduces_in_no_wider_a_dtype_than_its_master_weights():
+    from hsdp_runner.config.schema import PrecisionConfig
+    from hsdp_runner.distributed.parallelize import mixed_precision_policy
+
+    bf, fp = Dtype.bfloat16, Dtype.float32
+    bf16_master = PrecisionConfig(name="p", param_dtype=bf, master_dtype=bf)
+    bf16 = PrecisionConfig(name="p", param_dtype=bf, master_dtype=fp)
+    low_reduce = PrecisionConfig(name="p", param_dtype=bf, reduce_dtype=bf)
+    cases = [(bf16_master, True, torch.float32), (bf16_master, False, torch.bfloat16)]
+    cases += [(bf16, False, torch.float32), (low_reduce, False, torch.bfloat16)]
+    for precision, reduced, dtype in cases:
+        assert mixed_precision_policy(precision, reduced=reduced).reduce_dtype == dtype
 
 
 @pytest.mark.multiprocess

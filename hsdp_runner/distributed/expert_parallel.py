@@ -38,7 +38,6 @@ per-step figures) is ``expert_balance.py``'s.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from torch import nn
@@ -235,6 +234,7 @@ def apply_expert_parallel(
     dims: ParallelDims,
     world: WorldMesh,
     mp_policy,
+    experts_policy,
     reshard_after_forward: bool,
     compiled: bool = False,
     chunks: int = 1,
@@ -242,7 +242,8 @@ def apply_expert_parallel(
 ) -> None:
     """Set the MoE hooks of ``model`` (a stage, on the meta device) and shard its experts over
     the ``ep``, ``efsdp`` and ``dp_shard_cp_tp`` meshes of ``world`` (see the module
-    docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``) and
+    docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``; the routed
+    experts' unit ``experts_policy``: ``parallelize.mixed_precision_policy``) and
     ``reshard_after_forward``; with ``compiled`` (``parallel.compile``: the blocks were
     compiled), ``keep_out_of_compiled_code``; ``chunks`` and ``order``: the exchange's
     (``exchange_chunks``, ``exchange_order``). Nothing to do for a dense model. The MoE's own
@@ -260,10 +261,6 @@ def apply_expert_parallel(
         if sequence_sum is not None:
             moe.sequence_sum = sequence_sum
     if dims.ep > 1 or dims.tp > 1:
-        # The experts take their rows' router weights as an argument, in fp32 (the product
-        # with them is taken in fp32); their rows come in the compute dtype already (the
-        # block's), so their unit casts nothing.
-        experts_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
         for moe in moes.values():
             if dims.ep > 1:
                 _distribute_experts(moe.experts, world["ep"])

@@ -69,7 +69,7 @@ from multiprocessing import get_context
 from hsdp_runner.distributed.hardware import cache_dir
 from hsdp_runner.planner.mem_phases import PhaseRecorder, categories
 
-CACHE_VERSION = 21  # bump when what a measurement holds changes (5: phases and marks; 6:
+CACHE_VERSION = 22  # bump when what a measurement holds changes (5: phases and marks; 6:
 # DTensor's shape inference untracked, ``_untracked_dtensor_meta``; 7: ``mem_phases.MOMENTS``;
 # 8: the job's build, float8 conversion included; 9: the MoE layer saves its routed copies in
 # their own dtype, ``moe_routing.WeightedCombine`` (gone since 21): a model with experts holds
@@ -88,7 +88,9 @@ CACHE_VERSION = 21  # bump when what a measurement holds changes (5: phases and 
 # too, ``loss.next_token_loss``: a TP layout with loss parallel; 19: context parallel's two query
 # chunks' attention outputs saved once, ``context_parallel._SharedOutput``: a cp layout; 20:
 # ``trainer.loss_fp32`` in a request; 21: the experts weigh their outputs by the router,
-# ``moe_routing.WeightedSwiGLU``, and the combine keeps none of them: a model with experts)
+# ``moe_routing.WeightedSwiGLU``, and the combine keeps none of them: a model with experts; 22:
+# experts no other rank holds accumulate their gradients in no wider a dtype than the master
+# weights, ``parallelize.mixed_precision_policy``: ep over all of a replica, bf16 master weights)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
