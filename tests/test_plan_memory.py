@@ -2,6 +2,8 @@
 equal to the tracker's measurement of the whole model, and accumulation that saves memory under
 ``trainer.accum_reduce=every`` (FSDP reduce-scatters every micro-batch) but not under ``last``."""
 
+import json
+
 import pytest
 from clusters import fake_cluster
 from omegaconf import OmegaConf
@@ -97,6 +99,27 @@ def _pipeline_parts(phases: dict) -> tuple[float, float, float]:
     skip = set(layout_memory.HEAD_PHASES) | set(mem_phases.MOMENTS)
     rest = max(c["total"] for k, c in phases.items() if k.split("/")[1] not in skip)
     return phases["0/at:blocks_end"]["act"], phases["0/at:loss_end"]["act"], rest
+
+
+def test_a_cached_measurement_is_reused_only_under_the_torch_it_was_measured_with(
+    cache, monkeypatch
+):
+    """The disk cache answers a request it holds without measuring; another torch version
+    names another file, so an upgrade measures afresh instead of reading the old figures."""
+    import torch
+
+    from hsdp_runner.distributed.hardware import cache_dir
+
+    req = plan_memory.request(
+        {"name": "llama3_tiny"}, {}, {}, [], (1, 8), 1, 1, 4, 4, 2, accum_reduce="every"
+    )
+    held = {"phases": {"0/fw:head": {"act": 1.0}}}
+    path = cache_dir() / "memory" / f"{plan_memory._key(req)}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(held))
+    assert plan_memory.measure([req]) == [held]  # no child started: it would fail on this model
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".next")
+    assert not (cache_dir() / "memory" / f"{plan_memory._key(req)}.json").exists()
 
 
 def test_extrapolation_grows_each_phase_by_what_it_holds_of_the_other_blocks():

@@ -149,7 +149,13 @@ def request(
 
 
 def _key(req: dict) -> str:
-    return hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:24]
+    """The disk cache's name for ``req``'s measurement: its content, ``CACHE_VERSION`` among it,
+    and the torch it is measured with (FSDP2's and DTensor's allocations are torch's, so an
+    upgraded torch measures afresh)."""
+    import torch
+
+    keyed = {**req, "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def measure(requests: list[dict], use_disk_cache: bool = True) -> list[dict]:
