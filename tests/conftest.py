@@ -229,12 +229,14 @@ def _eight_rank_cases(configs: dict) -> dict:
     import test_correctness
     import test_pipeline
     import test_placements
+    from distributed import own_groups
 
-    return {
-        **test_placements._eight_rank_layouts(configs["placements"]),
-        "state_dicts": test_correctness._two_models_state_dicts(configs["state_dicts"]),
-        "pipeline": test_pipeline._train_cases(configs["pipeline"]),
-    }
+    with own_groups():
+        out = test_placements._eight_rank_layouts(configs["placements"])
+    with own_groups():
+        out["state_dicts"] = test_correctness._two_models_state_dicts(configs["state_dicts"])
+    out["pipeline"] = test_pipeline._train_cases(configs["pipeline"])
+    return out
 
 
 def _eight_rank_configs() -> dict:

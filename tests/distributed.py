@@ -77,6 +77,30 @@ def _wrapped(fn, args):
     return result
 
 
+@contextlib.contextmanager
+def own_groups():
+    """In a rank: destroy, on leaving without an error, the process groups made inside (one
+    layout's world mesh, in a task that builds one layout after another).
+
+    Each gloo group keeps a thread that wakes every 10 ms for as long as the group lives (its
+    device's event loop), and nothing else ends them before the rank does: a 2-D mesh of 4
+    ranks makes 15 a rank, and a task that trained 21 layouts in turn kept 360 threads a rank
+    waking. A group lives while a mesh holds it, and DTensor's sharding caches hold the meshes
+    they saw, so those are cleared too (the planner's measuring child does the same between
+    worlds)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from hsdp_runner.planner.memory import _forget_dtensor_caches
+
+    before = set(distributed_c10d._world.pg_map)
+    yield
+    for group in [g for g in distributed_c10d._world.pg_map if g not in before]:
+        dist.destroy_process_group(group)
+    _forget_dtensor_caches()
+    gc.collect()
+
+
 def run_workers(fn, nproc: int, *args) -> dict:
     """Run ``fn(*args)`` on ``nproc`` gloo ranks with a process group set up and torn down.
 

@@ -10,7 +10,7 @@ step's routing, which is uneven, so a balanced estimate would miss them.
 import itertools
 
 import pytest
-from distributed import run_workers
+from distributed import own_groups, run_workers
 from test_config import compose
 
 BASE = [
@@ -225,9 +225,11 @@ def _measure_layouts(configs):
         # meshes compare equal (DeviceMesh equality ignores the root mesh), and with them that
         # world's meshes, and with them collectives over another world's groups.
         _clear_sharding_prop_cache()
-        trainer, _ = rank_trainer(cfg, ranks_per_node=RANKS_PER_NODE.get(name))
-        trainer.fit()
-        out[name] = trainer.comm_facts | {"comm_balanced": trainer.figures.analytic_comm()}
+        with own_groups():
+            trainer, _ = rank_trainer(cfg, ranks_per_node=RANKS_PER_NODE.get(name))
+            trainer.fit()
+            out[name] = trainer.comm_facts | {"comm_balanced": trainer.figures.analytic_comm()}
+            del trainer
     out["c10d_all_to_all"] = _c10d_all_to_all()
     return out
 

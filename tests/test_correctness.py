@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from distributed import run_workers
+from distributed import own_groups, run_workers
 from test_config import compose
 from torch import nn
 
@@ -282,7 +282,17 @@ def _eval_configs(cases):
 
 
 def _train_eval_frozen(cases):
-    """Train, evaluate and check the frozen embedding for each of ``_eval_configs``."""
+    """Train, evaluate and check the frozen embedding for each of ``_eval_configs``, each
+    case's groups ended before the next (``own_groups``)."""
+    results = {}
+    for (layout, reshard), cfg in cases:
+        with own_groups():
+            results[f"{layout}/reshard={reshard}"] = _train_eval_frozen_case(cfg)
+    return results
+
+
+def _train_eval_frozen_case(cfg) -> dict:
+    """One case of ``_train_eval_frozen``: its results."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -290,50 +300,47 @@ def _train_eval_frozen(cases):
     from hsdp_runner.runtime.rank_training import rank_trainer
     from hsdp_runner.train.data import EVAL_STEP_OFFSET, TokenBatches
 
-    results = {}
-    for (layout, reshard), cfg in cases:
-        trainer, dims = rank_trainer(cfg)
-        (model,) = trainer.parts
+    trainer, dims = rank_trainer(cfg)
+    (model,) = trainer.parts
 
-        def full_weights(model=model):
-            return {
-                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in model.named_parameters()
-            }
-
-        before = full_weights()
-        trainer.fit()
-        eval_loss = trainer.evaluate(2)
-        after = full_weights()
-        single_eval = None
-        if dist.get_rank() == 0:
-            plain = Llama(cfg.model)
-            plain.load_state_dict(after, strict=False)
-            batches = TokenBatches(
-                cfg.data,
-                cfg.model.vocab_size,
-                cfg.model.seq_len,
-                cfg.trainer.global_batch_size,
-                0,
-                1,
-                cfg.trainer.seed,
-            )
-            with torch.no_grad():
-                losses = [
-                    F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
-                    for x, y in (batches.local_batch(EVAL_STEP_OFFSET + i) for i in range(2))
-                ]
-            single_eval = torch.stack(losses).mean().item()
-        results[f"{layout}/reshard={reshard}"] = {
-            "frozen_identical": all(torch.equal(before[n], after[n]) for n in FROZEN),
-            "frozen_requires_grad": any(
-                dict(model.named_parameters())[n].requires_grad for n in FROZEN
-            ),
-            "trained_changed": not torch.equal(before["output.weight"], after["output.weight"]),
-            "eval_loss": eval_loss,
-            "single_eval": single_eval,
+    def full_weights(model=model):
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
         }
-    return results
+
+    before = full_weights()
+    trainer.fit()
+    eval_loss = trainer.evaluate(2)
+    after = full_weights()
+    single_eval = None
+    if dist.get_rank() == 0:
+        plain = Llama(cfg.model)
+        plain.load_state_dict(after, strict=False)
+        batches = TokenBatches(
+            cfg.data,
+            cfg.model.vocab_size,
+            cfg.model.seq_len,
+            cfg.trainer.global_batch_size,
+            0,
+            1,
+            cfg.trainer.seed,
+        )
+        with torch.no_grad():
+            losses = [
+                F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
+                for x, y in (batches.local_batch(EVAL_STEP_OFFSET + i) for i in range(2))
+            ]
+        single_eval = torch.stack(losses).mean().item()
+    return {
+        "frozen_identical": all(torch.equal(before[n], after[n]) for n in FROZEN),
+        "frozen_requires_grad": any(
+            dict(model.named_parameters())[n].requires_grad for n in FROZEN
+        ),
+        "trained_changed": not torch.equal(before["output.weight"], after["output.weight"]),
+        "eval_loss": eval_loss,
+        "single_eval": single_eval,
+    }
 
 
 def _check_eval_and_frozen(results):

@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 from conftest import read_job, run_cli
-from distributed import run_workers
+from distributed import own_groups, run_workers
 
 from hsdp_runner.config.schema import ParallelConfig
 from hsdp_runner.core.choices import Dtype, ExchangeOrder
@@ -433,28 +433,33 @@ def _four_rank_configs() -> dict:
 
 
 def _four_rank_cases(configs: dict) -> dict:
-    return {
-        "chunked_layer": _chunked_layer(),
-        "chunked_layer_by_node": _chunked_layer(4, 2),
-        "chunked_layer_by_node_per_chunk": _chunked_layer(4, 2, "per_chunk"),
-        "skipped_step_bias": _skipped_step_bias(configs["skipped_step_bias"]),
-        "stage_buffers": _stage_buffers(),
-        "meshes": _meshes(),
-        "exchange_ep4": _exchange(4, torch.float32),
-        "exchange_ep2": _exchange(2, torch.float32),
-        "exchange_ep2_bf16": _exchange(2, torch.bfloat16),
+    cases = {
+        "chunked_layer": lambda: _chunked_layer(),
+        "chunked_layer_by_node": lambda: _chunked_layer(4, 2),
+        "chunked_layer_by_node_per_chunk": lambda: _chunked_layer(4, 2, "per_chunk"),
+        "skipped_step_bias": lambda: _skipped_step_bias(configs["skipped_step_bias"]),
+        "stage_buffers": _stage_buffers,
+        "meshes": _meshes,
+        "exchange_ep4": lambda: _exchange(4, torch.float32),
+        "exchange_ep2": lambda: _exchange(2, torch.float32),
+        "exchange_ep2_bf16": lambda: _exchange(2, torch.bfloat16),
         # By node: ep 4 over 2 nodes of 2; over 4 nodes of 1 (no second stage), top 3 (two
         # copies of a token on one node); ep 2 over 2 nodes of 1; bf16.
-        "exchange_ep4_2_nodes": _exchange(4, torch.float32, 2),
-        "exchange_ep4_4_nodes_top3": _exchange(4, torch.float32, 1, top_k=3),
-        "exchange_ep2_2_nodes": _exchange(2, torch.float32, 1),
-        "exchange_ep4_2_nodes_bf16": _exchange(4, torch.bfloat16, 2),
-        "cross_node_bytes": _cross_node_bytes(),
-        "train_ep1": _train(configs["train_ep1"], None),
-        "train_ep4_flat": _train(configs["train_ep4_flat"], None),
-        "train_ep4_2_nodes": _train(configs["train_ep4_2_nodes"], 2),
-        "held_grads": _held_gradient_dtypes(configs["held_grads_ep4_bf16_master"]),
+        "exchange_ep4_2_nodes": lambda: _exchange(4, torch.float32, 2),
+        "exchange_ep4_4_nodes_top3": lambda: _exchange(4, torch.float32, 1, top_k=3),
+        "exchange_ep2_2_nodes": lambda: _exchange(2, torch.float32, 1),
+        "exchange_ep4_2_nodes_bf16": lambda: _exchange(4, torch.bfloat16, 2),
+        "cross_node_bytes": _cross_node_bytes,
+        "train_ep1": lambda: _train(configs["train_ep1"], None),
+        "train_ep4_flat": lambda: _train(configs["train_ep4_flat"], None),
+        "train_ep4_2_nodes": lambda: _train(configs["train_ep4_2_nodes"], 2),
+        "held_grads": lambda: _held_gradient_dtypes(configs["held_grads_ep4_bf16_master"]),
     }
+    out = {}
+    for name, case in cases.items():
+        with own_groups():
+            out[name] = case()
+    return out
 
 
 @pytest.fixture(scope="module")

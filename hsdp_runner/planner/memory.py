@@ -279,13 +279,14 @@ def _join(world_size: int) -> None:
 def _forget_dtensor_caches() -> None:
     """Clear DTensor's caches that hold meshes (torch 2.13's private names; see ``_join``)."""
     import torch
-    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute._planner_cache.clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
     # The C++ dispatch fast path keeps a sharding cache of its own: left, a build whose group
     # names shifted (a model with experts creates more groups) met an earlier world's names.
     torch._C._clear_DTensor_sharding_propagator_cache()
