@@ -478,7 +478,7 @@ def test_experts_no_other_rank_holds_accumulate_their_gradients_in_the_master_dt
 
 def test_a_unit_without_peers_reduces_in_no_wider_a_dtype_than_its_master_weights():
     from hsdp_runner.config.schema import PrecisionConfig
-    from hsdp_runner.distributed.parallelize import mixed_precision_policy
+    from hsdp_runner.distributed.mixed_precision import mixed_precision_policy
 
     bf, fp = Dtype.bfloat16, Dtype.float32
     bf16_master = PrecisionConfig(name="p", param_dtype=bf, master_dtype=bf)

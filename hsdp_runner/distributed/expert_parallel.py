@@ -243,7 +243,7 @@ def apply_expert_parallel(
     """Set the MoE hooks of ``model`` (a stage, on the meta device) and shard its experts over
     the ``ep``, ``efsdp`` and ``dp_shard_cp_tp`` meshes of ``world`` (see the module
     docstring), with ``mp_policy`` (the dense blocks' ``MixedPrecisionPolicy``; the routed
-    experts' unit ``experts_policy``: ``parallelize.mixed_precision_policy``) and
+    experts' unit ``experts_policy``: ``mixed_precision.mixed_precision_policy``) and
     ``reshard_after_forward``; with ``compiled`` (``parallel.compile``: the blocks were
     compiled), ``keep_out_of_compiled_code``; ``chunks`` and ``order``: the exchange's
     (``exchange_chunks``, ``exchange_order``). Nothing to do for a dense model. The MoE's own

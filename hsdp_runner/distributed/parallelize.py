@@ -28,6 +28,7 @@ from hsdp_runner.distributed.expert_parallel import (
     exchange_chunks,
     exchange_order,
 )
+from hsdp_runner.distributed.mixed_precision import mixed_precision_policy
 from hsdp_runner.distributed.parallel_dims import ParallelDims, WorldMesh
 from hsdp_runner.distributed.sp_saves import (
     PrepareInputSavingShard,
@@ -48,33 +49,6 @@ def _new_replicate():
         ).replicate
     except (ImportError, AttributeError):
         return None
-
-
-def mixed_precision_policy(
-    precision: PrecisionConfig, cast_forward_inputs: bool = True, reduced: bool = True
-):
-    """Build the MixedPrecisionPolicy for the ``precision`` config node; ``cast_forward_inputs``
-    False for a module whose float inputs must keep their dtype (the blocks' RoPE tables).
-
-    ``reduced`` False for a unit whose gradients no other rank holds (its FSDP group, replicas
-    included, is one rank: routed experts that ep alone shards). Its reduce dtype then only
-    sets what FSDP2 accumulates a step's unsharded gradients in until they are stored in the
-    master dtype (``FSDPParam.to_accumulated_grad_if_needed``: every micro-batch of a pipeline
-    schedule, or of ``trainer.accum_reduce=last``), so it is made no wider than the master
-    dtype: with bf16 master weights an fp32 reduce dtype doubled the experts' largest transient
-    (fp32 copies of every local expert's gradient) for a reduction that sums nothing, the
-    gradients a parameter outside FSDP would accumulate in bf16."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    reduce = torch_dtype(precision.reduce_dtype)
-    master = torch_dtype(precision.master_dtype)
-    if not reduced and master.itemsize < reduce.itemsize:
-        reduce = master
-    return MixedPrecisionPolicy(
-        param_dtype=torch_dtype(precision.param_dtype),
-        reduce_dtype=reduce,
-        cast_forward_inputs=cast_forward_inputs,
-    )
 
 
 def apply_tp(

@@ -90,7 +90,7 @@ CACHE_VERSION = 22  # bump when what a measurement holds changes (5: phases and 
 # ``trainer.loss_fp32`` in a request; 21: the experts weigh their outputs by the router,
 # ``moe_routing.WeightedSwiGLU``, and the combine keeps none of them: a model with experts; 22:
 # experts no other rank holds accumulate their gradients in no wider a dtype than the master
-# weights, ``parallelize.mixed_precision_policy``: ep over all of a replica, bf16 master weights)
+# weights, ``mixed_precision.mixed_precision_policy``: ep over all of a replica, bf16 master weights)
 MAX_CHILDREN = max(1, min(2, os.cpu_count() or 1))
 _POOL: ProcessPoolExecutor | None = None  # see _children
 # How the measuring children start (``start_children_in``): spawned unless the caller has a
