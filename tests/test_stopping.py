@@ -217,25 +217,41 @@ def test_a_sweep_with_an_interrupted_job_exits_with_its_signal_code():
 
 
 def _group_timeouts() -> dict:
+    """Per mesh built here (one as in-process tests build it, one with a timeout of its own):
+    each world-spanning group's timeout and whether it is the default group."""
     import torch
+    import torch.distributed as dist
 
     dims = ParallelDims.from_config(
         ParallelConfig(dp_shard=2),
         OmegaConf.create({"n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "dim": 64}),
         2,
     )
-    world = dims.build_mesh("cpu")  # as in-process tests build it: no timeout given
-    groups = {name: world[name].get_group() for name in ("dp_shard", "dp")}
-    return {
-        name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        for name, g in groups.items()
-    }
+    found = {}
+    # No timeout given (as in-process tests build it), then one the default group lacks.
+    for label, timeout_s in (("default", None), ("own", TEST_TIMEOUT_S + 1)):
+        world = dims.build_mesh("cpu", timeout_s)
+        for name in ("dp_shard", "dp"):
+            group = world[name].get_group()
+            options = group._get_backend(torch.device("cpu")).options
+            found[f"{label}/{name}"] = (
+                options._timeout.total_seconds(),
+                group is dist.group.WORLD,
+            )
+    return found
 
 
 @pytest.mark.multiprocess
 def test_every_test_mesh_group_gets_the_short_collective_timeout():
+    # A group over every rank with the default group's timeout is the default group (no copy:
+    # on a GPU a second communicator over every rank); with another timeout, a group of its own.
     results = run_workers(_group_timeouts, 2)
-    assert results[0] == {"dp_shard": TEST_TIMEOUT_S, "dp": TEST_TIMEOUT_S}
+    assert results[0] == {
+        "default/dp_shard": (TEST_TIMEOUT_S, True),
+        "default/dp": (TEST_TIMEOUT_S, True),
+        "own/dp_shard": (TEST_TIMEOUT_S + 1, False),
+        "own/dp": (TEST_TIMEOUT_S + 1, False),
+    }
     assert TEST_TIMEOUT_S < timedelta(minutes=30).total_seconds()
 
 

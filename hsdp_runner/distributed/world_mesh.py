@@ -5,7 +5,8 @@ for ``mesh["tp"]``; ``pp``, the pipeline stages, is outermost) and the flattened
 of the batch a rank reads), ``dp_shard_cp`` (shard x cp: what FSDP shards parameters over,
 since cp ranks hold the same parameters and see different tokens) and ``dp_cp`` (replicate x
 shard x cp: what the loss and the step statistics average over). ``build_world_mesh`` creates
-the process groups once, each with the job's collective timeout; ``WorldMesh`` hands out
+the process groups once, each with the job's collective timeout (a dim or view over every rank
+is the default group itself where its timeout is the job's); ``WorldMesh`` hands out
 submeshes by name. The degrees themselves are ``ParallelDims``' (``parallel_dims.py``), whose
 ``build_mesh`` calls ``build_world_mesh``.
 
@@ -28,6 +29,7 @@ group's (the communication counter names them by their group, ``comm_counting``)
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -93,16 +95,28 @@ def build_world_mesh(
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    default_timeout_s = default_group_timeout_s(device_type)
     if timeout_s is None:
-        timeout_s = default_group_timeout_s(device_type)
+        timeout_s = default_timeout_s
+    world = math.prod(shape)
+    # A group spanning the world with the default group's timeout is the default group: given
+    # no options, DeviceMesh reuses it (with options it would make a copy of it, on a GPU one
+    # more NCCL communicator over every rank, with its buffers and its start-up).
+    reuse = timeout_s is None or timeout_s == default_timeout_s
+
+    def override(size: int):
+        return None if reuse and size == world else _backend_with_timeout(device_type, timeout_s)
+
     # One options object per group, as torch builds them: NCCL's communicator split
     # writes into the options it is given, so groups must not share one.
-    per_dim = (
-        {name: _backend_with_timeout(device_type, timeout_s) for name in DIM_NAMES}
-        if timeout_s is not None
-        else None
+    per_dim = {
+        name: options
+        for name, size in zip(DIM_NAMES, shape)
+        if (options := override(size)) is not None
+    }
+    mesh = init_device_mesh(
+        device_type, shape, mesh_dim_names=DIM_NAMES, backend_override=per_dim or None
     )
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES, backend_override=per_dim)
     # Flattening is a private DeviceMesh API; it is used here and nowhere else. Slicing a
     # flattened dim back out of the root mesh is deprecated, so the views are kept here.
     # A view whose other dims are all of size 1 is that dim's mesh (no new group).
@@ -110,9 +124,8 @@ def build_world_mesh(
     for name, dims in (VIEWS | (EXPERT_VIEWS if expert_split else {})).items():
         views[name] = _existing(same_group[name], views, mesh)
         if views[name] is None:
-            views[name] = mesh[dims]._flatten(
-                name, backend_override=_backend_with_timeout(device_type, timeout_s)
-            )
+            size = math.prod(shape[DIM_NAMES.index(dim)] for dim in dims)
+            views[name] = mesh[dims]._flatten(name, backend_override=override(size))
     if expert_split:
         views.update(_expert_split(views, mesh, same_group, expert_split, device_type, timeout_s))
     if ep_stages:
