@@ -208,10 +208,14 @@ def _serve() -> None:
     timeout), reply {returncode, timed_out}. ``start``: fork a child, reply {pid} at once.
     ``wait``: reply {returncode} of a started child once it ends, or null after ``timeout``
     seconds."""
+    from hsdp_runner.core.frozen_imports import freeze_imports, pause_collection
+
+    pause_collection()  # as ``python -m hsdp_runner`` does before its imports
     import hsdp_runner.runtime.app  # noqa: F401  (what every child would import first)
     from hsdp_runner.runtime import forkserver
 
     forkserver.import_worker_modules()  # what a child's forkserver would import after the fork
+    freeze_imports()
 
     requests = os.fdopen(os.dup(0), "r")
     replies = os.fdopen(os.dup(1), "w")

@@ -33,6 +33,12 @@ def pytest_configure(config):
     The server preloads what a compiled or float8 job's ranks import (``launch.job_imports``)
     and the tests' own imports (``tests/server_preload.py``): every rank of this process is
     forked from it."""
+    from hsdp_runner.core.frozen_imports import pause_collection
+
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        # A process that collects (an xdist worker, or pytest without one) imports torch and
+        # every test module: no collection until pytest_collection_finish freezes them.
+        pause_collection()
     from hsdp_runner.runtime import forkserver, launch
 
     forkserver.plan_children(

@@ -34,6 +34,8 @@ def _what_a_worker_sees() -> dict:
         "preloaded": [name for name in COMPILE_IMPORTS if name in sys.modules],
         # What the server imported, left out of the collector's passes.
         "frozen": gc.get_freeze_count() > 100_000,
+        # ... and collecting what its work makes (the server itself never collects).
+        "collecting": gc.isenabled(),
     }
 
 
@@ -53,7 +55,7 @@ def test_a_worker_gets_the_launchers_current_environment_and_default_signals(mon
         assert seen[rank]["sigint_raises"]
         assert seen[rank]["threads"][0] == int(seen[rank]["threads"][1])
         assert seen[rank]["preloaded"] == list(COMPILE_IMPORTS)  # conftest's server preloads
-        assert seen[rank]["frozen"]
+        assert seen[rank]["frozen"] and seen[rank]["collecting"]
 
 
 def _what_a_planning_child_sees() -> dict:
@@ -62,6 +64,7 @@ def _what_a_planning_child_sees() -> dict:
         "env": os.environ.get("HSDP_TEST_ENV"),
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "collecting": gc.isenabled(),
     }
 
 
@@ -81,7 +84,39 @@ def test_the_planners_children_are_forked_from_the_server_with_the_launchers_sta
         memory.release_children()
     assert seen["parent"] in forkserver.server_pids()
     assert seen["env"] == "set before planning"
-    assert seen["sigterm_default"] and seen["sigint_raises"]
+    assert seen["sigterm_default"] and seen["sigint_raises"] and seen["collecting"]
+
+
+# A fresh ``python -m hsdp_runner`` with a config error (exit 2 once its imports are done),
+# each collector pass counted by whether anything was frozen yet.
+_CLI_PASSES = """
+import gc, json, runpy, sys
+passes = []
+gc.callbacks.append(lambda phase, info: phase == "start" and passes.append(gc.get_freeze_count()))
+sys.argv = ["hsdp_runner", "parallel.no_such_key=1"]
+try:
+    runpy.run_module("hsdp_runner", run_name="__main__", alter_sys=True)
+except SystemExit as stop:
+    print(json.dumps([stop.code, sum(1 for n in passes if n == 0), gc.isenabled()]))
+"""
+
+
+def test_the_command_line_imports_without_collecting_and_collects_once_it_runs():
+    """``python -m hsdp_runner`` turns the collector off for its imports (about 600 passes that
+    found nothing, 0.3-0.4 of 2.0 CPU-s) and on again once they are frozen: at most the one
+    pass before its first line, and collection on while it runs."""
+    import json
+    import subprocess
+
+    from conftest import REPO, cli_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CLI_PASSES], env=cli_env(), capture_output=True, text=True,
+        cwd=REPO, timeout=120,
+    )  # fmt: skip
+    code, before_freeze, collecting = json.loads(done.stdout.strip().splitlines()[-1])
+    assert code == 2 and collecting
+    assert before_freeze <= 2, before_freeze
 
 
 def _fail_or_hang(marker: str) -> None:
@@ -179,6 +214,7 @@ def test_a_launcher_forks_its_server_from_itself_only_when_that_is_safe():
         assert seen["threads"] == [1, "1"]  # the launcher's variable, not its torch's 3 threads
         # What the job's options import, the server imported once for its workers.
         assert seen["preloaded"] == list(COMPILE_IMPORTS) and seen["frozen"]
+        assert seen["collecting"]
     assert facts["launcher_imported"] == []
 
 

@@ -211,3 +211,24 @@ def test_this_machine_plan_remeasures_a_busy_peak_and_says_how_old_and_loaded_it
     assert "), load 0.00 of 2 CPUs (others 0.00).\n" in lines
     busy_line = report._assumptions(cfg, {**resolved.describe(), "peak_load": busy})
     assert "load 7.00 of 2 CPUs (others 6.80), busy: other processes kept" in busy_line
+
+
+def test_the_cpu_model_comes_from_cpuinfo_without_starting_a_process(tmp_path, monkeypatch):
+    """The CPU peak's cache key and a CPU run's ``device_name`` name the model from
+    /proc/cpuinfo, else the architecture; never through ``platform.processor()``, which on
+    Linux runs ``uname -p`` in a child process of the rank."""
+    import platform
+    import subprocess
+
+    from hsdp_runner.distributed.hardware import cpu_model
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.setattr(platform, "_uname_cache", None)  # so processor() would run uname again
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Example CPU @ 2.00GHz\nflags\t: fpu\n")
+    assert cpu_model(info) == "Example CPU @ 2.00GHz"
+    assert cpu_model(tmp_path / "absent") == (platform.machine() or "cpu")
+    assert f"|{cpu_model()}|" in cpu_peak.cpu_key("float32")

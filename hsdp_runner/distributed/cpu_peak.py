@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hsdp_runner.distributed.hardware import cache_dir
+from hsdp_runner.distributed.hardware import cache_dir, cpu_model
 from hsdp_runner.models.params import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -158,15 +158,7 @@ def cpu_peak_cache_file() -> Path:
 def cpu_key(dtype: str) -> str:
     """The cache key of a rank's CPU peak in ``dtype``: host, CPU model, CPUs, this process's
     threads, the ranks sharing the node (``LOCAL_WORLD_SIZE``) and torch's version."""
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(
-                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-                model,
-            )
-    except OSError:
-        pass
+    model = cpu_model()
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return (
         f"{platform.node()}|{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import warnings
 from pathlib import Path
 
@@ -66,6 +67,21 @@ def cache_dir(env=None) -> Path:
         )
         return Path(env[DEPRECATED_CACHE_ENV]).expanduser()
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hsdp_runner"
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name: the first ``model name`` of ``cpuinfo`` (Linux), else the
+    machine's architecture (``platform.machine()``), else "cpu". Not ``platform.processor()``:
+    on Linux it starts ``uname -p`` (a fork of the rank's whole process) for what is most often
+    "unknown"."""
+    try:
+        with open(cpuinfo) as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "cpu"
 
 
 def check_torch_apis() -> None:

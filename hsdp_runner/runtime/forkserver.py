@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from multiprocessing import connection, resource_tracker, util
 from multiprocessing import forkserver as mp_forkserver
 
-from hsdp_runner.core.frozen_imports import freeze_imports
+from hsdp_runner.core.frozen_imports import freeze_imports, pause_collection
 from hsdp_runner.runtime.reaper import wait_or_kill
 
 START_METHOD = "forkserver"
@@ -114,6 +114,9 @@ def prepare_server() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     _server_env = dict(os.environ)
+    # The server only imports and forks, so it never collects; each child turns collection
+    # back on when it freezes what it inherited (adopt_launcher_state, run_worker).
+    pause_collection()
     import_worker_modules()
 
 

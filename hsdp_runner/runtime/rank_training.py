@@ -25,6 +25,7 @@ from hsdp_runner.config.schema import CheckpointConfig, RunConfig
 from hsdp_runner.core.choices import RunStatus, StartSource
 from hsdp_runner.core.records import RunInfo, RunSummary, precision_label
 from hsdp_runner.distributed import expert_balance, float8
+from hsdp_runner.distributed.hardware import cpu_model
 from hsdp_runner.distributed.parallel_dims import DIM_NAMES, ParallelDims, WorldMesh
 from hsdp_runner.distributed.pipeline import Schedule, build_stages
 from hsdp_runner.distributed.topology import FLATTENED, observed_placements
@@ -361,11 +362,7 @@ def _memory_facts(
 def run_facts(dims: ParallelDims, device: torch.device) -> dict:
     """Derived facts recorded with every run: mesh, device, the rank's intra-op CPU threads,
     versions."""
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu"
-    )
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     return {
         **dims.describe(),
         "device": device.type,
