@@ -38,6 +38,7 @@ import uuid
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+from hsdp_runner.core.frozen_imports import freeze_imports
 from hsdp_runner.runtime.forkserver import STOP_SIGNALS
 
 # Short collective timeout: a test that deadlocks fails in minutes instead of hanging. Meshes
@@ -125,8 +126,9 @@ def _rank_main(conn, fn, args, env) -> None:
     os.environ.update(env)
     # What the server imported (torch, the runner, dynamo, sympy: ~1M objects) is never
     # garbage; frozen, it is left out of every collection (the teardown's gc.collect() took
-    # ~0.25 CPU-seconds a rank without this).
-    gc.freeze()
+    # ~0.25 CPU-seconds a rank without this). The server never collects; the rank does, as a
+    # job's rank does (``frozen_imports``).
+    freeze_imports()
     try:
         reply = ("ok", fn(*args))
     except BaseException as err:  # SystemExit and KeyboardInterrupt fail the task too

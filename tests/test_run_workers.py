@@ -2,6 +2,7 @@
 (the caller's environment of the moment, nothing an earlier call changed), and a failing or
 dying rank fails the call, naming the rank, as torch's elastic launch did."""
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -35,7 +36,10 @@ def _leave_traces():
         "handlers": len(logging.getLogger().handlers),
         "stdout_fd_target": os.readlink("/proc/self/fd/1"),
         "cwd": os.getcwd(),
+        # The server never collects; a rank does, as a job's rank does.
+        "collecting": gc.isenabled(),
     }
+    gc.disable()
     os.environ["HSDP_TEST_LEFTOVER"] = "set by the previous task"
     torch.set_default_dtype(torch.float64)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -65,6 +69,7 @@ def test_a_call_starts_from_a_fresh_rank_with_the_callers_environment(monkeypatc
         assert a["handlers"] == b["handlers"]
         assert a["stdout_fd_target"] == b["stdout_fd_target"] != os.devnull
         assert a["cwd"] == b["cwd"] != "/"
+        assert a["collecting"] and b["collecting"]
 
 
 def _rank_1_raises():
